@@ -1,0 +1,1 @@
+"""omnirl: PyTorch-native RL post-training for diffusion and omni-modal models."""

@@ -1,0 +1,183 @@
+"""Devices, the process group, the DeviceMesh, FSDP2 wrapping and rank-0 loading.
+
+Only this module and `memory.py` touch `torch.cuda` / `torch.npu`; everything else asks for the device.
+One process per accelerator, started by torchrun (or run as a single process without it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    mesh: DeviceMesh | None  # None when running as a single process without a process group
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def device_type() -> str:
+    """'cuda' on NVIDIA, 'npu' on Ascend (torch_npu), else 'cpu'."""
+    if torch.cuda.is_available():
+        return "cuda"
+    try:
+        import torch_npu  # noqa: F401  (registers the npu device)
+    except ImportError:
+        return "cpu"
+    return "npu" if torch.npu.is_available() else "cpu"
+
+
+BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
+
+
+def init_distributed(timeout_s: int = 600) -> DistInfo:
+    """Join the torchrun process group (gloo on CPU, nccl on CUDA, hccl on Ascend) and build a 1-D mesh."""
+    kind = device_type()
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if kind == "cuda":
+        torch.cuda.set_device(local_rank)
+    elif kind == "npu":
+        torch.npu.set_device(local_rank)
+    device = torch.device(kind, local_rank) if kind != "cpu" else torch.device("cpu")
+    if "RANK" not in os.environ:
+        return DistInfo(0, 1, 0, device, None)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            BACKENDS[kind],
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if kind != "cpu" else None,
+        )
+    mesh = init_device_mesh(kind, (world,), mesh_dim_names=("dp",))
+    return DistInfo(rank, world, local_rank, device, mesh)
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def print0(*args, **kwargs) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def seed_everything(seed: int) -> None:
+    """The same seed on every rank: LoRA init and anything else drawn from the global RNG must agree.
+    Rollout noise never comes from here (per-request generators do that)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
+    """In-place all-reduce (SUM by default) that is a no-op without a process group."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+    return t
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def apply_fsdp(
+    model: nn.Module,
+    units: list[nn.Module],
+    mesh: DeviceMesh,
+    param_dtype: str,
+    reduce_dtype: str,
+    ignored_params: set[nn.Parameter] | None = None,
+) -> nn.Module:
+    """FSDP2 `fully_shard` on each unit an adapter names, then on the root.
+
+    `ignored_params` (the frozen base of a LoRA model) stay plain replicated tensors; only the
+    trainable parameters become sharded DTensors. Gradients are summed, not averaged, over ranks:
+    the losses are already divided by the global (all-reduced) sample or token count.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
+    ignored = ignored_params or set()
+    for unit in units:
+        fully_shard(unit, mesh=mesh, mp_policy=mp, ignored_params=ignored & set(unit.parameters()))
+    fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+    return model
+
+
+@contextlib.contextmanager
+def gathered_weights(model: nn.Module):
+    """Gather an FSDP2 model's weights once for a whole rollout phase (DESIGN.md 4b).
+
+    Every `FSDPModule` (root and each block) is unsharded and kept so across forwards, so the
+    rollout runs no collectives and ranks may run different numbers of forwards. On exit all are
+    resharded (resharding only the root would leave the blocks' parameters as plain tensors and the
+    optimizer would update nothing). A model without FSDP passes through.
+    """
+    fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in fsdp_modules:
+        m.unshard()
+        m.set_reshard_after_forward(False)
+    try:
+        yield model
+    finally:
+        for m in fsdp_modules:
+            m.set_reshard_after_forward(True)
+            m.reshard()
+
+
+def load_pretrained(cls, path: str, **kwargs) -> nn.Module:
+    """`cls.from_pretrained(path, **kwargs)` read on rank 0 only, broadcast to the other ranks.
+
+    Other ranks build the module from its config on the meta device (no memory, no disk read of the
+    weights), allocate it empty on the host and receive every parameter and buffer from rank 0, so N
+    ranks do not each read a 40-60 GB checkpoint into host memory. Works for diffusers and
+    transformers models alike (both have `from_pretrained` and a config on disk).
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return cls.from_pretrained(path, **kwargs)
+    if dist.get_rank() == 0:
+        model = cls.from_pretrained(path, **kwargs)
+    else:
+        model = _build_on_meta(cls, path, **kwargs).to_empty(device="cpu")
+    comm_device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if comm_device is None:
+            dist.broadcast(tensor.data, src=0)
+        else:
+            buf = tensor.data.to(comm_device)
+            dist.broadcast(buf, src=0)
+            tensor.data.copy_(buf)
+    return model.eval()
+
+
+def _build_on_meta(cls, path: str, **kwargs) -> nn.Module:
+    from diffusers import ModelMixin
+
+    dtype = kwargs.get("torch_dtype") or kwargs.get("dtype")
+    with torch.device("meta"):
+        if issubclass(cls, ModelMixin):
+            config = cls.load_config(path, subfolder=kwargs.get("subfolder"))
+            model = cls.from_config(config)
+        else:
+            config = cls.config_class.from_pretrained(path, subfolder=kwargs.get("subfolder") or "")
+            model = cls._from_config(config)
+    return model.to(dtype) if dtype is not None else model

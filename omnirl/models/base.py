@@ -1,0 +1,120 @@
+"""The records that flow through omnirl and the adapter Protocols.
+
+A `Request` is one sample to generate. A `Trajectory` is what the rollout hands the trainer for it:
+the latents entering and leaving each trained denoising step, the sigmas, the rollout log-prob of
+each trained step, and the prompt embeddings, so that training never re-runs the text encoders.
+
+Adapters are `typing.Protocol`s: an adapter is any class with these methods, and adapters share no
+implementation (shared math lives in `flow_sde.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Every setting that must be uniform inside one transformer forward (the compatibility key).
+
+    Per-row state (seed, initial noise, SDE window position) is not here: it lives on the `Request`
+    or is drawn from the request's own generator.
+    """
+
+    height: int
+    width: int
+    num_steps: int
+    guidance_scale: float
+    noise_level: float
+    sde_type: str  # "sde" | "cps" | "ode"
+    sde_window_size: int  # trained steps per sample; 0 = every step
+    sde_window_range: tuple[int, int]  # the window start is drawn per request from [lo, hi)
+    record_logprobs: bool = True
+
+    @property
+    def key(self) -> tuple:
+        """The compatibility key: requests with equal keys may share a forward."""
+        return (
+            self.height,
+            self.width,
+            self.num_steps,
+            self.guidance_scale,
+            self.noise_level,
+            self.sde_type,
+            self.sde_window_size,
+            self.sde_window_range,
+            self.record_logprobs,
+        )
+
+
+@dataclass
+class Request:
+    """One sample to generate. Its noise depends only on `seed`, never on which batch it lands in."""
+
+    prompt: str
+    group_id: int  # the prompt this sample belongs to (advantages are computed within a group)
+    index: int  # global request index of the step; the seed derives from it
+    seed: int  # derive_seed(base_seed, step, index)
+    params: SamplingParams
+    negative_prompt: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)  # the data row (e.g. the OCR target text)
+
+
+def derive_seed(base_seed: int, step: int, index: int) -> int:
+    """A request's seed from (base seed, step, global request index), never from the rank, so a run
+    resumed on another number of ranks draws the same samples (a fixed 63-bit mix, no Python hash())."""
+    x = (base_seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB) & (
+        2**64 - 1
+    )
+    x ^= x >> 31
+    x = (x * 0xD6E8FEB86659FD93) & (2**64 - 1)
+    x ^= x >> 32
+    return x & (2**63 - 1)
+
+
+@dataclass
+class Trajectory:
+    """A finished diffusion rollout of one request, on the host.
+
+    K is the number of trained (SDE) steps; shapes are per sample, without a batch dimension.
+    """
+
+    request: Request
+    latents: torch.Tensor  # [K, *latent_shape] latents entering each trained step
+    next_latents: torch.Tensor  # [K, *latent_shape] latents leaving each trained step
+    step_indices: torch.Tensor  # [K] int64, position of each trained step in the schedule
+    logprobs: torch.Tensor  # [K] float32, rollout log-prob of each trained step (0 where not recorded)
+    sigmas: torch.Tensor  # [num_steps + 1] float32, the full sigma schedule (last = 0)
+    embeds: dict[str, torch.Tensor]  # prompt (and negative) embeddings the transformer was called with
+    image: torch.Tensor  # [3, H, W] float32 in [0, 1], the decoded output
+    final_latents: torch.Tensor  # [*latent_shape]
+    reward: float = float("nan")
+    advantage: float = 0.0
+
+
+class DiffusionAdapter(Protocol):
+    """What the rollout engine and the trainer need from a diffusion model family."""
+
+    transformer: nn.Module  # the trained module (LoRA injected or fully trainable)
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """The repeated blocks to wrap with `fully_shard` (the root is wrapped after them)."""
+
+    def rollout(self, requests: list[Request]) -> list[Trajectory]:
+        """Generate every request, as one packed denoising loop; all must share `params.key`."""
+
+    def velocity(
+        self,
+        latents: torch.Tensor,
+        sigmas: torch.Tensor,
+        embeds: dict[str, torch.Tensor],
+        guidance_scale: float,
+    ) -> torch.Tensor:
+        """The guided velocity for a batch: latents [B, *latent], sigmas [B], embeds batched on dim 0."""
+
+    def offload_modules(self) -> list[nn.Module]:
+        """Modules only the rollout needs (text encoders, VAE): they sleep during training."""

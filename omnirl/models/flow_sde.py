@@ -1,0 +1,97 @@
+"""The flow-matching denoising step with its log-probability: ODE, SDE (Flow-GRPO) and CPS.
+
+One place for this math; every adapter's denoising loop and the trainer call `flow_step`.
+Conventions (those of the public Flow-GRPO / DanceGRPO / Flow-CPS references), all in fp32, with
+sigma running from 1 (noise) to 0 (data) and the model predicting the velocity v = noise - x0:
+
+- ODE:  x' = x + (sigma_next - sigma) * v.
+- SDE (Flow-GRPO): dt = sigma_next - sigma (negative);
+  std_dev_t = a * sqrt(sigma / (1 - sigma)), where at sigma == 1 the denominator uses the schedule's
+  second sigma (`sigma_max`) instead, so a window may start at the first step;
+  mean = x * (1 + std_dev_t^2 / (2 sigma) * dt) + v * (1 + std_dev_t^2 * (1 - sigma) / (2 sigma)) * dt;
+  x' = mean + std_dev_t * sqrt(-dt) * noise; the log-prob is the Gaussian log-density of x' under
+  N(mean, (std_dev_t * sqrt(-dt))^2), averaged (not summed) over all latent dims.
+- CPS (coefficient-preserving): std = sigma_next * sin(a * pi / 2); x0 = x - sigma * v;
+  x1 = x + (1 - sigma) * v; mean = (1 - sigma_next) * x0 + sqrt(sigma_next^2 - std^2) * x1;
+  x' = mean + std * noise; its "log-prob" is -mean((x' - mean)^2) over latent dims (no normaliser).
+- Noise level a = 0 gives the ODE step exactly, and a log-prob of 0.
+
+This is our own code because no library provides a flow-matching step with a log-density.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SDE_TYPES = ("ode", "sde", "cps")
+
+
+@dataclass
+class StepOut:
+    prev_sample: torch.Tensor  # [B, *latent] the latents after the step
+    logprob: torch.Tensor  # [B] mean over latent dims (0 for the ODE step or noise level 0)
+    mean: torch.Tensor  # [B, *latent] the mean of the step's Gaussian
+    std: torch.Tensor  # [B] its standard deviation (per element)
+
+
+def _expand(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, *([1] * (like.dim() - 1)))
+
+
+def flow_step(
+    velocity: torch.Tensor,
+    latents: torch.Tensor,
+    sigma: torch.Tensor,
+    sigma_next: torch.Tensor,
+    sigma_max: float,
+    noise_level: float,
+    sde_type: str,
+    noise: torch.Tensor | None = None,
+    prev_sample: torch.Tensor | None = None,
+) -> StepOut:
+    """One denoising step for a batch, per-row sigmas.
+
+    velocity, latents: [B, *latent]; sigma, sigma_next: [B]; sigma_max: the schedule's second sigma.
+    Pass `noise` ([B, *latent], standard normal) to sample x', or `prev_sample` to score a stored x'
+    (the trainer's recomputation). With neither, the step is taken without noise (the mean).
+    """
+    if sde_type not in SDE_TYPES:
+        raise ValueError(f"sde_type must be one of {SDE_TYPES}, got {sde_type!r}")
+    v = velocity.float()
+    x = latents.float()
+    s = _expand(sigma.float(), x)
+    s_next = _expand(sigma_next.float(), x)
+    dt = s_next - s
+    batch = x.shape[0]
+    zero = torch.zeros(batch, dtype=torch.float32, device=x.device)
+
+    if sde_type == "ode" or noise_level == 0:
+        mean = x + dt * v
+        out = mean if prev_sample is None else prev_sample.float()
+        return StepOut(out, zero, mean, zero)
+
+    if sde_type == "sde":
+        denom = 1 - torch.where(s == 1, torch.full_like(s, sigma_max), s)
+        std_dev_t = noise_level * torch.sqrt(s / denom)
+        mean = x * (1 + std_dev_t**2 / (2 * s) * dt) + v * (1 + std_dev_t**2 * (1 - s) / (2 * s)) * dt
+        std = std_dev_t * torch.sqrt(-dt)
+    else:  # cps
+        std = s_next * math.sin(noise_level * math.pi / 2)
+        x0 = x - s * v
+        x1 = x + (1 - s) * v
+        mean = (1 - s_next) * x0 + torch.sqrt(s_next**2 - std**2) * x1
+
+    if prev_sample is None:
+        prev_sample = mean if noise is None else mean + std * noise.float()
+    prev_sample = prev_sample.float()
+    dims = tuple(range(1, x.dim()))
+    if sde_type == "sde":
+        logprob = (
+            -((prev_sample - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
+        ).mean(dim=dims)
+    else:
+        logprob = -((prev_sample - mean) ** 2).mean(dim=dims)
+    return StepOut(prev_sample, logprob, mean, std.reshape(batch))

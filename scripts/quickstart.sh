@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# omnirl quickstart: install, write the tiny models, run a real 2-rank Flow-GRPO run on CPU.
+#   bash scripts/quickstart.sh [--section.field value ...]   (extra flags override the recipe)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/_env.sh
+python scripts/make_tiny_models.py --out tiny_models
+torchrun --nproc_per_node 2 --master_port "${MASTER_PORT:-29517}" scripts/train.py --recipe sd3_tiny_flowgrpo "$@"
+python scripts/summarize_run.py outputs/sd3_tiny_flowgrpo/metrics.jsonl

@@ -1,0 +1,30 @@
+"""Print how a run's reward moved: mean of the first and last 10 logged steps.
+
+python scripts/summarize_run.py outputs/RUN/metrics.jsonl [--key reward/mean] [--window 10]
+"""
+
+import argparse
+import json
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("metrics")
+    p.add_argument("--key", default="reward/mean")
+    p.add_argument("--window", type=int, default=10)
+    a = p.parse_args()
+    rows = [json.loads(line) for line in open(a.metrics) if line.strip()]
+    vals = [r[a.key] for r in rows if a.key in r]
+    if not vals:
+        raise SystemExit(f"{a.metrics}: no {a.key!r} values")
+    w = min(a.window, len(vals))
+    first, last = sum(vals[:w]) / w, sum(vals[-w:]) / w
+    secs = sum(r.get("time/step_s", 0.0) for r in rows)
+    print(
+        f"{len(vals)} steps in {secs:.0f} s: {a.key} first {w} steps {first:.4f} -> last {w} {last:.4f} "
+        f"(change {last - first:+.4f})"
+    )
+
+
+if __name__ == "__main__":
+    main()

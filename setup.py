@@ -1,0 +1,36 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="omnirl",
+    version="0.1.0",
+    description="PyTorch-native RL post-training for diffusion and omni-modal models",
+    packages=find_packages(include=["omnirl", "omnirl.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        # GPU machines keep their own torch; the package accepts 2.11 to 2.14.
+        "torch>=2.11,<2.15",
+        "diffusers>=0.38",
+        "transformers>=5.5",
+        "peft>=0.17",
+        "safetensors>=0.5",
+        "tyro>=0.9",
+        "tensorboard>=2.15",
+        "pyyaml>=6",
+        "pillow>=10",
+        "numpy>=1.26",
+        "tqdm>=4.66",
+        "rapidfuzz>=3",
+    ],
+    extras_require={
+        "ocr": ["rapidocr>=3.4", "onnxruntime>=1.18"],
+        "math": ["math-verify>=0.7"],
+        "test": [
+            "pytest>=8",
+            "ruff>=0.6",
+            "rapidocr>=3.4",
+            "onnxruntime>=1.18",
+            "math-verify>=0.7",
+            "pyarrow>=15",
+        ],
+    },
+)

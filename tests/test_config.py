@@ -1,0 +1,85 @@
+"""Recipes parse strictly; bad keys, types and missing values are errors that name key and file."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from omnirl.config import RECIPE_DIR, ConfigError, check_required, config_from_dict, load_config, load_recipe
+
+RECIPES = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
+
+
+def test_there_are_recipes():
+    assert "sd3_tiny_flowgrpo" in RECIPES and "sd35_flowgrpo_ocr" in RECIPES
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_recipe_parses(name):
+    cfg, path = load_recipe(name)
+    check_required(cfg, str(path))
+    assert path.read_text().startswith("#"), "each recipe opens with its launch command"
+    assert f"--recipe {name}" in path.read_text().splitlines()[0] + path.read_text().splitlines()[1]
+
+
+def test_unknown_key_names_key_and_file(tmp_path):
+    f = tmp_path / "r.yaml"
+    f.write_text("optim:\n  lrr: 0.1\n")
+    with pytest.raises(ConfigError, match=r"r\.yaml.*unknown key 'optim\.lrr'"):
+        load_recipe(str(f))
+    f.write_text("optimizer:\n  lr: 0.1\n")
+    with pytest.raises(ConfigError, match="unknown key 'optimizer'"):
+        load_recipe(str(f))
+
+
+def test_wrong_type_names_key():
+    with pytest.raises(ConfigError, match=r"x\.yaml: optim\.micro_batch_size: expected an integer"):
+        config_from_dict({"optim": {"micro_batch_size": "eight"}}, "x.yaml")
+    with pytest.raises(ConfigError, match=r"sampling\.sde_type: expected one of"):
+        config_from_dict({"sampling": {"sde_type": "euler"}}, "x.yaml")
+    with pytest.raises(ConfigError, match=r"sampling\.sde_window_range: expected a list of 2"):
+        config_from_dict({"sampling": {"sde_window_range": [1, 2, 3]}}, "x.yaml")
+
+
+def test_yaml_exponent_without_dot_is_a_float():
+    cfg = config_from_dict({"optim": {"lr": "3e-4"}, "reward": {"weights": {"ocr": 1}}})
+    assert cfg.optim.lr == 3e-4 and cfg.reward.weights == {"ocr": 1.0}
+
+
+def test_missing_required_value(tmp_path):
+    f = tmp_path / "r.yaml"
+    f.write_text("data:\n  train_path: p.jsonl\n")
+    with pytest.raises(ConfigError, match=r"r\.yaml: missing required value 'model\.path'"):
+        load_config(str(f), [])
+
+
+def test_unknown_recipe_lists_known():
+    with pytest.raises(ConfigError, match="unknown recipe 'nope'.*sd3_tiny_flowgrpo"):
+        load_config("nope", [])
+
+
+def test_cli_overrides():
+    cfg = load_config("sd3_tiny_flowgrpo", ["--optim.lr", "1e-4", "--sampling.sde_window_range", "1", "3"])
+    assert cfg.optim.lr == 1e-4 and cfg.sampling.sde_window_range == (1, 3)
+
+
+def test_train_script_errors_are_one_line():
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run(
+        [sys.executable, "scripts/train.py", "--recipe", "sd3_tiny_flowgrpo", "--optim.nope", "1"],
+        cwd=root, capture_output=True, text=True,
+    )  # fmt: skip
+    assert r.returncode == 2 and "optim.nope" in r.stderr
+    r = subprocess.run([sys.executable, "scripts/train.py", "--recipe", "missing_recipe"], cwd=root,
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "unknown recipe" in r.stderr
+
+
+def test_help_documents_every_field():
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "scripts/train.py", "--recipe", "sd3_tiny_flowgrpo", "--help"],
+                       cwd=root, capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0
+    assert "--optim.lr" in r.stdout and "AdamW learning rate" in r.stdout
+    assert "--sampling.noise-level" in r.stdout or "--sampling.noise_level" in r.stdout
