@@ -44,7 +44,8 @@ def device_type() -> str:
     return "npu" if torch.npu.is_available() else "cpu"
 
 
-BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
+# Small host-side collectives (counts, metrics) run on gloo; tensors on the accelerator on nccl / hccl.
+BACKENDS = {"cuda": "cpu:gloo,cuda:nccl", "npu": "cpu:gloo,npu:hccl", "cpu": "gloo"}
 
 
 def init_distributed(timeout_s: int = 600) -> DistInfo:
@@ -158,7 +159,9 @@ def load_pretrained(cls, path: str, **kwargs) -> nn.Module:
         model = cls.from_pretrained(path, **kwargs)
     else:
         model = _build_on_meta(cls, path, **kwargs).to_empty(device="cpu")
-    comm_device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    # Broadcast through the accelerator's backend (NVLink / InfiniBand), not gloo over TCP.
+    kind = device_type()
+    comm_device = None if kind == "cpu" else torch.device(kind, int(os.environ.get("LOCAL_RANK", 0)))
     for tensor in [*model.parameters(), *model.buffers()]:
         if comm_device is None:
             dist.broadcast(tensor.data, src=0)
