@@ -1,0 +1,193 @@
+"""RewardPool: score finished samples on worker threads with several weighted rewards.
+
+`submit` returns a handle at once, so the rewards of one rollout batch are computed while the next batch is
+denoising; `result` waits, checks every score and combines them. Each reward's call on a batch is one
+job; different rewards and batches run in parallel, but one reward instance is never called from two
+threads at once (so a reward need not be thread-safe).
+
+A reward that raises, returns the wrong number of scores or a non-finite score, or runs past `timeout_s`
+on one batch is a `RewardError` naming it: a sample is never silently scored 0. The workers are daemon
+threads, because a thread cannot be killed: a scorer that hangs must not also keep the process alive
+after its RewardError (concurrent.futures.ThreadPoolExecutor joins its threads at exit).
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from concurrent.futures import Future, wait
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from omnirl.rewards import Reward, get_reward
+
+
+class RewardError(RuntimeError):
+    """A reward failed on a batch; the message names the reward."""
+
+
+@dataclass
+class RewardResult:
+    total: np.ndarray  # [N] float64, sum over rewards of weight * score
+    per_reward: dict[str, np.ndarray]  # name -> [N] float64, unweighted scores
+
+
+@dataclass(eq=False)
+class _Job:
+    name: str
+    args: tuple[list[Image.Image], list[str], list[dict[str, Any]]]
+    future: Future
+    started: float | None = None  # time.monotonic() when the reward was called
+
+
+@dataclass(eq=False)
+class PendingScores:
+    """The handle `submit` returns: one job per reward for one batch. Pass it to `RewardPool.result`."""
+
+    jobs: list[_Job]
+
+    def done(self) -> bool:
+        return all(job.future.done() for job in self.jobs)
+
+
+class RewardPool:
+    def __init__(self, weights: dict[str, float], num_workers: int, timeout_s: float):
+        """`weights`: reward name (omnirl.rewards.REWARDS) -> weight; each reward is built once, here."""
+        for name in weights:
+            get_reward(name)  # every unknown name fails before any reward is built
+        self._start({name: (get_reward(name)(), w) for name, w in weights.items()}, num_workers, timeout_s)
+
+    @classmethod
+    def from_instances(
+        cls, rewards: dict[str, tuple[Reward, float]], num_workers: int, timeout_s: float
+    ) -> RewardPool:
+        """A pool of reward objects built by the caller: name -> (reward, weight)."""
+        pool = cls.__new__(cls)
+        pool._start(dict(rewards), num_workers, timeout_s)
+        return pool
+
+    def _start(self, rewards: dict[str, tuple[Reward, float]], num_workers: int, timeout_s: float) -> None:
+        if not rewards:
+            raise ValueError("reward.weights is empty: name at least one reward")
+        for name, (_, weight) in rewards.items():
+            if not math.isfinite(weight):
+                raise ValueError(f"reward.weights.{name}: weight must be finite, got {weight}")
+        if num_workers < 1:
+            raise ValueError(f"reward.num_workers must be >= 1, got {num_workers}")
+        if not timeout_s > 0:
+            raise ValueError(f"reward.timeout_s must be > 0, got {timeout_s}")
+        self.rewards = {name: reward for name, (reward, _) in rewards.items()}
+        self.weights = {name: float(weight) for name, (_, weight) in rewards.items()}
+        self.timeout_s = timeout_s
+        self._locks = {name: threading.Lock() for name in rewards}
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._pending: list[PendingScores] = []  # submitted, not yet returned by `result`
+        self._closed = False
+        self._workers = [threading.Thread(target=self._work, daemon=True) for _ in range(num_workers)]
+        for t in self._workers:
+            t.start()
+
+    def _work(self) -> None:
+        while (job := self._queue.get()) is not None:
+            if not job.future.set_running_or_notify_cancel():
+                continue
+            with self._locks[job.name]:
+                job.started = time.monotonic()
+                try:
+                    job.future.set_result(self.rewards[job.name](*job.args))
+                except BaseException as e:
+                    job.future.set_exception(e)
+
+    def submit(
+        self, images: list[Image.Image], prompts: list[str], metadata: list[dict[str, Any]]
+    ) -> PendingScores:
+        """Queue one batch for every reward and return at once."""
+        assert not self._closed, "submit() after close()"
+        if not len(images) == len(prompts) == len(metadata):
+            raise ValueError(
+                f"images, prompts and metadata must have one entry per sample, "
+                f"got {len(images)}, {len(prompts)}, {len(metadata)}"
+            )
+        args = (list(images), list(prompts), list(metadata))
+        jobs = [_Job(name, args, Future()) for name in self.rewards]
+        for job in jobs:
+            self._queue.put(job)
+        pending = PendingScores(jobs)
+        self._pending.append(pending)
+        return pending
+
+    def result(self, pending: PendingScores) -> RewardResult:
+        """Wait for a submitted batch, check every reward's scores and combine them."""
+        jobs = pending.jobs
+        n = len(jobs[0].args[0])
+        for job in jobs:
+            while not job.future.done():
+                # Every running job of every pending batch is checked: a hung job of an earlier batch may
+                # hold the workers this batch waits for.
+                running = [j for p in self._pending for j in p.jobs if self._is_running(j)]
+                now = time.monotonic()
+                for j in running:
+                    if now - j.started > self.timeout_s:
+                        raise RewardError(
+                            f"reward {j.name!r} took longer than timeout_s={self.timeout_s} s on a batch of "
+                            f"{len(j.args[0])} (still running)"
+                        )
+                # Sleep until the earliest running job would time out, or briefly while none has started.
+                if running:
+                    timeout = min(j.started for j in running) + self.timeout_s - now + 0.01
+                else:
+                    timeout = 0.05
+                wait([job.future], timeout=timeout)
+        self._pending.remove(pending)
+        per_reward = {}
+        for job in jobs:
+            if job.future.exception() is not None:
+                raise RewardError(
+                    f"reward {job.name!r} raised on a batch of {n}: {job.future.exception()!r}"
+                ) from job.future.exception()
+            per_reward[job.name] = self._check(job.name, job.future.result(), n, job.args[1])
+        total = sum(self.weights[name] * scores for name, scores in per_reward.items())
+        return RewardResult(total=np.asarray(total, dtype=np.float64), per_reward=per_reward)
+
+    @staticmethod
+    def _is_running(job: _Job) -> bool:
+        return job.started is not None and not job.future.done()
+
+    @staticmethod
+    def _check(name: str, scores: Any, n: int, prompts: list[str]) -> np.ndarray:
+        if not isinstance(scores, (list, tuple, np.ndarray)):
+            raise RewardError(
+                f"reward {name!r} returned {type(scores).__name__}, expected a list of {n} floats"
+            )
+        try:
+            arr = np.asarray(scores, dtype=np.float64)
+        except (TypeError, ValueError) as e:
+            raise RewardError(f"reward {name!r} returned scores that are not numbers: {e}") from None
+        if arr.shape != (n,):
+            raise RewardError(
+                f"reward {name!r} returned shape {arr.shape} for a batch of {n} (expected ({n},))"
+            )
+        bad = np.flatnonzero(~np.isfinite(arr))
+        if bad.size:
+            i = int(bad[0])
+            raise RewardError(
+                f"reward {name!r} returned {bad.size} non-finite score(s), "
+                f"e.g. {arr[i]} for prompt {prompts[i]!r}"
+            )
+        return arr
+
+    def score(
+        self, images: list[Image.Image], prompts: list[str], metadata: list[dict[str, Any]]
+    ) -> RewardResult:
+        return self.result(self.submit(images, prompts, metadata))
+
+    def close(self) -> None:
+        """Stop the workers once the queued jobs are done; a hung job's daemon thread is abandoned."""
+        self._closed = True
+        for _ in self._workers:
+            self._queue.put(None)

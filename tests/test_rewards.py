@@ -1,0 +1,146 @@
+"""Rewards run for real: JPEG sizes through Pillow, OCR through rapidocr's packaged models."""
+
+import threading
+
+import numpy as np
+import pytest
+from PIL import Image, ImageDraw, ImageFont
+
+from omnirl.data.prompts import DataError
+from omnirl.rewards import REWARDS, get_reward
+from omnirl.rewards.jpeg import JpegCompressibility, JpegIncompressibility, jpeg_kb
+from omnirl.rewards.ocr import OcrReward, ocr_score, target_text
+from omnirl.rewards.pool import RewardError, RewardPool
+
+
+def flat_and_noise():
+    flat = Image.new("RGB", (256, 256), (120, 140, 160))
+    noise = Image.fromarray(np.random.default_rng(0).integers(0, 256, (256, 256, 3), dtype=np.uint8))
+    return [flat, noise]
+
+
+def render(text):
+    img = Image.new("RGB", (512, 128), "white")
+    ImageDraw.Draw(img).text((16, 32), text, fill="black", font=ImageFont.load_default(size=48))
+    return img
+
+
+def test_registry_resolves_every_name_and_rejects_unknown():
+    for name in REWARDS:
+        assert callable(get_reward(name)())
+    with pytest.raises(ValueError, match="unknown reward 'clip'; known: .*jpeg_compressibility"):
+        get_reward("clip")
+
+
+def test_jpeg_flat_image_is_more_compressible_than_noise():
+    images = flat_and_noise()
+    comp = JpegCompressibility()(images, ["a", "b"], [{}, {}])
+    incomp = JpegIncompressibility()(images, ["a", "b"], [{}, {}])
+    assert comp[0] > comp[1]
+    assert incomp == [-c for c in comp]
+    assert comp[1] < -50  # 256x256 RGB noise: ~77 kB at quality 95 (4:2:0 chroma subsampling); raw is 197 kB
+    assert jpeg_kb(images[0]) < 5
+
+
+def test_ocr_target_and_score_normalisation():
+    assert target_text('A sign that reads "Hello  World"', {}) == "helloworld"
+    assert target_text("A cup with “Good\tMorning” and “Tea”", {}) == "goodmorningtea"
+    assert target_text('a sign "ignored"', {"text": "Use Me"}) == "useme"
+    assert ocr_score("thesignsaysopen24hours", "open") == 1.0  # contained
+    assert ocr_score("helloword", "helloworld") == pytest.approx(0.9)  # one deletion in 10
+    assert ocr_score("completely different text", "abc") == 0.0  # distance clamped to len(target)
+
+
+def test_ocr_missing_quoted_text_names_the_row():
+    reward = OcrReward()
+    with pytest.raises(DataError, match="ocr.jsonl:7: .*quotes"):
+        reward([render("x")], ["a sign with no quotes"], [{"source": "ocr.jsonl:7"}])
+    with pytest.raises(DataError, match="'a sign with no quotes'"):
+        reward([render("x")], ["a sign with no quotes"], [{}])
+    assert reward._engine is None  # the row was rejected before any OCR ran
+
+
+def test_ocr_reward_with_rapidocr():
+    images = [render("Hello World"), render("OPEN 24 HOURS"), Image.new("RGB", (512, 128), "white")]
+    prompts = ['A sign that reads "hello WORLD"', 'A sign that reads "OPEN 25 HOURS"', 'A sign "Hello"']
+    scores = OcrReward()(images, prompts, [{}, {}, {}])
+    # "open25hours" vs the recognised "open24hours": one substitution in 11 characters.
+    assert scores == [1.0, pytest.approx(1 - 1 / 11), 0.0]
+
+
+class PromptLength:
+    def __call__(self, images, prompts, metadata):
+        return [float(len(p)) for p in prompts]
+
+
+class Broken:
+    def __init__(self, out=None, exc=None, wait=None):
+        self.out, self.exc, self.wait = out, exc, wait
+
+    def __call__(self, images, prompts, metadata):
+        if self.wait is not None:
+            self.wait.wait(10)
+        if self.exc is not None:
+            raise self.exc
+        return self.out
+
+
+def test_pool_weighted_sum_equals_hand_sum():
+    images, prompts, meta = flat_and_noise(), ["a cat", "a red dog"], [{}, {}]
+    kb = np.array([jpeg_kb(im) for im in images])
+    pool = RewardPool(
+        {"jpeg_compressibility": 2.0, "jpeg_incompressibility": 0.5}, num_workers=2, timeout_s=60
+    )
+    res = pool.score(images, prompts, meta)
+    np.testing.assert_allclose(res.per_reward["jpeg_compressibility"], -kb)
+    np.testing.assert_allclose(res.total, 2.0 * -kb + 0.5 * kb)
+    pool.close()
+
+    pool = RewardPool.from_instances(
+        {"jpeg": (JpegIncompressibility(), 1.0), "len": (PromptLength(), -0.1)}, num_workers=2, timeout_s=60
+    )
+    futures = [pool.submit(images, prompts, meta) for _ in range(3)]  # several batches in flight
+    for fut in futures:
+        res = pool.result(fut)
+        assert res.total.dtype == np.float64
+        np.testing.assert_allclose(res.total, kb - 0.1 * np.array([5.0, 9.0]))
+    pool.close()
+
+
+def test_pool_unknown_reward_fails_at_construction():
+    with pytest.raises(ValueError, match="unknown reward 'pickscore'"):
+        RewardPool({"jpeg_compressibility": 1.0, "pickscore": 1.0}, num_workers=1, timeout_s=60)
+
+
+@pytest.mark.parametrize(
+    "reward, words",
+    [
+        (Broken(exc=RuntimeError("model exploded")), "'bad' raised .*model exploded"),
+        (Broken(out=[1.0, float("nan")]), "'bad' returned 1 non-finite .*'a red dog'"),
+        (Broken(out=[1.0, float("inf")]), "'bad' returned 1 non-finite"),
+        (Broken(out=[1.0]), r"'bad' returned shape \(1,\) for a batch of 2"),
+        (Broken(out=None), "'bad' returned NoneType, expected a list of 2 floats"),
+    ],
+)
+def test_pool_bad_scorer_is_a_loud_error(reward, words):
+    pool = RewardPool.from_instances({"ok": (PromptLength(), 1.0), "bad": (reward, 1.0)}, 1, timeout_s=60)
+    with pytest.raises(RewardError, match=words):
+        pool.score(flat_and_noise(), ["a cat", "a red dog"], [{}, {}])
+    pool.close()
+
+
+def test_pool_timeout_names_the_reward():
+    release = threading.Event()
+    pool = RewardPool.from_instances({"slow": (Broken(out=[0.0], wait=release), 1.0)}, 1, timeout_s=0.2)
+    try:
+        first = pool.submit([flat_and_noise()[0]], ["a cat"], [{}])
+        second = pool.submit([flat_and_noise()[0]], ["a dog"], [{}])
+        # Waiting on the second batch, queued behind the hung first one, still reports the hang.
+        with pytest.raises(RewardError, match="'slow' took longer than timeout_s=0.2"):
+            pool.result(second)
+        with pytest.raises(RewardError, match="'slow' took longer than timeout_s=0.2"):
+            pool.result(first)
+        assert not first.done()
+    finally:
+        release.set()  # let the abandoned worker thread finish
+        pool.close()
