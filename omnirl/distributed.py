@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from transformers import PreTrainedModel
 
 
 @dataclass
@@ -121,6 +122,7 @@ def apply_fsdp(
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
     return model
 
 
@@ -159,6 +161,8 @@ def load_pretrained(cls, path: str, **kwargs) -> nn.Module:
         model = cls.from_pretrained(path, **kwargs)
     else:
         model = _build_on_meta(cls, path, **kwargs).to_empty(device="cpu")
+        if isinstance(model, PreTrainedModel):
+            model.tie_weights()  # to_empty() unties shared embeddings (T5): retie so the tensor lists match
     # Broadcast through the accelerator's backend (NVLink / InfiniBand), not gloo over TCP.
     kind = device_type()
     comm_device = None if kind == "cpu" else torch.device(kind, int(os.environ.get("LOCAL_RANK", 0)))

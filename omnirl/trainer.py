@@ -252,6 +252,7 @@ def summarise(sums: dict[str, float], world_size: int) -> dict[str, float]:
         out["loss/policy"] = sums["loss/policy_sum"] / count
         out["loss/clip_frac"] = sums["loss/clip_count"] / count
         out["loss/ratio"] = sums["loss/ratio_sum"] / count
+        out["loss/approx_kl"] = sums["loss/approx_kl_sum"] / count
         out["loss/kl"] = sums.get("loss/kl_sum", 0.0) / count
     updates = sums.get("train/updates", 0.0)
     if updates:
@@ -260,16 +261,13 @@ def summarise(sums: dict[str, float], world_size: int) -> dict[str, float]:
     return out
 
 
-def reward_stats(trajs: list[Trajectory], per: dict[str, np.ndarray]) -> dict[str, float]:
-    vals = [("reward/mean", np.array([t.reward for t in trajs]))] + [
-        (f"reward/{k}", v) for k, v in per.items()
-    ]
-    keys = [k for k, _ in vals]
+def reward_stats(per: dict[str, np.ndarray]) -> dict[str, float]:
+    """Global mean of each named reward (the weighted total's mean and std come with the advantages)."""
+    keys = sorted(per)
     t = D.all_reduce(
-        torch.tensor([float(v.sum()) for _, v in vals] + [float(len(trajs))], dtype=torch.float64)
+        torch.tensor([float(per[k].sum()) for k in keys] + [float(len(per[keys[0]]))], dtype=torch.float64)
     )
-    n = t[-1].item()
-    return {k: t[i].item() / n for i, k in enumerate(keys)}
+    return {f"reward/{k}": t[i].item() / t[-1].item() for i, k in enumerate(keys)}
 
 
 def validate(cfg: Config, engine: DiffusionEngine, rewards: RewardPool, rows, dist) -> dict[str, float]:
@@ -319,7 +317,7 @@ def train(cfg: Config) -> dict[str, float]:
         with phase("train", stats):
             sums = update(cfg, adapter, ref_model, optimizer, loss_fn, trajs, keep, step)
         logs = {
-            **reward_stats(trajs, per_reward),
+            **reward_stats(per_reward),
             **adv_metrics,
             **summarise(reduce_metrics(sums), dist.world_size),
             **stats,

@@ -113,8 +113,17 @@ class DiffusionAdapter(Protocol):
         sigmas: torch.Tensor,
         embeds: dict[str, torch.Tensor],
         guidance_scale: float,
+        fused_cfg: bool = True,
+        transformer: nn.Module | None = None,
     ) -> torch.Tensor:
-        """The guided velocity for a batch: latents [B, *latent], sigmas [B], embeds batched on dim 0."""
+        """The guided velocity for a batch: latents [B, *latent], sigmas [B], embeds batched on dim 0.
+        `transformer` replaces the trained one (the frozen reference copy of a full fine-tune)."""
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """The parameters the optimizer updates (the LoRA, or the whole transformer)."""
+
+    def export_lora(self, out_dir: str, transformer_state_dict: dict | None = None) -> None:
+        """Write the LoRA in the family's diffusers format (`load_lora_weights` reads it)."""
 
     def offload_modules(self) -> list[nn.Module]:
         """Modules only the rollout needs (text encoders, VAE): they sleep during training."""

@@ -1,0 +1,304 @@
+"""Stable Diffusion 3 / 3.5: the diffusion adapter (packed denoising loop, per-row SDE windows, log-probs).
+
+The components, the prompt encoding (`StableDiffusion3Pipeline.encode_prompt`) and the sigma schedule
+(`FlowMatchEulerDiscreteScheduler`) are diffusers' own. The denoising loop is written out here, like the
+pipeline's, because RL needs what the pipeline does not do: one generator per request (so a packed batch
+draws the same noise as a serial run), a per-row SDE window, and the log-prob of every trained step
+(`flow_sde.flow_step`). With noise level 0 it is the pipeline's sampler: same initial latents, same image.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import peft
+import torch
+from diffusers import (
+    AutoencoderKL,
+    FlowMatchEulerDiscreteScheduler,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+)
+from diffusers.training_utils import cast_training_params
+from torch import nn
+from transformers import AutoTokenizer, CLIPTextModelWithProjection, T5EncoderModel
+
+from omnirl.config import Config
+from omnirl.distributed import DTYPES, load_pretrained
+from omnirl.models.base import Request, Trajectory
+from omnirl.models.flow_sde import flow_step
+
+# The pipeline's default T5 length; a tokenizer with a smaller limit (the tiny model's) lowers it.
+T5_MAX_SEQUENCE_LENGTH = 256
+
+
+class SD3Adapter:
+    """The `DiffusionAdapter` for `StableDiffusion3Pipeline` checkpoints (SD3 medium, SD3.5 medium/large)."""
+
+    def __init__(self, cfg: Config, device: torch.device):
+        path = cfg.model.path
+        try:
+            index = StableDiffusion3Pipeline.load_config(path)
+        except OSError as e:
+            raise ValueError(
+                f"model.path {path!r} is neither a local diffusers checkpoint (a directory with "
+                f"model_index.json) nor a loadable hub id: {e}"
+            ) from None
+        if index.get("_class_name") != "StableDiffusion3Pipeline":
+            raise ValueError(
+                f"model.path {path!r} holds a {index.get('_class_name')}, not a StableDiffusion3Pipeline"
+            )
+        self.device = device
+        dtype = DTYPES[cfg.model.dtype]
+        # A fully fine-tuned transformer is trained, hence kept, in float32; a LoRA base stays in `dtype`.
+        self.lora = cfg.model.finetune == "lora"
+        self.transformer_dtype = dtype if self.lora else torch.float32
+
+        self.transformer = load_pretrained(
+            SD3Transformer2DModel, path, subfolder="transformer", torch_dtype=self.transformer_dtype
+        )
+        self.vae = load_pretrained(AutoencoderKL, path, subfolder="vae", torch_dtype=dtype)
+        self.text_encoder = load_pretrained(
+            CLIPTextModelWithProjection, path, subfolder="text_encoder", dtype=dtype
+        )
+        self.text_encoder_2 = load_pretrained(
+            CLIPTextModelWithProjection, path, subfolder="text_encoder_2", dtype=dtype
+        )
+        self.text_encoder_3 = load_pretrained(T5EncoderModel, path, subfolder="text_encoder_3", dtype=dtype)
+        for module in self.offload_modules():
+            module.requires_grad_(False).to(device)
+        tokenizers = [
+            AutoTokenizer.from_pretrained(path, subfolder=f"tokenizer{s}") for s in ("", "_2", "_3")
+        ]
+        self.max_sequence_length = min(T5_MAX_SEQUENCE_LENGTH, tokenizers[2].model_max_length)
+
+        self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
+        if self.scheduler.config.use_dynamic_shifting:
+            # The SD3 pipeline then shifts sigmas by image size; SD3 / 3.5 checkpoints use a fixed shift.
+            raise ValueError(f"model.path {path!r}: a scheduler with use_dynamic_shifting is not supported")
+        # Computed as the pipeline does (8 for SD3: a latent pixel is 8x8 image pixels).
+        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+
+        # A pipeline around the text encoders only, so that prompts are encoded by diffusers' own code.
+        self.text_pipe = StableDiffusion3Pipeline(
+            transformer=None,
+            scheduler=None,
+            vae=None,
+            text_encoder=self.text_encoder,
+            tokenizer=tokenizers[0],
+            text_encoder_2=self.text_encoder_2,
+            tokenizer_2=tokenizers[1],
+            text_encoder_3=self.text_encoder_3,
+            tokenizer_3=tokenizers[2],
+        )
+
+        if self.lora:
+            self.transformer.requires_grad_(False)
+            self.transformer.add_adapter(
+                peft.LoraConfig(
+                    r=cfg.lora.rank,
+                    lora_alpha=cfg.lora.alpha,
+                    target_modules=cfg.lora.target_modules,
+                    init_lora_weights=True if cfg.lora.init == "default" else "gaussian",
+                    lora_dropout=cfg.lora.dropout,
+                )
+            )
+            # The optimizer updates the adapter in float32 even over a bf16 base.
+            cast_training_params(self.transformer, torch.float32)
+        else:
+            self.transformer.requires_grad_(True)
+        if cfg.model.gradient_checkpointing:
+            self.transformer.enable_gradient_checkpointing()
+        self.transformer.to(device)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.transformer.parameters() if p.requires_grad]
+
+    def fsdp_units(self) -> list[nn.Module]:
+        return list(self.transformer.transformer_blocks)
+
+    def offload_modules(self) -> list[nn.Module]:
+        return [self.vae, self.text_encoder, self.text_encoder_2, self.text_encoder_3]
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """The pipeline's sigma schedule: [num_steps + 1] float32 on the host, the last one 0."""
+        self.scheduler.set_timesteps(num_steps)
+        return self.scheduler.sigmas.float().cpu()
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str], negative_prompts: list[str] | None) -> dict[str, torch.Tensor]:
+        """Prompt embeddings on the device; pass `negative_prompts` (one per prompt) only when guiding.
+
+        Every row has the same length (CLIP 77 + T5 max_sequence_length, both padded to their maximum),
+        so per-sample embeddings stored in trajectories can be stacked again by the trainer.
+        """
+        guided = negative_prompts is not None
+        prompt_embeds, negative_embeds, pooled, negative_pooled = self.text_pipe.encode_prompt(
+            prompt=prompts,
+            prompt_2=None,
+            prompt_3=None,
+            device=self.device,
+            do_classifier_free_guidance=guided,
+            negative_prompt=negative_prompts,
+            max_sequence_length=self.max_sequence_length,
+        )
+        embeds = {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}  # [B, 77 + L, D], [B, P]
+        if guided:
+            embeds["negative_prompt_embeds"] = negative_embeds  # [B, 77 + L, D]
+            embeds["negative_pooled_prompt_embeds"] = negative_pooled  # [B, P]
+        return embeds
+
+    def velocity(
+        self,
+        latents: torch.Tensor,
+        sigmas: torch.Tensor,
+        embeds: dict[str, torch.Tensor],
+        guidance_scale: float,
+        fused_cfg: bool = True,
+        transformer: nn.Module | None = None,
+    ) -> torch.Tensor:
+        """The guided velocity [B, C, h, w] float32 for latents [B, C, h, w] at per-row sigmas [B].
+
+        The rollout and the trainer's log-prob recomputation both call this, so they run the same math.
+        With guidance the unconditional and conditional rows go through one forward by default
+        (`fused_cfg`), stacked [uncond; cond] as the pipeline does. `transformer` runs another module of
+        the same architecture instead (the trainer's frozen reference copy for the KL term).
+        """
+        model = transformer if transformer is not None else self.transformer
+        dtype = self.transformer_dtype
+        x = latents.to(dtype)
+        # The pipeline feeds the scheduler's timesteps, which are sigma * num_train_timesteps in float32.
+        timestep = sigmas.float() * self.scheduler.config.num_train_timesteps  # [B]
+
+        def forward(x, t, text, pooled):
+            out = model(
+                hidden_states=x,
+                timestep=t,
+                encoder_hidden_states=text.to(dtype),
+                pooled_projections=pooled.to(dtype),
+                return_dict=False,
+            )[0]
+            return out.float()
+
+        cond = (embeds["prompt_embeds"], embeds["pooled_prompt_embeds"])
+        if guidance_scale <= 1:
+            return forward(x, timestep, *cond)
+        uncond = (embeds["negative_prompt_embeds"], embeds["negative_pooled_prompt_embeds"])
+        if fused_cfg:
+            v_uncond, v_cond = forward(
+                torch.cat([x, x]),
+                torch.cat([timestep, timestep]),
+                torch.cat([uncond[0], cond[0]]),
+                torch.cat([uncond[1], cond[1]]),
+            ).chunk(2)
+        else:
+            v_uncond = forward(x, timestep, *uncond)
+            v_cond = forward(x, timestep, *cond)
+        return v_uncond + guidance_scale * (v_cond - v_uncond)
+
+    @torch.no_grad()
+    def rollout(self, requests: list[Request]) -> list[Trajectory]:
+        """Generate a packed batch: one transformer forward (CFG rows included) per denoising step.
+
+        Each request's own generator draws, in order: its initial latents, its SDE window start, and the
+        noise of each step inside its window; so a request's sample does not depend on its batch.
+        """
+        p = requests[0].params
+        assert all(r.params.key == p.key for r in requests), "a packed batch must share one params.key"
+        multiple = self.vae_scale_factor * self.transformer.config.patch_size
+        if p.height % multiple or p.width % multiple:
+            raise ValueError(
+                f"sampling height and width must be multiples of {multiple}, got {p.height}x{p.width}"
+            )
+        num_steps = p.num_steps
+        size = p.sde_window_size or num_steps  # 0 = every step is trained
+        lo, hi = p.sde_window_range
+        if not 0 < size <= num_steps or (p.sde_window_size and not 0 <= lo < hi):
+            raise ValueError(
+                f"sde_window_size {p.sde_window_size} must be in [0, num_steps={num_steps}] and "
+                f"sde_window_range {p.sde_window_range} a non-empty range [lo, hi) with lo >= 0"
+            )
+
+        batch = len(requests)
+        channels = self.transformer.config.in_channels
+        h, w = p.height // self.vae_scale_factor, p.width // self.vae_scale_factor
+        # Drawn on the host so that the samples do not depend on the device either.
+        generators = [torch.Generator("cpu").manual_seed(r.seed) for r in requests]
+        latents = torch.stack([torch.randn(channels, h, w, generator=g) for g in generators])  # [B, C, h, w]
+        latents = latents.to(self.device)
+        starts = [0] * batch
+        if p.sde_window_size:
+            # Clamped so that a window drawn near the end still holds `size` steps.
+            starts = [
+                min(int(torch.randint(lo, hi, (1,), generator=g)), num_steps - size) for g in generators
+            ]
+
+        sigmas = self.sigmas(num_steps)  # [T + 1] host
+        sigmas_dev = sigmas.to(self.device)
+        sigma_max = float(sigmas[1])
+        guided = p.guidance_scale > 1
+        embeds = self.encode(
+            [r.prompt for r in requests], [r.negative_prompt for r in requests] if guided else None
+        )
+
+        # Per row: latents in / out, step index and log-prob of each trained step.
+        records: list[list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]]] = [[] for _ in requests]
+        for i in range(num_steps):
+            sigma = sigmas_dev[i].expand(batch)  # [B]
+            sigma_next = sigmas_dev[i + 1].expand(batch)  # [B]
+            v = self.velocity(latents, sigma, embeds, p.guidance_scale)  # [B, C, h, w]
+            next_latents = flow_step(v, latents, sigma, sigma_next, sigma_max, 0.0, "ode").prev_sample
+            rows = [b for b in range(batch) if starts[b] <= i < starts[b] + size]
+            if rows:
+                noise = torch.stack([torch.randn(channels, h, w, generator=generators[b]) for b in rows])
+                idx = torch.tensor(rows, device=self.device)
+                out = flow_step(
+                    v[idx],
+                    latents[idx],
+                    sigma[idx],
+                    sigma_next[idx],
+                    sigma_max,
+                    p.noise_level,
+                    p.sde_type,
+                    noise=noise.to(self.device),  # [R, C, h, w]
+                )
+                next_latents[idx] = out.prev_sample
+                logprobs = out.logprob if p.record_logprobs else torch.zeros_like(out.logprob)
+                for j, b in enumerate(rows):
+                    records[b].append((latents[b], out.prev_sample[j], i, logprobs[j]))
+            latents = next_latents
+
+        vae_in = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
+        images = self.vae.decode(vae_in.to(self.vae.dtype), return_dict=False)[0]  # [B, 3, H, W] in [-1, 1]
+        images = (images.float() * 0.5 + 0.5).clamp(0, 1)  # as VaeImageProcessor.postprocess
+
+        trajectories = []
+        for b, req in enumerate(requests):
+            x_in, x_out, steps, logprobs = zip(*records[b])
+            trajectories.append(
+                Trajectory(
+                    request=req,
+                    latents=torch.stack(x_in).cpu(),  # [K, C, h, w]
+                    next_latents=torch.stack(x_out).cpu(),  # [K, C, h, w]
+                    step_indices=torch.tensor(steps, dtype=torch.int64),  # [K]
+                    logprobs=torch.stack(logprobs).float().cpu(),  # [K]
+                    sigmas=sigmas,
+                    embeds={k: e[b].cpu() for k, e in embeds.items()},
+                    image=images[b].cpu(),
+                    final_latents=latents[b].cpu(),
+                )
+            )
+        return trajectories
+
+    def export_lora(self, out_dir: str | Path, transformer_state_dict: dict | None = None) -> None:
+        """Write the LoRA as `pytorch_lora_weights.safetensors` in the diffusers format, loadable with
+        `StableDiffusion3Pipeline.load_lora_weights`. An FSDP run passes the gathered full state dict."""
+        if not self.lora:
+            raise ValueError("export_lora needs model.finetune 'lora'")
+        layers = peft.get_peft_model_state_dict(self.transformer, state_dict=transformer_state_dict)
+        StableDiffusion3Pipeline.save_lora_weights(
+            out_dir,
+            transformer_lora_layers=layers,
+            # Without it a loader assumes lora_alpha == rank and scales the update wrongly.
+            transformer_lora_adapter_metadata=self.transformer.peft_config["default"].to_dict(),
+        )
