@@ -295,8 +295,11 @@ def train(cfg: Config) -> dict[str, float]:
     shard(cfg, adapter, ref_model, dist)
     optimizer = torch.optim.AdamW(
         [p for p in adapter.transformer.parameters() if p.requires_grad],
-        lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay,
-    )  # fmt: skip
+        lr=cfg.optim.lr,
+        betas=cfg.optim.betas,
+        eps=cfg.optim.eps,
+        weight_decay=cfg.optim.weight_decay,
+    )
     loss_fn = get_loss(cfg.algo.loss)
     rewards = RewardPool(cfg.reward.weights, cfg.reward.num_workers, cfg.reward.timeout_s)
     engine = DiffusionEngine(adapter, cfg.rollout.max_num_seqs)

@@ -68,18 +68,28 @@ def test_train_script_errors_are_one_line():
     root = Path(__file__).resolve().parent.parent
     r = subprocess.run(
         [sys.executable, "scripts/train.py", "--recipe", "sd3_tiny_flowgrpo", "--optim.nope", "1"],
-        cwd=root, capture_output=True, text=True,
-    )  # fmt: skip
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and "optim.nope" in r.stderr
-    r = subprocess.run([sys.executable, "scripts/train.py", "--recipe", "missing_recipe"], cwd=root,
-                       capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "scripts/train.py", "--recipe", "missing_recipe"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "unknown recipe" in r.stderr
 
 
 def test_help_documents_every_field():
     root = Path(__file__).resolve().parent.parent
-    r = subprocess.run([sys.executable, "scripts/train.py", "--recipe", "sd3_tiny_flowgrpo", "--help"],
-                       cwd=root, capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "scripts/train.py", "--recipe", "sd3_tiny_flowgrpo", "--help"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0
     assert "--optim.lr" in r.stdout and "AdamW learning rate" in r.stdout
     assert "--sampling.noise-level" in r.stdout or "--sampling.noise_level" in r.stdout

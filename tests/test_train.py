@@ -74,10 +74,24 @@ def torchrun(nproc: int, recipe: Path, *overrides: str, timeout=600) -> subproce
         cmd = [sys.executable, "tests/_train_entry.py"]
     else:
         port = str(29600 + os.getpid() % 300)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", port,
-               "tests/_train_entry.py"]  # fmt: skip
-    r = subprocess.run([*cmd, "--recipe", str(recipe), *overrides], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=timeout)  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            port,
+            "tests/_train_entry.py",
+        ]
+    r = subprocess.run(
+        [*cmd, "--recipe", str(recipe), *overrides],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     return r
 
@@ -125,8 +139,18 @@ def test_zero_spread_rank_matches_single_rank(tiny_sd3, tmp_path):
 @pytest.mark.slow
 def test_tiny_recipe_under_torchrun_fsdp(tiny_sd3, tmp_path):
     out = tmp_path / "run"
-    r = torchrun(2, ROOT / "yaml/sd3_tiny_flowgrpo.yaml", "--model.path", str(tiny_sd3), "--run.output_dir",
-                 str(out), "--run.steps", "3", "--log.image_every", "2")  # fmt: skip
+    r = torchrun(
+        2,
+        ROOT / "yaml/sd3_tiny_flowgrpo.yaml",
+        "--model.path",
+        str(tiny_sd3),
+        "--run.output_dir",
+        str(out),
+        "--run.steps",
+        "3",
+        "--log.image_every",
+        "2",
+    )
     metrics = read_jsonl(out / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1, 2]
     assert all(m["train/updates"] == 1 for m in metrics)
