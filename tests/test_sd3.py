@@ -18,7 +18,7 @@ PROMPTS = ["a red cat", "two dogs in the snow", "a lighthouse at night", "OPEN 2
 NEGATIVES = ["blurry", "", "low quality", ""]
 GUIDANCE = 4.5
 STEPS = 6
-SIZE = 64  # pixels: 8x8 latents
+SIZE = 32  # pixels: 16x16 latents (the tiny VAE downsamples 2x)
 
 
 def make_adapter(path, **lora) -> SD3Adapter:
@@ -98,7 +98,7 @@ def test_packed_rollout_equals_serial(adapter):
     d_latents = d_logprobs = 0.0
     for a, b in zip(packed, serial):
         assert a.step_indices.tolist() == b.step_indices.tolist()
-        assert a.latents.shape == (2, 4, 8, 8) and a.logprobs.shape == (2,)
+        assert a.latents.shape == (2, 4, 16, 16) and a.logprobs.shape == (2,)
         assert torch.all(a.logprobs != 0)
         d_latents = max(
             d_latents, max_diff(a.final_latents, b.final_latents), max_diff(a.next_latents, b.next_latents)
