@@ -136,7 +136,7 @@ def pair_logprob(
     steps = torch.stack([t.step_indices[p.k] for t, p in zip(trajs, pairs)])
     sig = trajs[0].sigmas
     sigma, sigma_next = sig[steps].to(device), sig[steps + 1].to(device)  # [M]
-    embeds = {k: torch.stack([t.embeds[k] for t in trajs]).to(device) for k in trajs[0].embeds}
+    embeds = {k: e.to(device) for k, e in adapter.batch_embeds([t.embeds for t in trajs]).items()}
     v = adapter.velocity(x, sigma, embeds, params.guidance_scale, transformer=transformer)
     out = flow_step(
         v, x, sigma, sigma_next, float(sig[1]), params.noise_level, params.sde_type, prev_sample=nxt

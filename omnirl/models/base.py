@@ -62,6 +62,7 @@ class Request:
     params: SamplingParams
     negative_prompt: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)  # the data row (e.g. the OCR target text)
+    inputs: dict[str, Any] = field(default_factory=dict)  # multimodal inputs, e.g. {"image": PIL.Image}
 
 
 def derive_seed(base_seed: int, step: int, index: int) -> int:
@@ -100,6 +101,16 @@ class DiffusionAdapter(Protocol):
     """What the rollout engine and the trainer need from a diffusion model family."""
 
     transformer: nn.Module  # the trained module (LoRA injected or fully trainable)
+
+    def compat_key(self, request: Request) -> tuple:
+        """Everything that must be uniform inside one forward: `request.params.key` plus what the
+        family adds (a prompt-length bucket, a condition-image size)."""
+
+    def num_tokens(self, request: Request) -> int:
+        """Transformer tokens of one request per forward row (image + text), for max_num_batched_tokens."""
+
+    def batch_embeds(self, embeds: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Collate per-sample `Trajectory.embeds` into a batch for `velocity` (padding where lengths vary)."""
 
     def fsdp_units(self) -> list[nn.Module]:
         """The repeated blocks to wrap with `fully_shard` (the root is wrapped after them)."""

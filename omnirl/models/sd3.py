@@ -290,6 +290,17 @@ class SD3Adapter:
             )
         return trajectories
 
+    def compat_key(self, request: Request) -> tuple:
+        return request.params.key  # prompts are padded to fixed lengths: nothing to add
+
+    def num_tokens(self, request: Request) -> int:
+        p, patch = request.params, self.transformer.config.patch_size
+        image = (p.height // self.vae_scale_factor // patch) * (p.width // self.vae_scale_factor // patch)
+        return image + 77 + self.max_sequence_length  # CLIP tokens + T5 tokens
+
+    def batch_embeds(self, embeds: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return {k: torch.stack([e[k] for e in embeds]) for k in embeds[0]}
+
     def export_lora(self, out_dir: str | Path, transformer_state_dict: dict | None = None) -> None:
         """Write the LoRA as `pytorch_lora_weights.safetensors` in the diffusers format, loadable with
         `StableDiffusion3Pipeline.load_lora_weights`. An FSDP run passes the gathered full state dict."""

@@ -27,7 +27,7 @@ class DiffusionEngine:
         """Indices of requests per forward batch: equal compatibility keys only, at most max_num_seqs."""
         by_key: dict[tuple, list[int]] = {}
         for i, r in enumerate(requests):
-            by_key.setdefault(r.params.key, []).append(i)
+            by_key.setdefault(self.adapter.compat_key(r), []).append(i)
         out = []
         for idx in by_key.values():
             out += [idx[i : i + self.max_num_seqs] for i in range(0, len(idx), self.max_num_seqs)]
