@@ -7,7 +7,7 @@ if [ -z "${VIRTUAL_ENV:-}" ]; then
 fi
 python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 if ! python -c "import torch" >/dev/null 2>&1; then
-  python -m pip install -q torch==2.13.0
+  python -m pip install -q torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
 fi
 python -m pip install -q -e ".[${OMNIRL_EXTRAS:-ocr}]" 2>&1 | grep -v "^WARNING: Location" || true
 python -c "import omnirl, torch, diffusers" || { echo "omnirl install failed" >&2; exit 1; }
