@@ -2,7 +2,8 @@
 # CPU machines get torch 2.13.0 (CPU build) first; machines that already have torch keep theirs.
 set -euo pipefail
 if [ -z "${VIRTUAL_ENV:-}" ]; then
-  [ -x .venv/bin/python ] || python3 -m venv .venv
+  # --system-site-packages: a machine-wide torch (GPU images) stays visible and is kept.
+  [ -x .venv/bin/python ] || python3 -m venv --system-site-packages .venv
   source .venv/bin/activate
 fi
 python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
