@@ -48,6 +48,9 @@ class ModelConfig:
     """Train a LoRA (base frozen and replicated) or every transformer weight (FSDP2-sharded)."""
     gradient_checkpointing: bool = False
     """Recompute activations of each transformer block in the backward pass."""
+    stage: Literal["thinker", "talker", "all"] = "thinker"
+    """Omni models: the stage that is trained and run ('thinker': text out; Qwen3-Omni's 'talker' (speech)
+    and 'all' are not implemented yet). Modules the stage does not use are never loaded."""
 
 
 @dataclass
@@ -84,6 +87,34 @@ class SamplingConfig:
     """The window start is drawn per request, uniformly from [lo, hi)."""
     negative_prompt: str = ""
     """Negative prompt of the unconditional CFG branch."""
+    condition_area: int = 1024 * 1024
+    """Edit models: pixel area the condition image is resized to (its aspect ratio kept, sides multiples
+    of 32) before the VAE and the text encoder see it. QwenImageEditPipeline hard-codes 1024 * 1024."""
+
+
+@dataclass
+class GenerationConfig:
+    """Sampling of text-output (omni) models in training rollouts; diffusion recipes leave it out. The
+    requests per forward are bounded by rollout.max_num_seqs."""
+
+    temperature: float = 1.0
+    """Softmax temperature. The log-prob recorded by the rollout and recomputed by the trainer is
+    log_softmax(logits / temperature) over the full vocabulary at the sampled token."""
+    top_p: float = 1.0
+    """Nucleus sampling: draw from the smallest set of tokens whose probability reaches top_p (1 = off).
+    It shapes sampling only, never the recorded log-prob."""
+    top_k: int = 0
+    """Draw from the k most likely tokens (0 = off). It shapes sampling only, never the recorded log-prob."""
+    max_new_tokens: int = 1024
+    """Most tokens generated per response (a response cut here has no stop token); also the constant
+    length of algo.aggregation dr_grpo."""
+    stop: list[str] = field(default_factory=list)
+    """Extra stop tokens, each a single token of the tokenizer written as text (e.g. "<|im_end|>"; it
+    becomes GenerationParams.stop_token_ids); a response also ends at the model's EOS tokens. The stop
+    token is part of the response and is trained."""
+    kv_cache_gib: float = 4.0
+    """KV-cache budget per rank in GiB (> 0): a waiting request is admitted only while the KV cache of
+    every running request, at its prompt plus max_new_tokens tokens, fits in it."""
 
 
 @dataclass
@@ -94,6 +125,20 @@ class RolloutConfig:
     """Samples per prompt (a GRPO group)."""
     max_num_seqs: int = 32
     """Most requests in one packed transformer forward (CFG rows not counted)."""
+    max_num_batched_tokens: int = 0
+    """Most transformer tokens in one packed forward: rows x the longest row's tokens (image + text), a
+    request counting twice when its CFG rows share the forward (fused_cfg); 0 = no token budget."""
+    fused_cfg: bool = True
+    """Run CFG's conditional and unconditional rows in one forward (else two forwards of half the rows:
+    less peak memory, more launches)."""
+    compile: bool = False
+    """torch.compile the transformer's repeated blocks for rollout (training stays eager); batches are
+    padded to power-of-two sizes so that a rollout compiles each size once and never recompiles."""
+    prompt_length_buckets: list[int] = field(default_factory=lambda: [64, 128, 256, 512, 1024])
+    """Text-token lengths that prompts are padded to (Qwen-Image family, ascending). Only prompts of one
+    bucket share a forward, so padding stays bounded and a compiled transformer sees few shapes. The largest
+    is the maximum prompt length: longer prompts are truncated to it (the pipeline's max_sequence_length,
+    at most 1024)."""
 
 
 @dataclass
@@ -102,6 +147,13 @@ class DataConfig:
     """JSONL file of prompts ({"prompt": ...} per line). Required."""
     val_path: str = ""
     """Optional JSONL of validation prompts."""
+    format: Literal["prompts", "edit", "mmk12"] = "prompts"
+    """Row schema of the data files: 'prompts' ({"prompt": ..., any other keys}), 'edit' (source image,
+    instruction, optional target image, target text and region: omnirl.data.edit) or 'mmk12' (parquet or
+    JSONL of image, question, answer, optional choices: omnirl.data.mmk12)."""
+    on_bad_row: Literal["error", "skip"] = "error"
+    """A malformed row (not JSON, not an object, no non-empty "prompt"): 'error' stops with the file and
+    line; 'skip' drops it, warns with each file:line once at start and logs data/skipped_rows at step 0."""
 
 
 @dataclass
@@ -129,6 +181,22 @@ class AlgoConfig:
     old_logprob: Literal["rollout", "recompute"] = "rollout"
     """Log-prob of the behaviour policy in the ratio: the one the rollout recorded, or recomputed by the
     trainer before the first update."""
+    clip_range_high: float | None = None
+    """Token losses (grpo, gspo): upper clip epsilon, the ratio being clipped to [1 - clip_range,
+    1 + clip_range_high]; above clip_range it is DAPO's clip-higher. None = clip_range."""
+    aggregation: Literal["token_mean", "seq_mean", "dr_grpo"] = "token_mean"
+    """Token losses: mean over all tokens of the mini-batch, mean of each response's token mean, or
+    Dr.GRPO's token sum over generation.max_new_tokens per response (omnirl.algos.losses.grpo_loss)."""
+    std_normalise: bool = True
+    """Divide advantages by the reward std (False: Dr.GRPO's plain r - group mean; needs global_std off)."""
+    correction: Literal["none", "tis", "mis"] = "none"
+    """Rollout correction with old_logprob recompute: weight each token's loss by the ratio of trainer to
+    rollout probability, truncated at correction_threshold (tis) or zeroed outside [1/C, C] (mis).
+    old_logprob rollout is the bypass mode: nothing to correct (omnirl.algos.correction)."""
+    correction_level: Literal["token", "sequence"] = "token"
+    """Correction ratio per token, or per response (the product of its token ratios)."""
+    correction_threshold: float = 2.0
+    """The correction's C (> 1)."""
 
 
 @dataclass
@@ -152,6 +220,14 @@ class OptimConfig:
 
 
 @dataclass
+class TrainConfig:
+    on_nonfinite: Literal["skip", "stop"] = "skip"
+    """A non-finite loss or gradient norm in an update: 'skip' drops that optimizer step on every rank
+    (counted in train/skipped_nonfinite), 'stop' raises naming the step. A non-finite reward is always an
+    error (a scorer bug, raised by the reward pool); advantages of finite rewards are finite."""
+
+
+@dataclass
 class DistributedConfig:
     fsdp: bool = True
     """Wrap the transformer with FSDP2 (LoRA: only the adapter is sharded; full: everything)."""
@@ -161,6 +237,14 @@ class DistributedConfig:
     """FSDP2 mixed precision: dtype of gradient reduction."""
     timeout_s: int = 600
     """Collective timeout: a rank that dies or hangs ends the job after this long."""
+
+
+@dataclass
+class MemoryConfig:
+    sleep: bool = True
+    """Between phases, move what a phase does not use to pinned host memory and back (rollout: optimizer
+    state and a full fine-tune's reference copy; training: text encoders and VAE). Off keeps everything on
+    the device: faster where it all fits, the same results either way."""
 
 
 @dataclass
@@ -177,6 +261,12 @@ class ValidationConfig:
     """Validate every N steps on data.val_path with the ODE sampler (0 = never)."""
     num_steps: int = 10
     """Denoising steps of a validation rollout."""
+    num_samples: int = 1
+    """Samples (images or responses) per validation prompt."""
+    temperature: float = 1.0
+    """Omni models: sampling temperature of validation responses (generation.* applies otherwise)."""
+    top_p: float = 1.0
+    """Omni models: nucleus sampling of validation responses (1 = off)."""
 
 
 @dataclass
@@ -186,20 +276,36 @@ class ExportConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every: int = 100
+    """Save a checkpoint every N steps and after the last step (0 = never), under output_dir/checkpoints."""
+    keep: int = 3
+    """Keep the newest K checkpoints; older ones are deleted after each save."""
+    resume: str = "auto"
+    """'auto': continue from the newest complete checkpoint in output_dir/checkpoints (start fresh if there
+    is none); a path: continue from that checkpoint directory; '': start fresh (an error if output_dir
+    already holds checkpoints, which a fresh run would overwrite)."""
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     log: LogConfig = field(default_factory=LogConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 REQUIRED = ("model.path", "data.train_path")

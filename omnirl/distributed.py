@@ -90,6 +90,38 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def rng_state() -> dict:
+    """This process's global RNG states (python, numpy, torch, the accelerator's) as plain values and
+    tensors, so a checkpoint can store them and `torch.load(weights_only=True)` read them back."""
+    name, key, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": (name, key.tolist(), pos, has_gauss, gauss),
+        "torch": torch.get_rng_state(),
+    }
+    kind = device_type()
+    if kind != "cpu":
+        state[kind] = torch.get_device_module(kind).get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what `rng_state` returned (an accelerator state only where this process has one)."""
+    random.setstate(state["python"])
+    name, key, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, np.array(key, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    kind = device_type()
+    if kind != "cpu" and kind in state:
+        torch.get_device_module(kind).set_rng_state(state[kind])
+
+
+def barrier() -> None:
+    """Wait for every rank; a no-op without a process group."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 def all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
     """In-place all-reduce (SUM by default) that is a no-op without a process group."""
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -177,14 +209,20 @@ def load_pretrained(cls, path: str, **kwargs) -> nn.Module:
 
 
 def _build_on_meta(cls, path: str, **kwargs) -> nn.Module:
+    from accelerate import init_empty_weights
     from diffusers import ModelMixin
 
     dtype = kwargs.get("torch_dtype") or kwargs.get("dtype")
-    with torch.device("meta"):
+    # Only parameters go to meta: a module may keep constant tensors as plain attributes (Qwen-Image's
+    # RoPE tables), which to_empty() cannot restore and the broadcast does not reach.
+    with init_empty_weights():
         if issubclass(cls, ModelMixin):
             config = cls.load_config(path, subfolder=kwargs.get("subfolder"))
             model = cls.from_config(config)
         else:
-            config = cls.config_class.from_pretrained(path, subfolder=kwargs.get("subfolder") or "")
+            # A caller's config wins, as in from_pretrained (the Qwen3-Omni thinker of a full checkpoint).
+            config = kwargs.get("config") or cls.config_class.from_pretrained(
+                path, subfolder=kwargs.get("subfolder") or ""
+            )
             model = cls._from_config(config)
     return model.to(dtype) if dtype is not None else model

@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import importlib
 
+from omnirl.config import ConfigError
+
 ADAPTERS = {
     "sd3": "omnirl.models.sd3:SD3Adapter",
+    "qwen_image": "omnirl.models.qwen_image:QwenImageAdapter",
+    "qwen3_omni_thinker": "omnirl.models.qwen3_omni:Qwen3OmniThinkerAdapter",
+    "qwen_vl": "omnirl.models.qwen_vl:QwenVLAdapter",
+    "qwen_image_edit": "omnirl.models.qwen_image_edit:QwenImageEditAdapter",
 }
 
 
 def get_adapter(name: str) -> type:
     """The adapter class registered under `name` (see `ADAPTERS`)."""
     if name not in ADAPTERS:
-        raise ValueError(f"unknown adapter {name!r}; known: {', '.join(sorted(ADAPTERS))}")
+        raise ConfigError(f"unknown adapter {name!r}; known: {', '.join(sorted(ADAPTERS))}")
     module, cls = ADAPTERS[name].split(":")
     return getattr(importlib.import_module(module), cls)

@@ -1,0 +1,379 @@
+"""Qwen-Image: the diffusion adapter (packed denoising loop with True-CFG, per-row SDE windows, log-probs).
+
+The components, the prompt encoding (`QwenImagePipeline.encode_prompt`: the Qwen2.5-VL chat template with
+its system-prompt tokens dropped), the 2x2 latent packing and the sigma schedule (shifted by `mu`, which
+grows with the image token count) are diffusers' own. The denoising loop is written out here, as in
+sd3.py, because RL needs what the pipeline does not do: one generator per request (so a packed batch draws
+the same noise as a serial run), a per-row SDE window, the log-prob of every trained step
+(`flow_sde.flow_step`), and True-CFG with the conditional and negative rows in one forward. With noise
+level 0 it is the pipeline's sampler: same initial latents, same image.
+
+Prompts differ in length. Rows are zero-padded at the end and masked (`encoder_hidden_states_mask`); the
+text RoPE positions of a row do not depend on how far it is padded, so a padded row computes what it
+computes alone. The padded length is a bucket (`rollout.prompt_length_buckets`) that is part of the
+compatibility key: padding stays bounded and a compiled transformer sees few shapes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import peft
+import torch
+from diffusers import (
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+)
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+from diffusers.training_utils import cast_training_params
+from torch import nn
+from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+
+from omnirl.config import Config, ConfigError
+from omnirl.distributed import DTYPES, load_pretrained
+from omnirl.models.base import Request, Trajectory
+from omnirl.models.flow_sde import flow_step
+
+# QwenImagePipeline.check_inputs rejects a longer max_sequence_length.
+MAX_SEQUENCE_LENGTH = 1024
+
+
+def pad_to(t: torch.Tensor, length: int) -> torch.Tensor:
+    """Zero-pad [B, L, ...] along dim 1 to `length` (False for a bool mask)."""
+    return torch.cat([t, t.new_zeros(t.shape[0], length - t.shape[1], *t.shape[2:])], dim=1)
+
+
+def collate(rows: list[torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-prompt embeddings [L_i, D] -> ([B, length, D] zero-padded at the end, [B, length] bool mask)."""
+    embeds = torch.cat([pad_to(r[None], length) for r in rows])
+    positions = torch.arange(length, device=embeds.device)
+    mask = torch.stack([positions < len(r) for r in rows])
+    return embeds, mask
+
+
+class QwenImageAdapter:
+    """The `DiffusionAdapter` for `QwenImagePipeline` checkpoints (Qwen/Qwen-Image)."""
+
+    def __init__(self, cfg: Config, device: torch.device):
+        path = cfg.model.path
+        try:
+            index = QwenImagePipeline.load_config(path)
+        except OSError as e:
+            raise ConfigError(
+                f"model.path {path!r} is neither a local diffusers checkpoint (a directory with "
+                f"model_index.json) nor a loadable hub id: {e}"
+            ) from None
+        if index.get("_class_name") != "QwenImagePipeline":
+            raise ConfigError(
+                f"model.path {path!r} holds a {index.get('_class_name')}, not a QwenImagePipeline"
+            )
+        buckets = list(cfg.rollout.prompt_length_buckets)
+        if (
+            not buckets
+            or buckets != sorted(set(buckets))
+            or buckets[0] < 1
+            or buckets[-1] > MAX_SEQUENCE_LENGTH
+        ):
+            raise ConfigError(
+                f"rollout.prompt_length_buckets must be distinct ascending lengths in "
+                f"[1, {MAX_SEQUENCE_LENGTH}], got {buckets}"
+            )
+        self.buckets = buckets
+        self.device = device
+        self.fused_cfg = cfg.rollout.fused_cfg  # read by `rollout`; the engine sets it from the same field
+        dtype = DTYPES[cfg.model.dtype]
+        # A fully fine-tuned transformer is trained, hence kept, in float32; a LoRA base stays in `dtype`.
+        self.lora = cfg.model.finetune == "lora"
+        self.transformer_dtype = dtype if self.lora else torch.float32
+
+        self.transformer = load_pretrained(
+            QwenImageTransformer2DModel, path, subfolder="transformer", torch_dtype=self.transformer_dtype
+        )
+        self.vae = load_pretrained(AutoencoderKLQwenImage, path, subfolder="vae", torch_dtype=dtype)
+        self.text_encoder = load_pretrained(
+            Qwen2_5_VLForConditionalGeneration, path, subfolder="text_encoder", dtype=dtype
+        )
+        for module in self.offload_modules():
+            module.requires_grad_(False).to(device)
+        # The class the pipeline loads: another tokenizer class may read the same files into other ids.
+        self.tokenizer = Qwen2Tokenizer.from_pretrained(path, subfolder="tokenizer")
+        self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
+        # Computed as the pipeline does (8 for Qwen-Image); the transformer then packs 2x2 latent patches.
+        self.vae_scale_factor = 2 ** len(self.vae.temperal_downsample)
+        # A pipeline around the text encoder only, so that prompts are encoded by diffusers' own code.
+        self.text_pipe = QwenImagePipeline(
+            scheduler=None,
+            vae=None,
+            text_encoder=self.text_encoder,
+            tokenizer=self.tokenizer,
+            transformer=None,
+        )
+
+        if self.lora:
+            self.transformer.requires_grad_(False)
+            self.transformer.add_adapter(
+                peft.LoraConfig(
+                    r=cfg.lora.rank,
+                    lora_alpha=cfg.lora.alpha,
+                    target_modules=cfg.lora.target_modules,
+                    init_lora_weights=True if cfg.lora.init == "default" else "gaussian",
+                    lora_dropout=cfg.lora.dropout,
+                )
+            )
+            # The optimizer updates the adapter in float32 even over a bf16 base.
+            cast_training_params(self.transformer, torch.float32)
+        else:
+            self.transformer.requires_grad_(True)
+        if cfg.model.gradient_checkpointing:
+            self.transformer.enable_gradient_checkpointing()
+        self.transformer.to(device)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.transformer.parameters() if p.requires_grad]
+
+    def fsdp_units(self) -> list[nn.Module]:
+        return list(self.transformer.transformer_blocks)
+
+    def offload_modules(self) -> list[nn.Module]:
+        return [self.vae, self.text_encoder]
+
+    def prompt_length(self, prompt: str) -> int:
+        """Text tokens the transformer sees for `prompt`: the templated prompt minus the dropped template
+        prefix, truncated to the largest bucket (as `encode_prompt` truncates to max_sequence_length)."""
+        pipe = self.text_pipe
+        tokens = self.tokenizer(pipe.prompt_template_encode.format(prompt)).input_ids
+        return min(len(tokens) - pipe.prompt_template_encode_start_idx, self.buckets[-1])
+
+    def bucket(self, prompt: str) -> int:
+        """The padded text length of `prompt`: the smallest bucket that holds it."""
+        length = self.prompt_length(prompt)
+        return next(b for b in self.buckets if b >= length)
+
+    def compat_key(self, request: Request) -> tuple:
+        guided = request.params.guidance_scale > 1
+        negative = self.bucket(request.negative_prompt) if guided else 0  # unused without guidance
+        return request.params.key + (self.bucket(request.prompt), negative)
+
+    def num_tokens(self, request: Request) -> int:
+        p = request.params
+        image = (p.height // self.vae_scale_factor // 2) * (p.width // self.vae_scale_factor // 2)
+        text, negative = self.compat_key(request)[-2:]
+        return image + max(text, negative)  # a fused CFG forward pads both texts to the longer one
+
+    def sigmas(self, num_steps: int, image_seq_len: int) -> torch.Tensor:
+        """The pipeline's sigma schedule: [num_steps + 1] float32 on the host, the last one 0."""
+        config = self.scheduler.config
+        mu = calculate_shift(
+            image_seq_len,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
+        retrieve_timesteps(self.scheduler, num_steps, sigmas=sigmas, mu=mu)
+        return self.scheduler.sigmas.float().cpu()
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> list[torch.Tensor]:
+        """Each prompt's embeddings [L_i, D] on the device, unpadded (L_i = `prompt_length`).
+
+        Each distinct prompt is encoded once: a GRPO group repeats its prompt `group_size` times, and the
+        negative prompt is usually one string for all.
+        """
+        unique = list(dict.fromkeys(prompts))
+        embeds, mask = self.text_pipe.encode_prompt(
+            unique, device=self.device, max_sequence_length=self.buckets[-1]
+        )  # [U, L, D], [U, L] (None when no row is padded)
+        lengths = [embeds.shape[1]] * len(unique) if mask is None else mask.sum(dim=1).tolist()
+        rows = {p: embeds[i, :n] for i, (p, n) in enumerate(zip(unique, lengths))}
+        return [rows[p] for p in prompts]
+
+    def velocity(
+        self,
+        latents: torch.Tensor,
+        sigmas: torch.Tensor,
+        embeds: dict[str, torch.Tensor],
+        guidance_scale: float,
+        fused_cfg: bool = True,
+        transformer: nn.Module | None = None,
+    ) -> torch.Tensor:
+        """The guided velocity [B, C, h, w] float32 for latents [B, C, h, w] at per-row sigmas [B].
+
+        The rollout and the trainer's log-prob recomputation both call this, so they run the same math.
+        True-CFG as the pipeline: neg + s * (cond - neg), rescaled per token to the norm of the conditional
+        prediction. The conditional and negative rows go through one forward by default (`fused_cfg`), the
+        shorter text padded and masked to the longer. `transformer` runs another module of the same
+        architecture instead (the trainer's frozen reference copy for the KL term).
+        """
+        model = transformer if transformer is not None else self.transformer
+        dtype = self.transformer_dtype
+        batch, channels, h, w = latents.shape
+        x = QwenImagePipeline._pack_latents(latents, batch, channels, h, w).to(dtype)  # [B, h/2 * w/2, 4C]
+        # The pipeline feeds the scheduler's timestep (sigma * 1000, float32) cast to its dtype, / 1000.
+        timestep = (sigmas.float() * self.scheduler.config.num_train_timesteps).to(dtype) / 1000  # [B]
+
+        def forward(x, t, text, mask):
+            out = model(
+                hidden_states=x,
+                timestep=t,
+                encoder_hidden_states=text.to(dtype),
+                # A mask keeps SDPA off its flash kernel: pass none when no row is padded.
+                encoder_hidden_states_mask=None if mask.all() else mask,
+                img_shapes=[[(1, h // 2, w // 2)]] * len(x),
+                return_dict=False,
+            )[0]
+            return out.float()  # [B', h/2 * w/2, 4C]
+
+        cond = (embeds["prompt_embeds"], embeds["prompt_embeds_mask"])  # [B, L, D], [B, L]
+        if guidance_scale <= 1:
+            v = forward(x, timestep, *cond)
+        else:
+            neg = (embeds["negative_prompt_embeds"], embeds["negative_prompt_embeds_mask"])  # [B, L', D]
+            if fused_cfg:
+                length = max(cond[0].shape[1], neg[0].shape[1])
+                v_cond, v_neg = forward(
+                    torch.cat([x, x]),
+                    torch.cat([timestep, timestep]),
+                    torch.cat([pad_to(cond[0], length), pad_to(neg[0], length)]),
+                    torch.cat([pad_to(cond[1], length), pad_to(neg[1], length)]),
+                ).chunk(2)
+            else:
+                v_cond = forward(x, timestep, *cond)
+                v_neg = forward(x, timestep, *neg)
+            comb = v_neg + guidance_scale * (v_cond - v_neg)
+            v = comb * (torch.norm(v_cond, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True))
+        # _unpack_latents works in pixels and adds the video VAE's frame axis.
+        pixels = self.vae_scale_factor
+        return QwenImagePipeline._unpack_latents(v, h * pixels, w * pixels, pixels)[:, :, 0]
+
+    @torch.no_grad()
+    def rollout(self, requests: list[Request]) -> list[Trajectory]:
+        """Generate a packed batch: one transformer forward per denoising step (two if not `fused_cfg`).
+
+        Each request's own generator draws, in order: its initial latents, its SDE window start, and the
+        noise of each step inside its window; so a request's sample does not depend on its batch.
+        """
+        p = requests[0].params
+        key = self.compat_key(requests[0])
+        assert all(self.compat_key(r) == key for r in requests), "a packed batch must share one compat_key"
+        text_length, negative_length = key[-2:]
+        multiple = self.vae_scale_factor * 2
+        if p.height % multiple or p.width % multiple:
+            raise ValueError(
+                f"sampling height and width must be multiples of {multiple}, got {p.height}x{p.width}"
+            )
+        num_steps = p.num_steps
+        size = p.sde_window_size or num_steps  # 0 = every step is trained
+        lo, hi = p.sde_window_range
+        if not 0 < size <= num_steps or (p.sde_window_size and not 0 <= lo < hi):
+            raise ValueError(
+                f"sde_window_size {p.sde_window_size} must be in [0, num_steps={num_steps}] and "
+                f"sde_window_range {p.sde_window_range} a non-empty range [lo, hi) with lo >= 0"
+            )
+
+        batch = len(requests)
+        channels = self.transformer.config.in_channels // 4  # the transformer sees 2x2 latent patches
+        h, w = p.height // self.vae_scale_factor, p.width // self.vae_scale_factor
+        # Drawn on the host so that the samples do not depend on the device either.
+        generators = [torch.Generator("cpu").manual_seed(r.seed) for r in requests]
+        latents = torch.stack([torch.randn(channels, h, w, generator=g) for g in generators])  # [B, C, h, w]
+        latents = latents.to(self.device)
+        starts = [0] * batch
+        if p.sde_window_size:
+            # Clamped so that a window drawn near the end still holds `size` steps.
+            starts = [
+                min(int(torch.randint(lo, hi, (1,), generator=g)), num_steps - size) for g in generators
+            ]
+
+        sigmas = self.sigmas(num_steps, (h // 2) * (w // 2))  # [T + 1] host
+        sigmas_dev = sigmas.to(self.device)
+        sigma_max = float(sigmas[1])
+        guided = p.guidance_scale > 1
+        texts = [r.prompt for r in requests] + ([r.negative_prompt for r in requests] if guided else [])
+        rows = self.encode(texts)  # [L_i, D] each: the prompts, then the negative prompts
+        embeds = {}
+        embeds["prompt_embeds"], embeds["prompt_embeds_mask"] = collate(rows[:batch], text_length)
+        if guided:
+            negative = collate(rows[batch:], negative_length)
+            embeds["negative_prompt_embeds"], embeds["negative_prompt_embeds_mask"] = negative
+
+        # Per row: latents in / out, step index and log-prob of each trained step.
+        records: list[list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]]] = [[] for _ in requests]
+        for i in range(num_steps):
+            sigma = sigmas_dev[i].expand(batch)  # [B]
+            sigma_next = sigmas_dev[i + 1].expand(batch)  # [B]
+            v = self.velocity(latents, sigma, embeds, p.guidance_scale, self.fused_cfg)  # [B, C, h, w]
+            next_latents = flow_step(v, latents, sigma, sigma_next, sigma_max, 0.0, "ode").prev_sample
+            window = [b for b in range(batch) if starts[b] <= i < starts[b] + size]
+            if window:
+                noise = torch.stack([torch.randn(channels, h, w, generator=generators[b]) for b in window])
+                idx = torch.tensor(window, device=self.device)
+                out = flow_step(
+                    v[idx],
+                    latents[idx],
+                    sigma[idx],
+                    sigma_next[idx],
+                    sigma_max,
+                    p.noise_level,
+                    p.sde_type,
+                    noise=noise.to(self.device),  # [R, C, h, w]
+                )
+                next_latents[idx] = out.prev_sample
+                logprobs = out.logprob if p.record_logprobs else torch.zeros_like(out.logprob)
+                for j, b in enumerate(window):
+                    records[b].append((latents[b], out.prev_sample[j], i, logprobs[j]))
+            latents = next_latents
+
+        # De-normalised as the pipeline does it, with the frame axis the video VAE expects.
+        config, vae_dtype = self.vae.config, self.vae.dtype
+        mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1).to(self.device, vae_dtype)
+        inv_std = 1.0 / torch.tensor(config.latents_std).view(1, -1, 1, 1, 1).to(self.device, vae_dtype)
+        vae_in = latents[:, :, None].to(vae_dtype) / inv_std + mean  # [B, C, 1, h, w]
+        images = self.vae.decode(vae_in, return_dict=False)[0][:, :, 0]  # [B, 3, H, W] in [-1, 1]
+        images = (images.float() * 0.5 + 0.5).clamp(0, 1)  # as VaeImageProcessor.postprocess
+
+        trajectories = []
+        for b, req in enumerate(requests):
+            x_in, x_out, steps, logprobs = zip(*records[b])
+            sample_embeds = {"prompt_embeds": rows[b].cpu()}  # [L_b, D], unpadded: batch_embeds pads
+            if guided:
+                sample_embeds["negative_prompt_embeds"] = rows[batch + b].cpu()
+            trajectories.append(
+                Trajectory(
+                    request=req,
+                    latents=torch.stack(x_in).cpu(),  # [K, C, h, w]
+                    next_latents=torch.stack(x_out).cpu(),  # [K, C, h, w]
+                    step_indices=torch.tensor(steps, dtype=torch.int64),  # [K]
+                    logprobs=torch.stack(logprobs).float().cpu(),  # [K]
+                    sigmas=sigmas,
+                    embeds=sample_embeds,
+                    image=images[b].cpu(),
+                    final_latents=latents[b].cpu(),
+                )
+            )
+        return trajectories
+
+    def batch_embeds(self, embeds: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Pad each text to the longest of the micro-batch, with its mask (`<key>_mask`)."""
+        out = {}
+        for key in embeds[0]:
+            rows = [e[key] for e in embeds]
+            out[key], out[f"{key}_mask"] = collate(rows, max(len(r) for r in rows))
+        return out
+
+    def export_lora(self, out_dir: str | Path, transformer_state_dict: dict | None = None) -> None:
+        """Write the LoRA as `pytorch_lora_weights.safetensors` in the diffusers format, loadable with
+        `QwenImagePipeline.load_lora_weights`. An FSDP run passes the gathered full state dict."""
+        if not self.lora:
+            raise ValueError("export_lora needs model.finetune 'lora'")
+        layers = peft.get_peft_model_state_dict(self.transformer, state_dict=transformer_state_dict)
+        QwenImagePipeline.save_lora_weights(
+            out_dir,
+            transformer_lora_layers=layers,
+            # Without it a loader assumes lora_alpha == rank and scales the update wrongly.
+            transformer_lora_adapter_metadata=self.transformer.peft_config["default"].to_dict(),
+        )

@@ -1,0 +1,265 @@
+"""The Qwen-Image adapter on a tiny random-init Qwen-Image (real diffusers / transformers classes), against
+diffusers' own QwenImagePipeline. fp32 on CPU: everything must agree to 1e-5 (DESIGN.md section 4).
+
+Prompt buckets here are [16, 32, 64] text tokens, so that one batch pads prompts of different lengths
+into one bucket (and its negative prompts into a smaller one) and the trainer mixes buckets."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import QwenImagePipeline
+from safetensors.torch import load_file
+
+from omnirl.config import Config
+from omnirl.models import get_adapter
+from omnirl.models.base import Request, SamplingParams, derive_seed
+from omnirl.models.flow_sde import flow_step
+from omnirl.models.qwen_image import QwenImageAdapter
+from omnirl.trainer import Pair, pair_logprob
+from tests.test_train import read_jsonl, torchrun
+
+ROOT = Path(__file__).resolve().parent.parent
+BUCKETS = [16, 32, 64]
+# Text tokens with the tiny tokenizer: prompts 19, 23, 18, 11 (bucket 32 for a batch of all four, else
+# 16 for the last), negatives 11, 6, 13, 5 (bucket 16).
+PROMPTS = ["two dogs in the snow", "a lighthouse at night", "OPEN 24 HOURS", "a red cat"]
+NEGATIVES = ["blurry", " ", "low quality", ""]
+# Bucket 64 (33 and 48 tokens), negatives bucket 32 (32 and 27 tokens).
+LONG_PROMPTS = [
+    'A storefront sign that reads "OPEN"',
+    'a neon sign that says "flow grpo" above a busy street',
+]
+LONG_NEGATIVES = ["blurry, low quality, watermark", "dark, noisy, overexposed"]
+TRUE_CFG = 4.0
+STEPS = 6
+SIZE = 32  # pixels: 16x16 latents (the tiny VAE downsamples 2x), 64 image tokens
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+LORA_TARGETS += ["img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]
+
+
+def make_adapter(path, buckets=BUCKETS, **lora) -> QwenImageAdapter:
+    cfg = Config()
+    cfg.model.path = str(path)
+    cfg.rollout.prompt_length_buckets = buckets
+    for key, value in lora.items():
+        setattr(cfg.lora, key, value)
+    return QwenImageAdapter(cfg, torch.device("cpu"))
+
+
+def make_requests(params: SamplingParams, prompts=PROMPTS, negatives=NEGATIVES, first=0) -> list[Request]:
+    return [
+        Request(p, first + i, first + i, derive_seed(7, 0, first + i), params, negative_prompt=n)
+        for i, (p, n) in enumerate(zip(prompts, negatives))
+    ]
+
+
+def noise_free(guidance: float = TRUE_CFG) -> SamplingParams:
+    return SamplingParams(SIZE, SIZE, STEPS, guidance, 0.0, "sde", 0, (0, 1))
+
+
+def sde(sde_type: str = "sde") -> SamplingParams:
+    return SamplingParams(SIZE, SIZE, STEPS, TRUE_CFG, 1.2, sde_type, 2, (0, 4))
+
+
+def run_pipeline(pipe, adapter, requests, output_type):
+    """The reference: diffusers' pipeline from the same initial latents the adapter draws per request,
+    packed 2x2 as the pipeline takes them. Returns packed latents [B, 64, 16] or images [B, 3, H, W]."""
+    c, h = adapter.transformer.config.in_channels // 4, SIZE // adapter.vae_scale_factor
+    latents = torch.stack(
+        [torch.randn(c, h, h, generator=torch.Generator().manual_seed(r.seed)) for r in requests]
+    )
+    return pipe(
+        prompt=[r.prompt for r in requests],
+        negative_prompt=[r.negative_prompt for r in requests],
+        true_cfg_scale=requests[0].params.guidance_scale,
+        num_inference_steps=requests[0].params.num_steps,
+        height=SIZE,
+        width=SIZE,
+        latents=QwenImagePipeline._pack_latents(latents, len(requests), c, h, h),
+        output_type=output_type,
+    ).images
+
+
+def final_latents(trajs) -> torch.Tensor:
+    """The trajectories' final latents [B, C, h, w], packed as the pipeline returns them."""
+    x = torch.stack([t.final_latents for t in trajs])
+    return QwenImagePipeline._pack_latents(x, *x.shape)
+
+
+def max_diff(a, b) -> float:
+    return (a - b).abs().max().item()
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_qwen_image):
+    return make_adapter(tiny_qwen_image)  # LoRA with B = 0: the policy equals the base model
+
+
+def load_pipeline(path):
+    pipe = QwenImagePipeline.from_pretrained(path)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def test_buckets_key_and_tokens(adapter, tiny_qwen_image):
+    requests = make_requests(sde())
+    assert [adapter.prompt_length(p) for p in PROMPTS] == [19, 23, 18, 11]
+    assert {adapter.compat_key(r)[-2:] for r in requests[:3]} == {(32, 16)}
+    assert adapter.compat_key(requests[3])[-2:] == (16, 16)
+    assert adapter.compat_key(requests[0])[:-2] == requests[0].params.key
+    assert adapter.num_tokens(requests[0]) == 64 + 32  # image tokens + the longer padded text
+    unguided = make_requests(SamplingParams(SIZE, SIZE, STEPS, 1.0, 1.2, "sde", 2, (0, 4)))
+    assert adapter.compat_key(unguided[0])[-1] == 0  # no negative prompt: it must not split batches
+    # Longer than the largest bucket: truncated to it, as the pipeline's max_sequence_length does.
+    assert adapter.prompt_length("word " * 40) == adapter.bucket("word " * 40) == 64
+    for bad in ([], [32, 16], [16, 16], [0, 8], [64, 2048]):
+        with pytest.raises(ValueError, match="rollout.prompt_length_buckets must be"):
+            make_adapter(tiny_qwen_image, buckets=bad)
+
+
+@pytest.mark.parametrize("guidance", [1.0, TRUE_CFG])
+def test_noise_free_rollout_is_the_pipeline_sampler(adapter, tiny_qwen_image, guidance):
+    """True-CFG with its norm rescaling, prompts padded to their bucket (the pipeline pads to the longest)."""
+    pipe = load_pipeline(tiny_qwen_image)
+    requests = make_requests(noise_free(guidance))[:3]
+    trajs = adapter.rollout(requests)
+    ref_latents = run_pipeline(pipe, adapter, requests, "latent")
+    ref_images = run_pipeline(pipe, adapter, requests, "pt")
+    d_latents = max_diff(final_latents(trajs), ref_latents)
+    d_images = max_diff(torch.stack([t.image for t in trajs]), ref_images)
+    print(f"true_cfg {guidance}: pipeline vs rollout: latents {d_latents:.2e}, images {d_images:.2e}")
+    assert trajs[0].image.shape == (3, SIZE, SIZE)
+    assert d_latents < 1e-5 and d_images < 1e-5
+
+
+def test_packed_rollout_equals_serial(adapter):
+    """Packed: 3 requests, their cond and negative rows in one forward. Serial: one request at a time,
+    its True-CFG as two batch-1 forwards (the reference's serial rollout)."""
+    requests = make_requests(sde())[:3]
+    packed = adapter.rollout(requests)
+    adapter.fused_cfg = False
+    try:
+        serial = [adapter.rollout([r])[0] for r in requests]
+    finally:
+        adapter.fused_cfg = True
+    starts = [int(t.step_indices[0]) for t in packed]
+    assert len(set(starts)) > 1, f"rows should sit at different window positions, got starts {starts}"
+    assert len({t.embeds["prompt_embeds"].shape[0] for t in packed}) == 3  # stored unpadded
+    d_latents = d_logprobs = 0.0
+    for a, b in zip(packed, serial):
+        assert a.step_indices.tolist() == b.step_indices.tolist()
+        assert a.latents.shape == (2, 4, 16, 16) and a.logprobs.shape == (2,)
+        assert torch.all(a.logprobs != 0)
+        d_latents = max(
+            d_latents, max_diff(a.final_latents, b.final_latents), max_diff(a.next_latents, b.next_latents)
+        )
+        d_logprobs = max(d_logprobs, max_diff(a.logprobs, b.logprobs))
+    print(f"packed vs serial: window starts {starts}, latents {d_latents:.2e}, logprobs {d_logprobs:.2e}")
+    assert d_latents < 1e-5 and d_logprobs < 1e-5
+
+
+@pytest.mark.parametrize("sde_type", ["sde", "cps"])
+def test_recomputed_logprob_equals_rollout(adapter, sde_type):
+    """The trainer's micro-batch mixes two rollouts of different prompt buckets: every (sample, trained
+    step) pair in one forward, texts re-padded to the longest of the micro-batch by batch_embeds."""
+    params = sde(sde_type)
+    short = make_requests(params)[:3]
+    long = make_requests(params, LONG_PROMPTS, LONG_NEGATIVES, first=3)
+    assert {adapter.compat_key(r)[-2:] for r in long} == {(64, 32)}
+    trajs = adapter.rollout(short) + adapter.rollout(long)
+    pairs = [Pair(t, k, 1.0) for t in trajs for k in range(len(t.logprobs))]
+    recorded = torch.stack([p.traj.logprobs[p.k] for p in pairs])
+    with torch.no_grad():
+        trainer_lp, _, _ = pair_logprob(adapter, pairs, params)
+    d_trainer = (trainer_lp - recorded).abs()
+    print(f"{sde_type} trainer vs rollout log-prob: mean {d_trainer.mean():.2e}, max {d_trainer.max():.2e}")
+    assert d_trainer.max() < 1e-5
+
+    # The two CFG layouts give the same log-probs; unmasked padding gives others, by far more than 1e-5.
+    steps = torch.stack([p.traj.step_indices[p.k] for p in pairs])
+    sigmas = trajs[0].sigmas
+    x = torch.stack([p.traj.latents[p.k] for p in pairs])
+    x_next = torch.stack([p.traj.next_latents[p.k] for p in pairs])
+    embeds = adapter.batch_embeds([p.traj.embeds for p in pairs])
+    assert embeds["prompt_embeds"].shape[1] == 48 and embeds["negative_prompt_embeds"].shape[1] == 32
+    unmasked = {k: torch.ones_like(e) if k.endswith("_mask") else e for k, e in embeds.items()}
+    diffs = {}
+    for name, emb, fused in (("two CFG forwards", embeds, False), ("unmasked padding", unmasked, True)):
+        with torch.no_grad():
+            v = adapter.velocity(x, sigmas[steps], emb, TRUE_CFG, fused_cfg=fused)
+        out = flow_step(
+            v, x, sigmas[steps], sigmas[steps + 1], float(sigmas[1]), 1.2, sde_type, prev_sample=x_next
+        )
+        diffs[name] = max_diff(out.logprob, recorded)
+        print(f"{sde_type} {name} vs rollout log-prob: max {diffs[name]:.2e}")
+    assert diffs["two CFG forwards"] < 1e-5
+    assert diffs["unmasked padding"] > 1e-4
+
+
+def test_exported_lora_loads_into_the_pipeline(tiny_qwen_image, tmp_path):
+    # alpha != rank: the export must carry the scale; the reference recipe's targets, MLPs included.
+    adapter = make_adapter(tiny_qwen_image, rank=4, alpha=8.0, target_modules=LORA_TARGETS)
+    torch.manual_seed(0)
+    for name, p in adapter.transformer.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0.0, 0.05)
+    adapter.export_lora(tmp_path)
+    # An FSDP run exports from the gathered full state dict instead: same file contents.
+    adapter.export_lora(tmp_path / "from_state_dict", adapter.transformer.state_dict())
+    exported = load_file(tmp_path / "pytorch_lora_weights.safetensors")
+    from_state_dict = load_file(tmp_path / "from_state_dict" / "pytorch_lora_weights.safetensors")
+    assert len(exported) == len(adapter.trainable_parameters()) == len(from_state_dict)
+    assert all(torch.equal(v, from_state_dict[k]) for k, v in exported.items())
+
+    pipe = load_pipeline(tiny_qwen_image)
+    requests = make_requests(noise_free())[:2]
+    base = run_pipeline(pipe, adapter, requests, "latent")
+    pipe.load_lora_weights(tmp_path)
+    ref_latents = run_pipeline(pipe, adapter, requests, "latent")
+    ref_images = run_pipeline(pipe, adapter, requests, "pt")
+    trajs = adapter.rollout(requests)
+    d_latents = max_diff(final_latents(trajs), ref_latents)
+    d_images = max_diff(torch.stack([t.image for t in trajs]), ref_images)
+    change = max_diff(ref_latents, base)
+    print(
+        f"LoRA changes pipeline by {change:.2e}; vs rollout: latents {d_latents:.2e}, images {d_images:.2e}"
+    )
+    assert change > 1e-2
+    assert d_latents < 1e-5 and d_images < 1e-5
+
+
+def test_bad_paths(tmp_path):
+    assert get_adapter("qwen_image") is QwenImageAdapter
+    missing = tmp_path / "no_such_model"
+    with pytest.raises(ValueError, match=re.escape(str(missing))):
+        make_adapter(missing)
+    (tmp_path / "model_index.json").write_text('{"_class_name": "StableDiffusion3Pipeline"}')
+    with pytest.raises(ValueError, match="holds a StableDiffusion3Pipeline, not a QwenImagePipeline"):
+        make_adapter(tmp_path)
+
+
+@pytest.mark.slow
+def test_tiny_recipe_under_torchrun_fsdp(tiny_qwen_image, tmp_path):
+    out = tmp_path / "run"
+    r = torchrun(
+        2,
+        ROOT / "yaml/qwen_image_tiny_flowgrpo.yaml",
+        "--model.path",
+        str(tiny_qwen_image),
+        "--run.output_dir",
+        str(out),
+        "--run.steps",
+        "2",
+    )
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1]
+    assert all(m["train/updates"] == 1 and m["train/grad_norm"] > 0 for m in metrics), metrics
+    lora = load_file(out / "lora/pytorch_lora_weights.safetensors")
+    # 12 target modules x 2 blocks, A and B each; B starts at 0, so a non-zero B is a real update.
+    assert len(lora) == 12 * 2 * 2
+    assert any(v.abs().max() > 0 for k, v in lora.items() if "lora_B" in k)
+    pipe = load_pipeline(tiny_qwen_image)
+    pipe.load_lora_weights(out / "lora")
+    assert "Traceback" not in r.stderr
