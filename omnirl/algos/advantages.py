@@ -17,6 +17,7 @@ def group_advantages(
     adv_clip: float,
     global_std: bool,
     eps: float = 1e-4,
+    std_normalise: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Advantages of one RL step's samples on this rank, each relative to its group (its prompt).
 
@@ -26,7 +27,9 @@ def group_advantages(
     Normalisation: A_i = clamp((r_i - mean_g) / (std + eps), -adv_clip, adv_clip), where mean_g is the
     mean of sample i's group and std is the population std (ddof 0) of that group, or, with
     `global_std`, of all rewards of the step over all ranks (count, sum and sum of squares are
-    all-reduced). Statistics are computed in float64.
+    all-reduced). Statistics are computed in float64. With `std_normalise` False (Dr.GRPO) there is no
+    division: A_i = clamp(r_i - mean_g, -adv_clip, adv_clip), since dividing by a group's std up-weights
+    the prompts whose rewards barely differ (too easy or too hard); `global_std` must then be False.
 
     A group whose rewards are all equal (a single sample included) carries no learning signal: its
     samples get keep False and advantage exactly 0, and the trainer drops them. Its rewards still count
@@ -41,6 +44,8 @@ def group_advantages(
     assert rewards.dim() == 1 and group_ids.shape == rewards.shape, (rewards.shape, group_ids.shape)
     if adv_clip <= 0:
         raise ValueError(f"algo.adv_clip must be > 0, got {adv_clip}")
+    if global_std and not std_normalise:
+        raise ValueError("algo.global_std needs algo.std_normalise: without it no std is taken")
     finite = torch.isfinite(rewards)
     if not finite.all():
         bad = torch.nonzero(~finite).flatten().tolist()
@@ -58,13 +63,15 @@ def group_advantages(
     zero_spread = lo == hi  # [G]
     keep = ~zero_spread[inv]  # [N]
 
-    if global_std:
+    if not std_normalise:
+        denom = torch.ones_like(r)
+    elif global_std:
         n, s, sq = all_reduce(torch.stack([r.new_tensor(len(r)), r.sum(), (r * r).sum()])).unbind()
-        std = ((sq / n - (s / n) ** 2).clamp_min(0)).sqrt()  # scalar
+        denom = ((sq / n - (s / n) ** 2).clamp_min(0)).sqrt() + eps  # scalar
     else:
         group_var = torch.zeros_like(group_mean).index_add_(0, inv, dev * dev) / counts
-        std = group_var.sqrt()[inv]  # [N]
-    adv = dev / (std + eps)
+        denom = group_var.sqrt()[inv] + eps  # [N]
+    adv = dev / denom
     clipped = (adv.abs() > adv_clip) & keep
     adv = torch.where(keep, adv.clamp(-adv_clip, adv_clip), 0.0)
 

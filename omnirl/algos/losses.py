@@ -10,24 +10,36 @@ the mini-batch, which is what FSDP's summed (not averaged) gradients need.
 
 Metrics are detached floats and sums, never means, so the trainer can add them over micro-batches,
 all-reduce them over ranks, and divide: e.g. clip fraction = sum("loss/clip_count") / sum("loss/count").
+
+The token losses of text-output models (`grpo_loss`, `gspo_loss`) take [B, T] log-probs with a response
+mask and aggregate per `aggregation`; their `normaliser` is the global count of real response tokens
+(token_mean) or of real responses (seq_mean, dr_grpo) of the mini-batch, and their "loss/count" counts
+tokens. DAPO is `grpo` with clip-higher (eps_high > eps_low), token_mean, and the zero-spread filtering
+of advantages.py (its dynamic sampling); Dr.GRPO is `grpo` with aggregation dr_grpo and advantages
+without the std division (advantages.group_advantages(std_normalise=False)).
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 
+from omnirl.config import ConfigError
+
 LOSSES = {
     "flow_grpo": "omnirl.algos.losses:flow_grpo_loss",
+    "grpo": "omnirl.algos.losses:grpo_loss",
+    "gspo": "omnirl.algos.losses:gspo_loss",
 }
 
 
 def get_loss(name: str) -> Callable:
     """The loss function registered under `name` in LOSSES, imported on first use."""
     if name not in LOSSES:
-        raise ValueError(f"unknown algo.loss {name!r}; known losses: {', '.join(sorted(LOSSES))}")
+        raise ConfigError(f"unknown algo.loss {name!r}; known losses: {', '.join(sorted(LOSSES))}")
     module, attr = LOSSES[name].split(":")
     return getattr(importlib.import_module(module), attr)
 
@@ -95,3 +107,189 @@ def flow_kl(mean: torch.Tensor, mean_ref: torch.Tensor, std: torch.Tensor) -> to
     std = std.float()
     nonzero = std > 0
     return torch.where(nonzero, sq / (2 * torch.where(nonzero, std, 1.0) ** 2), 0.0)
+
+
+Aggregation = Literal["token_mean", "seq_mean", "dr_grpo"]
+
+# exp() of a log-ratio past this overflows float32 long before it means anything; bounding it keeps a
+# wild token (e.g. a padding position that slipped through) finite instead of NaN-ing the whole batch.
+_MAX_LOG_RATIO = 20.0
+
+
+def grpo_loss(
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    aggregation: Aggregation,
+    normaliser: float,
+    max_length: int = 0,
+    ref_logprob: torch.Tensor | None = None,
+    kl_beta: float = 0.0,
+    is_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GRPO / DAPO token-level clipped policy loss over B responses of up to T tokens.
+
+    logprob: [B, T] the current policy's log-prob of each response token (the only input with gradient);
+    old_logprob: [B, T] the behaviour policy's; advantages: [B] one per response; mask: [B, T] 1 (True) on
+    real response tokens, 0 on padding; weights: [B] 1 for real rows, 0 for the padding rows of short
+    ranks. Padding positions and rows must hold finite values. ref_logprob: [B, T] the reference policy's
+    log-probs for the KL term (needed when kl_beta > 0); is_weight: [B, T] rollout-correction weights
+    (omnirl.algos.correction), which multiply the policy term only.
+
+    Per token: r = exp(logprob - old_logprob), policy = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))
+    (clip-higher: eps_high > eps_low lets low-probability tokens grow, DAPO), times is_weight; plus
+    kl_beta * k3, k3 = exp(ref - logprob) - (ref - logprob) - 1 (the low-variance KL estimator, >= 0,
+    clamped to 10). Aggregation over the mini-batch, with w_i the row weight and m_it the mask:
+      token_mean: loss = sum_i w_i sum_t m_it l_it / normaliser, normaliser = global real token count;
+      seq_mean:   loss = sum_i w_i (sum_t m_it l_it / sum_t m_it) / normaliser, normaliser = global
+                  response count (each response weighs the same, whatever its length);
+      dr_grpo:    loss = sum_i w_i sum_t m_it l_it / (max_length * normaliser), normaliser = global
+                  response count and max_length the generation limit (Dr.GRPO: a constant, so that
+                  neither long nor short responses are favoured by the normalisation).
+    Summed over micro-batches and ranks, these are the mini-batch means.
+
+    Metrics (sums over real tokens, weighted by w; divide by the summed "loss/count", the token count):
+    loss/policy_sum, loss/ratio_sum, loss/clip_count (tokens with r outside [1 - eps_low, 1 + eps_high]),
+    loss/approx_kl_sum (0.5 (logprob - old_logprob)^2), loss/kl_sum (only with ref_logprob), loss/count.
+    """
+    m = _check_token_inputs(logprob, old_logprob, advantages, mask, weights, ref_logprob, is_weight)
+    token_log_ratio = torch.where(m, logprob - old_logprob.detach(), 0.0)  # [B, T]
+    log_ratio = token_log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return _token_objective(
+        log_ratio,
+        token_log_ratio,
+        logprob,
+        advantages,
+        m,
+        weights,
+        eps_low,
+        eps_high,
+        aggregation,
+        normaliser,
+        max_length,
+        ref_logprob,
+        kl_beta,
+        is_weight,
+    )
+
+
+def gspo_loss(
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    aggregation: Aggregation,
+    normaliser: float,
+    max_length: int = 0,
+    ref_logprob: torch.Tensor | None = None,
+    kl_beta: float = 0.0,
+    is_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO: the clipped policy loss on the length-normalised sequence importance ratio.
+
+    Inputs, KL term, aggregation and metrics as `grpo_loss` (the recipe's clip ranges are ~1e-4, e.g.
+    eps_low 3e-4, eps_high 4e-4, since a sequence ratio moves far less than a token's).
+
+    s_i = exp(sum_t m_it (logprob_it - old_logprob_it) / sum_t m_it), and the loss is written in the
+    per-token form of the GSPO paper, s_it = sg[s_i] exp(logprob_it - sg[logprob_it]): its value is s_i
+    at every token, and d s_it / d logprob_it = s_i. With seq_mean aggregation (the paper's objective)
+    the gradient is then exactly that of max(-A_i s_i, -A_i clip(s_i)) per response; every token of a
+    response is clipped, or not, together.
+    """
+    m = _check_token_inputs(logprob, old_logprob, advantages, mask, weights, ref_logprob, is_weight)
+    token_log_ratio = torch.where(m, logprob - old_logprob.detach(), 0.0)  # [B, T]
+    seq_log_ratio = token_log_ratio.sum(dim=1) / m.sum(dim=1).clamp_min(1)  # [B]
+    seq_log_ratio = seq_log_ratio.detach().clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    log_ratio = seq_log_ratio[:, None] + (logprob - logprob.detach())  # [B, T], value log s_i
+    return _token_objective(
+        log_ratio,
+        token_log_ratio,
+        logprob,
+        advantages,
+        m,
+        weights,
+        eps_low,
+        eps_high,
+        aggregation,
+        normaliser,
+        max_length,
+        ref_logprob,
+        kl_beta,
+        is_weight,
+    )
+
+
+def _check_token_inputs(logprob, old_logprob, advantages, mask, weights, ref_logprob, is_weight):
+    """Shape checks shared by the token losses; returns the mask as bool [B, T]."""
+    assert logprob.dim() == 2 and old_logprob.shape == mask.shape == logprob.shape, (
+        logprob.shape,
+        old_logprob.shape,
+        mask.shape,
+    )
+    assert advantages.shape == weights.shape == logprob.shape[:1], (advantages.shape, weights.shape)
+    for extra in (ref_logprob, is_weight):
+        assert extra is None or extra.shape == logprob.shape, extra.shape
+    return mask.bool()
+
+
+def _token_objective(
+    log_ratio: torch.Tensor,
+    token_log_ratio: torch.Tensor,
+    logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    m: torch.Tensor,
+    weights: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    aggregation: str,
+    normaliser: float,
+    max_length: int,
+    ref_logprob: torch.Tensor | None,
+    kl_beta: float,
+    is_weight: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The clipped objective, KL and aggregation shared by grpo_loss and gspo_loss (see grpo_loss)."""
+    assert normaliser > 0, normaliser
+    assert ref_logprob is not None or kl_beta == 0, "kl_beta > 0 needs ref_logprob"
+    assert (aggregation == "dr_grpo") == (max_length > 0), (aggregation, max_length)
+    dtype = logprob.dtype
+    adv = advantages.detach().to(dtype)[:, None]  # [B, 1]
+    ratio = torch.exp(log_ratio)  # [B, T]
+    policy = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps_low, 1 + eps_high))  # [B, T]
+    if is_weight is not None:
+        policy = policy * is_weight.detach().to(dtype)
+    per_token = policy
+    # Token weights of the aggregation: w_i m_it, divided by the response length (seq_mean) or by the
+    # constant max_length (dr_grpo); the division by the global normaliser comes last.
+    tok = weights.detach().to(dtype)[:, None] * m.to(dtype)  # [B, T]
+    if aggregation == "token_mean":
+        agg = tok
+    elif aggregation == "seq_mean":
+        agg = tok / m.sum(dim=1, keepdim=True).clamp_min(1)
+    elif aggregation == "dr_grpo":
+        agg = tok / max_length
+    else:
+        raise AssertionError(f"unknown aggregation {aggregation!r}")
+    sums = {
+        "loss/policy_sum": (tok * policy).sum(),
+        "loss/ratio_sum": (tok * ratio).sum(),
+        "loss/clip_count": (tok * ((ratio < 1 - eps_low) | (ratio > 1 + eps_high))).sum(),
+        "loss/approx_kl_sum": (tok * 0.5 * token_log_ratio**2).sum(),
+        "loss/count": tok.sum(),
+    }
+    if ref_logprob is not None:
+        d = torch.where(m, ref_logprob.detach() - logprob, 0.0).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        kl = (torch.exp(d) - d - 1).clamp(max=10.0)  # [B, T]
+        per_token = per_token + kl_beta * kl
+        sums["loss/kl_sum"] = (tok * kl).sum()
+    loss = (agg * per_token).sum() / normaliser
+    # One device->host copy for all metrics instead of one sync per .item().
+    values = torch.stack(list(sums.values())).detach().float().tolist()
+    return loss, dict(zip(sums, values))

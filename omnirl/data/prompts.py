@@ -26,39 +26,57 @@ class PromptRow:
     prompt: str
     metadata: dict[str, Any] = field(default_factory=dict)
     """Every other key of the row, plus "source": "file.jsonl:LINE"."""
+    inputs: dict[str, Any] = field(default_factory=dict)
+    """Multimodal inputs of the prompt for `Request.inputs`, e.g. {"image": PIL.Image} (omnirl.data.mmk12)."""
 
 
-def load_prompts(path: str | Path) -> list[PromptRow]:
+def load_prompts(path: str | Path, skipped: list[str] | None = None) -> list[PromptRow]:
     """Read a JSONL prompt file: one JSON object per line with a non-empty string "prompt"; blank lines
-    are skipped. Any other key is kept in `metadata` (e.g. "text", the OCR target)."""
+    are skipped. Any other key is kept in `metadata` (e.g. "text", the OCR target).
+
+    A malformed row is a DataError naming file and line; when a `skipped` list is passed
+    (data.on_bad_row: skip), the row is dropped instead and that message appended to the list."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"prompt file not found: {path}")
     rows = []
     for lineno, raw in enumerate(path.read_bytes().splitlines(), 1):
-        where = f"{path}:{lineno}"
         try:
-            # utf-8-sig on the first line drops the byte-order mark some editors write.
-            line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-        except UnicodeDecodeError as e:
-            raise DataError(f"{where}: not UTF-8 text ({e})") from None
-        if not line.strip():
+            row = _parse_row(path, lineno, raw)
+        except DataError as e:
+            if skipped is None:
+                raise
+            skipped.append(str(e))
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(row, dict):
-            raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-        prompt = row.pop("prompt", None)
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise DataError(f'{where}: every row needs a non-empty string "prompt", got {prompt!r}')
-        if "source" in row:
-            raise DataError(f'{where}: the key "source" is reserved (omnirl records "file:line" there)')
-        rows.append(PromptRow(prompt=prompt, metadata={**row, "source": where}))
+        if row is not None:
+            rows.append(row)
     if not rows:
         raise DataError(f"{path}: no prompts (the file is empty)")
     return rows
+
+
+def _parse_row(path: Path, lineno: int, raw: bytes) -> PromptRow | None:
+    """One line of a prompt file (None for a blank line); a DataError naming file and line if malformed."""
+    where = f"{path}:{lineno}"
+    try:
+        # utf-8-sig on the first line drops the byte-order mark some editors write.
+        line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where}: not UTF-8 text ({e})") from None
+    if not line.strip():
+        return None
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    prompt = row.pop("prompt", None)
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise DataError(f'{where}: every row needs a non-empty string "prompt", got {prompt!r}')
+    if "source" in row:
+        raise DataError(f'{where}: the key "source" is reserved (omnirl records "file:line" there)')
+    return PromptRow(prompt=prompt, metadata={**row, "source": where})
 
 
 def step_prompt_indices(num_rows: int, step: int, prompts_per_step: int, seed: int) -> list[int]:

@@ -15,23 +15,28 @@ from typing import Any, Protocol
 
 from PIL import Image
 
+from omnirl.config import ConfigError
+
 REWARDS = {
     "jpeg_compressibility": "omnirl.rewards.jpeg:JpegCompressibility",
     "jpeg_incompressibility": "omnirl.rewards.jpeg:JpegIncompressibility",
     "ocr": "omnirl.rewards.ocr:OcrReward",
+    "text_edit": "omnirl.rewards.text_edit:TextEditReward",
+    "mmk12": "omnirl.rewards.mmk12:Mmk12Reward",
 }
 
 
 class Reward(Protocol):
     def __call__(
-        self, images: list[Image.Image], prompts: list[str], metadata: list[dict[str, Any]]
+        self, images: list[Image.Image] | list[str], prompts: list[str], metadata: list[dict[str, Any]]
     ) -> list[float]:
-        """One finite score per image; higher is better."""
+        """One finite score per sample; higher is better. `images` holds the generated outputs: PIL
+        images from diffusion models, the response texts from text-output (omni) models."""
 
 
 def get_reward(name: str) -> type[Reward]:
     """The reward class registered under `name` (imports its module now)."""
     if name not in REWARDS:
-        raise ValueError(f"unknown reward {name!r}; known: {', '.join(sorted(REWARDS))}")
+        raise ConfigError(f"unknown reward {name!r}; known: {', '.join(sorted(REWARDS))}")
     module, cls = REWARDS[name].split(":")
     return getattr(importlib.import_module(module), cls)
