@@ -138,7 +138,8 @@ class RolloutConfig:
     """Text-token lengths that prompts are padded to (Qwen-Image family, ascending). Only prompts of one
     bucket share a forward, so padding stays bounded and a compiled transformer sees few shapes. The largest
     is the maximum prompt length: longer prompts are truncated to it (the pipeline's max_sequence_length,
-    at most 1024)."""
+    at most 1024). Qwen-Image-Edit's text also holds the condition image's vision tokens and is never
+    truncated: a longer one is an error."""
 
 
 @dataclass

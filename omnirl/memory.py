@@ -1,9 +1,25 @@
-"""Phases of a step and the device memory they use.
+"""Phases of a step and the device memory they use: sleep/wake between rollout and training.
 
-`phase("rollout")` / `phase("train")` bracket the two halves of an RL step. Each phase frees the
-allocator's cached blocks when it ends and reports the time taken and the peak device memory
-allocated during the phase. (Moving what a phase does not need to host memory, sleep/wake, hooks
-in here too.) Only this module and `distributed.py` touch `torch.cuda` / `torch.npu`.
+`phase("rollout" | "train", stats, sleeper, sleep=..., wake=...)` brackets one half of an RL step. On
+entry it puts to sleep what the phase does not need (its storage moves to host memory and is freed on
+the device) and wakes what it needs; on exit it frees the allocator's cached blocks. It reports the
+bytes moved and the time taken by each transition and the peak device memory of the phase.
+
+Why it is written this way (DESIGN.md 4c, measured on an H200): host<->device copies run at ~51 GiB/s
+from pinned host memory but 8-16 GiB/s from pageable memory, and pinning 10 GiB afresh takes ~7 s. So the
+host memory is pinned once, in fixed chunks (torch's pinned allocator rounds every allocation up to a
+power of two), and reused by every later sleep; thousands of small tensors (a LoRA's optimizer state)
+are packed flat on the device and cross the bus in a few large copies; copies are asynchronous and
+each transition synchronizes once.
+
+What sleeps is a tensor's storage, in place: its bytes go to the host, `untyped_storage().resize_(0)`
+frees them, and waking resizes the same storage and copies the bytes back. Every tensor and view on that
+storage (optimizer state, parameters, the local shard of an FSDP2 DTensor) is then bit-exactly what it
+was, and nothing that holds it (an optimizer, a module) needs to know. On CPU, device and host are the
+same memory: the bytes still move into (unpinned) host chunks and the storage is still freed, so the
+code path is the one the accelerator takes and tests can check it.
+
+Only this module and `distributed.py` touch `torch.cuda` / `torch.npu`.
 """
 
 from __future__ import annotations
@@ -11,8 +27,21 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+GIB = 2**30
+CHUNK_BYTES = 1 << 30  # one pinned host chunk: a power of two, so the pinned allocator wastes nothing
+# Storages below this size are packed. A host<->device copy has a fixed cost of several microseconds,
+# ~3% of a 16 MiB transfer at ~50 GiB/s; packing costs an extra device-side copy at a few TB/s, also
+# a few % of the transfer: the two meet near 16 MiB (benchmarks/sleep_wake.py compares thresholds).
+PACK_BELOW = 16 << 20
+RUN_BYTES = 64 << 20  # the most packed bytes per transfer: the transient device staging buffer
+ALIGN = 256  # large storages start aligned in their chunk, for the copy engines; wastes < 256 bytes each
 
 
 def _accel():
@@ -38,12 +67,239 @@ def synchronize() -> None:
         accel.synchronize()
 
 
+def optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor of an optimizer's state (AdamW: exp_avg, exp_avg_sq, step); none before the first step."""
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def module_tensors(modules: Iterable[nn.Module]) -> list[torch.Tensor]:
+    """The parameters and buffers of `modules` (tied ones once)."""
+    return [t for m in modules for t in [*m.parameters(), *m.buffers()]]
+
+
+@dataclass
+class _Run:
+    """Whole storages (indices into `_Plan.storages`), packed tight at `offset` of one chunk."""
+
+    chunk: int
+    offset: int
+    members: list[int] = field(default_factory=list)
+    nbytes: int = 0
+
+
+@dataclass
+class _Piece:
+    """Bytes [start, start + nbytes) of a large storage, at `offset` of one chunk."""
+
+    chunk: int
+    offset: int
+    index: int
+    start: int
+    nbytes: int
+
+
+@dataclass
+class _Plan:
+    """Where a group's storages go in the host chunks. Kept and reused while the group's storages stay the
+    same objects (step after step), so a transition costs no per-tensor Python work beyond a resize."""
+
+    storages: list[torch.UntypedStorage]
+    sizes: list[int]
+    views: list[torch.Tensor]  # uint8 over each whole storage: valid again whenever it is resized back
+    chunks: int  # how many chunks the layout spans
+    runs: list[_Run]
+    pieces: list[_Piece]
+
+
+def _layout(sizes: list[int], chunk_bytes: int) -> tuple[int, list[_Run], list[_Piece]]:
+    """Place storages of `sizes` bytes in chunks, in order: (chunks used, packed runs, pieces).
+
+    A small storage never straddles chunks and joins the current run; a large one starts aligned and
+    spills over as many chunks as it needs."""
+    small = min(PACK_BELOW, chunk_bytes)
+    runs: list[_Run] = []
+    pieces: list[_Piece] = []
+    chunk, offset, run = 0, 0, None
+    for i, n in enumerate(sizes):
+        if n < small:
+            if offset + n > chunk_bytes:
+                chunk, offset, run = chunk + 1, 0, None
+            if run is None or run.nbytes + n > RUN_BYTES:
+                run = _Run(chunk, offset)
+                runs.append(run)
+            run.members.append(i)
+            run.nbytes += n
+            offset += n
+            continue
+        run = None
+        offset = -(-offset // ALIGN) * ALIGN
+        start = 0
+        while start < n:
+            if offset >= chunk_bytes:
+                chunk, offset = chunk + 1, 0
+            k = min(n - start, chunk_bytes - offset)
+            pieces.append(_Piece(chunk, offset, i, start, k))
+            start, offset = start + k, offset + k
+    used = chunk + 1 if sizes else 0
+    return used, runs, pieces
+
+
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A flat uint8 tensor over all of `storage`."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class Sleeper:
+    """Puts named groups of tensors to sleep in reusable host chunks and wakes them bit-exact.
+
+    `chunks` are allocated (pinned when there is an accelerator) the first time they are needed and kept;
+    a group that wakes hands its chunks back for the next sleep to reuse.
+    """
+
+    def __init__(self, device: torch.device, chunk_bytes: int = CHUNK_BYTES):
+        self.device = torch.device(device)
+        self.chunk_bytes = chunk_bytes
+        self.pin = self.device.type != "cpu"
+        self.chunks: list[torch.Tensor] = []  # [chunk_bytes] uint8 each, on the host
+        self._free: list[int] = []  # indices of chunks no group holds
+        self._plans: dict[str, _Plan] = {}
+        self._asleep: dict[str, tuple[_Plan, list[int]]] = {}  # name -> (plan, indices of its chunks)
+
+    def is_asleep(self, name: str) -> bool:
+        return name in self._asleep
+
+    @property
+    def host_bytes(self) -> int:
+        return len(self.chunks) * self.chunk_bytes
+
+    def _take_chunks(self, n: int) -> list[int]:
+        self._free.sort()  # lowest first: the same chunks serve the same group step after step
+        while len(self._free) < n:
+            self._free.append(len(self.chunks))
+            self.chunks.append(torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self.pin))
+        taken, self._free = self._free[:n], self._free[n:]
+        return taken
+
+    def _plan(self, name: str, tensors: Iterable[torch.Tensor]) -> _Plan:
+        storages: dict[int, torch.UntypedStorage] = {}
+        users: dict[int, list[torch.Tensor]] = {}  # the tensors on each storage
+        for t in tensors:
+            local = t.to_local() if isinstance(t, DTensor) else t
+            storage = local.untyped_storage()
+            if local.device.type != self.device.type or storage.nbytes() == 0:
+                continue
+            key = storage.data_ptr()
+            storages.setdefault(key, storage)
+            users.setdefault(key, []).append(t)
+        plan = self._plans.get(name)
+        if plan is not None and len(plan.storages) == len(storages):
+            same = zip(plan.storages, plan.sizes, storages.values())
+            if all(a is b and b.nbytes() == n for a, n, b in same):
+                return plan
+        kept = []
+        for key, storage in storages.items():
+            if not storage.resizable():
+                # A CPU tensor mmap'd from a safetensors file cannot be resized: its users move, once, to
+                # a copy that can (sharing it as they shared the original).
+                assert not any(isinstance(t, DTensor) for t in users[key]), "a DTensor on an mmap'd storage"
+                fresh = torch.UntypedStorage(storage.nbytes(), device=storage.device)
+                fresh.copy_(storage)
+                for t in users[key]:
+                    t.set_(fresh, t.storage_offset(), t.size(), t.stride())
+                storage = fresh
+            kept.append(storage)
+        sizes = [s.nbytes() for s in kept]
+        used, runs, pieces = _layout(sizes, self.chunk_bytes)
+        plan = _Plan(kept, sizes, [_bytes(s) for s in kept], used, runs, pieces)
+        self._plans[name] = plan
+        return plan
+
+    @torch.no_grad()
+    def sleep(self, name: str, tensors: Iterable[torch.Tensor]) -> int:
+        """Move the storage of `tensors` to the host and free it on the device; returns the bytes moved.
+
+        A DTensor sleeps by its local shard. Tensors on another device (AdamW's `step` counters on the
+        host), storages already freed (FSDP2's resharded parameters) and repeats are skipped. A group
+        that is already asleep stays as it is, so a phase can say what must be asleep in it."""
+        if name in self._asleep:
+            return 0
+        plan = self._plan(name, tensors)
+        chunk_ids = self._take_chunks(plan.chunks)
+        for run in plan.runs:
+            dst = self.chunks[chunk_ids[run.chunk]][run.offset : run.offset + run.nbytes]
+            if len(run.members) == 1:
+                dst.copy_(plan.views[run.members[0]], non_blocking=True)
+                continue
+            staging = torch.empty(run.nbytes, dtype=torch.uint8, device=self.device)
+            torch.cat([plan.views[i] for i in run.members], out=staging)
+            dst.copy_(staging, non_blocking=True)
+        for p in plan.pieces:
+            dst = self.chunks[chunk_ids[p.chunk]][p.offset : p.offset + p.nbytes]
+            dst.copy_(plan.views[p.index][p.start : p.start + p.nbytes], non_blocking=True)
+        # Freeing right after the asynchronous copies is safe: the device allocator hands the blocks out
+        # again only to work queued behind the copies on the same stream.
+        for storage in plan.storages:
+            storage.resize_(0)
+        synchronize()
+        self._asleep[name] = (plan, chunk_ids)
+        return sum(plan.sizes)
+
+    @torch.no_grad()
+    def wake(self, name: str) -> int:
+        """Give the storages of a sleeping group their bytes back; returns the bytes moved (0 if awake)."""
+        if name not in self._asleep:
+            return 0
+        plan, chunk_ids = self._asleep.pop(name)
+        for storage, n in zip(plan.storages, plan.sizes):
+            storage.resize_(n)
+        for run in plan.runs:
+            src = self.chunks[chunk_ids[run.chunk]][run.offset : run.offset + run.nbytes]
+            if len(run.members) == 1:
+                plan.views[run.members[0]].copy_(src, non_blocking=True)
+                continue
+            staging = torch.empty(run.nbytes, dtype=torch.uint8, device=self.device)
+            staging.copy_(src, non_blocking=True)
+            torch.split_with_sizes_copy(
+                staging, [plan.sizes[i] for i in run.members], out=[plan.views[i] for i in run.members]
+            )
+        for p in plan.pieces:
+            src = self.chunks[chunk_ids[p.chunk]][p.offset : p.offset + p.nbytes]
+            plan.views[p.index][p.start : p.start + p.nbytes].copy_(src, non_blocking=True)
+        synchronize()  # the host chunks may be reused only once the copies have landed
+        self._free += chunk_ids
+        return sum(plan.sizes)
+
+
 @contextlib.contextmanager
-def phase(name: str, stats: dict[str, float]):
-    """Run one phase; on exit write `mem/{name}_peak_gib` and `time/{name}_s` into `stats`."""
+def phase(
+    name: str,
+    stats: dict[str, float],
+    sleeper: Sleeper | None = None,
+    sleep: dict[str, Iterable[torch.Tensor]] | None = None,
+    wake: Iterable[str] = (),
+):
+    """Run one phase with the groups in `sleep` asleep and those named in `wake` awake.
+
+    Sleeping comes first, so what wakes can reuse the memory it frees. Writes into `stats`:
+    `mem/{name}_sleep_gib`, `time/{name}_sleep_s`, `mem/{name}_wake_gib`, `time/{name}_wake_s` and
+    `mem/host_gib` (the host chunks) when a sleeper is given; always `time/{name}_s` (the phase's work)
+    and, on an accelerator, `mem/{name}_peak_gib` (peak allocated from after the sleep to the end).
+    """
     accel = _accel()
+    if sleeper is not None:
+        start = time.perf_counter()
+        moved = sum(sleeper.sleep(group, tensors) for group, tensors in (sleep or {}).items())
+        stats[f"time/{name}_sleep_s"] = time.perf_counter() - start
+        stats[f"mem/{name}_sleep_gib"] = moved / GIB
+        empty_cache()
     if accel is not None:
         accel.reset_peak_memory_stats()
+    if sleeper is not None:
+        start = time.perf_counter()
+        moved = sum(sleeper.wake(group) for group in wake)
+        stats[f"time/{name}_wake_s"] = time.perf_counter() - start
+        stats[f"mem/{name}_wake_gib"] = moved / GIB
+        stats["mem/host_gib"] = sleeper.host_bytes / GIB
     start = time.perf_counter()
     try:
         yield
@@ -51,5 +307,5 @@ def phase(name: str, stats: dict[str, float]):
         synchronize()
         stats[f"time/{name}_s"] = time.perf_counter() - start
         if accel is not None:
-            stats[f"mem/{name}_peak_gib"] = accel.max_memory_allocated() / 2**30
+            stats[f"mem/{name}_peak_gib"] = accel.max_memory_allocated() / GIB
         empty_cache()

@@ -18,12 +18,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from omnirl import checkpoint
 from omnirl import distributed as D
 from omnirl.algos.advantages import group_advantages
 from omnirl.algos.losses import flow_kl, get_loss
-from omnirl.config import Config
+from omnirl.config import Config, ConfigError
+from omnirl.data.edit import load_edit_rows, open_inputs
 from omnirl.data.prompts import PromptRow, load_prompts, step_prompt_indices
-from omnirl.memory import phase
+from omnirl.memory import Sleeper, module_tensors, optimizer_state, phase
 from omnirl.metrics import MetricsLogger
 from omnirl.models import get_adapter
 from omnirl.models.base import Request, SamplingParams, Trajectory, derive_seed
@@ -57,7 +59,7 @@ def make_requests(
     """
     per_step, group = cfg.rollout.prompts_per_step, cfg.rollout.group_size
     if per_step % dist.world_size:
-        raise ValueError(
+        raise ConfigError(
             f"rollout.prompts_per_step ({per_step}) must divide by the number of ranks ({dist.world_size})"
         )
     share = per_step // dist.world_size
@@ -66,6 +68,7 @@ def make_requests(
     requests, req_rows = [], []
     for pos in range(dist.rank * share, (dist.rank + 1) * share):
         row = rows[indices[pos]]
+        inputs = open_inputs(row.inputs)  # read once per step: the group's requests share its images
         for j in range(group):
             index = pos * group + j
             requests.append(
@@ -77,6 +80,7 @@ def make_requests(
                     params=params,
                     negative_prompt=cfg.sampling.negative_prompt,
                     metadata=row.metadata,
+                    inputs=inputs,
                 )
             )
             req_rows.append(row)
@@ -164,7 +168,8 @@ def update(cfg: Config, adapter, ref_model, optimizer, loss_fn, trajs, keep, ste
     params = trajs[0].request.params
     model = adapter.transformer
     gen = torch.Generator().manual_seed(derive_seed(cfg.run.seed, step, -1))
-    sums: dict[str, float] = {}
+    # Every rank must hold the same keys: reduce_metrics all-reduces them as one tensor.
+    sums: dict[str, float] = {"train/skipped_nonfinite": 0.0}
     pairs_all = make_pairs(trajs, keep, gen)
     if cfg.algo.old_logprob == "recompute":
         with torch.no_grad():
@@ -179,6 +184,8 @@ def update(cfg: Config, adapter, ref_model, optimizer, loss_fn, trajs, keep, ste
             if total.item() == 0:
                 continue  # no rank kept anything: nothing to learn from this step
             optimizer.zero_grad(set_to_none=True)
+            mb_sums: dict[str, float] = {}
+            finite_loss = True
             for mb in micro_batches(pairs, cfg.optim.micro_batch_size, trajs[0]):
                 logprob, mean, std = pair_logprob(adapter, mb, params)
                 device = logprob.device
@@ -196,11 +203,18 @@ def update(cfg: Config, adapter, ref_model, optimizer, loss_fn, trajs, keep, ste
                     logprob, old, adv, w, cfg.algo.clip_range, total.item(), kl=kl, kl_beta=cfg.algo.kl_beta
                 )
                 loss.backward()
+                finite_loss &= bool(torch.isfinite(loss.detach()))
                 for k, v in m.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
+                    mb_sums[k] = mb_sums.get(k, 0.0) + float(v)
             sync_grads(cfg, model)
             grad_norm = clip_grads(cfg, adapter)
+            if skip_nonfinite(cfg, step, finite_loss, grad_norm):
+                optimizer.zero_grad(set_to_none=True)
+                sums["train/skipped_nonfinite"] += 1
+                continue
             optimizer.step()
+            for k, v in mb_sums.items():  # a skipped update's (non-finite) loss metrics are not logged
+                sums[k] = sums.get(k, 0.0) + v
             sums["train/grad_norm_sum"] = sums.get("train/grad_norm_sum", 0.0) + grad_norm
             sums["train/updates"] = sums.get("train/updates", 0.0) + 1
     return sums
@@ -227,6 +241,26 @@ def sync_grads(cfg: Config, model: nn.Module) -> None:
     for p in model.parameters():
         if p.requires_grad and p.grad is not None:
             D.all_reduce(p.grad)
+
+
+class NonFiniteError(RuntimeError):
+    """A non-finite loss or gradient norm with train.on_nonfinite 'stop'; the message names the step."""
+
+
+def skip_nonfinite(cfg: Config, step: int, finite_loss: bool, grad_norm: float) -> bool:
+    """Whether this optimizer step must be skipped because some rank saw a non-finite loss or gradient
+    norm. The verdict is all-reduced so that every rank skips (or stops) together: a rank stepping
+    alone would desynchronise the replicas, or hang FSDP in the next collective."""
+    bad = torch.tensor([float(not finite_loss), float(not math.isfinite(grad_norm))])
+    bad_loss, bad_grad = D.all_reduce(bad, op=torch.distributed.ReduceOp.MAX).tolist()
+    if not (bad_loss or bad_grad):
+        return False
+    what = " and ".join(w for w, b in (("loss", bad_loss), ("gradient norm", bad_grad)) if b)
+    msg = f"step {step}: non-finite {what} (on at least one rank; this rank's grad norm {grad_norm})"
+    if cfg.train.on_nonfinite == "stop":
+        raise NonFiniteError(f"{msg}; the weights were not updated (train.on_nonfinite: stop)")
+    D.print0(f"warning: {msg}; the update is skipped (train.on_nonfinite: skip)")
+    return True
 
 
 def clip_grads(cfg: Config, adapter) -> float:
@@ -258,6 +292,7 @@ def summarise(sums: dict[str, float], world_size: int) -> dict[str, float]:
     if updates:
         out["train/grad_norm"] = sums["train/grad_norm_sum"] / updates
         out["train/updates"] = updates / world_size
+    out["train/skipped_nonfinite"] = sums["train/skipped_nonfinite"] / world_size
     return out
 
 
@@ -275,7 +310,14 @@ def validate(cfg: Config, engine: DiffusionEngine, rewards: RewardPool, rows, di
     mine = rows[dist.rank :: dist.world_size]
     requests = [
         Request(
-            r.prompt, i, i, derive_seed(cfg.run.seed, -1, i), params, cfg.sampling.negative_prompt, r.metadata
+            r.prompt,
+            i,
+            i,
+            derive_seed(cfg.run.seed, -1, i),
+            params,
+            cfg.sampling.negative_prompt,
+            r.metadata,
+            open_inputs(r.inputs),
         )
         for i, r in enumerate(mine)
     ]
@@ -288,8 +330,17 @@ def train(cfg: Config) -> dict[str, float]:
     """Run the recipe; returns the last step's logged metrics."""
     dist = D.init_distributed(cfg.distributed.timeout_s)
     D.seed_everything(cfg.run.seed)
-    rows = load_prompts(cfg.data.train_path)
-    val_rows = load_prompts(cfg.data.val_path) if cfg.validation.every and cfg.data.val_path else []
+    resume = checkpoint.find_resume(cfg)  # a checkpoint of another model fails here, before any loading
+    skipped: list[str] | None = [] if cfg.data.on_bad_row == "skip" else None
+    load_rows = {"prompts": load_prompts, "edit": load_edit_rows}[cfg.data.format]
+    rows = load_rows(cfg.data.train_path, skipped)
+    val_rows = load_rows(cfg.data.val_path, skipped) if cfg.validation.every and cfg.data.val_path else []
+    if skipped:
+        D.print0(f"warning: skipped {len(skipped)} malformed data rows (data.on_bad_row: skip):")
+        D.print0("\n".join(f"  {e}" for e in skipped))
+    # Names are checked before the model loads: a typo should not cost minutes of loading first.
+    loss_fn = get_loss(cfg.algo.loss)
+    rewards = RewardPool(cfg.reward.weights, cfg.reward.num_workers, cfg.reward.timeout_s)
     adapter = get_adapter(cfg.model.adapter)(cfg, dist.device)
     ref_model = build_reference(cfg, adapter)
     shard(cfg, adapter, ref_model, dist)
@@ -300,24 +351,40 @@ def train(cfg: Config) -> dict[str, float]:
         eps=cfg.optim.eps,
         weight_decay=cfg.optim.weight_decay,
     )
-    loss_fn = get_loss(cfg.algo.loss)
-    rewards = RewardPool(cfg.reward.weights, cfg.reward.num_workers, cfg.reward.timeout_s)
-    engine = DiffusionEngine(adapter, cfg.rollout.max_num_seqs)
-    logger = MetricsLogger(cfg.run.output_dir, dist.is_main, cfg.log.tensorboard)
-    logger.progress(cfg.run.steps)
+    start, history = 0, []
+    if resume is not None:
+        start, history = checkpoint.load(resume, cfg, adapter.transformer, optimizer, dist)
+    engine = DiffusionEngine(
+        adapter,
+        cfg.rollout.max_num_seqs,
+        cfg.rollout.max_num_batched_tokens,
+        cfg.rollout.fused_cfg,
+        cfg.rollout.compile,
+    )
+    logger = MetricsLogger(cfg.run.output_dir, dist.is_main, cfg.log.tensorboard, start, history)
+    logger.progress(cfg.run.steps, initial=start)
+    sleeper = Sleeper(dist.device) if cfg.memory.sleep else None
     logs: dict[str, float] = {}
-    for step in range(cfg.run.steps):
+    for step in range(start, cfg.run.steps):
         stats: dict[str, float] = {}
-        start = time.perf_counter()
+        step_start = time.perf_counter()
         requests, _ = make_requests(cfg, rows, step, dist)
-        with phase("rollout", stats):
+        # Each phase sleeps what only the other one uses (DESIGN.md 4c). The gradients are dead after a
+        # step (every update starts from zero_grad(set_to_none=True)): dropped, not carried to the host.
+        optimizer.zero_grad(set_to_none=True)
+        train_only = {
+            "optimizer": optimizer_state(optimizer),
+            "reference": module_tensors([ref_model] if ref_model is not None else []),
+        }
+        with phase("rollout", stats, sleeper, sleep=train_only, wake=["offload"]):
             trajs, per_reward = rollout_and_score(engine, rewards, requests)
         rewards_t = torch.tensor([t.reward for t in trajs])
         groups = torch.tensor([t.request.group_id for t in trajs])
         adv, keep, adv_metrics = group_advantages(rewards_t, groups, cfg.algo.adv_clip, cfg.algo.global_std)
         for t, a in zip(trajs, adv.tolist()):
             t.advantage = a
-        with phase("train", stats):
+        rollout_only = {"offload": module_tensors(adapter.offload_modules())}
+        with phase("train", stats, sleeper, sleep=rollout_only, wake=list(train_only)):
             sums = update(cfg, adapter, ref_model, optimizer, loss_fn, trajs, keep, step)
         logs = {
             **reward_stats(per_reward),
@@ -325,15 +392,22 @@ def train(cfg: Config) -> dict[str, float]:
             **summarise(reduce_metrics(sums), dist.world_size),
             **stats,
         }
-        logs["time/step_s"] = time.perf_counter() - start
+        logs["time/step_s"] = time.perf_counter() - step_start
+        if step == 0 and skipped is not None:
+            logs["data/skipped_rows"] = len(skipped)
         if cfg.validation.every and val_rows and (step + 1) % cfg.validation.every == 0:
-            logs.update(validate(cfg, engine, rewards, val_rows, dist))
+            # The optimizer state stays awake: a checkpoint saved after validation reads it.
+            with phase("validate", logs, sleeper, wake=["offload"]):
+                logs.update(validate(cfg, engine, rewards, val_rows, dist))
         logger.log(step, logs)
         if cfg.log.image_every and step % cfg.log.image_every == 0:
             logger.log_images(
                 step, "samples", [t.image for t in trajs[:8]], [t.request.prompt for t in trajs[:8]]
             )
         logger.update(step, logs["reward/mean"], logs["time/step_s"])
+        every = cfg.checkpoint.every
+        if every and ((step + 1) % every == 0 or step + 1 == cfg.run.steps):
+            checkpoint.save(cfg, step + 1, adapter.transformer, optimizer, dist)
     if cfg.export.lora_at_end and cfg.model.finetune == "lora":
         export_lora(cfg, adapter, dist)
     rewards.close()

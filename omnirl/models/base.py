@@ -4,8 +4,11 @@ A `Request` is one sample to generate. A `Trajectory` is what the rollout hands 
 the latents entering and leaving each trained denoising step, the sigmas, the rollout log-prob of
 each trained step, and the prompt embeddings, so that training never re-runs the text encoders.
 
+An omni (autoregressive) rollout hands the trainer an `OmniTrajectory`: prompt and response token ids,
+the per-token rollout log-probs and the multimodal inputs needed to recompute them.
+
 Adapters are `typing.Protocol`s: an adapter is any class with these methods, and adapters share no
-implementation (shared math lives in `flow_sde.py`).
+implementation (shared math lives in `flow_sde.py` and, for the omni models, `lm.py`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class SamplingParams:
     sde_window_size: int  # trained steps per sample; 0 = every step
     sde_window_range: tuple[int, int]  # the window start is drawn per request from [lo, hi)
     record_logprobs: bool = True
+    lora: str = "policy"  # which LoRA the forward runs: one adapter per batch
 
     @property
     def key(self) -> tuple:
@@ -48,7 +52,25 @@ class SamplingParams:
             self.sde_window_size,
             self.sde_window_range,
             self.record_logprobs,
+            self.lora,
         )
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Sampling settings of one autoregressive (omni) request. The generation engine applies every field
+    per row, so requests with different settings share a batch.
+
+    The recorded log-prob of a token is always log_softmax(logits / temperature) over the whole output
+    vocabulary (`omnirl.models.lm.output_logprobs`): top-p and top-k only shape which token is drawn.
+    top_k 1 is greedy decoding.
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0  # nucleus: keep the most probable tokens whose mass reaches top_p (1 = off)
+    top_k: int = 0  # keep the k most probable tokens (0 = off, 1 = greedy)
+    stop_token_ids: tuple[int, ...] = ()  # stop on these as well as on the model's EOS tokens
 
 
 @dataclass
@@ -59,7 +81,7 @@ class Request:
     group_id: int  # the prompt this sample belongs to (advantages are computed within a group)
     index: int  # global request index of the step; the seed derives from it
     seed: int  # derive_seed(base_seed, step, index)
-    params: SamplingParams
+    params: SamplingParams | GenerationParams  # diffusion | omni (autoregressive) requests
     negative_prompt: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)  # the data row (e.g. the OCR target text)
     inputs: dict[str, Any] = field(default_factory=dict)  # multimodal inputs, e.g. {"image": PIL.Image}
@@ -97,10 +119,90 @@ class Trajectory:
     advantage: float = 0.0
 
 
+@dataclass
+class OmniTrajectory:
+    """A finished autoregressive rollout of one request, on the host (shapes without a batch dimension).
+
+    `prompt_ids` + `mm_inputs` are exactly what the adapter's `prepare` made of the request, so the trainer
+    re-scores the response on the same inputs (`OmniModelBase.token_logprobs`) without the processor.
+    """
+
+    request: Request
+    prompt_ids: torch.Tensor  # [P] int64, chat template applied, placeholders expanded
+    response_ids: torch.Tensor  # [T] int64, the stop token included when generation stopped on one
+    logprobs: torch.Tensor  # [T] float32, the policy's log-prob of each token (models/lm.py output_logprobs)
+    mm_inputs: dict[str, torch.Tensor]  # e.g. pixel_values [N, D], image_grid_thw [I, 3],
+    # input_features [A, M, F], feature_attention_mask [A, F]
+    finish_reason: str  # "stop" (a stop / EOS token) | "length" (max_new_tokens)
+    text: str  # the decoded response, special tokens skipped
+    reward: float = float("nan")
+    advantage: float = 0.0
+
+    def prompt_inputs(self) -> dict[str, torch.Tensor]:
+        """The prompt as `prepare` returned it: the input of `OmniModelBase.collate`."""
+        return {"input_ids": self.prompt_ids, **self.mm_inputs}
+
+
+class OmniModelBase(Protocol):
+    """What the generation engine and the trainer need from an autoregressive omni-modal family.
+
+    An adapter is built as `Adapter(cfg, device)`: it loads the model and processor named by `cfg.model`,
+    keeps only the stage `cfg.model.stage` trains (modules it does not use are never built or are deleted
+    before any sharding), injects the LoRA of `cfg.lora` into the language model's decoder layers, and
+    handles the family's config quirks. Rollout and trainer score tokens through the same `model` and
+    `lm_head` through one definition (`omnirl.models.lm.output_logprobs`), so their log-probs agree.
+    """
+
+    model: nn.Module  # the trained module and FSDP root: forward(**batch, position_ids, ...) -> [B, L, H]
+    lm_head: nn.Module  # the output projection, a child of `model`, applied by callers where they need it
+    processor: Any  # the transformers processor: chat template, image / audio features, placeholders
+    tokenizer: Any
+    eos_token_ids: tuple[int, ...]  # generation stops on these (the checkpoint's generation_config)
+    placeholder_token_ids: tuple[int, ...]  # image / video / audio pads: never emitted (see models/lm.py)
+    pad_token_id: int
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """Modules to wrap with `fully_shard` before the root: decoder layers, encoders, `lm_head`."""
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """The parameters the optimizer updates (the LoRA, or the whole trained stage)."""
+
+    def prepare(self, request: Request) -> dict[str, torch.Tensor]:
+        """The request's prompt as host tensors without a batch dimension: input_ids [P] (chat template with
+        the image / audio placeholders expanded by the processor) and the multimodal tensors."""
+
+    def collate(self, inputs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Batch `prepare` outputs for `model`: input_ids and attention_mask [B, P] left-padded, the
+        multimodal tensors concatenated in row order."""
+
+    def rope_positions(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """M-RoPE positions [3, B, L] of a collated batch (padding ignored), the model's get_rope_index."""
+
+    def token_logprobs(
+        self,
+        model_inputs: dict[str, torch.Tensor],
+        sequences: torch.Tensor,
+        response_mask: torch.Tensor,
+        temperature: float,
+    ) -> torch.Tensor:
+        """[B, T] float32 log-probs of response tokens `sequences` [B, T] (right-padded, `response_mask`
+        [B, T]) after the collated prompts `model_inputs`; 0 where the mask is 0. Differentiable."""
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV cache one token takes over all decoder layers (for the engine's memory budget)."""
+
+    def export_lora(self, out_dir: str, state_dict: dict | None = None) -> None:
+        """Write the LoRA as a peft adapter (adapter_config.json + adapter_model.safetensors). An FSDP run
+        passes the gathered full state dict of `model`."""
+
+
 class DiffusionAdapter(Protocol):
     """What the rollout engine and the trainer need from a diffusion model family."""
 
     transformer: nn.Module  # the trained module (LoRA injected or fully trainable)
+    fused_cfg: (
+        bool  # rollout runs CFG's cond + uncond rows in one forward; the engine sets it (rollout.fused_cfg)
+    )
 
     def compat_key(self, request: Request) -> tuple:
         """Everything that must be uniform inside one forward: `request.params.key` plus what the

@@ -23,7 +23,7 @@ from diffusers.training_utils import cast_training_params
 from torch import nn
 from transformers import AutoTokenizer, CLIPTextModelWithProjection, T5EncoderModel
 
-from omnirl.config import Config
+from omnirl.config import Config, ConfigError
 from omnirl.distributed import DTYPES, load_pretrained
 from omnirl.models.base import Request, Trajectory
 from omnirl.models.flow_sde import flow_step
@@ -40,15 +40,16 @@ class SD3Adapter:
         try:
             index = StableDiffusion3Pipeline.load_config(path)
         except OSError as e:
-            raise ValueError(
+            raise ConfigError(
                 f"model.path {path!r} is neither a local diffusers checkpoint (a directory with "
                 f"model_index.json) nor a loadable hub id: {e}"
             ) from None
         if index.get("_class_name") != "StableDiffusion3Pipeline":
-            raise ValueError(
+            raise ConfigError(
                 f"model.path {path!r} holds a {index.get('_class_name')}, not a StableDiffusion3Pipeline"
             )
         self.device = device
+        self.fused_cfg = cfg.rollout.fused_cfg  # read by `rollout`; the engine sets it from the same field
         dtype = DTYPES[cfg.model.dtype]
         # A fully fine-tuned transformer is trained, hence kept, in float32; a LoRA base stays in `dtype`.
         self.lora = cfg.model.finetune == "lora"
@@ -75,7 +76,7 @@ class SD3Adapter:
         self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
         if self.scheduler.config.use_dynamic_shifting:
             # The SD3 pipeline then shifts sigmas by image size; SD3 / 3.5 checkpoints use a fixed shift.
-            raise ValueError(f"model.path {path!r}: a scheduler with use_dynamic_shifting is not supported")
+            raise ConfigError(f"model.path {path!r}: a scheduler with use_dynamic_shifting is not supported")
         # Computed as the pipeline does (8 for SD3: a latent pixel is 8x8 image pixels).
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
 
@@ -246,7 +247,7 @@ class SD3Adapter:
         for i in range(num_steps):
             sigma = sigmas_dev[i].expand(batch)  # [B]
             sigma_next = sigmas_dev[i + 1].expand(batch)  # [B]
-            v = self.velocity(latents, sigma, embeds, p.guidance_scale)  # [B, C, h, w]
+            v = self.velocity(latents, sigma, embeds, p.guidance_scale, self.fused_cfg)  # [B, C, h, w]
             next_latents = flow_step(v, latents, sigma, sigma_next, sigma_max, 0.0, "ode").prev_sample
             rows = [b for b in range(batch) if starts[b] <= i < starts[b] + size]
             if rows:
