@@ -196,19 +196,57 @@ def rollout_flops(adapter, requests: list[Request], flops_of) -> float:
     return total * requests[0].params.num_steps
 
 
+def logprob_gap(adapter, trajs, clip_range: float) -> dict:
+    """For the unchanged policy: the trainer's recomputed log-prob of every trained step (micro-batches of 8,
+    as the recipe trains) against the rollout's, per timestep; and the clip fraction that gap alone would
+    give the first update (ratio outside 1 +- clip_range)."""
+    from omnirl.trainer import Pair, pair_logprob
+
+    pairs = [Pair(t, k, 1.0) for t in trajs for k in range(len(t.logprobs))]
+    diffs, steps = [], []
+    with torch.no_grad():
+        for i in range(0, len(pairs), 8):
+            mb = pairs[i : i + 8]
+            lp, _, _ = pair_logprob(adapter, mb, trajs[0].request.params)
+            diffs += (lp.cpu() - torch.stack([p.traj.logprobs[p.k] for p in mb])).tolist()
+            steps += [int(p.traj.step_indices[p.k]) for p in mb]
+    d = torch.tensor(diffs).abs()
+    st = torch.tensor(steps)
+    per_step = {
+        int(k): {
+            "mean_abs": d[st == k].mean().item(),
+            "max_abs": d[st == k].max().item(),
+            "n": int((st == k).sum()),
+        }
+        for k in st.unique()
+    }
+    ratio = torch.tensor(diffs).exp()
+    return {
+        "mean_abs": d.mean().item(), "max_abs": d.max().item(), "per_step": per_step,
+        "clip_frac_first_update": ((ratio - 1).abs() > clip_range).float().mean().item(),
+    }  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=["qwen_image"], default="qwen_image")
     p.add_argument("--path", help="a local checkpoint (else --random-init)")
     p.add_argument("--random-init", action="store_true")
     p.add_argument("--images", type=int, default=128, help="images per GPU (the reference: 128)")
-    p.add_argument("--serial-requests", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, nargs="+", default=[8, 16, 32, 64])
+    p.add_argument("--serial-requests", type=int, default=16, help="0 skips the serial run")
+    p.add_argument("--max-num-seqs", type=int, nargs="*", default=[8, 16, 32, 64])
     p.add_argument("--compiled-max-num-seqs", type=int, nargs="*", default=[16, 32])
     p.add_argument("--stock-batch", type=int, nargs="*", default=[16, 32])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--size", type=int, default=512)
     p.add_argument("--out", default="rollout_packing.json")
+    p.add_argument(
+        "--logprob-check",
+        type=int,
+        default=32,
+        help="after this max_num_seqs run, compare the "
+        "trainer's recomputed log-probs (micro-batches of 8) with the rollout's",
+    )
     a = p.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -251,7 +289,7 @@ def main() -> None:
             compile_s, _ = timed(lambda: engine.generate(reqs))  # compiles every bucket shape
         engine.generate(reqs[: min(len(reqs), 2)])  # warm-up (allocator, kernels)
         torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
-        secs, _ = timed(lambda: engine.generate(reqs))
+        secs, trajs = timed(lambda: engine.generate(reqs))
         gen = secs * scale
         row = {
             "name": name, "generation_s": gen, "images_per_s": a.images / gen, "scaled_from": len(reqs),
@@ -260,19 +298,30 @@ def main() -> None:
         }  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)
+        save()
+        return trajs
 
-    run_engine(
+    def save():
+        results["rows"] = rows
+        Path(a.out).write_text(json.dumps(results, indent=1))
+
+    if a.serial_requests:
+        run_engine(
         "serial (max_num_seqs 1, CFG 2 forwards, eager)",
         requests[: a.serial_requests], a.images / a.serial_requests,
         max_num_seqs=1, fused_cfg=False,
     )  # fmt: skip
     for n in a.max_num_seqs:
-        run_engine(f"packed max_num_seqs {n}, eager", requests, 1.0, max_num_seqs=n)
+        trajs = run_engine(f"packed max_num_seqs {n}, eager", requests, 1.0, max_num_seqs=n)
+        if n == a.logprob_check:
+            results["logprob_check"] = logprob_gap(adapter, trajs, cfg.algo.clip_range)
+            print(json.dumps(results["logprob_check"]), flush=True)
+            save()
     for n in a.compiled_max_num_seqs:
         run_engine(f"packed max_num_seqs {n}, compiled", requests, 1.0, max_num_seqs=n, compile=True)
-    stock(adapter, texts, params, a, rows, results, flops_total)
-    results["rows"] = rows
-    serial = rows[0]["generation_s"]
+    stock(adapter, texts, params, a, rows, results, flops_total, save)
+    save()
+    serial = rows[0]["generation_s"] if a.serial_requests else float("nan")
     print(
         f"\n{'configuration':55s} {'gen s':>8s} {'img/s':>7s} {'x serial':>8s} {'MFU':>6s} {'peak GiB':>8s}"
     )
@@ -281,11 +330,10 @@ def main() -> None:
             f"{r['name']:55s} {r['generation_s']:8.1f} {r['images_per_s']:7.2f} "
             f"{serial / r['generation_s']:8.2f} {100 * r['mfu']:5.1f}% {r['peak_gib']:8.1f}"
         )
-    Path(a.out).write_text(json.dumps(results, indent=1))
     print(f"wrote {a.out}")
 
 
-def stock(adapter, texts, params, a, rows, results, flops_total) -> None:
+def stock(adapter, texts, params, a, rows, results, flops_total, save) -> None:
     """diffusers' QwenImagePipeline around the same modules (LoRA attached), batches of prompts per call."""
     from diffusers import QwenImagePipeline
 
@@ -320,6 +368,7 @@ def stock(adapter, texts, params, a, rows, results, flops_total) -> None:
             }  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
+            save()
 
 
 if __name__ == "__main__":
