@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import tempfile
 import time
@@ -32,11 +33,13 @@ from pathlib import Path
 
 import torch
 
+from omnirl import distributed as D
 from omnirl.config import load_config
 from omnirl.memory import synchronize
 from omnirl.models import get_adapter
 from omnirl.models.base import Request, SamplingParams, derive_seed
 from omnirl.rollout.diffusion import DiffusionEngine
+from omnirl.trainer import shard
 
 WORDS = (
     "a storefront sign a neon sign a chalkboard menu a vintage poster glowing warm light on a rainy street "
@@ -271,6 +274,13 @@ def main() -> None:
     )
     t_load, adapter = timed(lambda: get_adapter(cfg.model.adapter)(cfg, device))
     print(f"models built in {t_load:.0f} s, {peak_gib():.1f} GiB", flush=True)
+    # The trainer's path: a 1-rank process group and FSDP2 with the recipe's MixedPrecisionPolicy, so the
+    # rollout gathers the float32 LoRA once per phase in bfloat16 (peft would otherwise run every LoRA
+    # matmul in float32, which is what a training run never does).
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("MASTER_PORT", "29555")
+    shard(cfg, adapter, None, D.init_distributed())
     s = cfg.sampling
     params = SamplingParams(
         s.height, s.width, a.steps, s.guidance_scale, s.noise_level, s.sde_type, s.sde_window_size,
@@ -343,8 +353,9 @@ def stock(adapter, texts, params, a, rows, results, flops_total, save) -> None:
     )  # fmt: skip
     pipe.set_progress_bar_config(disable=True)
     for compiled in (False, True) if a.compiled_max_num_seqs else (False,):
-        if compiled:
-            adapter.transformer.compile_repeated_blocks(fullgraph=True)
+        if compiled:  # per repeated block, as compile_repeated_blocks does (FSDP2 renames the block class)
+            for block in adapter.fsdp_units():
+                block.compile(fullgraph=True)
         for b in a.stock_batch:
             n = max(b, min(len(texts), 2 * b))
 
@@ -356,9 +367,10 @@ def stock(adapter, texts, params, a, rows, results, flops_total, save) -> None:
                         height=params.height, width=params.width, output_type="pil",
                     )  # fmt: skip
 
-            compile_s = timed(lambda b=b: call(b))[0] if compiled else 0.0
-            call(b) if not compiled else None  # warm-up
-            secs = timed(call)[0]
+            with D.gathered_weights(adapter.transformer):  # as the engine does: weights gathered once
+                compile_s = timed(lambda b=b: call(b))[0] if compiled else 0.0
+                call(b) if not compiled else None  # warm-up
+                secs = timed(call)[0]
             gen = secs * a.images / n
             row = {
                 "name": f"stock QwenImagePipeline {b} prompts/call, {'compiled' if compiled else 'eager'}",

@@ -237,7 +237,8 @@ class DistributedConfig:
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """FSDP2 mixed precision: dtype of gradient reduction."""
     timeout_s: int = 600
-    """Collective timeout: a rank that dies or hangs ends the job after this long."""
+    """Collective timeout: a rank that hangs ends the job after this long (NCCL's watchdog takes about a
+    minute more); one that raises or dies ends it at once (torchrun stops the other ranks)."""
 
 
 @dataclass
@@ -284,8 +285,9 @@ class CheckpointConfig:
     """Keep the newest K checkpoints; older ones are deleted after each save."""
     resume: str = "auto"
     """'auto': continue from the newest complete checkpoint in output_dir/checkpoints (start fresh if there
-    is none); a path: continue from that checkpoint directory; '': start fresh (an error if output_dir
-    already holds checkpoints, which a fresh run would overwrite)."""
+    is none); a path: continue from that checkpoint directory; '': start fresh. Continuing must not write
+    over newer checkpoints: '' over existing ones, or an older path among newer ones, is an error. A
+    checkpoint of another adapter, model path, finetune mode or LoRA shape is an error."""
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -22,18 +23,37 @@ GRID_PAD = 2  # pixels between and around the cells of an image grid
 
 
 class MetricsLogger:
-    def __init__(self, output_dir: str, enabled: bool, tensorboard: bool):
+    def __init__(
+        self,
+        output_dir: str,
+        enabled: bool,
+        tensorboard: bool,
+        start_step: int = 0,
+        history: list[dict] | None = None,
+    ):
+        """The trainer passes `history`, the rows of the steps before `start_step` (a resumed run's, from its
+        checkpoint; none for a fresh start): metrics.jsonl is rewritten to exactly those rows and
+        tensorboard drops its events from `start_step` on, so rows that a killed run wrote after its last
+        checkpoint are not logged twice. Without `history` rows are appended to the file as it is."""
         self.enabled = enabled
         if not enabled:
             return
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.output_dir / "metrics.jsonl", "a")
+        path = self.output_dir / "metrics.jsonl"
+        if history is not None:
+            assert all(row["step"] < start_step for row in history)
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(row) + "\n" for row in history))
+            os.replace(tmp, path)  # atomic: a kill here leaves the old rows or the new, never half
+        self._jsonl = open(path, "a")
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # slow import: only where it is used
 
-            self._tb = SummaryWriter(str(self.output_dir / "tb"))
+            self._tb = SummaryWriter(
+                str(self.output_dir / "tb"), purge_step=start_step if history is not None else None
+            )
         self._bar = None
 
     def log(self, step: int, scalars: dict[str, float]) -> None:

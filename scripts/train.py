@@ -4,14 +4,27 @@
 
 `--recipe NAME` is yaml/NAME.yaml or a path to a YAML file; every other flag overrides one config field
 (`--help` lists them all with their documentation).
+
+A mistake in the input (recipe, override, model path, adapter / reward / loss name, data file or row) is
+one line `error: ...` on stderr and exit status 2, raised before anything is written to run.output_dir.
+Anything else is a bug and keeps its traceback; under torchrun `@record` also puts it in the launcher's
+failure summary, so the first failing rank's cause is named there.
 """
 
 import argparse
+import contextlib
+import io
 import sys
 
-from omnirl.config import ConfigError, load_config
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from omnirl.config import Config, ConfigError, load_config
+from omnirl.data.prompts import DataError
+
+USER_ERRORS = (ConfigError, DataError)
 
 
+@record
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--recipe")
@@ -20,20 +33,48 @@ def main(argv: list[str]) -> int:
         if "-h" in rest or "--help" in rest:
             import tyro
 
-            from omnirl.config import Config
-
             tyro.cli(Config, args=rest, description="omnirl: pass --recipe NAME plus overrides")
         print("error: --recipe NAME is required (a yaml/NAME.yaml recipe or a path)", file=sys.stderr)
         return 2
     try:
-        cfg = load_config(args.recipe, rest)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    from omnirl.trainer import train
+        cfg = parse(args.recipe, rest)
+        from omnirl import distributed
+        from omnirl.trainer import train
 
-    train(cfg)
+        train(cfg)
+        distributed.destroy()  # NCCL warns about a process group that is never destroyed
+    except USER_ERRORS as e:
+        print("error: " + " ".join(line.strip() for line in str(e).splitlines()), file=sys.stderr)
+        return 2
     return 0
+
+
+def parse(recipe: str, overrides: list[str]) -> Config:
+    """`load_config`, with tyro's boxed message for a bad override turned into a one-line ConfigError."""
+    box = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(box):
+            cfg = load_config(recipe, overrides)
+    except SystemExit as e:
+        if e.code:
+            raise ConfigError(first_block(box.getvalue())) from None
+        raise  # --help
+    sys.stderr.write(box.getvalue())  # warnings printed while parsing
+    return cfg
+
+
+def first_block(box: str) -> str:
+    """The text of a tyro error box up to its first rule ("Error parsing --optim.lr: could not convert
+    string to float: 'abc'"), or the whole text when it is not a box."""
+    rows = []
+    for line in box.splitlines():
+        line = line.strip()
+        if line.startswith("│"):
+            text = line.strip("│ ")
+            if text and set(text) <= {"─"}:
+                break
+            rows.append(text)
+    return " ".join(r for r in rows if r) or " ".join(box.split())
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
-"""Run scripts/train.py's main with extra test rewards registered (REWARDS is the one extension dict).
+"""Run scripts/train.py's main with extra test rewards registered (REWARDS is the one extension dict),
+and, when OMNIRL_TEST_HOLD_COMMIT is set, rank 0 held before committing that checkpoint.
 
 [torchrun ...] python tests/_train_entry.py --recipe PATH [overrides]
 """
 
+import os
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -12,6 +15,23 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 from omnirl.rewards import REWARDS  # noqa: E402
 
 REWARDS["constant_on_flagged_rows"] = "tests.support_rewards:ConstantOnFlaggedRows"
+REWARDS["raises_on_rank1"] = "tests.support_failures:RaisesOnRank1"
+REWARDS["killed_on_rank1"] = "tests.support_failures:KilledOnRank1"
+REWARDS["hangs_on_rank1"] = "tests.support_failures:HangsOnRank1"
+
+if hold := os.environ.get("OMNIRL_TEST_HOLD_COMMIT"):
+    # test_checkpoint.py kills the job while the checkpoint `hold` (e.g. step_000004) is written but not
+    # yet renamed into place: rank 0 waits here, before the rename, until it is killed.
+    from omnirl import checkpoint
+
+    commit = checkpoint.commit
+
+    def held_commit(tmp, final, keep):
+        while final.name == hold:
+            time.sleep(1)
+        commit(tmp, final, keep)
+
+    checkpoint.commit = held_commit
 
 from train import main  # noqa: E402
 

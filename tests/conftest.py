@@ -30,3 +30,28 @@ def tiny_qwen_image_edit(tmp_path_factory) -> Path:
 
     torch.set_num_threads(2)  # the CI machine has 2 cores, shared
     return make_tiny_qwen_image_edit(tmp_path_factory.mktemp("tiny") / "qwen_image_edit")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_omni(tmp_path_factory) -> Path:
+    """The tiny random-init Qwen3-Omni (thinker + talker + code2wav in one checkpoint, real transformers
+    classes, tokenizer, image processor and Whisper feature extractor), built once per session."""
+    from omnirl.models.tiny import make_tiny_qwen3_omni
+
+    return make_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny") / "qwen3_omni")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_5_vl(tmp_path_factory) -> Path:
+    """The tiny random-init Qwen2.5-VL checkpoint with tokenizer and image processor, built once."""
+    from omnirl.models.tiny import make_tiny_qwen_vl
+
+    return make_tiny_qwen_vl(tmp_path_factory.mktemp("tiny") / "qwen2_5_vl", "qwen2_5_vl")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_vl(tmp_path_factory) -> Path:
+    """The tiny random-init Qwen3-VL checkpoint with tokenizer and image processor, built once."""
+    from omnirl.models.tiny import make_tiny_qwen_vl
+
+    return make_tiny_qwen_vl(tmp_path_factory.mktemp("tiny") / "qwen3_vl", "qwen3_vl")

@@ -38,6 +38,21 @@ def test_load_prompts_errors_name_file_and_line(tmp_path, text, line, words):
         load_prompts(path)
 
 
+def test_load_prompts_skips_bad_rows_when_asked(tmp_path):
+    text = '{"prompt": "a cat"}\n{"prompt": "broken"\n\n["a list"]\n{"prompt": "a dog"}\n'
+    path = write(tmp_path, text)
+    skipped = []
+    rows = load_prompts(path, skipped)
+    assert [r.prompt for r in rows] == ["a cat", "a dog"]
+    assert rows[1].metadata["source"] == f"{path}:5"
+    assert len(skipped) == 2
+    assert skipped[0].startswith(f"{path}:2: not valid JSON") and skipped[1].startswith(f"{path}:4: expected")
+    with pytest.raises(DataError, match=f"{path}:2: not valid JSON"):
+        load_prompts(path)
+    with pytest.raises(DataError, match="no prompts"):  # nothing left after skipping is still an error
+        load_prompts(write(tmp_path, '{"prompt": ""}\n', "bad.jsonl"), [])
+
+
 def test_load_prompts_missing_or_empty_file(tmp_path):
     with pytest.raises(DataError, match="not found: .*nope.jsonl"):
         load_prompts(tmp_path / "nope.jsonl")

@@ -96,3 +96,18 @@ def test_disabled_rank_writes_nothing(tmp_path, capsys):
     logger.close()
     assert not out.exists()
     assert capsys.readouterr() == ("", "")
+
+
+def test_resumed_run_rewrites_rows_after_its_checkpoint(tmp_path):
+    logger = MetricsLogger(str(tmp_path), enabled=True, tensorboard=True)
+    for step in range(4):  # a run killed after step 3, whose last checkpoint was after step 1
+        logger.log(step, {"reward/mean": float(step)})
+    logger.close()
+    history = read_metrics(tmp_path / "metrics.jsonl")[:2]
+    logger = MetricsLogger(str(tmp_path), enabled=True, tensorboard=True, start_step=2, history=history)
+    assert read_metrics(tmp_path / "metrics.jsonl") == history
+    logger.log(2, {"reward/mean": 20.0})
+    logger.close()
+    assert [r["reward/mean"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0.0, 1.0, 20.0]
+    scalars = _events(tmp_path).Scalars("reward/mean")
+    assert [(e.step, e.value) for e in scalars] == [(0, 0.0), (1, 1.0), (2, 20.0)]

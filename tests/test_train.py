@@ -69,6 +69,14 @@ def test_update_moves_lora_only_and_recomputed_logprobs_match(tiny_sd3, tmp_path
 
 
 def torchrun(nproc: int, recipe: Path, *overrides: str, timeout=600) -> subprocess.CompletedProcess:
+    cmd, env = torchrun_cmd(nproc, recipe, *overrides)
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return r
+
+
+def torchrun_cmd(nproc: int, recipe: Path, *overrides: str) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of a tests/_train_entry.py run on `nproc` ranks (1: no torchrun)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     if nproc == 1:
         cmd = [sys.executable, "tests/_train_entry.py"]
@@ -84,16 +92,7 @@ def torchrun(nproc: int, recipe: Path, *overrides: str, timeout=600) -> subproce
             port,
             "tests/_train_entry.py",
         ]
-    r = subprocess.run(
-        [*cmd, "--recipe", str(recipe), *overrides],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    return r
+    return [*cmd, "--recipe", str(recipe), *overrides], env
 
 
 def read_jsonl(path):

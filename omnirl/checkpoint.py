@@ -1,0 +1,345 @@
+"""Checkpoints on torch.distributed.checkpoint (DCP): atomic save, resume, and export of what was trained.
+
+`output_dir/checkpoints/step_000010/` holds the state after 10 steps (the run continues at step 10):
+
+  model_optim/        DCP: the trainable weights (for a LoRA only the adapter's tensors) and the optimizer
+                      state, each rank writing its own shards; DCP reshards on load, so a run may resume on
+                      another number of ranks
+  rng/rank_00000.pt   each rank's python / numpy / torch (and accelerator) RNG states
+  metrics.jsonl       the metrics rows of the steps before 10: a resumed run rewrites output_dir's file to
+                      them, so it reads as if the run had never stopped
+  meta.json           what must match to resume (adapter, model path, finetune mode, LoRA shape), the step,
+                      the world size
+
+Nothing else is state: the prompts of a step come from (seed, step), request seeds from (seed, step,
+index), the update's shuffle from (seed, step, -1), and the reward pool keeps nothing between steps.
+There is no LR schedule (the learning rate is constant).
+
+A checkpoint is written into `step_000010.tmp`, every file fsynced, then renamed by rank 0 after a
+barrier (and the rename made durable), so a directory without `.tmp` is always complete: a kill during
+a write leaves a `.tmp` that resume ignores and the next save removes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from omnirl import distributed as D
+from omnirl.config import Config
+
+STEP_DIR = re.compile(r"step_(\d{6,})")
+FORMAT = 1
+# Only trainable parameters are saved: the frozen base of a LoRA comes from model.path on every start.
+OPTIONS = StateDictOptions(ignore_frozen_params=True)
+# Loading then leaves the frozen base alone (not strict); `check_tensors` has made sure that the
+# checkpoint holds exactly the trainable tensors.
+LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed by this run; the message names the directory and what differs."""
+
+
+def identity(cfg: Config) -> dict:
+    """The config values a checkpoint must agree on to be loaded: what decides which tensors exist and
+    what they mean. Anything else (lr, steps, rewards, sampling) may change between launches."""
+    path = cfg.model.path
+    ident = {
+        "model.adapter": cfg.model.adapter,
+        # The same local model named by a relative or an absolute path is the same model.
+        "model.path": os.path.realpath(path) if os.path.exists(path) else path,
+        "model.finetune": cfg.model.finetune,
+    }
+    if cfg.model.finetune == "lora":
+        ident |= {
+            "lora.rank": cfg.lora.rank,
+            "lora.alpha": cfg.lora.alpha,
+            "lora.target_modules": sorted(cfg.lora.target_modules),
+        }
+    return ident
+
+
+def identity_hash(ident: dict) -> str:
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under `root` (`step_NNNNNN`, never `*.tmp`), oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.fullmatch(p.name)) and p.is_dir()]
+    return sorted(found)
+
+
+def find_resume(cfg: Config) -> Path | None:
+    """The checkpoint this run continues from (checkpoint.resume), or None for a fresh start; checked
+    against the config (and the checkpoint section itself) before any model is built.
+
+    Checkpoints of this output_dir newer than the one resumed (or any, for a fresh start) are an error:
+    this run would write over them and a later `auto` could pick up the abandoned branch."""
+    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
+        raise ValueError(
+            f"checkpoint.every must be >= 0 and checkpoint.keep >= 1, got {cfg.checkpoint.every} and "
+            f"{cfg.checkpoint.keep}"
+        )
+    root = Path(cfg.run.output_dir) / "checkpoints"
+    existing = step_dirs(root)
+    resume = cfg.checkpoint.resume
+    if resume == "auto":
+        path = existing[-1][1] if existing else None
+    elif resume:
+        path = Path(resume)
+        if not (path / "meta.json").is_file():
+            raise CheckpointError(f"checkpoint.resume {resume!r}: not a checkpoint directory (no meta.json)")
+    else:
+        path = None
+    step = check_meta(path, cfg)["step"] if path is not None else 0
+    newer = [p.name for s, p in existing if s > step and (path is None or p.resolve() != path.resolve())]
+    if newer and cfg.checkpoint.every:
+        start = f"resuming {path}" if path is not None else "starting fresh (checkpoint.resume '')"
+        raise CheckpointError(
+            f"{root} holds checkpoints after step {step} ({', '.join(newer)}) and this run, {start}, would "
+            f"overwrite them: move them away, resume the newest (--checkpoint.resume auto), or choose "
+            f"another run.output_dir"
+        )
+    return path
+
+
+def check_meta(path: Path, cfg: Config) -> dict:
+    """meta.json of the checkpoint at `path`, or a CheckpointError naming every field that differs."""
+    meta_file = path / "meta.json"
+    if not meta_file.is_file():
+        raise CheckpointError(f"{path}: not a complete checkpoint (no meta.json)")
+    meta = json.loads(meta_file.read_text())
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{meta_file}: checkpoint format {meta.get('format')!r}, expected {FORMAT}")
+    mine = identity(cfg)
+    theirs = meta["identity"]
+    diffs = [
+        f"{k}: checkpoint {theirs.get(k)!r}, this run {mine.get(k)!r}"
+        for k in sorted(mine.keys() | theirs.keys())
+        if theirs.get(k) != mine.get(k)
+    ]
+    if diffs:
+        raise CheckpointError(
+            f"{path} was written by run {meta['run_name']!r} for another model or recipe, so nothing was "
+            f"loaded: {'; '.join(diffs)}"
+        )
+    return meta
+
+
+def save(cfg: Config, steps_done: int, model: nn.Module, optimizer: torch.optim.Optimizer, dist) -> Path:
+    """Write the checkpoint after `steps_done` steps; every rank calls this (DCP save is collective)."""
+    root = Path(cfg.run.output_dir) / "checkpoints"
+    final = root / f"step_{steps_done:06d}"
+    tmp = root / f"{final.name}.tmp"
+    if dist.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while writing this step
+        (tmp / "rng").mkdir(parents=True)
+    D.barrier()
+    state = {
+        "model": get_model_state_dict(model, options=OPTIONS),
+        "optim": get_optimizer_state_dict(model, optimizer, options=OPTIONS),
+    }
+    # FileSystemWriter fsyncs every file it writes (sync_files defaults to True).
+    dcp.save(state, checkpoint_id=tmp / "model_optim")
+    _write(tmp / "rng" / f"rank_{dist.rank:05d}.pt", lambda f: torch.save(D.rng_state(), f))
+    if dist.is_main:
+        metrics = Path(cfg.run.output_dir) / "metrics.jsonl"
+        rows = metrics.read_bytes() if metrics.is_file() else b""
+        _write(tmp / "metrics.jsonl", lambda f: f.write(rows))
+        ident = identity(cfg)
+        meta = {
+            "format": FORMAT,
+            "step": steps_done,
+            "world_size": dist.world_size,
+            "run_name": cfg.run.name,
+            "model_dtype": cfg.model.dtype,  # what export builds the model in
+            "identity": ident,
+            "identity_hash": identity_hash(ident),
+        }
+        _write(tmp / "meta.json", lambda f: f.write(json.dumps(meta, indent=2).encode()))
+    D.barrier()  # every rank's files are written and fsynced
+    if dist.is_main:
+        commit(tmp, final, cfg.checkpoint.keep)
+    D.barrier()  # no rank goes on before the checkpoint exists
+    return final
+
+
+def commit(tmp: Path, final: Path, keep: int) -> None:
+    """Make the finished `tmp` durable, rename it to `final`, then prune: the newest `keep` checkpoints
+    stay, `.tmp` leftovers of killed writes go."""
+    for d in [tmp, *(p for p in tmp.rglob("*") if p.is_dir())]:
+        _fsync_dir(d)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    for _, old in step_dirs(final.parent)[:-keep]:
+        shutil.rmtree(old)
+    for leftover in final.parent.glob("step_*.tmp"):
+        shutil.rmtree(leftover)
+
+
+def _write(path: Path, write) -> None:
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_tensors(path: Path, model: nn.Module) -> None:
+    """The checkpoint's weights are exactly the model's trainable tensors, by name and global shape;
+    otherwise a CheckpointError before anything is loaded (meta.json matching makes this a formality,
+    unless the files under model.path changed)."""
+    saved = {
+        k.removeprefix("model."): tuple(v.size)
+        for k, v in dcp.FileSystemReader(path / "model_optim").read_metadata().state_dict_metadata.items()
+        if k.startswith("model.")
+    }
+    wanted = {k: tuple(v.shape) for k, v in get_model_state_dict(model, options=OPTIONS).items()}
+    problems = [f"missing {k}" for k in sorted(wanted.keys() - saved.keys())]
+    problems += [f"unexpected {k}" for k in sorted(saved.keys() - wanted.keys())]
+    problems += [
+        f"{k}: checkpoint {saved[k]}, model {wanted[k]}"
+        for k in sorted(saved.keys() & wanted.keys())
+        if saved[k] != wanted[k]
+    ]
+    if problems:
+        raise CheckpointError(
+            f"{path}: its tensors do not fit this model, so nothing was loaded ({len(problems)} problems): "
+            + "; ".join(problems[:5])
+        )
+
+
+def load(
+    path: Path, cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, dist
+) -> tuple[int, list[dict]]:
+    """Restore weights, optimizer state and this rank's RNG from `path`; every rank calls this.
+
+    Returns (the step to continue at, the metrics rows of the steps before it)."""
+    meta = check_meta(path, cfg)
+    check_tensors(path, model)
+    # The recipe's optimizer settings win over the checkpoint's (a resumed run may lower the lr).
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    state = {
+        "model": get_model_state_dict(model, options=OPTIONS),
+        "optim": get_optimizer_state_dict(model, optimizer, options=OPTIONS),
+    }
+    dcp.load(state, checkpoint_id=path / "model_optim")
+    set_model_state_dict(model, state["model"], options=LOAD_OPTIONS)
+    set_optimizer_state_dict(model, optimizer, state["optim"], options=LOAD_OPTIONS)
+    for group, h in zip(optimizer.param_groups, hyper):
+        group.update(h)
+    # A rank beyond the saved world size takes a saved rank's state; no rollout noise comes from these
+    # generators (requests have their own), so this only matters to whatever else draws from them.
+    rank = dist.rank % meta["world_size"]
+    D.set_rng_state(torch.load(path / "rng" / f"rank_{rank:05d}.pt", weights_only=True))
+    history = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line]
+    D.print0(f"resumed from {path} at step {meta['step']} (saved on {meta['world_size']} ranks)")
+    return meta["step"], history
+
+
+def load_weights(path: Path, model: nn.Module) -> None:
+    """Only the trained weights of a checkpoint into `model` (one process, for export)."""
+    check_tensors(path, model)
+    state = {"model": get_model_state_dict(model, options=OPTIONS)}
+    dcp.load(state, checkpoint_id=path / "model_optim")
+    set_model_state_dict(model, state["model"], options=LOAD_OPTIONS)
+
+
+# Export: what `scripts/export.py` writes. The diffusers LoRA format is the hub: a checkpoint becomes one
+# through the adapter's own `export_lora`, and the peft and merged formats are made from that file.
+LORA_FILE = "pytorch_lora_weights.safetensors"
+
+
+def adapter_from_checkpoint(path: Path, model_path: str = "") -> tuple[object, Config]:
+    """The adapter a checkpoint was trained on, built on the host from meta.json (`model_path` replaces the
+    recorded model.path, e.g. on another machine), with the checkpoint's weights loaded; and its config."""
+    meta = json.loads((path / "meta.json").read_text())
+    ident = meta["identity"]
+    cfg = Config()
+    cfg.model.adapter = ident["model.adapter"]
+    cfg.model.path = model_path or ident["model.path"]
+    cfg.model.finetune = ident["model.finetune"]
+    cfg.model.dtype = meta["model_dtype"]
+    if cfg.model.finetune == "lora":
+        cfg.lora.rank, cfg.lora.alpha = ident["lora.rank"], ident["lora.alpha"]
+        cfg.lora.target_modules = ident["lora.target_modules"]
+    from omnirl.models import get_adapter
+
+    adapter = get_adapter(cfg.model.adapter)(cfg, torch.device("cpu"))
+    load_weights(path, adapter.transformer)
+    return adapter, cfg
+
+
+def lora_to_peft(lora_dir: Path, out_dir: Path, model_path: str = "") -> None:
+    """A diffusers-format LoRA of the transformer -> the peft format (`adapter_config.json` +
+    `adapter_model.safetensors`), which `peft.PeftModel.from_pretrained(<the base transformer>, out_dir)`
+    loads. The LoRA's config comes from the metadata the diffusers file carries."""
+    import peft
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    file = Path(lora_dir) / LORA_FILE
+    with safe_open(file, "pt") as f:
+        metadata = json.loads((f.metadata() or {}).get("lora_adapter_metadata", "{}"))
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    others = [k for k in tensors if not k.startswith("transformer.")]
+    if others or not metadata:
+        raise ValueError(
+            f"{file}: not a transformer LoRA with its config in the metadata, as omnirl exports it "
+            f"(keys outside the transformer: {others[:3]}; metadata present: {bool(metadata)})"
+        )
+    config = peft.LoraConfig.from_peft_type(
+        **{k.removeprefix("transformer."): v for k, v in metadata.items() if k.startswith("transformer.")}
+    )
+    config.base_model_name_or_path = model_path or None
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # PeftModel's own key layout: the wrapped model sits at base_model.model.
+    save_file(
+        {"base_model.model." + k.removeprefix("transformer."): v for k, v in tensors.items()},
+        out_dir / "adapter_model.safetensors",
+        metadata={"format": "pt"},
+    )
+    config.save_pretrained(out_dir)
+
+
+def save_merged(
+    model_path: str, out_dir: Path, dtype: torch.dtype, lora_dir: Path | None = None, transformer=None
+) -> None:
+    """The whole diffusers pipeline of `model_path` in safetensors, with the LoRA of `lora_dir` fused into
+    the transformer's weights (diffusers' `fuse_lora`, in float32) or with a fully fine-tuned
+    `transformer` in place of the original."""
+    from diffusers import DiffusionPipeline
+
+    extra = {"transformer": transformer} if transformer is not None else {}
+    pipe = DiffusionPipeline.from_pretrained(model_path, torch_dtype=torch.float32, **extra)
+    if lora_dir is not None:
+        pipe.load_lora_weights(lora_dir)
+        pipe.fuse_lora()
+        pipe.unload_lora_weights()
+    pipe.to(dtype).save_pretrained(out_dir, safe_serialization=True)

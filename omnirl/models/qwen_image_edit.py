@@ -1,0 +1,488 @@
+"""Qwen-Image-Edit: the diffusion adapter for text + condition image -> image (packed True-CFG loop, per-row
+SDE windows, log-probs).
+
+The components, the prompt encoding (`QwenImageEditPipeline.encode_prompt`: Qwen2.5-VL reads the edit
+instruction and the condition image, through the processor, in the edit chat template), the VAE encoding
+of the condition image, the 2x2 latent packing and the sigma schedule are diffusers' own. The denoising loop
+is written out here, as in sd3.py, because RL needs what the pipeline does not do: one generator per request,
+a per-row SDE window, the log-prob of every trained step and True-CFG in one fused forward. As in the
+pipeline, every forward sees the generated image's tokens followed by the condition image's VAE latent
+tokens (`img_shapes` has two entries per row) and only the generated tokens' velocity is used. With noise
+level 0 it is the pipeline's sampler: same initial latents, same image.
+
+The pipeline resizes the condition image to a hard-coded 1024 * 1024 pixel area; here the area is
+`sampling.condition_area`. The condition image's size is part of the compatibility key, and its VAE latents
+are stored in `Trajectory.embeds["image_latents"]` with the prompt embeddings, so training never re-runs an
+encoder.
+
+Prompts differ in length (their embeddings also hold the condition image's vision tokens). Rows are
+zero-padded at the end and masked (`encoder_hidden_states_mask`); the text RoPE positions of a row do not
+depend on how far it is padded, so a padded row computes what it computes alone. The padded length is a
+bucket (`rollout.prompt_length_buckets`) in the compatibility key. The edit pipeline never truncates a
+prompt, so a longer one than the largest bucket is an error, not a truncation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import peft
+import torch
+from diffusers import (
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    QwenImageEditPipeline,
+    QwenImageTransformer2DModel,
+)
+from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import (
+    calculate_dimensions,
+    calculate_shift,
+    retrieve_timesteps,
+)
+from diffusers.training_utils import cast_training_params
+from torch import nn
+from transformers import (
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2Tokenizer,
+    Qwen2VLImageProcessor,
+    Qwen2VLProcessor,
+)
+from transformers.processing_utils import ProcessorMixin
+
+from omnirl.config import Config, ConfigError
+from omnirl.distributed import DTYPES, load_pretrained
+from omnirl.models.base import Request, Trajectory
+from omnirl.models.flow_sde import flow_step
+
+
+class ImageOnlyProcessor(Qwen2VLProcessor):
+    """`Qwen2VLProcessor` without its video processor: the edit pipeline passes only images, and building
+    the video processor needs torchvision (`Qwen2VLVideoProcessor` raises ImportError without it)."""
+
+    def __init__(self, image_processor, tokenizer):
+        self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+        ProcessorMixin.__init__(self, image_processor, tokenizer)
+
+
+def pad_to(t: torch.Tensor, length: int, dim: int = 1) -> torch.Tensor:
+    """Zero-pad `t` at the end of `dim` to `length` (False for a bool mask)."""
+    shape = list(t.shape)
+    shape[dim] = length - t.shape[dim]
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+
+def collate(rows: list[torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-prompt embeddings [L_i, D] -> ([B, length, D] zero-padded at the end, [B, length] bool mask)."""
+    embeds = torch.stack([pad_to(r, length, dim=0) for r in rows])
+    positions = torch.arange(length, device=embeds.device)
+    mask = torch.stack([positions < len(r) for r in rows])
+    return embeds, mask
+
+
+class QwenImageEditAdapter:
+    """The `DiffusionAdapter` for `QwenImageEditPipeline` checkpoints (Qwen/Qwen-Image-Edit). Every request
+    carries its condition image (a PIL image) in `request.inputs["image"]`."""
+
+    def __init__(self, cfg: Config, device: torch.device):
+        path = cfg.model.path
+        try:
+            index = QwenImageEditPipeline.load_config(path)
+        except OSError as e:
+            raise ConfigError(
+                f"model.path {path!r} is neither a local diffusers checkpoint (a directory with "
+                f"model_index.json) nor a loadable hub id: {e}"
+            ) from None
+        if index.get("_class_name") != "QwenImageEditPipeline":
+            raise ConfigError(
+                f"model.path {path!r} holds a {index.get('_class_name')}, not a QwenImageEditPipeline"
+            )
+        buckets = list(cfg.rollout.prompt_length_buckets)
+        if not buckets or buckets != sorted(set(buckets)) or buckets[0] < 1:
+            raise ConfigError(
+                f"rollout.prompt_length_buckets must be distinct ascending positive lengths, got {buckets}"
+            )
+        if cfg.sampling.condition_area < 1:
+            raise ConfigError(f"sampling.condition_area must be positive, got {cfg.sampling.condition_area}")
+        self.buckets = buckets
+        self.condition_area = cfg.sampling.condition_area
+        self.fused_cfg = cfg.rollout.fused_cfg  # read by `rollout`; the engine sets it from the same field
+        self.device = device
+        dtype = DTYPES[cfg.model.dtype]
+        # A fully fine-tuned transformer is trained, hence kept, in float32; a LoRA base stays in `dtype`.
+        self.lora = cfg.model.finetune == "lora"
+        self.transformer_dtype = dtype if self.lora else torch.float32
+
+        self.transformer = load_pretrained(
+            QwenImageTransformer2DModel, path, subfolder="transformer", torch_dtype=self.transformer_dtype
+        )
+        self.vae = load_pretrained(AutoencoderKLQwenImage, path, subfolder="vae", torch_dtype=dtype)
+        self.text_encoder = load_pretrained(
+            Qwen2_5_VLForConditionalGeneration, path, subfolder="text_encoder", dtype=dtype
+        )
+        for module in self.offload_modules():
+            module.requires_grad_(False).to(device)
+        # The classes the pipeline loads: another tokenizer class may read the same files into other ids.
+        # The edit pipeline tokenizes with its processor's tokenizer (its own `tokenizer` goes unused).
+        self.processor = ImageOnlyProcessor(
+            Qwen2VLImageProcessor.from_pretrained(path, subfolder="processor"),
+            Qwen2Tokenizer.from_pretrained(path, subfolder="processor"),
+        )
+        self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
+        # A pipeline without transformer, so that prompts, condition images and latents are prepared by
+        # diffusers' own code (it computes vae_scale_factor, 8 for Qwen-Image, from the VAE).
+        self.pipe = QwenImageEditPipeline(
+            scheduler=None,
+            vae=self.vae,
+            text_encoder=self.text_encoder,
+            tokenizer=self.processor.tokenizer,
+            processor=self.processor,
+            transformer=None,
+        )
+        self.vae_scale_factor = self.pipe.vae_scale_factor
+
+        if self.lora:
+            self.transformer.requires_grad_(False)
+            self.transformer.add_adapter(
+                peft.LoraConfig(
+                    r=cfg.lora.rank,
+                    lora_alpha=cfg.lora.alpha,
+                    target_modules=cfg.lora.target_modules,
+                    init_lora_weights=True if cfg.lora.init == "default" else "gaussian",
+                    lora_dropout=cfg.lora.dropout,
+                )
+            )
+            # The optimizer updates the adapter in float32 even over a bf16 base.
+            cast_training_params(self.transformer, torch.float32)
+        else:
+            self.transformer.requires_grad_(True)
+        if cfg.model.gradient_checkpointing:
+            self.transformer.enable_gradient_checkpointing()
+        self.transformer.to(device)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.transformer.parameters() if p.requires_grad]
+
+    def fsdp_units(self) -> list[nn.Module]:
+        return list(self.transformer.transformer_blocks)
+
+    def offload_modules(self) -> list[nn.Module]:
+        return [self.vae, self.text_encoder]
+
+    def condition_size(self, request: Request) -> tuple[int, int]:
+        """(height, width) in pixels the request's condition image is resized to, as the pipeline does:
+        `condition_area` pixels at the image's aspect ratio, sides rounded to multiples of 32."""
+        image = request.inputs.get("image")
+        if image is None:
+            raise ValueError(
+                f"request {request.index} ({request.metadata.get('source', repr(request.prompt))}): "
+                f"Qwen-Image-Edit needs a condition image in request.inputs['image']"
+            )
+        width, height, _ = calculate_dimensions(self.condition_area, image.width / image.height)
+        if not (width and height):
+            raise ConfigError(
+                f"sampling.condition_area {self.condition_area} is too small for a {image.width}x"
+                f"{image.height} condition image: a side rounds to 0 (sides are multiples of 32)"
+            )
+        return height, width
+
+    def prompt_length(self, prompt: str, condition_size: tuple[int, int]) -> int:
+        """Text tokens the transformer sees for `prompt` with a condition image of `condition_size`: the
+        templated prompt, whose one <|image_pad|> the processor expands into the image's vision tokens,
+        minus the dropped template prefix."""
+        pipe, image_processor = self.pipe, self.processor.image_processor
+        tokens = self.processor.tokenizer(pipe.prompt_template_encode.format(prompt)).input_ids
+        patches = image_processor.get_number_of_image_patches(*condition_size)
+        vision = patches // image_processor.merge_size**2
+        return len(tokens) - 1 + vision - pipe.prompt_template_encode_start_idx
+
+    def bucket(self, prompt: str, condition_size: tuple[int, int]) -> int:
+        """The padded text length of `prompt`: the smallest bucket that holds it."""
+        length = self.prompt_length(prompt, condition_size)
+        if length > self.buckets[-1]:
+            raise ConfigError(
+                f"prompt {prompt!r} with a {condition_size[1]}x{condition_size[0]} condition image is "
+                f"{length} text tokens, more than the largest of rollout.prompt_length_buckets "
+                f"{self.buckets}: add a larger bucket (the edit pipeline does not truncate prompts)"
+            )
+        return next(b for b in self.buckets if b >= length)
+
+    def compat_key(self, request: Request) -> tuple:
+        size = self.condition_size(request)
+        guided = request.params.guidance_scale > 1
+        negative = self.bucket(request.negative_prompt, size) if guided else 0  # unused without guidance
+        return request.params.key + (size, self.bucket(request.prompt, size), negative)
+
+    def num_tokens(self, request: Request) -> int:
+        p, factor = request.params, self.vae_scale_factor * 2  # a token is a 2x2 patch of latents
+        (cond_h, cond_w), text, negative = self.compat_key(request)[-3:]
+        image = (p.height // factor) * (p.width // factor) + (cond_h // factor) * (cond_w // factor)
+        return image + max(text, negative)  # a fused CFG forward pads both texts to the longer one
+
+    def sigmas(self, num_steps: int, image_seq_len: int) -> torch.Tensor:
+        """The pipeline's sigma schedule: [num_steps + 1] float32 on the host, the last one 0. Its shift
+        `mu` grows with the generated image's token count (condition tokens not counted)."""
+        config = self.scheduler.config
+        mu = calculate_shift(
+            image_seq_len,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
+        retrieve_timesteps(self.scheduler, num_steps, sigmas=sigmas, mu=mu)
+        return self.scheduler.sigmas.float().cpu()
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str], images: list) -> list[torch.Tensor]:
+        """Embeddings [L_i, D] on the device of each (prompt, resized condition image) pair, unpadded.
+
+        Each distinct pair is encoded once: a GRPO group repeats its prompt and image `group_size` times
+        (the requests of a data row share one image object), and the negative prompt is one string.
+        """
+        pairs = {(p, id(im)): (p, im) for p, im in zip(prompts, images)}
+        position = {key: i for i, key in enumerate(pairs)}
+        embeds, mask = self.pipe.encode_prompt(
+            prompt=[p for p, _ in pairs.values()], image=[im for _, im in pairs.values()], device=self.device
+        )  # [U, L, D], [U, L] (None when no row is padded)
+        lengths = [embeds.shape[1]] * len(pairs) if mask is None else mask.sum(dim=1).tolist()
+        rows = [embeds[i, :n] for i, n in enumerate(lengths)]
+        return [rows[position[(p, id(im))]] for p, im in zip(prompts, images)]
+
+    @torch.no_grad()
+    def encode_images(self, images: list, height: int, width: int) -> torch.Tensor:
+        """Normalised VAE latents [B, C, h, w] of resized condition images (the mode, as the pipeline)."""
+        distinct = list({id(im): im for im in images}.values())  # a data row's requests share its image
+        position = {id(im): i for i, im in enumerate(distinct)}
+        pixels = self.pipe.image_processor.preprocess(distinct, height, width)  # [U, 3, H, W] in [-1, 1]
+        pixels = pixels[:, :, None].to(self.device, self.vae.dtype)  # the video VAE's frame axis
+        latents = self.pipe._encode_vae_image(pixels, generator=None)[:, :, 0]  # [U, C, h, w]
+        return latents[[position[id(im)] for im in images]]
+
+    def velocity(
+        self,
+        latents: torch.Tensor,
+        sigmas: torch.Tensor,
+        embeds: dict[str, torch.Tensor],
+        guidance_scale: float,
+        fused_cfg: bool = True,
+        transformer: nn.Module | None = None,
+    ) -> torch.Tensor:
+        """The guided velocity [B, C, h, w] float32 for latents [B, C, h, w] at per-row sigmas [B].
+
+        The rollout and the trainer's log-prob recomputation both call this, so they run the same math.
+        Each row's condition latents (`image_latents`, cropped to its `condition_size`) follow its image
+        tokens. True-CFG as the pipeline: neg + s * (cond - neg), rescaled per token to the norm of the
+        conditional prediction; the conditional and negative rows go through one forward by default
+        (`fused_cfg`), the shorter text padded and masked to the longer. `transformer` runs another module
+        of the same architecture instead (the trainer's frozen reference copy for the KL term).
+        """
+        sizes = embeds["condition_size"]  # [B, 2] latent height, width of each row's condition image
+        if (sizes != sizes[0]).any():
+            # RoPE takes one image layout per forward (QwenEmbedRope reads img_shapes[0]), so a trainer
+            # micro-batch mixing condition aspect ratios runs one forward per condition size.
+            out = torch.empty(latents.shape, dtype=torch.float32, device=latents.device)
+            for size in sizes.unique(dim=0):
+                rows = (sizes == size).all(dim=1).nonzero().squeeze(1)
+                part = {k: e[rows] for k, e in embeds.items()}
+                out[rows] = self.velocity(
+                    latents[rows], sigmas[rows], part, guidance_scale, fused_cfg, transformer
+                )
+            return out
+
+        model = transformer if transformer is not None else self.transformer
+        dtype = self.transformer_dtype
+        batch, channels, h, w = latents.shape
+        cond_h, cond_w = sizes[0].tolist()
+        pack = QwenImageEditPipeline._pack_latents
+        condition = embeds["image_latents"][:, :, :cond_h, :cond_w]  # [B, C, h', w'] (unpad)
+        x = torch.cat(
+            [pack(latents, batch, channels, h, w), pack(condition, batch, channels, cond_h, cond_w)], dim=1
+        ).to(dtype)  # [B, S + S', 4C]: generated tokens, then condition tokens
+        num_image_tokens = (h // 2) * (w // 2)
+        img_shapes = [[(1, h // 2, w // 2), (1, cond_h // 2, cond_w // 2)]]
+        # The pipeline feeds the scheduler's timestep (sigma * 1000, float32) cast to its dtype, / 1000.
+        timestep = (sigmas.float() * self.scheduler.config.num_train_timesteps).to(dtype) / 1000  # [B]
+
+        def forward(x, t, text, mask):
+            out = model(
+                hidden_states=x,
+                timestep=t,
+                encoder_hidden_states=text.to(dtype),
+                # A mask keeps SDPA off its flash kernel: pass none when no row is padded.
+                encoder_hidden_states_mask=None if mask.all() else mask,
+                img_shapes=img_shapes * len(x),
+                return_dict=False,
+            )[0]
+            return out[:, :num_image_tokens].float()  # [B', S, 4C] the generated tokens only
+
+        cond = (embeds["prompt_embeds"], embeds["prompt_embeds_mask"])  # [B, L, D], [B, L]
+        if guidance_scale <= 1:
+            v = forward(x, timestep, *cond)
+        else:
+            neg = (embeds["negative_prompt_embeds"], embeds["negative_prompt_embeds_mask"])  # [B, L', D]
+            if fused_cfg:
+                length = max(cond[0].shape[1], neg[0].shape[1])
+                v_cond, v_neg = forward(
+                    torch.cat([x, x]),
+                    torch.cat([timestep, timestep]),
+                    torch.cat([pad_to(cond[0], length), pad_to(neg[0], length)]),
+                    torch.cat([pad_to(cond[1], length), pad_to(neg[1], length)]),
+                ).chunk(2)
+            else:
+                v_cond = forward(x, timestep, *cond)
+                v_neg = forward(x, timestep, *neg)
+            comb = v_neg + guidance_scale * (v_cond - v_neg)
+            v = comb * (torch.norm(v_cond, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True))
+        # _unpack_latents works in pixels and adds the video VAE's frame axis.
+        pixels = self.vae_scale_factor
+        return QwenImageEditPipeline._unpack_latents(v, h * pixels, w * pixels, pixels)[:, :, 0]
+
+    @torch.no_grad()
+    def rollout(self, requests: list[Request]) -> list[Trajectory]:
+        """Generate a packed batch: one transformer forward per denoising step (two if not `fused_cfg`).
+
+        Each request's own generator draws, in order: its initial latents, its SDE window start, and the
+        noise of each step inside its window; so a request's sample does not depend on its batch.
+        """
+        p = requests[0].params
+        key = self.compat_key(requests[0])
+        assert all(self.compat_key(r) == key for r in requests), "a packed batch must share one compat_key"
+        (cond_h, cond_w), text_length, negative_length = key[-3:]
+        multiple = self.vae_scale_factor * 2
+        if p.height % multiple or p.width % multiple:
+            raise ValueError(
+                f"sampling height and width must be multiples of {multiple}, got {p.height}x{p.width}"
+            )
+        num_steps = p.num_steps
+        size = p.sde_window_size or num_steps  # 0 = every step is trained
+        lo, hi = p.sde_window_range
+        if not 0 < size <= num_steps or (p.sde_window_size and not 0 <= lo < hi):
+            raise ValueError(
+                f"sde_window_size {p.sde_window_size} must be in [0, num_steps={num_steps}] and "
+                f"sde_window_range {p.sde_window_range} a non-empty range [lo, hi) with lo >= 0"
+            )
+
+        batch = len(requests)
+        channels = self.transformer.config.in_channels // 4  # the transformer sees 2x2 latent patches
+        h, w = p.height // self.vae_scale_factor, p.width // self.vae_scale_factor
+        # Drawn on the host so that the samples do not depend on the device either.
+        generators = [torch.Generator("cpu").manual_seed(r.seed) for r in requests]
+        latents = torch.stack([torch.randn(channels, h, w, generator=g) for g in generators])  # [B, C, h, w]
+        latents = latents.to(self.device)
+        starts = [0] * batch
+        if p.sde_window_size:
+            # Clamped so that a window drawn near the end still holds `size` steps.
+            starts = [
+                min(int(torch.randint(lo, hi, (1,), generator=g)), num_steps - size) for g in generators
+            ]
+
+        sigmas = self.sigmas(num_steps, (h // 2) * (w // 2))  # [T + 1] host
+        sigmas_dev = sigmas.to(self.device)
+        sigma_max = float(sigmas[1])
+        guided = p.guidance_scale > 1
+        # The text encoder and the VAE both see the condition image resized to the condition size.
+        sources = {id(r.inputs["image"]): r.inputs["image"] for r in requests}
+        resized = {i: self.pipe.image_processor.resize(im, cond_h, cond_w) for i, im in sources.items()}
+        conditions = [resized[id(r.inputs["image"])] for r in requests]
+        texts = [r.prompt for r in requests] + ([r.negative_prompt for r in requests] if guided else [])
+        rows = self.encode(texts, conditions * (2 if guided else 1))  # [L_i, D]: prompts, then negatives
+        assert [len(r) for r in rows] == [self.prompt_length(t, (cond_h, cond_w)) for t in texts], (
+            "prompt_length (hence the bucket) disagrees with the encoded length"
+        )
+        embeds = {"image_latents": self.encode_images(conditions, cond_h, cond_w)}  # [B, C, h', w']
+        latent_size = list(embeds["image_latents"].shape[2:])
+        embeds["condition_size"] = torch.tensor([latent_size] * batch, device=self.device)  # [B, 2]
+        embeds["prompt_embeds"], embeds["prompt_embeds_mask"] = collate(rows[:batch], text_length)
+        if guided:
+            negative = collate(rows[batch:], negative_length)
+            embeds["negative_prompt_embeds"], embeds["negative_prompt_embeds_mask"] = negative
+
+        # Per row: latents in / out, step index and log-prob of each trained step.
+        records: list[list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]]] = [[] for _ in requests]
+        for i in range(num_steps):
+            sigma = sigmas_dev[i].expand(batch)  # [B]
+            sigma_next = sigmas_dev[i + 1].expand(batch)  # [B]
+            v = self.velocity(latents, sigma, embeds, p.guidance_scale, self.fused_cfg)  # [B, C, h, w]
+            next_latents = flow_step(v, latents, sigma, sigma_next, sigma_max, 0.0, "ode").prev_sample
+            window = [b for b in range(batch) if starts[b] <= i < starts[b] + size]
+            if window:
+                noise = torch.stack([torch.randn(channels, h, w, generator=generators[b]) for b in window])
+                idx = torch.tensor(window, device=self.device)
+                out = flow_step(
+                    v[idx],
+                    latents[idx],
+                    sigma[idx],
+                    sigma_next[idx],
+                    sigma_max,
+                    p.noise_level,
+                    p.sde_type,
+                    noise=noise.to(self.device),  # [R, C, h, w]
+                )
+                next_latents[idx] = out.prev_sample
+                logprobs = out.logprob if p.record_logprobs else torch.zeros_like(out.logprob)
+                for j, b in enumerate(window):
+                    records[b].append((latents[b], out.prev_sample[j], i, logprobs[j]))
+            latents = next_latents
+
+        # De-normalised as the pipeline does it, with the frame axis the video VAE expects.
+        config, vae_dtype = self.vae.config, self.vae.dtype
+        mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1).to(self.device, vae_dtype)
+        inv_std = 1.0 / torch.tensor(config.latents_std).view(1, -1, 1, 1, 1).to(self.device, vae_dtype)
+        vae_in = latents[:, :, None].to(vae_dtype) / inv_std + mean  # [B, C, 1, h, w]
+        images = self.vae.decode(vae_in, return_dict=False)[0][:, :, 0]  # [B, 3, H, W] in [-1, 1]
+        images = (images.float() * 0.5 + 0.5).clamp(0, 1)  # as VaeImageProcessor.postprocess
+
+        trajectories = []
+        for b, req in enumerate(requests):
+            x_in, x_out, steps, logprobs = zip(*records[b])
+            sample_embeds = {
+                "prompt_embeds": rows[b].cpu(),  # [L_b, D], unpadded: batch_embeds pads
+                "image_latents": embeds["image_latents"][b].cpu(),  # [C, h', w']
+            }
+            if guided:
+                sample_embeds["negative_prompt_embeds"] = rows[batch + b].cpu()
+            trajectories.append(
+                Trajectory(
+                    request=req,
+                    latents=torch.stack(x_in).cpu(),  # [K, C, h, w]
+                    next_latents=torch.stack(x_out).cpu(),  # [K, C, h, w]
+                    step_indices=torch.tensor(steps, dtype=torch.int64),  # [K]
+                    logprobs=torch.stack(logprobs).float().cpu(),  # [K]
+                    sigmas=sigmas,
+                    embeds=sample_embeds,
+                    image=images[b].cpu(),
+                    final_latents=latents[b].cpu(),
+                )
+            )
+        return trajectories
+
+    def batch_embeds(self, embeds: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Pad each text to the longest of the micro-batch, with its mask (`<key>_mask`); zero-pad the
+        condition latents to the largest condition size, recorded per row in `condition_size`."""
+        out = {}
+        for key in ("prompt_embeds", "negative_prompt_embeds"):
+            if key in embeds[0]:
+                rows = [e[key] for e in embeds]
+                out[key], out[f"{key}_mask"] = collate(rows, max(len(r) for r in rows))
+        images = [e["image_latents"] for e in embeds]  # [C, h'_i, w'_i]
+        out["condition_size"] = torch.tensor([im.shape[1:] for im in images])  # [B, 2]
+        cond_h, cond_w = out["condition_size"].max(dim=0).values.tolist()
+        out["image_latents"] = torch.stack([pad_to(pad_to(im, cond_h), cond_w, dim=2) for im in images])
+        return out
+
+    def export_lora(self, out_dir: str | Path, transformer_state_dict: dict | None = None) -> None:
+        """Write the LoRA as `pytorch_lora_weights.safetensors` in the diffusers format, loadable with
+        `QwenImageEditPipeline.load_lora_weights`. An FSDP run passes the gathered full state dict."""
+        if not self.lora:
+            raise ValueError("export_lora needs model.finetune 'lora'")
+        layers = peft.get_peft_model_state_dict(self.transformer, state_dict=transformer_state_dict)
+        QwenImageEditPipeline.save_lora_weights(
+            out_dir,
+            transformer_lora_layers=layers,
+            # Without it a loader assumes lora_alpha == rank and scales the update wrongly.
+            transformer_lora_adapter_metadata=self.transformer.peft_config["default"].to_dict(),
+        )

@@ -1,0 +1,83 @@
+"""Text-edit reward: does the edited image show the target text in the edited region, and is the rest of the
+source image left as it was?
+
+    score = 0.5 * ocr + 0.5 * preserve, in [0, 1]
+
+The output image is first resized to the source image's size, so that the row's "region" (pixel box
+[x0, y0, x1, y1) of the source, omnirl.data.edit) addresses the same place in both.
+
+- ocr: the OCR reward's score (omnirl.rewards.ocr: whitespace-free lower case, 1 if the target occurs in
+  the recognised text, else 1 - edit distance / target length) of the region of the output against the
+  row's "target_text". OCR misreads text that touches the image edge or is under ~30 px high, so the crop
+  is scaled up to at least 96 px high and framed with a border of its corner colour.
+- preserve: 1 - the mean absolute difference (RGB in [0, 1]) between output and source outside the region
+  (1 when the region covers the whole image).
+
+Equal weights: a correct edit that also repaints the background scores below one that keeps it, and keeping
+the source unchanged (preserve 1) does not pay unless the new text is there too (the source's own word
+scores low OCR). Rows without "region" or "target_text" are a DataError naming the row.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from omnirl.data.edit import read_image
+from omnirl.data.prompts import DataError
+from omnirl.rewards.ocr import OcrReward, normalise, ocr_score
+
+OCR_WEIGHT = 0.5
+PRESERVE_WEIGHT = 0.5
+MIN_OCR_HEIGHT = 96  # pixels: the region crop is scaled up to this height before OCR
+
+
+def edit_target(metadata: dict[str, Any]) -> tuple[str, tuple[int, int, int, int], str]:
+    """(source image path, region, normalised target text) of an edit row; a DataError names a bad row."""
+    where = metadata.get("source", "an edit row")
+    for key in ("image", "region", "target_text"):
+        if key not in metadata:
+            raise DataError(f'{where}: the text_edit reward needs "{key}" (see omnirl.data.edit)')
+    target = normalise(metadata["target_text"])
+    if not target:
+        raise DataError(f'{where}: "target_text" is empty')
+    return metadata["image"], tuple(metadata["region"]), target
+
+
+def ocr_crop(image: Image.Image, region: tuple[int, int, int, int]) -> Image.Image:
+    crop = image.crop(region)
+    if crop.height < MIN_OCR_HEIGHT:
+        scale = MIN_OCR_HEIGHT / crop.height
+        crop = crop.resize((max(1, round(crop.width * scale)), MIN_OCR_HEIGHT), Image.BICUBIC)
+    return ImageOps.expand(crop, border=crop.height // 4, fill=crop.getpixel((0, 0)))
+
+
+def preserve_score(output: Image.Image, source: Image.Image, region: tuple[int, int, int, int]) -> float:
+    """1 - mean |output - source| outside the region; images of one size."""
+    out = np.asarray(output, dtype=np.float32) / 255  # [H, W, 3]
+    src = np.asarray(source, dtype=np.float32) / 255
+    outside = np.ones(src.shape[:2], dtype=bool)
+    x0, y0, x1, y1 = region
+    outside[y0:y1, x0:x1] = False
+    if not outside.any():
+        return 1.0
+    return float(1 - np.abs(out - src)[outside].mean())
+
+
+class TextEditReward:
+    def __init__(self) -> None:
+        self.ocr = OcrReward()  # its own engine: the pool never calls one reward from two threads
+
+    def __call__(
+        self, images: list[Image.Image], prompts: list[str], metadata: list[dict[str, Any]]
+    ) -> list[float]:
+        targets = [edit_target(m) for m in metadata]  # a bad row fails before any OCR time is spent
+        scores = []
+        for image, (path, region, target) in zip(images, targets):
+            source = read_image(path)
+            output = image.convert("RGB").resize(source.size, Image.BICUBIC)
+            ocr = ocr_score(normalise(self.ocr.recognise(ocr_crop(output, region))), target)
+            scores.append(OCR_WEIGHT * ocr + PRESERVE_WEIGHT * preserve_score(output, source, region))
+        return scores

@@ -1,0 +1,67 @@
+"""Export what omnirl trained, from a checkpoint or from the LoRA a run wrote at its end.
+
+    python scripts/export.py SOURCE OUT                # LoRA, diffusers format (load_lora_weights)
+    python scripts/export.py SOURCE OUT --format peft  # LoRA, peft format (PeftModel.from_pretrained)
+    python scripts/export.py SOURCE OUT --merge        # the whole pipeline, the LoRA fused into its weights
+
+SOURCE is a checkpoint directory (output_dir/checkpoints/step_NNNNNN) or a diffusers LoRA directory
+(output_dir/lora). A checkpoint names its base model in meta.json and `--model-path` replaces it; a LoRA
+directory names none, so --merge needs --model-path there. A fully fine-tuned checkpoint has no LoRA and
+exports only with --merge. Every weight file is safetensors.
+"""
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from omnirl.checkpoint import LORA_FILE, adapter_from_checkpoint, lora_to_peft, save_merged
+from omnirl.distributed import DTYPES
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("source", type=Path, help="a checkpoint directory or a diffusers LoRA directory")
+    parser.add_argument("out", type=Path, help="the output directory")
+    parser.add_argument("--format", choices=["diffusers", "peft"], default="diffusers", help="LoRA format")
+    parser.add_argument("--merge", action="store_true", help="write the pipeline with the LoRA fused in")
+    parser.add_argument("--model-path", default="", help="the base model (default: the checkpoint's)")
+    parser.add_argument(
+        "--dtype", choices=list(DTYPES), default="float32", help="dtype of the --merge weights"
+    )
+    args = parser.parse_args(argv)
+    if args.merge and args.format != "diffusers":
+        parser.error("--merge writes a pipeline, not a LoRA: drop --format")
+    is_checkpoint = (args.source / "meta.json").is_file()
+    if not is_checkpoint and not (args.source / LORA_FILE).is_file():
+        parser.error(f"{args.source}: neither a checkpoint (meta.json) nor a LoRA directory ({LORA_FILE})")
+    lora_only = not args.merge and args.format == "diffusers"
+
+    with tempfile.TemporaryDirectory() as tmp:
+        lora_dir, model_path, transformer = args.source, args.model_path, None
+        if is_checkpoint:
+            adapter, cfg = adapter_from_checkpoint(args.source, args.model_path)
+            model_path = cfg.model.path
+            if cfg.model.finetune == "full":
+                if not args.merge:
+                    parser.error(f"{args.source} is a full fine-tune (no LoRA): export it with --merge")
+                transformer, lora_dir = adapter.transformer, None
+            else:
+                lora_dir = args.out if lora_only else Path(tmp)
+                adapter.export_lora(lora_dir)
+        elif lora_only:
+            args.out.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(args.source / LORA_FILE, args.out / LORA_FILE)
+        if args.merge:
+            if not model_path:
+                parser.error("--merge of a LoRA directory needs --model-path (the base model)")
+            save_merged(model_path, args.out, DTYPES[args.dtype], lora_dir, transformer)
+        elif args.format == "peft":
+            lora_to_peft(lora_dir, args.out, model_path)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

