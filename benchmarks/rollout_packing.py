@@ -327,9 +327,11 @@ def main() -> None:
             results["logprob_check"] = logprob_gap(adapter, trajs, cfg.algo.clip_range)
             print(json.dumps(results["logprob_check"]), flush=True)
             save()
+    stock(adapter, texts, params, a, rows, results, flops_total, save, compiled=False)
     for n in a.compiled_max_num_seqs:
         run_engine(f"packed max_num_seqs {n}, compiled", requests, 1.0, max_num_seqs=n, compile=True)
-    stock(adapter, texts, params, a, rows, results, flops_total, save)
+    if a.compiled_max_num_seqs:
+        stock(adapter, texts, params, a, rows, results, flops_total, save, compiled=True)
     save()
     serial = rows[0]["generation_s"] if a.serial_requests else float("nan")
     print(
@@ -343,7 +345,7 @@ def main() -> None:
     print(f"wrote {a.out}")
 
 
-def stock(adapter, texts, params, a, rows, results, flops_total, save) -> None:
+def stock(adapter, texts, params, a, rows, results, flops_total, save, compiled: bool) -> None:
     """diffusers' QwenImagePipeline around the same modules (LoRA attached), batches of prompts per call."""
     from diffusers import QwenImagePipeline
 
@@ -352,35 +354,34 @@ def stock(adapter, texts, params, a, rows, results, flops_total, save) -> None:
         tokenizer=adapter.tokenizer, transformer=adapter.transformer,
     )  # fmt: skip
     pipe.set_progress_bar_config(disable=True)
-    for compiled in (False, True) if a.compiled_max_num_seqs else (False,):
-        if compiled:  # per repeated block, as compile_repeated_blocks does (FSDP2 renames the block class)
-            for block in adapter.fsdp_units():
-                block.compile(fullgraph=True)
-        for b in a.stock_batch:
-            n = max(b, min(len(texts), 2 * b))
+    if compiled:  # per repeated block, as compile_repeated_blocks does (FSDP2 renames the block class)
+        for block in adapter.fsdp_units():
+            block.compile(fullgraph=True)
+    for b in a.stock_batch:
+        n = max(b, min(len(texts), 2 * b))
 
-            def call(k=n, b=b):
-                for i in range(0, k, b):
-                    pipe(
-                        prompt=texts[i : i + b], negative_prompt=[" "] * len(texts[i : i + b]),
-                        true_cfg_scale=params.guidance_scale, num_inference_steps=params.num_steps,
-                        height=params.height, width=params.width, output_type="pil",
-                    )  # fmt: skip
+        def call(k=n, b=b):
+            for i in range(0, k, b):
+                pipe(
+                    prompt=texts[i : i + b], negative_prompt=[" "] * len(texts[i : i + b]),
+                    true_cfg_scale=params.guidance_scale, num_inference_steps=params.num_steps,
+                    height=params.height, width=params.width, output_type="pil",
+                )  # fmt: skip
 
-            with D.gathered_weights(adapter.transformer):  # as the engine does: weights gathered once
-                compile_s = timed(lambda b=b: call(b))[0] if compiled else 0.0
-                call(b) if not compiled else None  # warm-up
-                secs = timed(call)[0]
-            gen = secs * a.images / n
-            row = {
-                "name": f"stock QwenImagePipeline {b} prompts/call, {'compiled' if compiled else 'eager'}",
-                "generation_s": gen, "images_per_s": a.images / gen, "scaled_from": n,
-                "mfu": flops_total / gen / (results["matmul_tflops"] * 1e12), "peak_gib": peak_gib(),
-                "compile_s": max(compile_s - secs * b / n, 0.0),
-            }  # fmt: skip
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            save()
+        with D.gathered_weights(adapter.transformer):  # as the engine does: weights gathered once
+            compile_s = timed(lambda b=b: call(b))[0] if compiled else 0.0
+            call(2, 2) if not compiled else None  # warm-up (kernels, allocator)
+            secs = timed(call)[0]
+        gen = secs * a.images / n
+        row = {
+            "name": f"stock QwenImagePipeline {b} prompts/call, {'compiled' if compiled else 'eager'}",
+            "generation_s": gen, "images_per_s": a.images / gen, "scaled_from": n,
+            "mfu": flops_total / gen / (results["matmul_tflops"] * 1e12), "peak_gib": peak_gib(),
+            "compile_s": max(compile_s - secs * b / n, 0.0),
+        }  # fmt: skip
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        save()
 
 
 if __name__ == "__main__":
