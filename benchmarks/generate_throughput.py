@@ -1,0 +1,287 @@
+"""Generation throughput: omnirl's GenerationEngine vs transformers' plain `generate` vs `generate_batch`.
+
+All three run the same Qwen3-Omni thinker on the same requests (text prompts: `generate_batch` takes token
+ids only) with the same sampling (temperature, no top-p / top-k) and the same stop tokens, and are timed
+end to end (prefill included). tokens/s counts generated tokens up to and including each response's stop
+token; plain `generate` runs the requests in static batches of --max-num-seqs (each batch runs until its
+longest row ends), `generate_batch` is transformers' continuous batching (paged cache), ours is
+`omnirl.rollout.generate.GenerationEngine` with max_num_seqs = --max-num-seqs.
+
+A random-init model almost never samples EOS, so every response would run to --max-new-tokens. RL
+responses end at very different lengths; --stop-frac makes that happen here: that fraction of the
+vocabulary becomes stop tokens (for all three), so lengths are roughly geometric with mean 1 / stop-frac.
+
+    # CPU smoke run on the tiny model (built into a temp dir)
+    python benchmarks/generate_throughput.py --num-requests 16 --max-num-seqs 8 --max-new-tokens 32
+    # H200: a random-init Qwen3-Omni-shaped thinker (the real one: 48 layers, 128 experts)
+    python benchmarks/generate_throughput.py --random-init --layers 8 --hidden 2048 --experts 64 \\
+        --num-requests 256 --max-num-seqs 64 --max-new-tokens 512 --stop-frac 0.004 --dtype bfloat16
+
+Prints a table and writes JSON (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import ContinuousBatchingConfig, GenerationConfig
+
+from omnirl.config import Config
+from omnirl.distributed import DTYPES, device_type
+from omnirl.memory import synchronize
+from omnirl.models import get_adapter
+from omnirl.models.base import GenerationParams, Request
+from omnirl.rollout.generate import GenerationEngine
+
+WORDS = "the of a to in is that for it as with was on be by at this from or have an are which".split()
+
+
+def random_init_checkpoint(args, out_dir: Path, device: torch.device) -> Path:
+    """A random-init Qwen3-Omni thinker of the given text-model shape (vision / audio towers tiny: the
+    prompts are text), saved with the tiny model's tokenizer and processor files. Embedding rows beyond
+    the tokenizer's vocabulary are never in a prompt but can be sampled, as with the real model."""
+    from transformers import Qwen3OmniMoeThinkerConfig, Qwen3OmniMoeThinkerForConditionalGeneration
+
+    from omnirl.models.tiny import make_tiny_qwen3_omni
+
+    tiny = make_tiny_qwen3_omni(out_dir / "tiny")
+    tiny_cfg = json.loads((tiny / "config.json").read_text())["thinker_config"]
+    text = dict(
+        tiny_cfg["text_config"],
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        moe_intermediate_size=args.moe_intermediate,
+        num_experts=args.experts,
+        num_experts_per_tok=args.experts_per_tok,
+        rope_parameters=dict(
+            rope_type="default", rope_theta=1e6, mrope_section=[24, 20, 20], mrope_interleaved=True
+        ),
+        max_position_embeddings=65536,
+    )
+    vision = dict(tiny_cfg["vision_config"], out_hidden_size=args.hidden)
+    audio = dict(tiny_cfg["audio_config"], output_dim=args.hidden)
+    ids = {k: v for k, v in tiny_cfg.items() if k.endswith("token_id")}
+    config = Qwen3OmniMoeThinkerConfig(text_config=text, vision_config=vision, audio_config=audio, **ids)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3OmniMoeThinkerForConditionalGeneration(config).to(DTYPES[args.dtype])
+    if args.head_scale != 1.0:  # sharpen the near-uniform output of a random model
+        model.lm_head.weight.data *= args.head_scale
+    path = out_dir / "random_thinker"
+    model.save_pretrained(path)
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "preprocessor_config.json",
+    ):
+        (path / name).write_bytes((tiny / name).read_bytes())
+    (path / "generation_config.json").write_bytes((tiny / "generation_config.json").read_bytes())
+    del model
+    return path
+
+
+def make_requests(args, stops: tuple[int, ...]) -> list[Request]:
+    rng = random.Random(0)
+    params = GenerationParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_token_ids=stops
+    )
+    out = []
+    for i in range(args.num_requests):
+        n = rng.randint(args.prompt_words // 2, args.prompt_words)
+        prompt = " ".join(rng.choice(WORDS) for _ in range(n))
+        out.append(Request(prompt, i, i, 1000 + i, params))
+    return out
+
+
+def response_length(tokens: list[int], stops: set[int]) -> int:
+    """Generated tokens up to and including the first stop token."""
+    for j, t in enumerate(tokens):
+        if t in stops:
+            return j + 1
+    return len(tokens)
+
+
+def run_ours(adapter, requests, args, keep: list) -> int:
+    engine = GenerationEngine(adapter, args.max_num_seqs, args.kv_cache_gib)
+    trajs = engine.generate(requests)
+    keep[:] = trajs
+    return sum(len(t.response_ids) for t in trajs)
+
+
+@torch.no_grad()
+def check_logprobs(adapter, trajs, temperature: float, micro_batch: int = 16) -> dict[str, float]:
+    """Trainer-side log-probs (one forward over prompt + response) of the engine's responses vs the ones it
+    recorded: mean / max |diff| of log-probs and the Pearson correlation of the token probabilities."""
+    trainer, rollout = [], []
+    for i in range(0, len(trajs), micro_batch):
+        chunk = trajs[i : i + micro_batch]
+        batch = adapter.collate([t.prompt_inputs() for t in chunk])
+        batch = {k: v.to(adapter.device) for k, v in batch.items()}
+        length = max(len(t.response_ids) for t in chunk)
+        seqs = torch.full((len(chunk), length), adapter.pad_token_id)
+        mask = torch.zeros(len(chunk), length, dtype=torch.long)
+        for b, t in enumerate(chunk):
+            seqs[b, : len(t.response_ids)], mask[b, : len(t.response_ids)] = t.response_ids, 1
+        lp = adapter.token_logprobs(batch, seqs.to(adapter.device), mask.to(adapter.device), temperature)
+        trainer.append(lp[mask.to(adapter.device).bool()].cpu())
+        rollout += [t.logprobs for t in chunk]
+    trainer, rollout = torch.cat(trainer).double(), torch.cat(rollout).double()
+    diff = (trainer - rollout).abs()
+    pearson = torch.corrcoef(torch.stack([trainer.exp(), rollout.exp()]))[0, 1]
+    return {
+        "tokens": len(diff),
+        "mean_abs_diff": diff.mean().item(),
+        "max_abs_diff": diff.max().item(),
+        "prob_pearson": pearson.item(),
+        "mean_logprob": rollout.mean().item(),
+    }
+
+
+def run_generate(adapter, requests, args, stops) -> int:
+    """Plain `generate` on static batches of max_num_seqs left-padded prompts."""
+    total = 0
+    config = GenerationConfig(
+        do_sample=True,
+        temperature=args.temperature,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=args.max_new_tokens,
+        eos_token_id=sorted(stops),
+        pad_token_id=adapter.pad_token_id,
+        suppress_tokens=list(adapter.placeholder_token_ids),
+    )
+    for i in range(0, len(requests), args.max_num_seqs):
+        batch = adapter.collate([adapter.prepare(r) for r in requests[i : i + args.max_num_seqs]])
+        batch = {k: v.to(adapter.device) for k, v in batch.items()}
+        out = adapter.thinker.generate(**batch, generation_config=config)[:, batch["input_ids"].shape[1] :]
+        total += sum(response_length(row, stops) for row in out.tolist())
+    return total
+
+
+def run_generate_batch(adapter, requests, args, stops) -> int:
+    """transformers' continuous batching (paged KV cache); it takes token ids, so text prompts only."""
+    config = GenerationConfig(
+        do_sample=True,
+        temperature=args.temperature,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=args.max_new_tokens,
+        eos_token_id=sorted(stops),
+        pad_token_id=adapter.pad_token_id,
+    )
+    ids = [adapter.prepare(r)["input_ids"].tolist() for r in requests]
+    # No switch to flash attention: that would fetch a kernel from the hub, which this machine cannot reach.
+    cb = ContinuousBatchingConfig(max_requests_per_batch=args.max_num_seqs, auto_switch_to_flash=False)
+    out = adapter.thinker.generate_batch(ids, generation_config=config, continuous_batching_config=cb)
+    return sum(response_length(o.generated_tokens, stops) for o in out.values())
+
+
+def timed(fn, *a) -> tuple[int, float]:
+    synchronize()
+    start = time.perf_counter()
+    tokens = fn(*a)
+    synchronize()
+    return tokens, time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="", help="a Qwen3-Omni checkpoint (default: the tiny one, built)")
+    p.add_argument("--random-init", action="store_true", help="a random-init thinker of the shape below")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--experts-per-tok", type=int, default=8)
+    p.add_argument("--moe-intermediate", type=int, default=768)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--head-scale", type=float, default=1.0, help="multiply the random lm_head (sharpen)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--kv-cache-gib", type=float, default=16.0)
+    p.add_argument("--prompt-words", type=int, default=40, help="prompts have words in [n / 2, n]")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--stop-frac", type=float, default=0.0, help="fraction of the vocabulary that stops")
+    p.add_argument("--methods", default="ours,generate,generate_batch")
+    p.add_argument("--check-logprobs", action="store_true", help="re-score our responses as the trainer")
+    p.add_argument("--warmup", type=int, default=4, help="requests of a warm-up run per method (0 = none)")
+    p.add_argument("--out", default="benchmarks/generate_throughput.json")
+    args = p.parse_args()
+
+    torch.set_num_threads(1 if device_type() == "cpu" else torch.get_num_threads())
+    device = torch.device(device_type())
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.random_init:
+            path = random_init_checkpoint(args, Path(tmp), device)
+        elif args.model:
+            path = Path(args.model)
+        else:
+            from omnirl.models.tiny import make_tiny_qwen3_omni
+
+            path = make_tiny_qwen3_omni(Path(tmp) / "tiny")
+        cfg = Config()
+        cfg.model.path, cfg.model.adapter, cfg.model.dtype = str(path), "qwen3_omni_thinker", args.dtype
+        cfg.model.finetune = "lora"
+        cfg.lora.target_modules = ["q_proj", "k_proj", "v_proj", "o_proj"]
+        start = time.perf_counter()
+        adapter = get_adapter("qwen3_omni_thinker")(cfg, device)
+        load_s = time.perf_counter() - start
+
+    vocab = adapter.lm_head.weight.shape[0]
+    rng = random.Random(1)
+    candidates = [t for t in range(vocab) if t not in adapter.placeholder_token_ids]
+    stops = tuple(sorted(rng.sample(candidates, int(args.stop_frac * vocab)))) if args.stop_frac else ()
+    all_stops = set(stops) | set(adapter.eos_token_ids)
+    requests = make_requests(args, stops)
+    trajs: list = []
+    runs = {
+        "ours": lambda reqs: run_ours(adapter, reqs, args, trajs),
+        "generate": lambda reqs: run_generate(adapter, reqs, args, all_stops),
+        "generate_batch": lambda reqs: run_generate_batch(adapter, reqs, args, all_stops),
+    }
+    # generate_batch switches the attention implementation while it runs: keep it last.
+    methods = [m for m in ("ours", "generate", "generate_batch") if m in args.methods.split(",")]
+    params = sum(p.numel() for p in adapter.model.parameters())
+    report = {"args": vars(args), "device": str(device), "parameters": params, "results": {}}
+    results = report["results"]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for name in methods:
+        if args.warmup:
+            timed(runs[name], requests[: args.warmup])
+        tokens, seconds = timed(runs[name], requests)
+        results[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+        print(f"{name}: {tokens} tokens in {seconds:.2f} s", flush=True)
+        if name == "ours" and args.check_logprobs:
+            report["logprob_check"] = check_logprobs(adapter, trajs, args.temperature)
+            print(f"trainer vs rollout log-probs: {report['logprob_check']}", flush=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")  # after each method: a later one may hang
+    name = "random-init" if args.random_init else path
+    print(f"model {name}: {params / 1e6:.1f} M parameters, {args.dtype}, {device}, loaded in {load_s:.1f} s")
+    print(f"{args.num_requests} requests, max_num_seqs {args.max_num_seqs}, ", end="")
+    print(f"max_new_tokens {args.max_new_tokens}, {len(stops)} extra stop tokens")
+    print(f"{'method':<16}{'tokens':>10}{'seconds':>10}{'tokens/s':>12}{'vs generate':>13}")
+    base = results.get("generate", {}).get("tokens_per_s")
+    for name, r in results.items():
+        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+        print(f"{name:<16}{r['tokens']:>10}{r['seconds']:>10.2f}{r['tokens_per_s']:>12.1f}{ratio:>13}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""The causal-LM pieces the omni adapters (`qwen3_omni.py`, `qwen_vl.py`) and the generation engine share.
+
+- `HiddenStatesLM`: the trained module of an omni adapter and its FSDP root. Its forward returns the final
+  hidden states, never logits: callers apply `lm_head` only where they need it, in chunks. Full-vocabulary
+  float32 logits of a whole batch are what must never exist (152k vocab x 16k tokens is ~10 GB).
+- `collate_prompts`: left-padded prompt batches with the multimodal tensors concatenated in row order.
+- `output_logprobs`: the one definition of the policy's distribution that rollout and trainer share,
+  log_softmax(logits / temperature) over the vocabulary, with the multimodal placeholder ids masked out.
+- `chunked_token_logprobs` / `sequence_logprobs`: the trainer's log-probs of given response tokens.
+
+The placeholder ids (image / video / audio pads) are input-only slots that the model fills with encoder
+features. A random or young policy does sample them, and a response holding one cannot be re-scored: the
+model's forward takes every such id as a slot to fill and fails (or misaligns) on the trainer side. So
+the policy never emits them: 3 ids of ~152k, masked the same way in rollout and trainer.
+
+Written here rather than taken from a library: transformers computes logits for every position and
+offers no log-prob of given tokens; TRL / verl do this inside their trainers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+# Tokens per lm_head chunk: 1024 x 152k vocab x 4 bytes = 0.6 GB of float32 logits at a time.
+LOGPROB_CHUNK = 1024
+
+
+class HiddenStatesLM(nn.Module):
+    """`body` (the transformers base model: encoders + decoder, no head) and `lm_head` as one module.
+
+    It is the FSDP root, so every forward enters through the root (FSDP2 requires that), and `lm_head` is a
+    child (its own FSDP unit), so the chunked projection outside `forward` still finds its weights.
+    """
+
+    def __init__(self, body: nn.Module, lm_head: nn.Module):
+        super().__init__()
+        self.body = body
+        self.lm_head = lm_head
+
+    def forward(self, **inputs) -> torch.Tensor:
+        """`inputs` are the body's keyword arguments (input_ids, attention_mask, position_ids, cache,
+        use_cache, pixel_values, ...); returns the final (normed) hidden states [B, L, H]."""
+        return self.body(**inputs).last_hidden_state
+
+
+def collate_prompts(inputs: list[dict[str, torch.Tensor]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Batch per-request prompts (`OmniModelBase.prepare` outputs).
+
+    input_ids / attention_mask become [B, P], left-padded so that every row's last prompt token is in the
+    last column (where generation continues). Every other tensor is concatenated on dim 0 in row order, the
+    way the models match features to placeholder tokens (pixel_values [N, D] patches, image_grid_thw [I, 3],
+    input_features [A, M, F]); tensors whose last dim differs between rows (audio frames) are zero-padded on
+    it first, which their masks (feature_attention_mask [A, F]) then exclude.
+    """
+    length = max(len(x["input_ids"]) for x in inputs)
+    input_ids = torch.full((len(inputs), length), pad_token_id, dtype=torch.long)  # [B, P]
+    attention_mask = torch.zeros((len(inputs), length), dtype=torch.long)  # [B, P]
+    for b, x in enumerate(inputs):
+        n = len(x["input_ids"])
+        input_ids[b, length - n :] = x["input_ids"]
+        attention_mask[b, length - n :] = 1
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+    for key in sorted({k for x in inputs for k in x} - {"input_ids"}):
+        parts = [x[key] for x in inputs if key in x]
+        width = max(p.shape[-1] for p in parts)
+        batch[key] = torch.cat([F.pad(p, (0, width - p.shape[-1])) for p in parts])
+    return batch
+
+
+def output_logprobs(
+    lm_head: nn.Module,
+    hidden: torch.Tensor,
+    temperature: torch.Tensor | float,
+    placeholder_ids: torch.Tensor,
+) -> torch.Tensor:
+    """The policy's log-probs [N, V] float32 for hidden states [N, H]: log_softmax(lm_head(hidden) /
+    temperature) with the multimodal placeholder ids ([K] long, on the device: indexing with a host list
+    would copy it over every step) at -inf. `temperature` is a float or [N, 1]."""
+    logits = lm_head(hidden).float() / temperature  # [N, V]
+    return logits.index_fill(1, placeholder_ids, float("-inf")).log_softmax(-1)
+
+
+def _chunk_logprobs(lm_head, hidden, tokens, temperature, placeholder_ids):
+    logprobs = output_logprobs(lm_head, hidden, temperature, placeholder_ids)  # [C, V]
+    return logprobs.gather(-1, tokens[:, None]).squeeze(-1)  # [C]
+
+
+def chunked_token_logprobs(
+    lm_head: nn.Module,
+    hidden: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float,
+    placeholder_ids: torch.Tensor,
+    chunk_size: int = LOGPROB_CHUNK,
+) -> torch.Tensor:
+    """`output_logprobs` at `tokens`: hidden [N, H], tokens [N] -> [N] float32.
+
+    The projection runs `chunk_size` tokens at a time. With gradients each chunk is checkpointed, so the
+    backward pass keeps only the hidden states and recomputes one chunk's logits at a time.
+    """
+    out = []
+    for i in range(0, len(tokens), chunk_size):
+        args = (lm_head, hidden[i : i + chunk_size], tokens[i : i + chunk_size], temperature, placeholder_ids)
+        if torch.is_grad_enabled():
+            out.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+        else:
+            out.append(_chunk_logprobs(*args))
+    return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
+
+
+def sequence_logprobs(
+    adapter,
+    model_inputs: dict[str, torch.Tensor],
+    sequences: torch.Tensor,
+    response_mask: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
+    """The trainer side of `OmniModelBase.token_logprobs`: one forward over prompt + response.
+
+    model_inputs: collated prompts (input_ids / attention_mask [B, P] left-padded, multimodal tensors);
+    sequences: response tokens [B, T], right-padded; response_mask [B, T]. Returns [B, T] float32, 0 where
+    the mask is 0. Positions are the rollout's: the model's M-RoPE positions of the prompt, then one more
+    per response token (the response is text: get_rope_index must not read its tokens).
+    """
+    prompt_len, length = model_inputs["input_ids"].shape[1], sequences.shape[1]
+    response_mask = response_mask.to(model_inputs["attention_mask"].dtype)
+    prompt_positions = adapter.rope_positions(model_inputs)  # [3, B, P]
+    steps = torch.arange(length, device=sequences.device).to(prompt_positions.dtype)
+    response_positions = prompt_positions.amax(dim=(0, 2))[:, None] + 1 + steps  # [B, T]
+    batch = {
+        **model_inputs,
+        "input_ids": torch.cat([model_inputs["input_ids"], sequences], dim=1),  # [B, P + T]
+        "attention_mask": torch.cat([model_inputs["attention_mask"], response_mask], dim=1),  # [B, P + T]
+        "position_ids": torch.cat([prompt_positions, response_positions.expand(3, -1, -1)], dim=2),
+    }
+    hidden = adapter.model(**batch, use_cache=False)  # [B, P + T, H]
+    # The hidden state at position i predicts token i + 1: response token j is scored at P - 1 + j.
+    hidden = hidden[:, prompt_len - 1 : prompt_len - 1 + length]  # [B, T, H]
+    keep = response_mask.bool()
+    out = torch.zeros(sequences.shape, dtype=torch.float32, device=hidden.device)  # [B, T]
+    placeholders = torch.tensor(adapter.placeholder_token_ids, device=hidden.device)
+    out[keep] = chunked_token_logprobs(
+        adapter.lm_head, hidden[keep], sequences[keep], temperature, placeholders
+    )
+    return out

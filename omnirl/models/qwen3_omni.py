@@ -1,0 +1,248 @@
+"""Qwen3-Omni (MoE): the thinker adapter (image / audio / text in, text out), an `OmniModelBase`.
+
+The model, the processor's placeholder expansion and the M-RoPE positions are transformers' own
+(`Qwen3OmniMoeThinkerForConditionalGeneration`, `Qwen3OmniMoeProcessor`, `get_rope_index`). What this file
+adds is what RL needs around them:
+
+- Loading the thinker alone, from a full Qwen3-Omni checkpoint (Qwen/Qwen3-Omni-30B-A3B-Instruct:
+  thinker.* / talker.* / code2wav.* weights in one model) or from a thinker-only one. The talker and
+  code2wav are never built, so nothing of theirs reaches the device or FSDP.
+- The config quirk: `get_rope_index` reads `config.vision_start_token_id`, which Qwen3OmniMoeThinkerConfig
+  does not have (transformers 5.17 and 5.24); it is set from the tokenizer's vision-start token.
+- LoRA (peft) on the language model's decoder layers only. The audio encoder also has q/k/v_proj, which a
+  plain suffix match would hit.
+- Export of the LoRA as a peft adapter for `Qwen3OmniMoeThinkerForConditionalGeneration`.
+- A processor without the video processor: the video processor needs torchvision, and omnirl feeds the
+  omni models images and audio only.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import peft
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from transformers import (
+    AutoConfig,
+    GenerationConfig,
+    Qwen3OmniMoeConfig,
+    Qwen3OmniMoeProcessor,
+    Qwen3OmniMoeThinkerConfig,
+    Qwen3OmniMoeThinkerForConditionalGeneration,
+)
+from transformers.processing_utils import ProcessorMixin
+
+from omnirl.config import Config
+from omnirl.distributed import DTYPES, load_pretrained
+from omnirl.models.base import Request
+from omnirl.models.lm import HiddenStatesLM, collate_prompts, sequence_logprobs
+
+# Request.inputs keys this adapter reads: one PIL image and one waveform (1-D float array, 16 kHz).
+INPUT_KEYS = ("image", "audio")
+
+
+class _ProcessorWithoutVideo(Qwen3OmniMoeProcessor):
+    """Qwen3OmniMoeProcessor assembled from tokenizer, image processor and audio feature extractor only.
+
+    The real constructor insists on a video processor, which cannot be built without torchvision.
+    Dropping `video_processor` from the signature drops it from the processor's attributes; the token
+    attributes are set as the parent's constructor sets them.
+    """
+
+    def __init__(self, image_processor=None, feature_extractor=None, tokenizer=None, chat_template=None):
+        ProcessorMixin.__init__(
+            self,
+            image_processor=image_processor,
+            feature_extractor=feature_extractor,
+            tokenizer=tokenizer,
+            chat_template=chat_template,
+        )
+        for name in ("image", "audio", "video"):
+            setattr(self, f"{name}_token", getattr(tokenizer, f"{name}_token"))
+            setattr(self, f"{name}_token_id", getattr(tokenizer, f"{name}_token_id"))
+        for name in ("vision_bos", "vision_eos", "audio_bos", "audio_eos"):
+            setattr(self, f"{name}_token", getattr(tokenizer, f"{name}_token"))
+
+
+class Qwen3OmniThinkerAdapter:
+    """The `OmniModelBase` for Qwen3-Omni MoE checkpoints; trains the thinker (model.stage 'thinker')."""
+
+    def __init__(self, cfg: Config, device: torch.device):
+        if cfg.model.stage != "thinker":
+            raise ValueError(
+                f"model.stage {cfg.model.stage!r}: the Qwen3-Omni adapter implements only 'thinker' (text "
+                "output); the talker (speech) and 'all' are not supported"
+            )
+        path = cfg.model.path
+        try:
+            config = AutoConfig.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"model.path {path!r} is not a loadable transformers checkpoint: {e}") from None
+        if isinstance(config, Qwen3OmniMoeConfig):
+            # The full model: load thinker.* only, renamed to the thinker class's own names.
+            thinker_config, key_mapping = config.thinker_config, {r"^thinker\.": ""}
+        elif isinstance(config, Qwen3OmniMoeThinkerConfig):
+            thinker_config, key_mapping = config, None
+        else:
+            raise ValueError(
+                f"model.path {path!r} holds a {type(config).__name__}, not a Qwen3-Omni MoE checkpoint"
+            )
+
+        # The processor's parts and chat template from the checkpoint's files, as AutoProcessor reads them.
+        self.processor = _ProcessorWithoutVideo.from_pretrained(path)
+        self.tokenizer = tokenizer = self.processor.tokenizer
+        thinker_config.vision_start_token_id = tokenizer.convert_tokens_to_ids(tokenizer.vision_bos_token)
+        try:
+            eos = GenerationConfig.from_pretrained(path).eos_token_id
+        except OSError:  # no generation_config.json: the tokenizer's end-of-turn token
+            eos = tokenizer.eos_token_id
+        self.eos_token_ids = tuple(eos) if isinstance(eos, list) else (eos,)
+        self.pad_token_id = tokenizer.pad_token_id
+        self.placeholder_token_ids = (
+            tokenizer.image_token_id,
+            tokenizer.video_token_id,
+            tokenizer.audio_token_id,
+        )
+
+        # A fully fine-tuned model is trained, hence kept, in float32; a LoRA base stays in model.dtype.
+        self.lora = cfg.model.finetune == "lora"
+        dtype = DTYPES[cfg.model.dtype] if self.lora else torch.float32
+        thinker = load_pretrained(
+            Qwen3OmniMoeThinkerForConditionalGeneration,
+            path,
+            config=thinker_config,
+            key_mapping=key_mapping,
+            dtype=dtype,
+        )
+        if self.lora:
+            thinker.requires_grad_(False)
+            # peft's in-place injection: the model keeps its class (transformers' own add_adapter would do
+            # the same but demands a newer peft than the one pinned here).
+            self.lora_config = peft.LoraConfig(
+                r=cfg.lora.rank,
+                lora_alpha=cfg.lora.alpha,
+                target_modules=_lora_targets(thinker, cfg.lora.target_modules),
+                init_lora_weights=True if cfg.lora.init == "default" else "gaussian",
+                lora_dropout=cfg.lora.dropout,
+                base_model_name_or_path=path,
+            )
+            # A copy: peft rewrites target_modules in place (it condenses long lists into suffixes); the
+            # exported adapter_config.json keeps the exact module names.
+            peft.inject_adapter_in_model(copy.deepcopy(self.lora_config), thinker)
+            for p in thinker.parameters():
+                if p.requires_grad:  # the optimizer updates the adapter in float32 even over a bf16 base
+                    p.data = p.data.float()
+        else:
+            thinker.requires_grad_(True)
+        if cfg.model.gradient_checkpointing:
+            thinker.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.thinker = thinker  # the transformers model: config, generation, peft state
+        self.model = HiddenStatesLM(thinker.model, thinker.lm_head).to(device)
+        self.lm_head = self.model.lm_head
+        self.path = path
+        self.device = device
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def fsdp_units(self) -> list[nn.Module]:
+        body = self.thinker.model
+        return [*body.language_model.layers, body.visual, body.audio_tower, self.thinker.lm_head]
+
+    def prepare(self, request: Request) -> dict[str, torch.Tensor]:
+        unknown = sorted(set(request.inputs) - set(INPUT_KEYS))
+        if unknown:
+            raise ValueError(
+                f"request {request.index}: inputs {unknown} are not supported (known: {INPUT_KEYS})"
+            )
+        image, audio = request.inputs.get("image"), request.inputs.get("audio")
+        content = [{"type": "image"}] if image is not None else []
+        content += [{"type": "audio"}] if audio is not None else []
+        content.append({"type": "text", "text": request.prompt})
+        text = self.processor.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        )
+        out = self.processor(
+            text=[text],
+            images=[image] if image is not None else None,
+            audio=[audio] if audio is not None else None,
+            return_tensors="pt",
+        )
+        inputs = {"input_ids": out["input_ids"][0]}  # [P]
+        if image is not None:
+            inputs["pixel_values"] = out["pixel_values"]  # [N, 3 * 2 * patch * patch]
+            inputs["image_grid_thw"] = out["image_grid_thw"]  # [1, 3]
+        if audio is not None:
+            inputs["input_features"] = out["input_features"]  # [1, mel, frames]
+            inputs["feature_attention_mask"] = out["feature_attention_mask"]  # [1, frames]
+        return inputs
+
+    def collate(self, inputs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return collate_prompts(inputs, self.pad_token_id)
+
+    def rope_positions(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        mask = batch.get("feature_attention_mask")
+        positions, _ = self.thinker.get_rope_index(
+            batch["input_ids"],
+            image_grid_thw=batch.get("image_grid_thw"),
+            attention_mask=batch["attention_mask"],
+            audio_seqlens=mask.sum(-1) if mask is not None else None,
+        )
+        return positions  # [3, B, L]
+
+    def token_logprobs(
+        self,
+        model_inputs: dict[str, torch.Tensor],
+        sequences: torch.Tensor,
+        response_mask: torch.Tensor,
+        temperature: float,
+    ) -> torch.Tensor:
+        return sequence_logprobs(self, model_inputs, sequences, response_mask, temperature)
+
+    def kv_bytes_per_token(self) -> int:
+        text = self.thinker.config.text_config
+        dtype = self.thinker.model.language_model.embed_tokens.weight.dtype
+        return 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * dtype.itemsize
+
+    def export_lora(self, out_dir: str | Path, state_dict: dict | None = None) -> None:
+        """Write the thinker's LoRA as a peft adapter: `PeftModel.from_pretrained(thinker, out_dir)` loads it
+        onto `Qwen3OmniMoeThinkerForConditionalGeneration` (keys `base_model.model.model.language_model.
+        layers.N.self_attn.q_proj.lora_A.weight`; target_modules the full names `model.language_model.
+        layers.N.self_attn.q_proj`, ...).
+
+        For the full `Qwen3OmniMoeForConditionalGeneration` the thinker sits under `thinker.`: insert
+        `thinker.` after `base_model.model.` in every key (`base_model.model.thinker.model.language_model.
+        ...`) and before every target module name. An FSDP run passes the gathered full state dict of
+        `self.model`.
+        """
+        if not self.lora:
+            raise ValueError("export_lora needs model.finetune 'lora'")
+        if state_dict is not None:  # names under HiddenStatesLM -> the thinker's own names
+            state_dict = {re.sub(r"^body\.", "model.", k): v for k, v in state_dict.items()}
+        layers = peft.get_peft_model_state_dict(self.thinker, state_dict=state_dict)
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.lora_config.save_pretrained(out_dir)
+        tensors = {f"base_model.model.{k}": v.detach().cpu().contiguous() for k, v in layers.items()}
+        save_file(tensors, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})
+
+
+def _lora_targets(thinker: nn.Module, names: list[str]) -> list[str]:
+    """The full names of the modules in the thinker's decoder layers whose names end with one of `names`.
+
+    Full names, not a regex: peft (0.21) turns a regex target of a transformers-v5 MoE model into bare
+    suffixes (q_proj, ...) and would then also adapt the audio encoder's projections.
+    """
+    suffixes = "|".join(re.escape(n) for n in names)
+    regex = rf"model\.language_model\.layers\.\d+\.(?:.*\.)?(?:{suffixes})"
+    targets = [n for n, _ in thinker.named_modules() if re.fullmatch(regex, n)]
+    if not targets:
+        raise ValueError(
+            f"lora.target_modules {names} match no module of the thinker's decoder layers "
+            "(Qwen3-Omni attention: q_proj, k_proj, v_proj, o_proj)"
+        )
+    return targets

@@ -1,0 +1,200 @@
+"""Qwen2.5-VL and Qwen3-VL (image + text in, text out): an `OmniModelBase`.
+
+The model (`Qwen2_5_VLForConditionalGeneration` / `Qwen3VLForConditionalGeneration`, chosen by the
+checkpoint's model_type), the placeholder expansion and the M-RoPE positions (`get_rope_index`) are
+transformers' own. As in `qwen3_omni.py`, this file adds LoRA (peft) on the language model's decoder layers
+only (the vision blocks have attention projections too), the peft export, and a processor without the video
+processor (which needs torchvision; omnirl feeds these models images only). A VL model has one stage, the
+language model conditioned on the image: model.stage 'thinker'.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import peft
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from transformers import (
+    AutoConfig,
+    GenerationConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLProcessor,
+    Qwen3VLForConditionalGeneration,
+)
+from transformers.processing_utils import ProcessorMixin
+
+from omnirl.config import Config
+from omnirl.distributed import DTYPES, load_pretrained
+from omnirl.models.base import Request
+from omnirl.models.lm import HiddenStatesLM, collate_prompts, sequence_logprobs
+
+FAMILIES = {
+    "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+    "qwen3_vl": Qwen3VLForConditionalGeneration,
+}
+# Request.inputs keys this adapter reads: one PIL image.
+INPUT_KEYS = ("image",)
+
+
+class _ProcessorWithoutVideo(Qwen2_5_VLProcessor):
+    """Qwen2_5_VLProcessor from tokenizer and image processor only (the real constructor insists on a video
+    processor, which needs torchvision). Qwen2.5-VL and Qwen3-VL expand image placeholders the same way."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None):
+        ProcessorMixin.__init__(
+            self, image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template
+        )
+        self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+
+
+class QwenVLAdapter:
+    """The `OmniModelBase` for Qwen2.5-VL and Qwen3-VL checkpoints."""
+
+    def __init__(self, cfg: Config, device: torch.device):
+        if cfg.model.stage != "thinker":
+            raise ValueError(
+                f"model.stage {cfg.model.stage!r}: a Qwen VL model has one stage, 'thinker' (the language "
+                "model conditioned on the image)"
+            )
+        path = cfg.model.path
+        try:
+            config = AutoConfig.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"model.path {path!r} is not a loadable transformers checkpoint: {e}") from None
+        if config.model_type not in FAMILIES:
+            raise ValueError(
+                f"model.path {path!r} holds a {config.model_type!r} model; the qwen_vl adapter loads "
+                f"{', '.join(FAMILIES)}"
+            )
+        self.processor = _ProcessorWithoutVideo.from_pretrained(path)
+        self.tokenizer = tokenizer = self.processor.tokenizer
+        try:
+            eos = GenerationConfig.from_pretrained(path).eos_token_id
+        except OSError:  # no generation_config.json: the tokenizer's end-of-turn token
+            eos = tokenizer.eos_token_id
+        self.eos_token_ids = tuple(eos) if isinstance(eos, list) else (eos,)
+        self.pad_token_id = tokenizer.pad_token_id
+        self.image_token_id = self.processor.image_token_id
+        self.placeholder_token_ids = (self.processor.image_token_id, self.processor.video_token_id)
+
+        # A fully fine-tuned model is trained, hence kept, in float32; a LoRA base stays in model.dtype.
+        self.lora = cfg.model.finetune == "lora"
+        dtype = DTYPES[cfg.model.dtype] if self.lora else torch.float32
+        hf_model = load_pretrained(FAMILIES[config.model_type], path, dtype=dtype)
+        if self.lora:
+            hf_model.requires_grad_(False)
+            # peft's in-place injection keeps the model's class (transformers' add_adapter wants newer peft).
+            self.lora_config = peft.LoraConfig(
+                r=cfg.lora.rank,
+                lora_alpha=cfg.lora.alpha,
+                target_modules=_lora_targets(hf_model, cfg.lora.target_modules),
+                init_lora_weights=True if cfg.lora.init == "default" else "gaussian",
+                lora_dropout=cfg.lora.dropout,
+                base_model_name_or_path=path,
+            )
+            # A copy: peft rewrites target_modules in place (it condenses long lists into suffixes); the
+            # exported adapter_config.json keeps the exact module names.
+            peft.inject_adapter_in_model(copy.deepcopy(self.lora_config), hf_model)
+            for p in hf_model.parameters():
+                if p.requires_grad:  # the optimizer updates the adapter in float32 even over a bf16 base
+                    p.data = p.data.float()
+        else:
+            hf_model.requires_grad_(True)
+        if cfg.model.gradient_checkpointing:
+            hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.hf_model = hf_model  # the transformers model: config, generation, peft state
+        self.model = HiddenStatesLM(hf_model.model, hf_model.lm_head).to(device)
+        self.lm_head = self.model.lm_head
+        self.device = device
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def fsdp_units(self) -> list[nn.Module]:
+        body = self.hf_model.model
+        units = [*body.language_model.layers, body.visual]
+        # A tied lm_head shares its weight with the embedding, which stays with the root.
+        if self.hf_model.lm_head.weight is not body.get_input_embeddings().weight:
+            units.append(self.hf_model.lm_head)
+        return units
+
+    def prepare(self, request: Request) -> dict[str, torch.Tensor]:
+        unknown = sorted(set(request.inputs) - set(INPUT_KEYS))
+        if unknown:
+            raise ValueError(
+                f"request {request.index}: inputs {unknown} are not supported (known: {INPUT_KEYS})"
+            )
+        image = request.inputs.get("image")
+        content = [{"type": "image"}] if image is not None else []
+        content.append({"type": "text", "text": request.prompt})
+        text = self.processor.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        )
+        out = self.processor(text=[text], images=[image] if image is not None else None, return_tensors="pt")
+        inputs = {"input_ids": out["input_ids"][0]}  # [P]
+        if image is not None:
+            inputs["pixel_values"] = out["pixel_values"]  # [N, 3 * 2 * patch * patch]
+            inputs["image_grid_thw"] = out["image_grid_thw"]  # [1, 3]
+        return inputs
+
+    def collate(self, inputs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return collate_prompts(inputs, self.pad_token_id)
+
+    def rope_positions(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        ids = batch["input_ids"]
+        positions, _ = self.hf_model.model.get_rope_index(
+            ids,
+            (ids == self.image_token_id).int(),  # mm_token_type_ids: 1 at image placeholders
+            image_grid_thw=batch.get("image_grid_thw"),
+            attention_mask=batch["attention_mask"],
+        )
+        return positions  # [3, B, L]
+
+    def token_logprobs(
+        self,
+        model_inputs: dict[str, torch.Tensor],
+        sequences: torch.Tensor,
+        response_mask: torch.Tensor,
+        temperature: float,
+    ) -> torch.Tensor:
+        return sequence_logprobs(self, model_inputs, sequences, response_mask, temperature)
+
+    def kv_bytes_per_token(self) -> int:
+        layers = self.hf_model.model.language_model.layers
+        k_proj = layers[0].self_attn.k_proj  # out_features = kv heads x head_dim
+        return 2 * len(layers) * k_proj.out_features * k_proj.weight.dtype.itemsize
+
+    def export_lora(self, out_dir: str | Path, state_dict: dict | None = None) -> None:
+        """Write the LoRA as a peft adapter: `PeftModel.from_pretrained(model, out_dir)` loads it onto the
+        family's ForConditionalGeneration class. An FSDP run passes the gathered full state dict of
+        `self.model`."""
+        if not self.lora:
+            raise ValueError("export_lora needs model.finetune 'lora'")
+        if state_dict is not None:  # names under HiddenStatesLM -> the model's own names
+            state_dict = {re.sub(r"^body\.", "model.", k): v for k, v in state_dict.items()}
+        layers = peft.get_peft_model_state_dict(self.hf_model, state_dict=state_dict)
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.lora_config.save_pretrained(out_dir)
+        tensors = {f"base_model.model.{k}": v.detach().cpu().contiguous() for k, v in layers.items()}
+        save_file(tensors, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})
+
+
+def _lora_targets(model: nn.Module, names: list[str]) -> list[str]:
+    """The full names of the language model's decoder-layer modules whose names end with one of `names`
+    (full names, not a regex, as in qwen3_omni.py: peft rewrites regex targets of some models)."""
+    suffixes = "|".join(re.escape(n) for n in names)
+    regex = rf"model\.language_model\.layers\.\d+\.(?:.*\.)?(?:{suffixes})"
+    targets = [n for n, _ in model.named_modules() if re.fullmatch(regex, n)]
+    if not targets:
+        raise ValueError(
+            f"lora.target_modules {names} match no module of the language model's decoder layers "
+            "(Qwen VL attention: q_proj, k_proj, v_proj, o_proj)"
+        )
+    return targets
