@@ -157,3 +157,19 @@ def test_tiny_recipe_under_torchrun_fsdp(tiny_sd3, tmp_path):
     assert (out / "samples/step_000002.png").is_file()
     assert list((out / "tb").glob("events.*"))
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_full_finetune_with_kl_under_torchrun_fsdp(tiny_sd3, tmp_path):
+    """Full fine-tuning: every transformer weight sharded by FSDP2 and trained, and a frozen sharded
+    reference copy for the KL term: KL is 0 while the policy equals the reference (step 0) and positive
+    once the first update has moved the policy away from it (step 1)."""
+    out = tmp_path / "run"
+    torchrun(
+        2, ROOT / "yaml/sd3_tiny_flowgrpo.yaml", "--model.path", str(tiny_sd3), "--run.output_dir", str(out),
+        "--run.steps", "2", "--model.finetune", "full", "--algo.kl_beta", "0.04", "--optim.lr", "1e-4",
+    )  # fmt: skip
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert all(m["train/updates"] == 1 for m in metrics)
+    assert metrics[0]["loss/kl"] == pytest.approx(0.0, abs=1e-12)
+    assert metrics[1]["loss/kl"] > 0
