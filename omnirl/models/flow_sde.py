@@ -95,3 +95,74 @@ def flow_step(
     else:
         logprob = -((prev_sample - mean) ** 2).mean(dim=dims)
     return StepOut(prev_sample, logprob, mean, std.reshape(batch))
+
+
+class WindowedSampler:
+    """The per-request randomness of a packed denoising loop, and the SDE window of each row.
+
+    Every adapter's loop uses it, so the rules live in one place. Each request's own generator (seeded
+    from `request.seed`) draws, in this order: its initial latents, its window start (uniform in
+    `sde_window_range`, clamped so the window fits), then the noise of each step inside its window. So a
+    request's sample does not depend on the batch it runs in (packed == serial). Rows inside their window
+    take `flow_step` with the request's SDE type and noise level and record (latents in, latents out, step,
+    log-prob); rows outside take the ODE step and record nothing. Noise is drawn on the host, so samples
+    do not depend on the device either.
+    """
+
+    def __init__(self, requests: list, latent_shape: tuple[int, ...], sigmas: torch.Tensor, device):
+        p = requests[0].params
+        num_steps = p.num_steps
+        self.size = p.sde_window_size or num_steps  # 0 = every step is trained
+        lo, hi = p.sde_window_range
+        if not 0 < self.size <= num_steps or (p.sde_window_size and not 0 <= lo < hi):
+            raise ValueError(
+                f"sde_window_size {p.sde_window_size} must be in [0, num_steps={num_steps}] and "
+                f"sde_window_range {p.sde_window_range} a non-empty range [lo, hi) with lo >= 0"
+            )
+        self.params, self.shape, self.device = p, latent_shape, device
+        self.generators = [torch.Generator("cpu").manual_seed(r.seed) for r in requests]
+        self.initial_latents = torch.stack(
+            [torch.randn(latent_shape, generator=g) for g in self.generators]
+        ).to(device)  # [B, *latent]
+        self.starts = [0] * len(requests)
+        if p.sde_window_size:
+            self.starts = [
+                min(int(torch.randint(lo, hi, (1,), generator=g)), num_steps - self.size)
+                for g in self.generators
+            ]
+        self.sigmas = sigmas.to(device)  # [T + 1]
+        self.sigma_max = float(sigmas[1])
+        self.records: list[list[tuple]] = [[] for _ in requests]
+
+    def sigma(self, i: int) -> torch.Tensor:
+        """The sigma of step i for every row: [B]."""
+        return self.sigmas[i].expand(len(self.starts))
+
+    def step(self, i: int, velocity: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        """Step i of the whole batch: velocity, latents [B, *latent] -> the next latents [B, *latent]."""
+        p = self.params
+        sigma, sigma_next = self.sigma(i), self.sigmas[i + 1].expand(len(self.starts))
+        next_latents = flow_step(velocity, latents, sigma, sigma_next, self.sigma_max, 0.0, "ode").prev_sample
+        rows = [b for b, s in enumerate(self.starts) if s <= i < s + self.size]
+        if rows:
+            noise = torch.stack([torch.randn(self.shape, generator=self.generators[b]) for b in rows])
+            idx = torch.tensor(rows, device=self.device)
+            out = flow_step(
+                velocity[idx], latents[idx], sigma[idx], sigma_next[idx], self.sigma_max, p.noise_level,
+                p.sde_type, noise=noise.to(self.device),  # [R, *latent]
+            )  # fmt: skip
+            next_latents[idx] = out.prev_sample
+            logprobs = out.logprob if p.record_logprobs else torch.zeros_like(out.logprob)
+            for j, b in enumerate(rows):
+                self.records[b].append((latents[b], out.prev_sample[j], i, logprobs[j]))
+        return next_latents
+
+    def record(self, b: int) -> dict[str, torch.Tensor]:
+        """Row b's trained steps, on the host, as `Trajectory` fields."""
+        x_in, x_out, steps, logprobs = zip(*self.records[b])
+        return {
+            "latents": torch.stack(x_in).cpu(),  # [K, *latent]
+            "next_latents": torch.stack(x_out).cpu(),  # [K, *latent]
+            "step_indices": torch.tensor(steps, dtype=torch.int64),  # [K]
+            "logprobs": torch.stack(logprobs).float().cpu(),  # [K]
+        }

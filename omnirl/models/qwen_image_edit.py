@@ -40,7 +40,6 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import (
     calculate_shift,
     retrieve_timesteps,
 )
-from diffusers.training_utils import cast_training_params
 from torch import nn
 from transformers import (
     Qwen2_5_VLForConditionalGeneration,
@@ -53,7 +52,8 @@ from transformers.processing_utils import ProcessorMixin
 from omnirl.config import Config, ConfigError
 from omnirl.distributed import DTYPES, load_pretrained
 from omnirl.models.base import Request, Trajectory
-from omnirl.models.flow_sde import flow_step
+from omnirl.models.flow_sde import WindowedSampler
+from omnirl.models.lora import make_trainable
 
 
 class ImageOnlyProcessor(Qwen2VLProcessor):
@@ -143,24 +143,7 @@ class QwenImageEditAdapter:
         )
         self.vae_scale_factor = self.pipe.vae_scale_factor
 
-        if self.lora:
-            self.transformer.requires_grad_(False)
-            self.transformer.add_adapter(
-                peft.LoraConfig(
-                    r=cfg.lora.rank,
-                    lora_alpha=cfg.lora.alpha,
-                    target_modules=cfg.lora.target_modules,
-                    init_lora_weights=True if cfg.lora.init == "default" else "gaussian",
-                    lora_dropout=cfg.lora.dropout,
-                )
-            )
-            # The optimizer updates the adapter in float32 even over a bf16 base.
-            cast_training_params(self.transformer, torch.float32)
-        else:
-            self.transformer.requires_grad_(True)
-        if cfg.model.gradient_checkpointing:
-            self.transformer.enable_gradient_checkpointing()
-        self.transformer.to(device)
+        make_trainable(self.transformer, cfg, device)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.transformer.parameters() if p.requires_grad]
@@ -358,31 +341,12 @@ class QwenImageEditAdapter:
                 f"sampling height and width must be multiples of {multiple}, got {p.height}x{p.width}"
             )
         num_steps = p.num_steps
-        size = p.sde_window_size or num_steps  # 0 = every step is trained
-        lo, hi = p.sde_window_range
-        if not 0 < size <= num_steps or (p.sde_window_size and not 0 <= lo < hi):
-            raise ValueError(
-                f"sde_window_size {p.sde_window_size} must be in [0, num_steps={num_steps}] and "
-                f"sde_window_range {p.sde_window_range} a non-empty range [lo, hi) with lo >= 0"
-            )
-
         batch = len(requests)
         channels = self.transformer.config.in_channels // 4  # the transformer sees 2x2 latent patches
         h, w = p.height // self.vae_scale_factor, p.width // self.vae_scale_factor
-        # Drawn on the host so that the samples do not depend on the device either.
-        generators = [torch.Generator("cpu").manual_seed(r.seed) for r in requests]
-        latents = torch.stack([torch.randn(channels, h, w, generator=g) for g in generators])  # [B, C, h, w]
-        latents = latents.to(self.device)
-        starts = [0] * batch
-        if p.sde_window_size:
-            # Clamped so that a window drawn near the end still holds `size` steps.
-            starts = [
-                min(int(torch.randint(lo, hi, (1,), generator=g)), num_steps - size) for g in generators
-            ]
-
         sigmas = self.sigmas(num_steps, (h // 2) * (w // 2))  # [T + 1] host
-        sigmas_dev = sigmas.to(self.device)
-        sigma_max = float(sigmas[1])
+        sampler = WindowedSampler(requests, (channels, h, w), sigmas, self.device)
+        latents = sampler.initial_latents  # [B, C, h, w]
         guided = p.guidance_scale > 1
         # The text encoder and the VAE both see the condition image resized to the condition size.
         sources = {id(r.inputs["image"]): r.inputs["image"] for r in requests}
@@ -401,32 +365,10 @@ class QwenImageEditAdapter:
             negative = collate(rows[batch:], negative_length)
             embeds["negative_prompt_embeds"], embeds["negative_prompt_embeds_mask"] = negative
 
-        # Per row: latents in / out, step index and log-prob of each trained step.
-        records: list[list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]]] = [[] for _ in requests]
         for i in range(num_steps):
-            sigma = sigmas_dev[i].expand(batch)  # [B]
-            sigma_next = sigmas_dev[i + 1].expand(batch)  # [B]
-            v = self.velocity(latents, sigma, embeds, p.guidance_scale, self.fused_cfg)  # [B, C, h, w]
-            next_latents = flow_step(v, latents, sigma, sigma_next, sigma_max, 0.0, "ode").prev_sample
-            window = [b for b in range(batch) if starts[b] <= i < starts[b] + size]
-            if window:
-                noise = torch.stack([torch.randn(channels, h, w, generator=generators[b]) for b in window])
-                idx = torch.tensor(window, device=self.device)
-                out = flow_step(
-                    v[idx],
-                    latents[idx],
-                    sigma[idx],
-                    sigma_next[idx],
-                    sigma_max,
-                    p.noise_level,
-                    p.sde_type,
-                    noise=noise.to(self.device),  # [R, C, h, w]
-                )
-                next_latents[idx] = out.prev_sample
-                logprobs = out.logprob if p.record_logprobs else torch.zeros_like(out.logprob)
-                for j, b in enumerate(window):
-                    records[b].append((latents[b], out.prev_sample[j], i, logprobs[j]))
-            latents = next_latents
+            # [B, C, h, w]
+            v = self.velocity(latents, sampler.sigma(i), embeds, p.guidance_scale, self.fused_cfg)
+            latents = sampler.step(i, v, latents)
 
         # De-normalised as the pipeline does it, with the frame axis the video VAE expects.
         config, vae_dtype = self.vae.config, self.vae.dtype
@@ -438,7 +380,6 @@ class QwenImageEditAdapter:
 
         trajectories = []
         for b, req in enumerate(requests):
-            x_in, x_out, steps, logprobs = zip(*records[b])
             sample_embeds = {
                 "prompt_embeds": rows[b].cpu(),  # [L_b, D], unpadded: batch_embeds pads
                 "image_latents": embeds["image_latents"][b].cpu(),  # [C, h', w']
@@ -448,10 +389,7 @@ class QwenImageEditAdapter:
             trajectories.append(
                 Trajectory(
                     request=req,
-                    latents=torch.stack(x_in).cpu(),  # [K, C, h, w]
-                    next_latents=torch.stack(x_out).cpu(),  # [K, C, h, w]
-                    step_indices=torch.tensor(steps, dtype=torch.int64),  # [K]
-                    logprobs=torch.stack(logprobs).float().cpu(),  # [K]
+                    **sampler.record(b),  # latents, next_latents [K, C, h, w], step_indices, logprobs [K]
                     sigmas=sigmas,
                     embeds=sample_embeds,
                     image=images[b].cpu(),
