@@ -2,44 +2,82 @@
 
     python benchmarks/rollout_packing.py --model qwen_image --random-init --images 128 --out qwen.json
     python benchmarks/rollout_packing.py --model sd35 --random-init --images 256 --max-num-seqs 32 64 128 256
+    python benchmarks/rollout_packing.py --model qwen_image --random-init --images 64 --forward-only \
+        --max-num-seqs 32 --unfused-max-num-seqs 32 --single-bucket 32 --compiled-max-num-seqs
+    python benchmarks/rollout_packing.py --model sd35 --random-init --dry-run
 
 The reference (VeRL-Omni v0.2.0, Qwen-Image LoRA OCR recipe, 512 px, True-CFG 4.0, 10 steps, 128 images
 per GPU): 226 s serial (max_num_seqs 1) -> 108 s packed (max_num_seqs 32) per training step.
 
 Generation time runs from requests in to decoded images and trajectories on the host, through omnirl's
-DiffusionEngine (the trainer's rollout path: packer, per-request generators, SDE window, log-probs).
+DiffusionEngine (the trainer's rollout path: packer, per-request generators, SDE window, log-probs), with
+the recipe's settings (`qwen_image_flowgrpo_ocr` / `sd35_flowgrpo_ocr`). The cells, each a list of
+max_num_seqs values:
 - serial: one request at a time, its CFG as two batch-1 forwards per step, eager (what the reference's
   serial meant); timed on `--serial-requests` requests and scaled linearly to `--images`.
-- packed: max_num_seqs in `--max-num-seqs`, CFG rows fused into one forward, eager and compiled
-  (per-block torch.compile with power-of-two batch buckets; compile time reported apart).
-- stock: diffusers' own pipeline (QwenImagePipeline / StableDiffusion3Pipeline) called with batches of
-  `--stock-batch` prompts, eager and with `compile_repeated_blocks`.
-MFU: transformer FLOPs of the real (unpadded) rows, counted with torch's FlopCounterMode at each
-request's own prompt length, over the bf16 matmul rate measured in the same run (8192^3).
+- `--max-num-seqs`: packed, CFG rows fused into one forward, the recipe's prompt-length buckets.
+- `--unfused-max-num-seqs`: packed, the conditional and the unconditional rows as two forwards, each text
+  padded only to its own bucket (`rollout.fused_cfg false`).
+- `--single-bucket` (Qwen-Image): fused, one prompt-length bucket, the recipe's largest (256): more
+  padding, fewer batches.
+- `--negative-bucket` (Qwen-Image): unfused, the negative prompt's own length added as a bucket, so the
+  unconditional forward is unpadded and unmasked (SDPA keeps its flash kernel), as in the stock pipeline.
+- `--compiled-max-num-seqs`: fused, per-block torch.compile with power-of-two batch buckets (compile time
+  reported apart).
+- stock: diffusers' own pipeline (QwenImagePipeline / StableDiffusion3Pipeline) around the same modules,
+  batches of `--stock-batch` prompts per call, eager and with compiled blocks.
+MFU: transformer FLOPs of the real (unpadded) rows, counted with torch's FlopCounterMode at each row's own
+text length, over the bf16 matmul rate measured in the same run (8192^3).
+
+`--forward-only` times, instead of whole generations, the transformer forward of one denoising step
+(`adapter.velocity`: the CFG forward(s), nothing else) for every batch each cell's packer makes, with CUDA
+events: ms per denoising step over all batches, the transformer seconds of the whole rollout (x steps), MFU
+over the unpadded rows' FLOPs and over all computed FLOPs (padding included). Timing-only variants (their
+outputs are not used): fused cells with the text masks dropped (padding attended to, so SDPA keeps its
+flash kernel: what a mask-free attention would give at these shapes), and with SDPA forced to cuDNN or
+memory-efficient attention (masks kept); unfused cells with each text padded only to its batch's longest
+(the stock pipeline's shapes). Serial, stock and the log-prob check are not run.
 
 `--random-init` builds the full-size models from their public configs with random weights (no download):
 a config-only checkpoint is written and the adapter's loader builds each model from its config.
+`--dry-run` builds every model on the meta device (no memory, no accelerator), prints parameter counts and
+the counted transformer FLOPs, and exits: a check of the configs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import importlib
 import json
 import os
 import random
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
+import diffusers
 import torch
+import transformers
+from torch import nn
 
 from omnirl import distributed as D
 from omnirl.config import load_config
-from omnirl.memory import synchronize
+from omnirl.memory import empty_cache, synchronize
 from omnirl.models import get_adapter
 from omnirl.models.base import Request, SamplingParams, derive_seed
+from omnirl.models.qwen_image import collate
+from omnirl.models.sd3 import SD3Adapter
 from omnirl.rollout.diffusion import DiffusionEngine
-from omnirl.trainer import shard
+
+# --model -> (recipe, adapter module whose `load_pretrained` --random-init replaces)
+MODELS = {
+    "qwen_image": ("qwen_image_flowgrpo_ocr", "omnirl.models.qwen_image"),
+    "sd35": ("sd35_flowgrpo_ocr", "omnirl.models.sd3"),
+}
+CLIP_TOKENS = 77  # SD3's two CLIP encoders, padded to their maximum, ahead of the T5 tokens
 
 WORDS = (
     "a storefront sign a neon sign a chalkboard menu a vintage poster glowing warm light on a rainy street "
@@ -59,6 +97,50 @@ def prompts(n: int, seed: int) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- models
 
+# stabilityai/stable-diffusion-3.5-medium, passed as keyword arguments to the classes: an unknown key is a
+# TypeError (`checked` makes it one for transformers' configs too), so the names are checked against the
+# installed diffusers / transformers.
+SD35_TRANSFORMER = dict(
+    sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
+    num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+    pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
+    dual_attention_layers=tuple(range(13)), qk_norm="rms_norm",
+)  # fmt: skip
+SD35_VAE = dict(
+    in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
+    act_fn="silu", latent_channels=16, norm_num_groups=32, sample_size=1024, scaling_factor=1.5305,
+    shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False,
+)  # fmt: skip
+SD35_CLIP_L = dict(
+    vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+    max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu",
+)  # fmt: skip
+SD35_CLIP_G = dict(
+    vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
+    max_position_embeddings=77, projection_dim=1280, hidden_act="gelu",
+)  # fmt: skip
+SD35_T5 = dict(  # T5-XXL v1.1, encoder only
+    vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+    relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
+    layer_norm_epsilon=1e-6,
+)  # fmt: skip
+SD35_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0}
+QWEN_SCHEDULER = {
+    "_class_name": "FlowMatchEulerDiscreteScheduler", "base_image_seq_len": 256, "base_shift": 0.5,
+    "max_image_seq_len": 8192, "max_shift": 0.9, "num_train_timesteps": 1000, "shift": 1.0,
+    "shift_terminal": 0.02, "time_shift_type": "exponential", "use_dynamic_shifting": True,
+}  # fmt: skip
+
+
+def checked(cls, **kwargs):
+    """`cls(**kwargs)` for a transformers config, refusing a key that the default config lacks (the class
+    would keep it as a stray attribute and build the model without it)."""
+    unknown = set(kwargs) - set(cls().to_dict())
+    if unknown:
+        raise TypeError(f"{cls.__name__} takes no {sorted(unknown)}")
+    return cls(**kwargs)
+
 
 def write_random_checkpoint(model: str, out: Path) -> None:
     """A config-only checkpoint of the public configs, with the tiny byte-level tokenizers of tiny.py."""
@@ -68,11 +150,11 @@ def write_random_checkpoint(model: str, out: Path) -> None:
         (out / sub).mkdir(parents=True, exist_ok=True)
         (out / sub / "config.json").write_text(json.dumps(cfg))
 
+    out.mkdir(parents=True, exist_ok=True)
     if model == "qwen_image":
         from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
         from transformers import Qwen2_5_VLConfig
 
-        (out / "model_index.json").parent.mkdir(parents=True, exist_ok=True)
         (out / "model_index.json").write_text(json.dumps({"_class_name": "QwenImagePipeline"}))
         with torch.device("meta"):  # the defaults are Qwen-Image's; built on meta only to read the config
             dump("transformer", dict(QwenImageTransformer2DModel().config))
@@ -93,17 +175,32 @@ def write_random_checkpoint(model: str, out: Path) -> None:
         )  # fmt: skip
         te.save_pretrained(out / "text_encoder")
         tiny._qwen_image_tokenizer().save_pretrained(out / "tokenizer")
-        (out / "scheduler").mkdir(parents=True, exist_ok=True)
+        dump("scheduler", {})
         (out / "scheduler" / "scheduler_config.json").write_text(json.dumps(QWEN_SCHEDULER))
+    elif model == "sd35":
+        from diffusers import AutoencoderKL, SD3Transformer2DModel
+        from transformers import CLIPTextConfig, T5Config
+
+        (out / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
+        with torch.device("meta"):
+            dump("transformer", dict(SD3Transformer2DModel(**SD35_TRANSFORMER).config))
+            dump("vae", dict(AutoencoderKL(**SD35_VAE).config))
+        clip = tiny._clip_tokenizer()
+        # The tiny tokenizer's special ids (CLIP pools at the first EOS token); the embeddings keep the
+        # real vocabulary size, so the parameter count is the real one.
+        ids = dict(
+            bos_token_id=clip.bos_token_id, eos_token_id=clip.eos_token_id, pad_token_id=clip.pad_token_id
+        )
+        checked(CLIPTextConfig, **SD35_CLIP_L, **ids).save_pretrained(out / "text_encoder")
+        checked(CLIPTextConfig, **SD35_CLIP_G, **ids).save_pretrained(out / "text_encoder_2")
+        checked(T5Config, **SD35_T5).save_pretrained(out / "text_encoder_3")
+        clip.save_pretrained(out / "tokenizer")
+        tiny._clip_tokenizer().save_pretrained(out / "tokenizer_2")
+        tiny._t5_tokenizer(model_max_length=512).save_pretrained(out / "tokenizer_3")  # the pipeline uses 256
+        dump("scheduler", {})
+        (out / "scheduler" / "scheduler_config.json").write_text(json.dumps(SD35_SCHEDULER))
     else:
         raise ValueError(f"--random-init has no configs for {model!r}")
-
-
-QWEN_SCHEDULER = {
-    "_class_name": "FlowMatchEulerDiscreteScheduler", "base_image_seq_len": 256, "base_shift": 0.5,
-    "max_image_seq_len": 8192, "max_shift": 0.9, "num_train_timesteps": 1000, "shift": 1.0,
-    "shift_terminal": 0.02, "time_shift_type": "exponential", "use_dynamic_shifting": True,
-}  # fmt: skip
 
 
 def random_init_loader(device: torch.device):
@@ -119,6 +216,64 @@ def random_init_loader(device: torch.device):
         return model.to(torch_dtype or dtype or torch.float32).eval()
 
     return load
+
+
+# ---------------------------------------------------------------------------------------------- FLOPs
+
+
+def text_lengths(adapter, request: Request) -> tuple[int, int]:
+    """(conditional, negative) text lengths of a request's rows: (unpadded, padded to their buckets).
+
+    SD3 encodes every prompt to CLIP 77 + T5 max_sequence_length tokens, all of them attended to (the
+    model's own padding, no mask), so there both are that fixed length."""
+    if isinstance(adapter, SD3Adapter):
+        n = CLIP_TOKENS + adapter.max_sequence_length
+        return (n, n), (n, n)
+    real = adapter.prompt_length(request.prompt), adapter.prompt_length(request.negative_prompt)
+    return real, adapter.compat_key(request)[-2:]
+
+
+def transformer_flops(adapter, params: SamplingParams):
+    """FLOPs of one transformer row as a function of its text length, counted with FlopCounterMode on
+    one-row, unguided `adapter.velocity` calls over zero embeddings (so it works on the meta device too).
+    Qwen-Image: counted at three lengths and fitted exactly by a quadratic (linear layers grow linearly
+    with the tokens, attention quadratically). SD3: one count, every row has the same text length."""
+    import numpy as np
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg, dev = adapter.transformer.config, adapter.device
+    sd3 = isinstance(adapter, SD3Adapter)
+    h, w = params.height // adapter.vae_scale_factor, params.width // adapter.vae_scale_factor
+    channels = cfg.in_channels if sd3 else cfg.in_channels // 4  # Qwen-Image packs 2x2 latent patches
+
+    def count(length: int) -> float:
+        embeds = {"prompt_embeds": torch.zeros(1, length, cfg.joint_attention_dim, device=dev)}
+        if sd3:
+            embeds["pooled_prompt_embeds"] = torch.zeros(1, cfg.pooled_projection_dim, device=dev)
+        else:  # on the host: velocity only asks whether every row is full (then passes no mask at all)
+            embeds["prompt_embeds_mask"] = torch.ones(1, length, dtype=torch.bool)
+        counter = FlopCounterMode(display=False)
+        with counter, torch.no_grad():
+            x = torch.zeros(1, channels, h, w, device=dev)
+            adapter.velocity(x, torch.full((1,), 0.5, device=dev), embeds, 1.0)
+        return counter.get_total_flops()
+
+    if sd3:
+        flops = count(CLIP_TOKENS + adapter.max_sequence_length)
+        return lambda length: flops
+    lengths = (16, 128, 256)
+    coeffs = np.polyfit(lengths, [count(n) for n in lengths], 2)
+    return lambda length: float(np.polyval(coeffs, length))
+
+
+def real_flops(adapter, requests: list[Request], flops_at) -> float:
+    """Transformer FLOPs of one denoising step of `requests`, real rows only: the conditional row at the
+    prompt's own length, the unconditional one at the negative prompt's (no padding counted)."""
+    total = 0.0
+    for r in requests:
+        (cond, neg), _ = text_lengths(adapter, r)
+        total += flops_at(cond) + (flops_at(neg) if r.params.guidance_scale > 1 else 0.0)
+    return total
 
 
 # ---------------------------------------------------------------------------------------------- timing
@@ -153,50 +308,28 @@ def timed(fn) -> tuple[float, object]:
     return time.perf_counter() - t, out
 
 
+def time_calls(fn, iters: int) -> tuple[float, float]:
+    """(seconds of a first, warm-up call; mean seconds of the `iters` calls after it), with CUDA events on
+    a GPU, so the host's timer sees no launch latency."""
+    first, _ = timed(fn)
+    if not torch.cuda.is_available():
+        return first, timed(lambda: [fn() for _ in range(iters)])[0] / iters
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return first, start.elapsed_time(end) / 1e3 / iters
+
+
 def peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
 
 
-def transformer_flops(adapter, params: SamplingParams):
-    """FLOPs of one transformer row as a function of its text length: counted with FlopCounterMode on
-    one-step, one-row rollouts at three prompt lengths and fitted exactly by a quadratic (linear layers
-    grow linearly with the tokens, attention quadratically)."""
-    import dataclasses
-
-    import numpy as np
-    from torch.utils.flop_counter import FlopCounterMode
-
-    one = dataclasses.replace(params, num_steps=1, guidance_scale=1.0, sde_window_size=0)
-    points = {}
-    for words in (8, 20, 45):
-        prompt = " ".join(["word"] * words)
-        counter = FlopCounterMode(display=False)
-        # Count inside the transformer's forward only (not the text encoder or the VAE).
-        # (A hook that returns a value replaces the module's inputs / outputs: these return None.)
-        pre = adapter.transformer.register_forward_pre_hook(lambda *_, c=counter: [c.__enter__()] and None)
-        post = adapter.transformer.register_forward_hook(
-            lambda *_, c=counter: [c.__exit__(None, None, None)] and None
-        )
-        try:
-            adapter.rollout([Request(prompt, 0, 0, 0, one)])
-        finally:
-            pre.remove()
-            post.remove()
-        points[adapter.bucket(prompt)] = counter.get_total_flops()
-    assert len(points) == 3, f"the three prompts must fall in three prompt-length buckets: {points}"
-    coeffs = np.polyfit(list(points), list(points.values()), 2)
-    return lambda length: float(np.polyval(coeffs, length))
-
-
-def rollout_flops(adapter, requests: list[Request], flops_of) -> float:
-    """Transformer FLOPs of all denoising steps of `requests`, real rows only: the conditional row at the
-    prompt's own length, the unconditional one at the negative prompt's (no padding counted)."""
-    total = 0.0
-    for r in requests:
-        total += flops_of(adapter.prompt_length(r.prompt))
-        if r.params.guidance_scale > 1:
-            total += flops_of(adapter.prompt_length(r.negative_prompt))
-    return total * requests[0].params.num_steps
+def reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
 
 
 def logprob_gap(adapter, trajs, clip_range: float) -> dict:
@@ -230,16 +363,219 @@ def logprob_gap(adapter, trajs, clip_range: float) -> dict:
     }  # fmt: skip
 
 
-def main() -> None:
+# ---------------------------------------------------------------------------------------------- cells
+
+
+@dataclasses.dataclass
+class Cell:
+    """One packed configuration: what `rollout.*` a recipe would set."""
+
+    max_num_seqs: int
+    fused_cfg: bool = True
+    compile: bool = False
+    buckets: str = "recipe"  # "recipe" | "single" (the largest only) | "negative" (+ the negative's length)
+
+    @property
+    def name(self) -> str:
+        parts = [
+            f"packed max_num_seqs {self.max_num_seqs}",
+            "CFG fused" if self.fused_cfg else "CFG 2 forwards",
+        ]
+        parts += {"recipe": [], "single": ["one bucket"], "negative": ["negative-length bucket"]}[
+            self.buckets
+        ]
+        return ", ".join(parts + ["compiled" if self.compile else "eager"])
+
+
+@contextlib.contextmanager
+def prompt_buckets(adapter, kind: str, negative: str):
+    """The cell's `rollout.prompt_length_buckets`, set on the adapter for the cell's duration (the same
+    as building it with that recipe value: the adapter reads `buckets` on every call)."""
+    if kind == "recipe":
+        yield
+        return
+    saved = adapter.buckets
+    adapter.buckets = [saved[-1]] if kind == "single" else sorted({adapter.prompt_length(negative), *saved})
+    try:
+        yield
+    finally:
+        adapter.buckets = saved
+
+
+@contextlib.contextmanager
+def compiled_blocks(engine: DiffusionEngine):
+    """The engine's compiled block forwards swapped in, as `DiffusionEngine.generate` does."""
+    for block, fn in engine.compiled:
+        block.forward = fn
+    try:
+        yield
+    finally:
+        for block, _ in engine.compiled:
+            del block.forward
+
+
+def batch_shapes(adapter, engine: DiffusionEngine, requests: list[Request]) -> list[list[int]]:
+    """[requests, conditional text length, negative text length] of each batch the engine's packer makes."""
+    return [
+        [len(idx), *text_lengths(adapter, requests[idx[0]])[1]]
+        for idx in engine.packer.pack(requests, engine.pad)
+    ]
+
+
+def guarded(rows: list[dict], name: str, fn) -> object:
+    """Run one cell; an error (out of memory, no kernel, a failed compile) is printed and recorded as the
+    cell's row, and the next cell runs: a benchmark run on a rented GPU should not lose the other cells."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 (recorded and printed, not swallowed)
+        traceback.print_exc(limit=-4)  # the innermost frames: where it failed
+        row = {"name": name, "error": f"{type(e).__name__}: {str(e)[:500]}"}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        empty_cache()
+        return None
+
+
+# ---------------------------------------------------------------------------------------------- forward only
+
+
+def forward_inputs(adapter, batch: list[Request]) -> dict:
+    """The inputs of one denoising step of a packed batch, as `adapter.rollout` builds them: latents,
+    sigmas, and the text rows (Qwen-Image: unpadded rows, collated per variant; SD3: the embeddings)."""
+    p = batch[0].params
+    sd3 = isinstance(adapter, SD3Adapter)
+    channels = adapter.transformer.config.in_channels // (1 if sd3 else 4)
+    h, w = p.height // adapter.vae_scale_factor, p.width // adapter.vae_scale_factor
+    guided = p.guidance_scale > 1
+    out = {
+        "latents": torch.randn(len(batch), channels, h, w, device=adapter.device),  # [B, C, h, w]
+        "sigma": torch.full((len(batch),), 0.5, device=adapter.device),  # [B]
+        "lengths": text_lengths(adapter, batch[0])[1],  # the bucket lengths of the batch's key
+    }
+    negatives = [r.negative_prompt for r in batch] if guided else None
+    if sd3:
+        out["embeds"] = adapter.encode([r.prompt for r in batch], negatives)
+    else:
+        out["rows"] = adapter.encode([r.prompt for r in batch] + (negatives or []))  # [L_i, D] each
+    return out
+
+
+def variant_embeds(adapter, inputs: dict, variant: str) -> tuple[dict, tuple[int, int]]:
+    """A variant's embeddings and (conditional, negative) padded text lengths: 'engine' as the rollout
+    collates them (each text padded to its bucket, masked), 'no mask' the same with every mask true,
+    'batch longest' each text padded only to its batch's longest (the stock pipeline's shapes)."""
+    if "embeds" in inputs:  # SD3: fixed lengths, no masks
+        return inputs["embeds"], inputs["lengths"]
+    rows, batch = inputs["rows"], len(inputs["latents"])
+    cond, neg = rows[:batch], rows[batch:]
+    lengths = inputs["lengths"]
+    if variant == "batch longest":
+        lengths = (max(len(r) for r in cond), max((len(r) for r in neg), default=0))
+    embeds = {}
+    embeds["prompt_embeds"], embeds["prompt_embeds_mask"] = collate(cond, lengths[0])
+    if neg:
+        embeds["negative_prompt_embeds"], embeds["negative_prompt_embeds_mask"] = collate(neg, lengths[1])
+    if variant == "no mask":
+        embeds = {k: torch.ones_like(v) if k.endswith("_mask") else v for k, v in embeds.items()}
+    return embeds, lengths
+
+
+def forward_variants(adapter, cell: Cell, forced_sdpa: bool) -> list[str]:
+    """The cell's timing variants; `forced_sdpa` the ones with a forced SDPA kernel only (they run after
+    all others: a kernel that fails on the device must not take the other cells' numbers with it)."""
+    if forced_sdpa:
+        return ["SDPA cuDNN", "SDPA mem-efficient"] if cell.fused_cfg and not cell.compile else []
+    qwen = not isinstance(adapter, SD3Adapter)
+    if not cell.fused_cfg:
+        return ["engine"] + (["batch longest"] if qwen else [])
+    return ["engine"] + (["no mask"] if qwen and not cell.compile else [])
+
+
+def forward_cell(
+    adapter, cell: Cell, requests: list[Request], flops_at, ceiling: float, a, rows, forced_sdpa: bool
+) -> None:
+    """Time the transformer forward of one denoising step of every batch of the cell, per variant."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    variants = forward_variants(adapter, cell, forced_sdpa)
+    if not variants:
+        return
+    p = requests[0].params
+    guided = p.guidance_scale > 1
+    engine = DiffusionEngine(adapter, cell.max_num_seqs, fused_cfg=cell.fused_cfg, compile=cell.compile)
+    with prompt_buckets(adapter, cell.buckets, requests[0].negative_prompt):
+        batches = []
+        for idx in engine.packer.pack(requests, fill=engine.pad):
+            real = [requests[i] for i in idx]
+            batches.append((real, forward_inputs(adapter, real + engine.padding(real))))
+    kernels = {"SDPA cuDNN": SDPBackend.CUDNN_ATTENTION, "SDPA mem-efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+    def batch_row(variant: str, real: list[Request], inputs: dict) -> dict:
+        embeds, (cond, neg) = variant_embeds(adapter, inputs, variant)
+        n = len(inputs["latents"])  # with compile: padded to its bucket size with dummy requests
+
+        def step():
+            return adapter.velocity(
+                inputs["latents"], inputs["sigma"], embeds, p.guidance_scale, cell.fused_cfg
+            )
+
+        first, secs = time_calls(step, a.forward_iters)
+        if not guided:
+            shape, padded = f"{n} rows, text {cond}", n * flops_at(cond)
+        elif cell.fused_cfg:  # both texts padded to the longer
+            shape, padded = f"{2 * n} rows, text {cond}+{neg}", 2 * n * flops_at(max(cond, neg))
+        else:
+            shape, padded = f"{n}+{n} rows, text {cond}+{neg}", n * (flops_at(cond) + flops_at(neg))
+        useful = real_flops(adapter, real, flops_at)
+        return {
+            "requests": len(real), "shape": shape, "ms": 1e3 * secs,
+            "useful_tflop": useful / 1e12, "padded_tflop": padded / 1e12,
+            "mfu": useful / secs / ceiling, "mfu_padded": padded / secs / ceiling,
+            "compile_s": max(first - secs, 0.0) if cell.compile else 0.0,
+        }  # fmt: skip
+
+    for variant in variants:
+        name = f"forward: {cell.name}" + ("" if variant == "engine" else f", {variant}")
+
+        def run(variant=variant, name=name):
+            reset_peak()
+            kernel = sdpa_kernel(kernels[variant]) if variant in kernels else contextlib.nullcontext()
+            with kernel, compiled_blocks(engine), D.gathered_weights(adapter.transformer), torch.no_grad():
+                detail = [batch_row(variant, real, inputs) for real, inputs in batches]
+            secs = sum(d["ms"] for d in detail) / 1e3
+            useful, padded = (sum(d[k] for d in detail) * 1e12 for k in ("useful_tflop", "padded_tflop"))
+            row = {
+                "name": name, "ms_per_step": 1e3 * secs, "transformer_s_per_rollout": secs * p.num_steps,
+                "mfu": useful / secs / ceiling, "mfu_padded": padded / secs / ceiling, "peak_gib": peak_gib(),
+                "compile_s": sum(d["compile_s"] for d in detail), "batches": detail,
+            }  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+        guarded(rows, name, run)
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=["qwen_image"], default="qwen_image")
+    p.add_argument("--model", choices=sorted(MODELS), default="qwen_image")
     p.add_argument("--path", help="a local checkpoint (else --random-init)")
     p.add_argument("--random-init", action="store_true")
+    p.add_argument("--dry-run", action="store_true", help="build every model on meta, count, exit")
     p.add_argument("--images", type=int, default=128, help="images per GPU (the reference: 128)")
     p.add_argument("--serial-requests", type=int, default=16, help="0 skips the serial run")
-    p.add_argument("--max-num-seqs", type=int, nargs="*", default=[8, 16, 32, 64])
+    p.add_argument("--max-num-seqs", type=int, nargs="*", default=[8, 16, 32, 64], help="fused cells")
+    p.add_argument("--unfused-max-num-seqs", type=int, nargs="*", default=[], help="CFG as two forwards")
+    p.add_argument("--single-bucket", type=int, nargs="*", default=[], help="fused, one prompt bucket")
+    p.add_argument("--negative-bucket", type=int, nargs="*", default=[], help="unfused, negative unpadded")
     p.add_argument("--compiled-max-num-seqs", type=int, nargs="*", default=[16, 32])
     p.add_argument("--stock-batch", type=int, nargs="*", default=[16, 32])
+    p.add_argument("--forward-only", action="store_true", help="time the transformer forward alone")
+    p.add_argument(
+        "--forward-iters", type=int, default=3, help="timed forwards per batch (after one warm-up)"
+    )
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--size", type=int, default=512)
     p.add_argument("--out", default="rollout_packing.json")
@@ -251,28 +587,72 @@ def main() -> None:
         "trainer's recomputed log-probs (micro-batches of 8) with the rollout's",
     )
     a = p.parse_args()
+    if not (a.path or a.random_init):
+        p.error("give --path or --random-init")
+    if a.model != "qwen_image" and (a.single_bucket or a.negative_bucket):
+        p.error(f"--single-bucket / --negative-bucket: {a.model} pads every prompt to one fixed length")
+    return a
 
+
+def build(a, device: torch.device):
+    """The recipe's config and adapter; with --random-init the full-size models from their public configs."""
+    recipe, module = MODELS[a.model]
+    path = a.path
+    if a.random_init:
+        path = tempfile.mkdtemp() + "/ckpt"
+        write_random_checkpoint(a.model, Path(path))
+    if a.random_init or device.type == "meta":
+        importlib.import_module(module).load_pretrained = random_init_loader(device)
+    size = ["--sampling.height", str(a.size), "--sampling.width", str(a.size)]
+    cfg = load_config(recipe, ["--model.path", path, *size])
+    return cfg, get_adapter(cfg.model.adapter)(cfg, device)
+
+
+def dry_run(a) -> None:
+    """Every model built on the meta device: parameter counts and the transformer's counted FLOPs."""
+    cfg, adapter = build(a, torch.device("meta"))
+    print(f"{a.model}: models built on the meta device from {'public configs' if a.random_init else a.path}")
+    for name, module in vars(adapter).items():
+        if isinstance(module, nn.Module):
+            lora = sum(p.numel() for n, p in module.named_parameters() if "lora_" in n)
+            base = sum(p.numel() for p in module.parameters()) - lora
+            print(f"  {name:16s} {type(module).__name__:38s} {base:15,d} params ({base / 1e9:.3f} B)" + (
+                f" (+ LoRA rank {cfg.lora.rank}: {lora / 1e6:.1f} M)" if lora else ""
+            ))  # fmt: skip
+    s = cfg.sampling
+    params = SamplingParams(s.height, s.width, a.steps, s.guidance_scale, 0.0, "ode", 0, (0, 1))
+    flops_at = transformer_flops(adapter, params)
+    requests = make_requests(prompts(a.images, 0), params, s.negative_prompt)
+    lengths = [text_lengths(adapter, r)[0] for r in requests]
+    per_image = real_flops(adapter, requests, flops_at) / len(requests) * a.steps
+    cond = sum(c for c, _ in lengths) / len(lengths)
+    print(
+        f"  transformer at {s.height}x{s.width}: {flops_at(round(cond)) / 1e12:.2f} TFLOP per row-forward at "
+        f"the mean prompt length ({cond:.0f} text tokens), {flops_at(lengths[0][1]) / 1e12:.2f} at the "
+        f"negative prompt's ({lengths[0][1]}); {per_image / 1e12:.1f} TFLOP per image "
+        f"({a.steps} steps, CFG {s.guidance_scale}, unpadded rows)"
+    )
+
+
+def main() -> None:
+    a = parse_args()
+    # The pipelines warn on every prompt truncated to CLIP's 77 / T5's max_sequence_length tokens: that
+    # would flood the log a remote run returns.
+    diffusers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.set_verbosity_error()
+    if a.dry_run:
+        dry_run(a)
+        return
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     results: dict = {
         "args": vars(a),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
     }
     results["matmul_tflops"] = matmul_tflops(device)
+    ceiling = results["matmul_tflops"] * 1e12
     print(f"bf16 matmul ceiling: {results['matmul_tflops']:.0f} TFLOP/s", flush=True)
 
-    tmp = tempfile.mkdtemp()
-    path = a.path
-    if a.random_init:
-        path = tmp + "/ckpt"
-        write_random_checkpoint(a.model, Path(path))
-        import omnirl.models.qwen_image as module
-
-        module.load_pretrained = random_init_loader(device)
-    cfg = load_config(
-        "qwen_image_flowgrpo_ocr",
-        ["--model.path", path, "--sampling.height", str(a.size), "--sampling.width", str(a.size)],
-    )
-    t_load, adapter = timed(lambda: get_adapter(cfg.model.adapter)(cfg, device))
+    t_load, (cfg, adapter) = timed(lambda: build(a, device))
     print(f"models built in {t_load:.0f} s, {peak_gib():.1f} GiB", flush=True)
     # The trainer's path: a 1-rank process group and FSDP2 with the recipe's MixedPrecisionPolicy, so the
     # rollout gathers the float32 LoRA once per phase in bfloat16 (peft would otherwise run every LoRA
@@ -280,7 +660,10 @@ def main() -> None:
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
         os.environ.setdefault(k, v)
     os.environ.setdefault("MASTER_PORT", "29555")
-    shard(cfg, adapter, None, D.init_distributed())
+    mesh = D.init_distributed().mesh
+    frozen = {p for p in adapter.transformer.parameters() if not p.requires_grad}  # the LoRA's base
+    dc = cfg.distributed  # as the trainer shards it
+    D.apply_fsdp(adapter.transformer, adapter.fsdp_units(), mesh, dc.param_dtype, dc.reduce_dtype, frozen)
     s = cfg.sampling
     params = SamplingParams(
         s.height, s.width, a.steps, s.guidance_scale, s.noise_level, s.sde_type, s.sde_window_size,
@@ -288,99 +671,156 @@ def main() -> None:
     )  # fmt: skip
     texts = prompts(a.images, 0)
     requests = make_requests(texts, params, s.negative_prompt)
-    flops_total = rollout_flops(adapter, requests, transformer_flops(adapter, params))
+    flops_at = transformer_flops(adapter, params)
+    flops_total = real_flops(adapter, requests, flops_at) * a.steps
     results["transformer_tflop_per_rollout"] = flops_total / 1e12
     rows = []
 
-    def run_engine(name, reqs, scale, **kw):
-        engine = DiffusionEngine(adapter, **kw)
-        compile_s = 0.0
-        if kw.get("compile"):
-            compile_s, _ = timed(lambda: engine.generate(reqs))  # compiles every bucket shape
-        engine.generate(reqs[: min(len(reqs), 2)])  # warm-up (allocator, kernels)
-        torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
-        secs, trajs = timed(lambda: engine.generate(reqs))
+    def save():
+        results["rows"] = rows
+        Path(a.out).write_text(json.dumps(results, indent=1))
+
+    eager = [Cell(n) for n in a.max_num_seqs] + [Cell(n, fused_cfg=False) for n in a.unfused_max_num_seqs]
+    eager += [Cell(n, buckets="single") for n in a.single_bucket]
+    eager += [Cell(n, fused_cfg=False, buckets="negative") for n in a.negative_bucket]
+    compiled = [Cell(n, compile=True) for n in a.compiled_max_num_seqs]
+    if a.forward_only:
+        for forced_sdpa in (False, True):
+            for cell in eager + compiled:
+                forward_cell(adapter, cell, requests, flops_at, ceiling, a, rows, forced_sdpa)
+                save()
+        print_forward(rows)
+        print(f"wrote {a.out}")
+        return
+
+    def run_engine(cell: Cell, reqs: list[Request], scale: float, name: str = ""):
+        name = name or cell.name
+        engine = DiffusionEngine(adapter, cell.max_num_seqs, fused_cfg=cell.fused_cfg, compile=cell.compile)
+        with prompt_buckets(adapter, cell.buckets, s.negative_prompt):
+            compile_s = 0.0
+            if cell.compile:
+                compile_s, _ = timed(lambda: engine.generate(reqs))  # compiles every bucket shape
+            engine.generate(reqs[: min(len(reqs), 2)])  # warm-up (allocator, kernels)
+            reset_peak()
+            secs, trajs = timed(lambda: engine.generate(reqs))
+            shapes = batch_shapes(adapter, engine, reqs)
         gen = secs * scale
         row = {
             "name": name, "generation_s": gen, "images_per_s": a.images / gen, "scaled_from": len(reqs),
-            "mfu": flops_total / gen / (results["matmul_tflops"] * 1e12), "peak_gib": peak_gib(),
-            "compile_s": max(compile_s - secs, 0.0),
+            "mfu": flops_total / gen / ceiling, "peak_gib": peak_gib(),
+            "compile_s": max(compile_s - secs, 0.0), "batches": shapes,
         }  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)
         save()
         return trajs
 
-    def save():
-        results["rows"] = rows
-        Path(a.out).write_text(json.dumps(results, indent=1))
-
     if a.serial_requests:
-        run_engine(
-        "serial (max_num_seqs 1, CFG 2 forwards, eager)",
-        requests[: a.serial_requests], a.images / a.serial_requests,
-        max_num_seqs=1, fused_cfg=False,
-    )  # fmt: skip
-    for n in a.max_num_seqs:
-        trajs = run_engine(f"packed max_num_seqs {n}, eager", requests, 1.0, max_num_seqs=n)
-        if n == a.logprob_check:
+        name = "serial (max_num_seqs 1, CFG 2 forwards, eager)"
+        serial = Cell(1, fused_cfg=False)
+        guarded(
+            rows,
+            name,
+            lambda: run_engine(serial, requests[: a.serial_requests], a.images / a.serial_requests, name),
+        )
+    for cell in eager:
+        trajs = guarded(rows, cell.name, lambda cell=cell: run_engine(cell, requests, 1.0))
+        if trajs and cell == Cell(a.logprob_check):
             results["logprob_check"] = logprob_gap(adapter, trajs, cfg.algo.clip_range)
             print(json.dumps(results["logprob_check"]), flush=True)
-            save()
-    stock(adapter, texts, params, a, rows, results, flops_total, save, compiled=False)
-    for n in a.compiled_max_num_seqs:
-        run_engine(f"packed max_num_seqs {n}, compiled", requests, 1.0, max_num_seqs=n, compile=True)
-    if a.compiled_max_num_seqs:
-        stock(adapter, texts, params, a, rows, results, flops_total, save, compiled=True)
+        del trajs
+        save()
+    stock(adapter, texts, s.negative_prompt, params, a, rows, flops_total / ceiling, save, compiled=False)
+    for cell in compiled:
+        guarded(rows, cell.name, lambda cell=cell: run_engine(cell, requests, 1.0))
+    if compiled:
+        stock(adapter, texts, s.negative_prompt, params, a, rows, flops_total / ceiling, save, compiled=True)
     save()
-    serial = rows[0]["generation_s"] if a.serial_requests else float("nan")
-    print(
-        f"\n{'configuration':55s} {'gen s':>8s} {'img/s':>7s} {'x serial':>8s} {'MFU':>6s} {'peak GiB':>8s}"
-    )
-    for r in rows:
-        print(
-            f"{r['name']:55s} {r['generation_s']:8.1f} {r['images_per_s']:7.2f} "
-            f"{serial / r['generation_s']:8.2f} {100 * r['mfu']:5.1f}% {r['peak_gib']:8.1f}"
-        )
+    print_generation(rows)
     print(f"wrote {a.out}")
 
 
-def stock(adapter, texts, params, a, rows, results, flops_total, save, compiled: bool) -> None:
-    """diffusers' QwenImagePipeline around the same modules (LoRA attached), batches of prompts per call."""
-    from diffusers import QwenImagePipeline
+def print_generation(rows: list[dict]) -> None:
+    serial = rows[0]["generation_s"] if rows and rows[0]["name"].startswith("serial") else float("nan")
+    w = max([len(r["name"]) for r in rows] + [13])
+    print(
+        f"\n{'configuration':{w}s} {'gen s':>8s} {'img/s':>7s} {'x serial':>8s} {'MFU':>6s} {'peak GiB':>8s}"
+    )
+    for r in rows:
+        if "error" in r:
+            print(f"{r['name']:{w}s} {r['error'][:100]}")
+            continue
+        print(
+            f"{r['name']:{w}s} {r['generation_s']:8.1f} {r['images_per_s']:7.2f} "
+            f"{serial / r['generation_s']:8.2f} {100 * r['mfu']:5.1f}% {r['peak_gib']:8.1f}"
+        )
 
-    pipe = QwenImagePipeline(
-        scheduler=adapter.scheduler, vae=adapter.vae, text_encoder=adapter.text_encoder,
-        tokenizer=adapter.tokenizer, transformer=adapter.transformer,
+
+def print_forward(rows: list[dict]) -> None:
+    w = max([len(r["name"]) for r in rows] + [41])
+    head = "transformer forward of one denoising step"
+    print(f"\n{head:{w}s} {'ms':>8s} {'s/rollout':>9s} {'MFU':>6s} {'padded':>6s}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['name']:{w}s} {r['error'][:100]}")
+            continue
+        print(
+            f"{r['name']:{w}s} {r['ms_per_step']:8.1f} {r['transformer_s_per_rollout']:9.2f} "
+            f"{100 * r['mfu']:5.1f}% {100 * r['mfu_padded']:5.1f}%"
+        )
+        for b in r["batches"]:
+            print(
+                f"    {b['requests']:4d} requests: {b['shape']:28s} {b['ms']:8.1f} ms "
+                f"MFU {100 * b['mfu']:5.1f}% (padded {100 * b['mfu_padded']:5.1f}%)"
+            )
+
+
+def stock(adapter, texts, negative, params, a, rows, flop_seconds, save, compiled: bool) -> None:
+    """diffusers' own pipeline around the same modules (LoRA attached), batches of prompts per call.
+
+    `flop_seconds`: the rollout's FLOPs over the matmul rate (its duration at 100% MFU)."""
+    pipe = type(adapter.text_pipe)(  # the text encoders and tokenizers, plus the denoising modules
+        **{**adapter.text_pipe.components, "transformer": adapter.transformer, "vae": adapter.vae,
+           "scheduler": adapter.scheduler}
     )  # fmt: skip
     pipe.set_progress_bar_config(disable=True)
+    if isinstance(adapter, SD3Adapter):
+        cfg_kwargs = dict(
+            guidance_scale=params.guidance_scale, max_sequence_length=adapter.max_sequence_length
+        )
+    else:
+        cfg_kwargs = dict(true_cfg_scale=params.guidance_scale)
     if compiled:  # per repeated block, as compile_repeated_blocks does (FSDP2 renames the block class)
         for block in adapter.fsdp_units():
             block.compile(fullgraph=True)
     for b in a.stock_batch:
         n = max(b, min(len(texts), 2 * b))
+        name = f"stock {type(pipe).__name__} {b} prompts/call, {'compiled' if compiled else 'eager'}"
 
         def call(k=n, b=b):
             for i in range(0, k, b):
+                batch = texts[i : min(i + b, k)]
                 pipe(
-                    prompt=texts[i : i + b], negative_prompt=[" "] * len(texts[i : i + b]),
-                    true_cfg_scale=params.guidance_scale, num_inference_steps=params.num_steps,
-                    height=params.height, width=params.width, output_type="pil",
+                    prompt=batch, negative_prompt=[negative] * len(batch), height=params.height,
+                    width=params.width, num_inference_steps=params.num_steps, output_type="pil", **cfg_kwargs,
                 )  # fmt: skip
 
-        with D.gathered_weights(adapter.transformer):  # as the engine does: weights gathered once
-            compile_s = timed(lambda b=b: call(b))[0] if compiled else 0.0
-            call(2, 2) if not compiled else None  # warm-up (kernels, allocator)
-            secs = timed(call)[0]
-        gen = secs * a.images / n
-        row = {
-            "name": f"stock QwenImagePipeline {b} prompts/call, {'compiled' if compiled else 'eager'}",
-            "generation_s": gen, "images_per_s": a.images / gen, "scaled_from": n,
-            "mfu": flops_total / gen / (results["matmul_tflops"] * 1e12), "peak_gib": peak_gib(),
-            "compile_s": max(compile_s - secs * b / n, 0.0),
-        }  # fmt: skip
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        def run(b=b, n=n, name=name, call=call):
+            with D.gathered_weights(adapter.transformer):  # as the engine does: weights gathered once
+                compile_s = timed(lambda: call(b))[0] if compiled else 0.0
+                call(2, 2) if not compiled else None  # warm-up (kernels, allocator)
+                reset_peak()
+                secs = timed(call)[0]
+            gen = secs * a.images / n
+            row = {
+                "name": name, "generation_s": gen, "images_per_s": a.images / gen, "scaled_from": n,
+                "mfu": flop_seconds / gen, "peak_gib": peak_gib(),
+                "compile_s": max(compile_s - secs * b / n, 0.0),
+            }  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+        guarded(rows, name, run)
         save()
 
 
