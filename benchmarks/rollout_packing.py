@@ -61,6 +61,7 @@ from pathlib import Path
 import diffusers
 import torch
 import transformers
+from random_init import random_init_loader, write_random_checkpoint  # benchmarks/random_init.py
 from torch import nn
 
 from omnirl import distributed as D
@@ -93,129 +94,6 @@ def prompts(n: int, seed: int) -> list[str]:
         f'{" ".join(rng.choices(WORDS, k=rng.randint(4, 56)))} that reads "{rng.choice(texts)}"'
         for _ in range(n)
     ]
-
-
-# ---------------------------------------------------------------------------------------------- models
-
-# stabilityai/stable-diffusion-3.5-medium, passed as keyword arguments to the classes: an unknown key is a
-# TypeError (`checked` makes it one for transformers' configs too), so the names are checked against the
-# installed diffusers / transformers.
-SD35_TRANSFORMER = dict(
-    sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
-    num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
-    pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
-    dual_attention_layers=tuple(range(13)), qk_norm="rms_norm",
-)  # fmt: skip
-SD35_VAE = dict(
-    in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-    up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
-    act_fn="silu", latent_channels=16, norm_num_groups=32, sample_size=1024, scaling_factor=1.5305,
-    shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False,
-)  # fmt: skip
-SD35_CLIP_L = dict(
-    vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-    max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu",
-)  # fmt: skip
-SD35_CLIP_G = dict(
-    vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
-    max_position_embeddings=77, projection_dim=1280, hidden_act="gelu",
-)  # fmt: skip
-SD35_T5 = dict(  # T5-XXL v1.1, encoder only
-    vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
-    relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
-    layer_norm_epsilon=1e-6,
-)  # fmt: skip
-SD35_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0}
-QWEN_SCHEDULER = {
-    "_class_name": "FlowMatchEulerDiscreteScheduler", "base_image_seq_len": 256, "base_shift": 0.5,
-    "max_image_seq_len": 8192, "max_shift": 0.9, "num_train_timesteps": 1000, "shift": 1.0,
-    "shift_terminal": 0.02, "time_shift_type": "exponential", "use_dynamic_shifting": True,
-}  # fmt: skip
-
-
-def checked(cls, **kwargs):
-    """`cls(**kwargs)` for a transformers config, refusing a key that the default config lacks (the class
-    would keep it as a stray attribute and build the model without it)."""
-    unknown = set(kwargs) - set(cls().to_dict())
-    if unknown:
-        raise TypeError(f"{cls.__name__} takes no {sorted(unknown)}")
-    return cls(**kwargs)
-
-
-def write_random_checkpoint(model: str, out: Path) -> None:
-    """A config-only checkpoint of the public configs, with the tiny byte-level tokenizers of tiny.py."""
-    from omnirl.models import tiny
-
-    def dump(sub: str, cfg: dict) -> None:
-        (out / sub).mkdir(parents=True, exist_ok=True)
-        (out / sub / "config.json").write_text(json.dumps(cfg))
-
-    out.mkdir(parents=True, exist_ok=True)
-    if model == "qwen_image":
-        from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
-        from transformers import Qwen2_5_VLConfig
-
-        (out / "model_index.json").write_text(json.dumps({"_class_name": "QwenImagePipeline"}))
-        with torch.device("meta"):  # the defaults are Qwen-Image's; built on meta only to read the config
-            dump("transformer", dict(QwenImageTransformer2DModel().config))
-            dump("vae", dict(AutoencoderKLQwenImage().config))
-        te = Qwen2_5_VLConfig(  # Qwen2.5-VL-7B-Instruct
-            text_config=dict(
-                vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=128000,
-                rms_norm_eps=1e-6,
-                rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[16, 24, 24]),
-            ),
-            vision_config=dict(
-                depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
-                patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-                fullatt_block_indexes=[7, 15, 23, 31],
-            ),
-            image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
-        )  # fmt: skip
-        te.save_pretrained(out / "text_encoder")
-        tiny._qwen_image_tokenizer().save_pretrained(out / "tokenizer")
-        dump("scheduler", {})
-        (out / "scheduler" / "scheduler_config.json").write_text(json.dumps(QWEN_SCHEDULER))
-    elif model == "sd35":
-        from diffusers import AutoencoderKL, SD3Transformer2DModel
-        from transformers import CLIPTextConfig, T5Config
-
-        (out / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
-        with torch.device("meta"):
-            dump("transformer", dict(SD3Transformer2DModel(**SD35_TRANSFORMER).config))
-            dump("vae", dict(AutoencoderKL(**SD35_VAE).config))
-        clip = tiny._clip_tokenizer()
-        # The tiny tokenizer's special ids (CLIP pools at the first EOS token); the embeddings keep the
-        # real vocabulary size, so the parameter count is the real one.
-        ids = dict(
-            bos_token_id=clip.bos_token_id, eos_token_id=clip.eos_token_id, pad_token_id=clip.pad_token_id
-        )
-        checked(CLIPTextConfig, **SD35_CLIP_L, **ids).save_pretrained(out / "text_encoder")
-        checked(CLIPTextConfig, **SD35_CLIP_G, **ids).save_pretrained(out / "text_encoder_2")
-        checked(T5Config, **SD35_T5).save_pretrained(out / "text_encoder_3")
-        clip.save_pretrained(out / "tokenizer")
-        tiny._clip_tokenizer().save_pretrained(out / "tokenizer_2")
-        tiny._t5_tokenizer(model_max_length=512).save_pretrained(out / "tokenizer_3")  # the pipeline uses 256
-        dump("scheduler", {})
-        (out / "scheduler" / "scheduler_config.json").write_text(json.dumps(SD35_SCHEDULER))
-    else:
-        raise ValueError(f"--random-init has no configs for {model!r}")
-
-
-def random_init_loader(device: torch.device):
-    """Replaces `load_pretrained`: build the model from its config directly on the device, random weights."""
-    from diffusers import ModelMixin
-
-    def load(cls, path, subfolder=None, torch_dtype=None, dtype=None, **_):
-        with torch.device(device):
-            if issubclass(cls, ModelMixin):
-                model = cls.from_config(cls.load_config(path, subfolder=subfolder))
-            else:
-                model = cls._from_config(cls.config_class.from_pretrained(path, subfolder=subfolder))
-        return model.to(torch_dtype or dtype or torch.float32).eval()
-
-    return load
 
 
 # ---------------------------------------------------------------------------------------------- FLOPs
