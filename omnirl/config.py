@@ -213,7 +213,12 @@ class OptimConfig:
     grad_clip: float = 1.0
     """Gradient norm clip (0 = off)."""
     micro_batch_size: int = 8
-    """(sample, trained step) pairs per forward/backward."""
+    """Rows per training forward/backward: (sample, trained step) pairs of a diffusion model, responses of
+    an omni model."""
+    micro_batch_tokens: int = 0
+    """Omni models: most tokens in one training forward/backward, counted as the micro-batch pads them:
+    rows x (longest prompt + longest response). Rows join a micro-batch while both this and
+    micro_batch_size allow (a row longer than the budget runs alone); 0 = no token budget."""
     mini_batches: int = 1
     """Optimizer steps per rollout: the step's pairs are split into this many mini-batches."""
     epochs: int = 1
@@ -252,7 +257,8 @@ class MemoryConfig:
 @dataclass
 class LogConfig:
     image_every: int = 10
-    """Write a grid of sample images to tensorboard every N steps (0 = never)."""
+    """Every N steps (0 = never) write samples under output_dir/samples and to tensorboard: a grid of
+    images (diffusion models) or the first responses as text (omni models)."""
     tensorboard: bool = True
     """Write tensorboard event files under output_dir/tb."""
 
@@ -260,7 +266,8 @@ class LogConfig:
 @dataclass
 class ValidationConfig:
     every: int = 0
-    """Validate every N steps on data.val_path with the ODE sampler (0 = never)."""
+    """Validate every N steps on data.val_path (0 = never): diffusion models with the ODE sampler, omni
+    models with num_samples responses per prompt at the temperature and top_p below."""
     num_steps: int = 10
     """Denoising steps of a validation rollout."""
     num_samples: int = 1
@@ -274,7 +281,8 @@ class ValidationConfig:
 @dataclass
 class ExportConfig:
     lora_at_end: bool = True
-    """Write the LoRA in the diffusers format (pytorch_lora_weights.safetensors) when training ends."""
+    """Write the LoRA to output_dir/lora when training ends: in the diffusers format
+    (pytorch_lora_weights.safetensors) for diffusion models, as a peft adapter for omni models."""
 
 
 @dataclass

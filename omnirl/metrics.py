@@ -6,6 +6,7 @@ the trainer calls them unconditionally. Layout under `output_dir`:
   metrics.jsonl                one JSON object per step, {"step": s, **scalars}, appended and flushed
   tb/                          tensorboard event files (scalars; image grids and captions)
   samples/step_{s:06d}.png     the image grid of step s (and .txt with its captions, one per line)
+  samples/step_{s:06d}.txt     an omni model's sample responses of step s, one per line
 """
 
 from __future__ import annotations
@@ -97,6 +98,18 @@ class MetricsLogger:
             self._tb.add_image(tag, grid, step, dataformats="HWC")
             if captions is not None:
                 self._tb.add_text(tag, "\n".join(f"{i}. {c}" for i, c in enumerate(captions, 1)), step)
+            self._tb.flush()
+
+    def log_texts(self, step: int, tag: str, texts: list[str]) -> None:
+        """Text samples (an omni model's responses): samples/step_{step:06d}.txt, one per line, and a
+        tensorboard text under `tag`."""
+        if not self.enabled:
+            return
+        samples = self.output_dir / "samples"
+        samples.mkdir(exist_ok=True)
+        (samples / f"step_{step:06d}.txt").write_text("".join(t.replace("\n", " ") + "\n" for t in texts))
+        if self._tb is not None:
+            self._tb.add_text(tag, "\n\n".join(texts), step)
             self._tb.flush()
 
     def progress(self, total: int, initial: int = 0) -> None:

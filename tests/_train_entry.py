@@ -15,6 +15,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 from omnirl.rewards import REWARDS  # noqa: E402
 
 REWARDS["constant_on_flagged_rows"] = "tests.support_rewards:ConstantOnFlaggedRows"
+REWARDS["mmk12_zero_on_flagged_rows"] = "tests.support_rewards:Mmk12ZeroOnFlaggedRows"
 REWARDS["raises_on_rank1"] = "tests.support_failures:RaisesOnRank1"
 REWARDS["killed_on_rank1"] = "tests.support_failures:KilledOnRank1"
 REWARDS["hangs_on_rank1"] = "tests.support_failures:HangsOnRank1"

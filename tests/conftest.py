@@ -55,3 +55,11 @@ def tiny_qwen3_vl(tmp_path_factory) -> Path:
     from omnirl.models.tiny import make_tiny_qwen_vl
 
     return make_tiny_qwen_vl(tmp_path_factory.mktemp("tiny") / "qwen3_vl", "qwen3_vl")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_omni_k12(tmp_path_factory) -> Path:
+    """The tiny Qwen3-Omni taught the MMK12 answer format (omnirl.models.tiny_k12, ~15 s), built once."""
+    from omnirl.models.tiny_k12 import make_tiny_qwen3_omni_k12
+
+    return make_tiny_qwen3_omni_k12(tmp_path_factory.mktemp("tiny") / "qwen3_omni_k12")

@@ -22,12 +22,12 @@ from safetensors.torch import load_file
 
 from omnirl import checkpoint
 from omnirl import distributed as D
-from omnirl.algos.losses import get_loss
 from omnirl.checkpoint import CheckpointError
 from omnirl.data.prompts import load_prompts
 from omnirl.metrics import GRID_PAD, read_metrics
 from omnirl.models import get_adapter
-from omnirl.trainer import NonFiniteError, make_requests, update
+from omnirl.step import NonFiniteError, make_requests, update
+from omnirl.trainer import DiffusionOps, sampling_params
 from tests.test_sd3 import make_requests as sd3_requests
 from tests.test_sd3 import max_diff, noise_free, run_pipeline
 from tests.test_train import ROOT, tiny_cfg, torchrun, torchrun_cmd
@@ -257,7 +257,8 @@ def test_nonfinite_loss_is_skipped_or_stops(adapter, tiny_sd3, tmp_path):
         "--sampling.num_steps", "2",
     )  # fmt: skip
     dist = D.init_distributed()
-    trajs = adapter.rollout(make_requests(cfg, load_prompts(cfg.data.train_path), 0, dist)[0])
+    requests, _ = make_requests(cfg, load_prompts(cfg.data.train_path), 0, dist, sampling_params(cfg))
+    trajs = adapter.rollout(requests)
     for t, a in zip(trajs, (1.0, -1.0)):
         t.advantage = a
     keep = torch.tensor([True, True])
@@ -266,21 +267,21 @@ def test_nonfinite_loss_is_skipped_or_stops(adapter, tiny_sd3, tmp_path):
     model = adapter.transformer
     before = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.AdamW(adapter.trainable_parameters(), lr=1e-2)
-    loss_fn = get_loss(cfg.algo.loss)
+    ops = DiffusionOps(cfg, adapter)
 
-    sums = update(cfg, adapter, None, opt, loss_fn, trajs, keep, 7)
-    assert sums["train/skipped_nonfinite"] == 1 and "train/updates" not in sums and "loss/count" not in sums
+    logs = update(cfg, ops, opt, trajs, keep, 7)
+    assert logs["train/skipped_nonfinite"] == 1 and "train/updates" not in logs and "loss/policy" not in logs
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert not opt.state and all(p.grad is None for p in adapter.trainable_parameters())
 
     cfg.train.on_nonfinite = "stop"
     with pytest.raises(NonFiniteError, match="step 7: non-finite loss and gradient norm"):
-        update(cfg, adapter, None, opt, loss_fn, trajs, keep, 7)
+        update(cfg, ops, opt, trajs, keep, 7)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
     trajs[0].logprobs[0] = good  # finite again: the same update goes through
-    sums = update(cfg, adapter, None, opt, loss_fn, trajs, keep, 7)
-    assert sums["train/skipped_nonfinite"] == 0 and sums["train/updates"] == 1
+    logs = update(cfg, ops, opt, trajs, keep, 7)
+    assert logs["train/skipped_nonfinite"] == 0 and logs["train/updates"] == 1
     assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 

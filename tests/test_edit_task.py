@@ -15,7 +15,8 @@ from omnirl.config import REPO_ROOT, load_config
 from omnirl.data.edit import load_edit_rows, open_inputs
 from omnirl.data.prompts import DataError
 from omnirl.rewards.text_edit import TextEditReward
-from omnirl.trainer import make_requests
+from omnirl.step import make_requests
+from omnirl.trainer import sampling_params
 from tests.test_train import read_jsonl, torchrun
 
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
@@ -97,7 +98,8 @@ def test_requests_carry_the_rows_source_image(tmp_path):
         "qwen_image_edit_tiny_flowgrpo",
         ["--run.output_dir", str(tmp_path), "--rollout.prompts_per_step", "2", "--rollout.group_size", "3"],
     )
-    requests, rows = make_requests(cfg, load_edit_rows(cfg.data.train_path), 0, D.init_distributed())
+    rows = load_edit_rows(cfg.data.train_path)
+    requests, rows = make_requests(cfg, rows, 0, D.init_distributed(), sampling_params(cfg))
     assert len(requests) == 6
     for r, row in zip(requests, rows):
         assert r.inputs["image"].size == (64, 64)

@@ -14,13 +14,13 @@ from safetensors.torch import load_file
 
 from omnirl import distributed as D
 from omnirl.algos.advantages import group_advantages
-from omnirl.algos.losses import get_loss
 from omnirl.config import load_config
 from omnirl.data.prompts import load_prompts, step_prompt_indices
 from omnirl.models import get_adapter
 from omnirl.rewards.pool import RewardPool
 from omnirl.rollout.diffusion import DiffusionEngine
-from omnirl.trainer import Pair, make_requests, pair_logprob, rollout_and_score, update
+from omnirl.step import make_requests, update
+from omnirl.trainer import DiffusionOps, Pair, pair_logprob, rollout_and_score, sampling_params
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,7 +38,7 @@ def test_update_moves_lora_only_and_recomputed_logprobs_match(tiny_sd3, tmp_path
     D.seed_everything(0)
     adapter = get_adapter("sd3")(cfg, dist.device)
     rows = load_prompts(cfg.data.train_path)
-    requests, _ = make_requests(cfg, rows, 0, dist)
+    requests, _ = make_requests(cfg, rows, 0, dist, sampling_params(cfg))
     pool = RewardPool(cfg.reward.weights, 1, 60)
     trajs, _ = rollout_and_score(DiffusionEngine(adapter, 8), pool, requests)
     pool.close()
@@ -61,7 +61,7 @@ def test_update_moves_lora_only_and_recomputed_logprobs_match(tiny_sd3, tmp_path
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-2)
-    update(cfg, adapter, None, opt, get_loss("flow_grpo"), trajs, keep, 0)
+    update(cfg, DiffusionOps(cfg, adapter), opt, trajs, keep, 0)
     moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     lora = {n for n, _ in model.named_parameters() if "lora_" in n}
     assert moved and moved <= lora, f"moved non-LoRA parameters: {moved - lora}"

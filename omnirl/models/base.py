@@ -13,8 +13,9 @@ implementation (shared math lives in `flow_sde.py` and, for the omni models, `lm
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
@@ -153,6 +154,7 @@ class OmniModelBase(Protocol):
     `lm_head` through one definition (`omnirl.models.lm.output_logprobs`), so their log-probs agree.
     """
 
+    kind: Literal["omni"]  # a class attribute: the trainer runs it with omnirl.omni_train.OmniOps
     model: nn.Module  # the trained module and FSDP root: forward(**batch, position_ids, ...) -> [B, L, H]
     lm_head: nn.Module  # the output projection, a child of `model`, applied by callers where they need it
     processor: Any  # the transformers processor: chat template, image / audio features, placeholders
@@ -191,6 +193,10 @@ class OmniModelBase(Protocol):
     def kv_bytes_per_token(self) -> int:
         """Bytes of KV cache one token takes over all decoder layers (for the engine's memory budget)."""
 
+    def lora_disabled(self) -> AbstractContextManager[None]:
+        """A context in which `model` runs with its LoRA layers off: the reference policy of a LoRA run
+        (the KL term), with no second copy of the weights."""
+
     def export_lora(self, out_dir: str, state_dict: dict | None = None) -> None:
         """Write the LoRA as a peft adapter (adapter_config.json + adapter_model.safetensors). An FSDP run
         passes the gathered full state dict of `model`."""
@@ -199,6 +205,7 @@ class OmniModelBase(Protocol):
 class DiffusionAdapter(Protocol):
     """What the rollout engine and the trainer need from a diffusion model family."""
 
+    kind: Literal["diffusion"]  # a class attribute: the trainer runs it with omnirl.trainer.DiffusionOps
     transformer: nn.Module  # the trained module (LoRA injected or fully trainable)
     fused_cfg: (
         bool  # rollout runs CFG's cond + uncond rows in one forward; the engine sets it (rollout.fused_cfg)

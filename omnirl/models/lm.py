@@ -7,6 +7,8 @@
 - `output_logprobs`: the one definition of the policy's distribution that rollout and trainer share,
   log_softmax(logits / temperature) over the vocabulary, with the multimodal placeholder ids masked out.
 - `chunked_token_logprobs` / `sequence_logprobs`: the trainer's log-probs of given response tokens.
+- `lora_disabled`: the model with its LoRA layers off, the reference policy of the KL term.
+- `checkpoint_decoder_layers`: activation checkpointing of the decoder layers in the trainer's backward.
 
 The placeholder ids (image / video / audio pads) are input-only slots that the model fills with encoder
 features. A random or young policy does sample them, and a response holding one cannot be re-scored: the
@@ -19,8 +21,11 @@ offers no log-prob of given tokens; TRL / verl do this inside their trainers.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -146,3 +151,31 @@ def sequence_logprobs(
         adapter.lm_head, hidden[keep], sequences[keep], temperature, placeholders
     )
     return out
+
+
+@contextlib.contextmanager
+def lora_disabled(model: nn.Module):
+    """Run `model` with every peft LoRA layer off (peft's `enable_adapters(False)`), restored on exit.
+
+    The adapters are injected with `peft.inject_adapter_in_model`, which leaves the transformers model
+    without the `disable_adapters()` of a PeftModel, so the layers are switched one by one."""
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    assert layers, "lora_disabled on a model without LoRA layers"
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
+def checkpoint_decoder_layers(hf_model: nn.Module, layers: nn.ModuleList) -> None:
+    """Recompute each decoder layer's activations in the backward pass (model.gradient_checkpointing).
+
+    transformers checkpoints a layer only while `layer.training` is set, so the layers' own flag is set
+    and nothing else: the model stays in eval mode (no dropout anywhere), so the rollout and the trainer
+    compute the same function. Without gradients (rollout, recompute) a layer runs as usual."""
+    hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for layer in layers:
+        layer.training = True

@@ -39,7 +39,13 @@ from transformers.processing_utils import ProcessorMixin
 from omnirl.config import Config
 from omnirl.distributed import DTYPES, load_pretrained
 from omnirl.models.base import Request
-from omnirl.models.lm import HiddenStatesLM, collate_prompts, sequence_logprobs
+from omnirl.models.lm import (
+    HiddenStatesLM,
+    checkpoint_decoder_layers,
+    collate_prompts,
+    lora_disabled,
+    sequence_logprobs,
+)
 
 # Request.inputs keys this adapter reads: one PIL image and one waveform (1-D float array, 16 kHz).
 INPUT_KEYS = ("image", "audio")
@@ -70,6 +76,8 @@ class _ProcessorWithoutVideo(Qwen3OmniMoeProcessor):
 
 class Qwen3OmniThinkerAdapter:
     """The `OmniModelBase` for Qwen3-Omni MoE checkpoints; trains the thinker (model.stage 'thinker')."""
+
+    kind = "omni"  # the trainer's ops for this adapter (omnirl.trainer.OPS)
 
     def __init__(self, cfg: Config, device: torch.device):
         if cfg.model.stage != "thinker":
@@ -139,7 +147,7 @@ class Qwen3OmniThinkerAdapter:
         else:
             thinker.requires_grad_(True)
         if cfg.model.gradient_checkpointing:
-            thinker.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            checkpoint_decoder_layers(thinker, thinker.model.language_model.layers)
         self.thinker = thinker  # the transformers model: config, generation, peft state
         self.model = HiddenStatesLM(thinker.model, thinker.lm_head).to(device)
         self.lm_head = self.model.lm_head
@@ -207,6 +215,11 @@ class Qwen3OmniThinkerAdapter:
         text = self.thinker.config.text_config
         dtype = self.thinker.model.language_model.embed_tokens.weight.dtype
         return 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * dtype.itemsize
+
+    def lora_disabled(self):
+        if not self.lora:
+            raise ValueError("the reference policy with the LoRA off needs model.finetune 'lora'")
+        return lora_disabled(self.model)
 
     def export_lora(self, out_dir: str | Path, state_dict: dict | None = None) -> None:
         """Write the thinker's LoRA as a peft adapter: `PeftModel.from_pretrained(thinker, out_dir)` loads it

@@ -57,6 +57,8 @@ def collate(rows: list[torch.Tensor], length: int) -> tuple[torch.Tensor, torch.
 class QwenImageAdapter:
     """The `DiffusionAdapter` for `QwenImagePipeline` checkpoints (Qwen/Qwen-Image)."""
 
+    kind = "diffusion"  # the trainer's ops for this adapter (omnirl.trainer.OPS)
+
     def __init__(self, cfg: Config, device: torch.device):
         path = cfg.model.path
         try:

@@ -86,6 +86,8 @@ class QwenImageEditAdapter:
     """The `DiffusionAdapter` for `QwenImageEditPipeline` checkpoints (Qwen/Qwen-Image-Edit). Every request
     carries its condition image (a PIL image) in `request.inputs["image"]`."""
 
+    kind = "diffusion"  # the trainer's ops for this adapter (omnirl.trainer.OPS)
+
     def __init__(self, cfg: Config, device: torch.device):
         path = cfg.model.path
         try:

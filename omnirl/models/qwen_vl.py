@@ -30,7 +30,13 @@ from transformers.processing_utils import ProcessorMixin
 from omnirl.config import Config
 from omnirl.distributed import DTYPES, load_pretrained
 from omnirl.models.base import Request
-from omnirl.models.lm import HiddenStatesLM, collate_prompts, sequence_logprobs
+from omnirl.models.lm import (
+    HiddenStatesLM,
+    checkpoint_decoder_layers,
+    collate_prompts,
+    lora_disabled,
+    sequence_logprobs,
+)
 
 FAMILIES = {
     "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
@@ -55,6 +61,8 @@ class _ProcessorWithoutVideo(Qwen2_5_VLProcessor):
 
 class QwenVLAdapter:
     """The `OmniModelBase` for Qwen2.5-VL and Qwen3-VL checkpoints."""
+
+    kind = "omni"  # the trainer's ops for this adapter (omnirl.trainer.OPS)
 
     def __init__(self, cfg: Config, device: torch.device):
         if cfg.model.stage != "thinker":
@@ -107,7 +115,7 @@ class QwenVLAdapter:
         else:
             hf_model.requires_grad_(True)
         if cfg.model.gradient_checkpointing:
-            hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            checkpoint_decoder_layers(hf_model, hf_model.model.language_model.layers)
         self.hf_model = hf_model  # the transformers model: config, generation, peft state
         self.model = HiddenStatesLM(hf_model.model, hf_model.lm_head).to(device)
         self.lm_head = self.model.lm_head
@@ -169,6 +177,11 @@ class QwenVLAdapter:
         layers = self.hf_model.model.language_model.layers
         k_proj = layers[0].self_attn.k_proj  # out_features = kv heads x head_dim
         return 2 * len(layers) * k_proj.out_features * k_proj.weight.dtype.itemsize
+
+    def lora_disabled(self):
+        if not self.lora:
+            raise ValueError("the reference policy with the LoRA off needs model.finetune 'lora'")
+        return lora_disabled(self.model)
 
     def export_lora(self, out_dir: str | Path, state_dict: dict | None = None) -> None:
         """Write the LoRA as a peft adapter: `PeftModel.from_pretrained(model, out_dir)` loads it onto the

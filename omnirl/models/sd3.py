@@ -35,6 +35,8 @@ T5_MAX_SEQUENCE_LENGTH = 256
 class SD3Adapter:
     """The `DiffusionAdapter` for `StableDiffusion3Pipeline` checkpoints (SD3 medium, SD3.5 medium/large)."""
 
+    kind = "diffusion"  # the trainer's ops for this adapter (omnirl.trainer.OPS)
+
     def __init__(self, cfg: Config, device: torch.device):
         path = cfg.model.path
         try:

@@ -386,6 +386,13 @@ def make_tiny_qwen_image_edit(out_dir: str | Path) -> Path:
     return out_dir
 
 
+def _make_tiny_qwen3_omni_k12(out_dir: str | Path) -> Path:
+    """The tiny Qwen3-Omni taught the MMK12 answer format (omnirl.models.tiny_k12), for yaml/mmk12_tiny."""
+    from omnirl.models.tiny_k12 import make_tiny_qwen3_omni_k12
+
+    return make_tiny_qwen3_omni_k12(out_dir)
+
+
 TINY_MODELS = {
     "sd3": make_tiny_sd3,
     "qwen_image": make_tiny_qwen_image,
@@ -393,4 +400,5 @@ TINY_MODELS = {
     "qwen3_omni": make_tiny_qwen3_omni,
     "qwen2_5_vl": make_tiny_qwen_vl,
     "qwen3_vl": lambda out_dir: make_tiny_qwen_vl(out_dir, "qwen3_vl"),
+    "qwen3_omni_k12": _make_tiny_qwen3_omni_k12,
 }

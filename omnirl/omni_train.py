@@ -1,0 +1,287 @@
+"""The omni half of an RL step: text-output models (`OmniModelBase` adapters) with token-level losses.
+
+- Rollout: the native `GenerationEngine` on the actor's own module, one request per (prompt, sample);
+  each response is scored by the reward pool as soon as it finishes, the decoded text standing where a
+  diffusion model's image would (the Reward protocol), with the data row's metadata (answer, choices).
+- Update: a training row is one response (`TokenRow`). The trainer re-scores its tokens with the adapter's
+  `token_logprobs` on the exact prompt tensors the rollout prepared (`OmniTrajectory.prompt_inputs`), and
+  a token loss of `omnirl.algos.losses` (grpo, gspo) runs over the [B, T] response tokens of a
+  micro-batch. The old log-probs are the rollout's (old_logprob rollout, the bypass mode) or recomputed
+  before the first optimizer step (recompute), with the rollout correction of `omnirl.algos.correction`
+  then weighting each token. KL (kl_beta > 0) is to the same model with its LoRA off.
+- Every update logs the actor-vs-rollout consistency (`correction.consistency_metrics`), measured on the
+  first forward of the unchanged policy: the recompute pass, or in bypass mode the first mini-batch.
+
+Micro-batches hold at most optim.micro_batch_size responses and optim.micro_batch_tokens padded tokens;
+`omnirl.step.update` runs them, the same number on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from omnirl import distributed as D
+from omnirl.algos.correction import consistency_metrics, correction_weights
+from omnirl.algos.losses import get_loss
+from omnirl.config import Config, ConfigError
+from omnirl.data.edit import open_inputs
+from omnirl.data.prompts import PromptRow
+from omnirl.metrics import MetricsLogger
+from omnirl.models.base import GenerationParams, OmniModelBase, OmniTrajectory, Request, derive_seed
+from omnirl.rewards.pool import RewardPool
+from omnirl.rollout.generate import GenerationEngine
+from omnirl.step import equalise, make_requests
+
+TOKEN_LOSSES = ("grpo", "gspo")
+
+
+def generation_params(cfg: Config, tokenizer) -> GenerationParams:
+    """The training rollout's sampling settings (cfg.generation), the stop strings as token ids."""
+    g = cfg.generation
+    stop = []
+    for text in g.stop:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ConfigError(
+                f"generation.stop {text!r} is {len(ids)} tokens of the model's tokenizer; a stop string must "
+                "be exactly one token (e.g. '<|im_end|>')"
+            )
+        stop.append(ids[0])
+    return GenerationParams(
+        max_new_tokens=g.max_new_tokens,
+        temperature=g.temperature,
+        top_p=g.top_p,
+        top_k=g.top_k,
+        stop_token_ids=tuple(stop),
+    )
+
+
+def rollout_and_score(
+    engine: GenerationEngine, rewards: RewardPool, requests: list[Request]
+) -> tuple[list[OmniTrajectory], dict[str, np.ndarray]]:
+    """Generate and score: each response goes to the reward pool as it finishes, while the others are
+    still generating. Sets `reward` on every trajectory; returns them in request order with the per-reward
+    scores (in finishing order, which is all the logged means need)."""
+    scored = []
+
+    def submit(t: OmniTrajectory) -> None:
+        scored.append((t, rewards.submit([t.text], [t.request.prompt], [t.request.metadata])))
+
+    trajs = engine.generate(requests, on_finish=submit)
+    per: dict[str, list[np.ndarray]] = {}
+    for t, pending in scored:
+        result = rewards.result(pending)
+        t.reward = float(result.total[0])
+        for k, v in result.per_reward.items():
+            per.setdefault(k, []).append(v)
+    return trajs, {k: np.concatenate(v) for k, v in per.items()}
+
+
+@dataclass
+class TokenRow:
+    """One response of the update."""
+
+    traj: OmniTrajectory
+    weight: float  # 1 for real rows, 0 for the padding rows of short ranks
+    old: torch.Tensor | None = None  # [T] behaviour log-probs recomputed by the trainer (recompute)
+    is_weight: torch.Tensor | None = None  # [T] rollout-correction weights (recompute with tis / mis)
+
+
+def _padded(values: list[torch.Tensor], length: int, device: torch.device) -> torch.Tensor:
+    """Per-row [T_i] tensors -> [B, length] float32, right-padded with 0."""
+    out = torch.zeros(len(values), length)
+    for b, v in enumerate(values):
+        out[b, : len(v)] = v
+    return out.to(device)
+
+
+class OmniOps:
+    """The omni half of an RL step (see the module docstring); `omnirl.trainer.train` runs it."""
+
+    def __init__(self, cfg: Config, adapter: OmniModelBase):
+        self.cfg, self.adapter = cfg, adapter
+        self.module: nn.Module = adapter.model
+        self.ref_model = None  # a LoRA's reference policy is the same model with the LoRA off
+        self.loss_fn = get_loss(cfg.algo.loss)
+        self.params = generation_params(cfg, adapter.tokenizer)
+        self.engine = GenerationEngine(adapter, cfg.rollout.max_num_seqs, cfg.generation.kv_cache_gib)
+        self.correct = cfg.algo.old_logprob == "recompute" and cfg.algo.correction != "none"
+        self._measured: dict[str, float] | None = None  # consistency of this update, once measured
+        self._actor: list[torch.Tensor] = []  # bypass mode: the first mini-batch's token log-probs
+        self._rollout: list[torch.Tensor] = []
+
+    @staticmethod
+    def check_config(cfg: Config) -> None:
+        """Settings this kind cannot run, found before the model loads."""
+        a = cfg.algo
+        if a.loss not in TOKEN_LOSSES:
+            raise ConfigError(f"algo.loss {a.loss!r}: omni models train with a token loss ({TOKEN_LOSSES})")
+        if a.kl_beta > 0 and cfg.model.finetune == "full":
+            raise ConfigError(
+                "algo.kl_beta > 0 with model.finetune full: omni models take the KL to the same model with "
+                "the LoRA off; a frozen reference copy for full fine-tuning is not implemented"
+            )
+        if cfg.optim.micro_batch_tokens < 0:
+            raise ConfigError(f"optim.micro_batch_tokens must be >= 0, got {cfg.optim.micro_batch_tokens}")
+        if a.correction != "none" and a.old_logprob == "rollout":
+            D.print0(
+                f"warning: algo.correction {a.correction!r} is ignored with algo.old_logprob rollout (the "
+                "bypass mode has no recomputed log-probs to correct)"
+            )
+
+    def offload_modules(self) -> list[nn.Module]:
+        return []  # the encoders run in training too: the trainer re-scores responses on the images
+
+    def requests(self, rows: list[PromptRow], step: int, dist: D.DistInfo) -> list[Request]:
+        return make_requests(self.cfg, rows, step, dist, self.params)[0]
+
+    def rollout_and_score(self, rewards: RewardPool, requests: list[Request]):
+        return rollout_and_score(self.engine, rewards, requests)
+
+    def update_rows(self, trajs: list[OmniTrajectory], keep: torch.Tensor, gen: torch.Generator):
+        rows = [TokenRow(t, 1.0) for t, kept in zip(trajs, keep.tolist()) if kept]
+        return [rows[i] for i in torch.randperm(len(rows), generator=gen).tolist()]
+
+    def count(self, rows: list[TokenRow]) -> float:
+        """Real response tokens (token_mean) or responses (seq_mean, dr_grpo): losses.grpo_loss."""
+        if self.cfg.algo.aggregation == "token_mean":
+            return float(sum(len(r.traj.response_ids) for r in rows))
+        return float(len(rows))
+
+    def micro_batches(self, rows: list[TokenRow], pad_traj: OmniTrajectory) -> list[list[TokenRow]]:
+        """Consecutive rows while they fit optim.micro_batch_size rows and optim.micro_batch_tokens padded
+        tokens (rows x (longest prompt + longest response); a longer row runs alone), as many on every
+        rank."""
+        size, budget = self.cfg.optim.micro_batch_size, self.cfg.optim.micro_batch_tokens
+        out: list[list[TokenRow]] = []
+        current: list[TokenRow] = []
+        for row in rows:
+            grown = [*current, row]
+            padded = len(grown) * (
+                max(len(r.traj.prompt_ids) for r in grown) + max(len(r.traj.response_ids) for r in grown)
+            )
+            if current and (len(grown) > size or 0 < budget < padded):
+                out.append(current)
+                grown = [row]
+            current = grown
+        if current:
+            out.append(current)
+        return equalise(out, TokenRow(pad_traj, 0.0))
+
+    def _inputs(self, mb: list[TokenRow]):
+        """(collated prompts, sequences [B, T], response mask [B, T] bool, rollout log-probs [B, T]) on the
+        device; responses right-padded to the longest."""
+        device = self.engine.device
+        trajs = [r.traj for r in mb]
+        batch = {k: v.to(device) for k, v in self.adapter.collate([t.prompt_inputs() for t in trajs]).items()}
+        length = max(len(t.response_ids) for t in trajs)
+        seqs = torch.full((len(mb), length), self.adapter.pad_token_id)  # [B, T]
+        mask = torch.zeros(len(mb), length, dtype=torch.bool)  # [B, T]
+        for b, t in enumerate(trajs):
+            seqs[b, : len(t.response_ids)] = t.response_ids
+            mask[b, : len(t.response_ids)] = True
+        rollout = _padded([t.logprobs for t in trajs], length, device)  # [B, T]
+        return batch, seqs.to(device), mask.to(device), rollout
+
+    def recompute_old(self, rows: list[TokenRow], pad_traj: OmniTrajectory) -> dict[str, float]:
+        """The behaviour policy's log-probs of every response, in the micro-batches of the update; the
+        consistency with the rollout's, and (tis / mis) the correction weights, from the same numbers."""
+        a = self.cfg.algo
+        sums = dict.fromkeys(["correction/weight_sum", "correction/clip_count", "correction/count"], 0.0)
+        actor, rollout_all = [], []
+        for mb in self.micro_batches(rows, pad_traj):
+            batch, seqs, mask, rollout = self._inputs(mb)
+            lp = self.adapter.token_logprobs(batch, seqs, mask, self.params.temperature)  # [B, T]
+            real = [b for b, r in enumerate(mb) if r.weight > 0]
+            for b in real:
+                mb[b].old = lp[b, : len(mb[b].traj.response_ids)].cpu()
+            lp, rollout, mask = lp[real], rollout[real], mask[real]
+            actor.append(lp[mask])
+            rollout_all.append(rollout[mask])
+            if self.correct:
+                weights, m = correction_weights(
+                    lp, rollout, mask, a.correction, a.correction_level, a.correction_threshold
+                )
+                for b, w in zip(real, weights):
+                    mb[b].is_weight = w[: len(mb[b].traj.response_ids)].cpu()
+                for k, v in m.items():
+                    sums[k] += v
+        self._measured = self._consistency(actor, rollout_all)
+        return sums if self.correct else {}
+
+    def loss(self, mb: list[TokenRow], normaliser: float, measure: bool) -> tuple[torch.Tensor, dict]:
+        a = self.cfg.algo
+        batch, seqs, mask, rollout = self._inputs(mb)
+        device, length = seqs.device, seqs.shape[1]
+        logprob = self.adapter.token_logprobs(batch, seqs, mask, self.params.temperature)  # [B, T]
+        # Padding rows (weight 0) of a recompute run have no old log-probs: the rollout's stand in.
+        old = _padded([r.traj.logprobs if r.old is None else r.old for r in mb], length, device)
+        adv = torch.tensor([r.traj.advantage for r in mb], device=device)
+        w = torch.tensor([r.weight for r in mb], device=device)
+        ref = None
+        if a.kl_beta > 0:
+            with torch.no_grad(), self.adapter.lora_disabled():
+                ref = self.adapter.token_logprobs(batch, seqs, mask, self.params.temperature)
+        is_weight = None
+        if self.correct:
+            empty = torch.zeros(length)
+            is_weight = _padded([empty if r.is_weight is None else r.is_weight for r in mb], length, device)
+        if measure and a.old_logprob == "rollout":
+            real = w > 0
+            self._actor.append(logprob.detach()[real][mask[real]])
+            self._rollout.append(rollout[real][mask[real]])
+        return self.loss_fn(
+            logprob,
+            old,
+            adv,
+            mask,
+            w,
+            a.clip_range,
+            a.clip_range if a.clip_range_high is None else a.clip_range_high,
+            a.aggregation,
+            normaliser,
+            max_length=self.cfg.generation.max_new_tokens if a.aggregation == "dr_grpo" else 0,
+            ref_logprob=ref,
+            kl_beta=a.kl_beta,
+            is_weight=is_weight,
+        )
+
+    def _consistency(self, actor: list[torch.Tensor], rollout: list[torch.Tensor]) -> dict[str, float]:
+        empty = torch.zeros(0, device=self.engine.device)
+        actor_t, rollout_t = torch.cat([empty, *actor]), torch.cat([empty, *rollout])
+        return consistency_metrics(actor_t, rollout_t, torch.ones_like(actor_t, dtype=torch.bool))
+
+    def measured(self) -> dict[str, float]:
+        if self._measured is None:  # bypass mode: what the first mini-batch collected (maybe nothing)
+            self._measured = self._consistency(self._actor, self._rollout)
+        out = self._measured
+        self._measured, self._actor, self._rollout = None, [], []
+        return out
+
+    def validate(self, rewards: RewardPool, rows: list[PromptRow], dist: D.DistInfo) -> dict[str, float]:
+        """validation.num_samples responses per prompt at validation.temperature / top_p (generation.*
+        otherwise); rows are dealt to ranks round-robin, seeds from the global (row, sample) index."""
+        cfg = self.cfg
+        n = cfg.validation.num_samples
+        params = dataclasses.replace(
+            self.params, temperature=cfg.validation.temperature, top_p=cfg.validation.top_p
+        )
+        requests = []
+        for i in range(dist.rank, len(rows), dist.world_size):
+            inputs = open_inputs(rows[i].inputs)
+            for j in range(n):
+                index = i * n + j
+                seed = derive_seed(cfg.run.seed, -1, index)
+                requests.append(Request(rows[i].prompt, i, index, seed, params, "", rows[i].metadata, inputs))
+        trajs, _ = rollout_and_score(self.engine, rewards, requests)
+        t = D.all_reduce(torch.tensor([sum(x.reward for x in trajs), float(len(trajs))], dtype=torch.float64))
+        return {"val/reward": (t[0] / t[1]).item()}
+
+    def log_samples(self, logger: MetricsLogger, step: int, trajs: list[OmniTrajectory]) -> None:
+        texts = [f"request {t.request.index}, reward {t.reward:.4f}: {t.text}" for t in trajs[:8]]
+        logger.log_texts(step, "samples", texts)

@@ -1,0 +1,225 @@
+"""The parts of an RL step that diffusion and omni models share: one copy, used by both kinds.
+
+- `make_requests`: this rank's requests of a step, seeds from (seed, step, global request index).
+- `update`: the policy update over the rows that a kind's ops object builds (`trainer.DiffusionOps`: one
+  row per (sample, trained denoising step); `omni_train.OmniOps`: one row per response). The loop is the
+  same for both: mini-batches, micro-batches of the same (all-reduced) number on every rank with
+  zero-weight padding rows, losses divided by the global (all-reduced) count, gradient sync and clipping,
+  the non-finite guard, and the reduction of the metrics over ranks (DESIGN.md section 4).
+- `reward_stats`: the global mean of each named reward.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from omnirl import distributed as D
+from omnirl.config import Config, ConfigError
+from omnirl.data.edit import open_inputs
+from omnirl.data.prompts import PromptRow, step_prompt_indices
+from omnirl.models.base import GenerationParams, Request, SamplingParams, derive_seed
+
+
+def make_requests(
+    cfg: Config,
+    rows: list[PromptRow],
+    step: int,
+    dist: D.DistInfo,
+    params: SamplingParams | GenerationParams,
+    negative_prompt: str = "",
+) -> tuple[list[Request], list[PromptRow]]:
+    """This rank's requests of a step: a contiguous share of the step's prompts, `group_size` each.
+
+    The global request index (and so the seed) depends only on the step and the prompt's position in
+    the step, never on the rank: a run on another number of ranks draws the same samples.
+    """
+    per_step, group = cfg.rollout.prompts_per_step, cfg.rollout.group_size
+    if per_step % dist.world_size:
+        raise ConfigError(
+            f"rollout.prompts_per_step ({per_step}) must divide by the number of ranks ({dist.world_size})"
+        )
+    share = per_step // dist.world_size
+    indices = step_prompt_indices(len(rows), step, per_step, cfg.run.seed)
+    requests, req_rows = [], []
+    for pos in range(dist.rank * share, (dist.rank + 1) * share):
+        row = rows[indices[pos]]
+        inputs = open_inputs(row.inputs)  # read once per step: the group's requests share its images
+        for j in range(group):
+            index = pos * group + j
+            requests.append(
+                Request(
+                    prompt=row.prompt,
+                    group_id=pos,
+                    index=index,
+                    seed=derive_seed(cfg.run.seed, step, index),
+                    params=params,
+                    negative_prompt=negative_prompt,
+                    metadata=row.metadata,
+                    inputs=inputs,
+                )
+            )
+            req_rows.append(row)
+    return requests, req_rows
+
+
+class UpdateOps(Protocol):
+    """What `update` needs from a kind of model. A row is whatever the kind trains on (it has a `weight`:
+    1 for real rows, 0 for padding rows)."""
+
+    module: nn.Module  # the trained module (the FSDP root)
+
+    def update_rows(self, trajs: list, keep: torch.Tensor, gen: torch.Generator) -> list:
+        """This rank's rows of the kept samples, shuffled with `gen`."""
+
+    def recompute_old(self, rows: list, pad_traj: Any) -> dict[str, float]:
+        """Record the behaviour policy's log-probs on every row (old_logprob recompute), under no_grad,
+        in `micro_batches`; returns metric sums."""
+
+    def count(self, rows: list) -> float:
+        """This rank's share of the loss normaliser of a mini-batch (pairs, tokens or responses)."""
+
+    def micro_batches(self, rows: list, pad_traj: Any) -> list[list]:
+        """The micro-batches of `rows`, as many on every rank (`equalise`, padding rows from `pad_traj`)."""
+
+    def loss(self, micro_batch: list, normaliser: float, measure: bool) -> tuple[torch.Tensor, dict]:
+        """Forward and loss of one micro-batch; `measure` is True for the first mini-batch of the update
+        (the policy the rollout sampled from, before any optimizer step)."""
+
+    def measured(self) -> dict[str, float]:
+        """Global metrics of the update that are not sums (e.g. actor-rollout consistency). Collective:
+        every rank calls it once per update."""
+
+
+def equalise(micro_batches: list[list], pad_row: Any) -> list[list]:
+    """Every rank runs the same (all-reduced max) number of micro-batches, short ranks padding with
+    one-row micro-batches of `pad_row` (weight 0), so FSDP collectives line up and no rank's gradient is
+    biased."""
+    n = torch.tensor([len(micro_batches)])
+    D.all_reduce(n, op=torch.distributed.ReduceOp.MAX)
+    return micro_batches + [[pad_row] for _ in range(int(n) - len(micro_batches))]
+
+
+def update(cfg: Config, ops: UpdateOps, optimizer, trajs: list, keep: torch.Tensor, step: int) -> dict:
+    """One RL step's policy update over this rank's samples; returns the logged (global) metrics.
+
+    `keep` [N] bool marks the samples of groups with reward spread. Losses are divided by the global count
+    of the mini-batch (`ops.count` all-reduced), so the gradients summed over micro-batches and ranks are
+    the mini-batch mean."""
+    gen = torch.Generator().manual_seed(derive_seed(cfg.run.seed, step, -1))
+    # Every rank must hold the same keys: reduce_metrics all-reduces them as one tensor.
+    sums: dict[str, float] = {"train/skipped_nonfinite": 0.0}
+    rows_all = ops.update_rows(trajs, keep, gen)
+    if cfg.algo.old_logprob == "recompute":
+        with torch.no_grad():
+            sums.update(ops.recompute_old(rows_all, trajs[0]))
+    first = True
+    for _ in range(cfg.optim.epochs):
+        for chunk in np.array_split(np.arange(len(rows_all)), cfg.optim.mini_batches):
+            rows = [rows_all[i] for i in chunk]
+            measure, first = first, False
+            total = D.all_reduce(torch.tensor([float(ops.count(rows))], dtype=torch.float64))
+            if total.item() == 0:
+                continue  # no rank kept anything: nothing to learn from this mini-batch
+            optimizer.zero_grad(set_to_none=True)
+            mb_sums: dict[str, float] = {}
+            finite_loss = True
+            for mb in ops.micro_batches(rows, trajs[0]):
+                loss, m = ops.loss(mb, total.item(), measure)
+                loss.backward()
+                finite_loss &= bool(torch.isfinite(loss.detach()))
+                for k, v in m.items():
+                    mb_sums[k] = mb_sums.get(k, 0.0) + float(v)
+            sync_grads(cfg, ops.module)
+            grad_norm = clip_grads(cfg, ops.module)
+            if skip_nonfinite(cfg, step, finite_loss, grad_norm):
+                optimizer.zero_grad(set_to_none=True)
+                sums["train/skipped_nonfinite"] += 1
+                continue
+            optimizer.step()
+            for k, v in mb_sums.items():  # a skipped update's (non-finite) loss metrics are not logged
+                sums[k] = sums.get(k, 0.0) + v
+            sums["train/grad_norm_sum"] = sums.get("train/grad_norm_sum", 0.0) + grad_norm
+            sums["train/updates"] = sums.get("train/updates", 0.0) + 1
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    return {**summarise(reduce_metrics(sums), world), **ops.measured()}
+
+
+def sync_grads(cfg: Config, model: nn.Module) -> None:
+    """Without FSDP on several ranks, sum the (already globally normalised) gradients by hand."""
+    if cfg.distributed.fsdp or not torch.distributed.is_initialized():
+        return
+    for p in model.parameters():
+        if p.requires_grad and p.grad is not None:
+            D.all_reduce(p.grad)
+
+
+class NonFiniteError(RuntimeError):
+    """A non-finite loss or gradient norm with train.on_nonfinite 'stop'; the message names the step."""
+
+
+def skip_nonfinite(cfg: Config, step: int, finite_loss: bool, grad_norm: float) -> bool:
+    """Whether this optimizer step must be skipped because some rank saw a non-finite loss or gradient
+    norm. The verdict is all-reduced so that every rank skips (or stops) together: a rank stepping
+    alone would desynchronise the replicas, or hang FSDP in the next collective."""
+    bad = torch.tensor([float(not finite_loss), float(not math.isfinite(grad_norm))])
+    bad_loss, bad_grad = D.all_reduce(bad, op=torch.distributed.ReduceOp.MAX).tolist()
+    if not (bad_loss or bad_grad):
+        return False
+    what = " and ".join(w for w, b in (("loss", bad_loss), ("gradient norm", bad_grad)) if b)
+    msg = f"step {step}: non-finite {what} (on at least one rank; this rank's grad norm {grad_norm})"
+    if cfg.train.on_nonfinite == "stop":
+        raise NonFiniteError(f"{msg}; the weights were not updated (train.on_nonfinite: stop)")
+    D.print0(f"warning: {msg}; the update is skipped (train.on_nonfinite: skip)")
+    return True
+
+
+def clip_grads(cfg: Config, model: nn.Module) -> float:
+    params = [p for p in model.parameters() if p.requires_grad]
+    max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if isinstance(norm, DTensor):  # FSDP2 parameters give a DTensor norm
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def reduce_metrics(sums: dict[str, float]) -> dict[str, float]:
+    keys = sorted(sums)
+    t = D.all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
+    return dict(zip(keys, t.tolist()))
+
+
+def summarise(sums: dict[str, float], world_size: int) -> dict[str, float]:
+    """Turn all-reduced sums into the means that are logged."""
+    out = {}
+    count = sums.get("loss/count", 0.0)
+    if count:
+        out["loss/policy"] = sums["loss/policy_sum"] / count
+        out["loss/clip_frac"] = sums["loss/clip_count"] / count
+        out["loss/ratio"] = sums["loss/ratio_sum"] / count
+        out["loss/approx_kl"] = sums["loss/approx_kl_sum"] / count
+        out["loss/kl"] = sums.get("loss/kl_sum", 0.0) / count
+    corrected = sums.get("correction/count", 0.0)
+    if corrected:
+        out["correction/weight_mean"] = sums["correction/weight_sum"] / corrected
+        out["correction/clip_frac"] = sums["correction/clip_count"] / corrected
+    updates = sums.get("train/updates", 0.0)
+    if updates:
+        out["train/grad_norm"] = sums["train/grad_norm_sum"] / updates
+        out["train/updates"] = updates / world_size
+    out["train/skipped_nonfinite"] = sums["train/skipped_nonfinite"] / world_size
+    return out
+
+
+def reward_stats(per: dict[str, np.ndarray]) -> dict[str, float]:
+    """Global mean of each named reward (the weighted total's mean and std come with the advantages)."""
+    keys = sorted(per)
+    t = D.all_reduce(
+        torch.tensor([float(per[k].sum()) for k in keys] + [float(len(per[keys[0]]))], dtype=torch.float64)
+    )
+    return {f"reward/{k}": t[i].item() / t[-1].item() for i, k in enumerate(keys)}
