@@ -22,7 +22,10 @@ offers no log-prob of given tokens; TRL / verl do this inside their trainers.
 from __future__ import annotations
 
 import contextlib
+import copy
+import re
 
+import peft
 import torch
 import torch.nn.functional as F
 from peft.tuners.tuners_utils import BaseTunerLayer
@@ -179,3 +182,49 @@ def checkpoint_decoder_layers(hf_model: nn.Module, layers: nn.ModuleList) -> Non
     hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for layer in layers:
         layer.training = True
+
+
+def make_trainable_lm(model: nn.Module, cfg, path: str) -> peft.LoraConfig | None:
+    """A transformers multimodal LM made trainable per `cfg` (shared by the omni adapters): a LoRA on the
+    language model's decoder layers (base frozen, adapter in float32 even over a bf16 base, since the
+    optimizer updates it) or every weight; then gradient checkpointing of the decoder layers. Returns the
+    LoRA config (what the peft export writes), or None for a full fine-tune."""
+    lora_config = None
+    if cfg.model.finetune == "lora":
+        model.requires_grad_(False)
+        # peft's in-place injection: the model keeps its class (transformers' own add_adapter would do the
+        # same but demands a newer peft than the one pinned here).
+        lora_config = peft.LoraConfig(
+            r=cfg.lora.rank,
+            lora_alpha=cfg.lora.alpha,
+            target_modules=decoder_lora_targets(model, cfg.lora.target_modules),
+            init_lora_weights=True if cfg.lora.init == "default" else "gaussian",
+            lora_dropout=cfg.lora.dropout,
+            base_model_name_or_path=path,
+        )
+        # A copy: peft rewrites target_modules in place (it condenses long lists into suffixes); the
+        # exported adapter_config.json keeps the exact module names.
+        peft.inject_adapter_in_model(copy.deepcopy(lora_config), model)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+    else:
+        model.requires_grad_(True)
+    if cfg.model.gradient_checkpointing:
+        checkpoint_decoder_layers(model, model.model.language_model.layers)
+    return lora_config
+
+
+def decoder_lora_targets(model: nn.Module, names: list[str]) -> list[str]:
+    """The full names of the modules in the language model's decoder layers whose names end with one of
+    `names`. Full names, not a regex: peft (0.21) turns a regex target of a transformers-v5 MoE model into
+    bare suffixes (q_proj, ...) and would then also adapt the audio / vision encoders' projections."""
+    suffixes = "|".join(re.escape(n) for n in names)
+    regex = rf"model\.language_model\.layers\.\d+\.(?:.*\.)?(?:{suffixes})"
+    targets = [n for n, _ in model.named_modules() if re.fullmatch(regex, n)]
+    if not targets:
+        raise ValueError(
+            f"lora.target_modules {names} match no module of the language model's decoder layers "
+            "(Qwen attention: q_proj, k_proj, v_proj, o_proj)"
+        )
+    return targets

@@ -18,7 +18,6 @@ adds is what RL needs around them:
 
 from __future__ import annotations
 
-import copy
 import re
 from pathlib import Path
 
@@ -41,9 +40,9 @@ from omnirl.distributed import DTYPES, load_pretrained
 from omnirl.models.base import Request
 from omnirl.models.lm import (
     HiddenStatesLM,
-    checkpoint_decoder_layers,
     collate_prompts,
     lora_disabled,
+    make_trainable_lm,
     sequence_logprobs,
 )
 
@@ -126,28 +125,7 @@ class Qwen3OmniThinkerAdapter:
             key_mapping=key_mapping,
             dtype=dtype,
         )
-        if self.lora:
-            thinker.requires_grad_(False)
-            # peft's in-place injection: the model keeps its class (transformers' own add_adapter would do
-            # the same but demands a newer peft than the one pinned here).
-            self.lora_config = peft.LoraConfig(
-                r=cfg.lora.rank,
-                lora_alpha=cfg.lora.alpha,
-                target_modules=_lora_targets(thinker, cfg.lora.target_modules),
-                init_lora_weights=True if cfg.lora.init == "default" else "gaussian",
-                lora_dropout=cfg.lora.dropout,
-                base_model_name_or_path=path,
-            )
-            # A copy: peft rewrites target_modules in place (it condenses long lists into suffixes); the
-            # exported adapter_config.json keeps the exact module names.
-            peft.inject_adapter_in_model(copy.deepcopy(self.lora_config), thinker)
-            for p in thinker.parameters():
-                if p.requires_grad:  # the optimizer updates the adapter in float32 even over a bf16 base
-                    p.data = p.data.float()
-        else:
-            thinker.requires_grad_(True)
-        if cfg.model.gradient_checkpointing:
-            checkpoint_decoder_layers(thinker, thinker.model.language_model.layers)
+        self.lora_config = make_trainable_lm(thinker, cfg, path)
         self.thinker = thinker  # the transformers model: config, generation, peft state
         self.model = HiddenStatesLM(thinker.model, thinker.lm_head).to(device)
         self.lm_head = self.model.lm_head
@@ -242,20 +220,3 @@ class Qwen3OmniThinkerAdapter:
         self.lora_config.save_pretrained(out_dir)
         tensors = {f"base_model.model.{k}": v.detach().cpu().contiguous() for k, v in layers.items()}
         save_file(tensors, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})
-
-
-def _lora_targets(thinker: nn.Module, names: list[str]) -> list[str]:
-    """The full names of the modules in the thinker's decoder layers whose names end with one of `names`.
-
-    Full names, not a regex: peft (0.21) turns a regex target of a transformers-v5 MoE model into bare
-    suffixes (q_proj, ...) and would then also adapt the audio encoder's projections.
-    """
-    suffixes = "|".join(re.escape(n) for n in names)
-    regex = rf"model\.language_model\.layers\.\d+\.(?:.*\.)?(?:{suffixes})"
-    targets = [n for n, _ in thinker.named_modules() if re.fullmatch(regex, n)]
-    if not targets:
-        raise ValueError(
-            f"lora.target_modules {names} match no module of the thinker's decoder layers "
-            "(Qwen3-Omni attention: q_proj, k_proj, v_proj, o_proj)"
-        )
-    return targets

@@ -10,7 +10,6 @@ language model conditioned on the image: model.stage 'thinker'.
 
 from __future__ import annotations
 
-import copy
 import re
 from pathlib import Path
 
@@ -32,9 +31,9 @@ from omnirl.distributed import DTYPES, load_pretrained
 from omnirl.models.base import Request
 from omnirl.models.lm import (
     HiddenStatesLM,
-    checkpoint_decoder_layers,
     collate_prompts,
     lora_disabled,
+    make_trainable_lm,
     sequence_logprobs,
 )
 
@@ -95,27 +94,7 @@ class QwenVLAdapter:
         self.lora = cfg.model.finetune == "lora"
         dtype = DTYPES[cfg.model.dtype] if self.lora else torch.float32
         hf_model = load_pretrained(FAMILIES[config.model_type], path, dtype=dtype)
-        if self.lora:
-            hf_model.requires_grad_(False)
-            # peft's in-place injection keeps the model's class (transformers' add_adapter wants newer peft).
-            self.lora_config = peft.LoraConfig(
-                r=cfg.lora.rank,
-                lora_alpha=cfg.lora.alpha,
-                target_modules=_lora_targets(hf_model, cfg.lora.target_modules),
-                init_lora_weights=True if cfg.lora.init == "default" else "gaussian",
-                lora_dropout=cfg.lora.dropout,
-                base_model_name_or_path=path,
-            )
-            # A copy: peft rewrites target_modules in place (it condenses long lists into suffixes); the
-            # exported adapter_config.json keeps the exact module names.
-            peft.inject_adapter_in_model(copy.deepcopy(self.lora_config), hf_model)
-            for p in hf_model.parameters():
-                if p.requires_grad:  # the optimizer updates the adapter in float32 even over a bf16 base
-                    p.data = p.data.float()
-        else:
-            hf_model.requires_grad_(True)
-        if cfg.model.gradient_checkpointing:
-            checkpoint_decoder_layers(hf_model, hf_model.model.language_model.layers)
+        self.lora_config = make_trainable_lm(hf_model, cfg, path)
         self.hf_model = hf_model  # the transformers model: config, generation, peft state
         self.model = HiddenStatesLM(hf_model.model, hf_model.lm_head).to(device)
         self.lm_head = self.model.lm_head
@@ -197,17 +176,3 @@ class QwenVLAdapter:
         self.lora_config.save_pretrained(out_dir)
         tensors = {f"base_model.model.{k}": v.detach().cpu().contiguous() for k, v in layers.items()}
         save_file(tensors, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})
-
-
-def _lora_targets(model: nn.Module, names: list[str]) -> list[str]:
-    """The full names of the language model's decoder-layer modules whose names end with one of `names`
-    (full names, not a regex, as in qwen3_omni.py: peft rewrites regex targets of some models)."""
-    suffixes = "|".join(re.escape(n) for n in names)
-    regex = rf"model\.language_model\.layers\.\d+\.(?:.*\.)?(?:{suffixes})"
-    targets = [n for n, _ in model.named_modules() if re.fullmatch(regex, n)]
-    if not targets:
-        raise ValueError(
-            f"lora.target_modules {names} match no module of the language model's decoder layers "
-            "(Qwen VL attention: q_proj, k_proj, v_proj, o_proj)"
-        )
-    return targets
