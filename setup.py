@@ -23,7 +23,7 @@ setup(
     ],
     extras_require={
         "ocr": ["rapidocr>=3.4", "onnxruntime>=1.18"],
-        "math": ["math-verify>=0.7"],
+        "math": ["math-verify>=0.7", "pyarrow>=15"],  # the MMK12 reward and parquet data
         "test": [
             "pytest>=8",
             "ruff>=0.6",

@@ -4,6 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_env.sh
-python scripts/make_tiny_models.py --out tiny_models
+python scripts/make_tiny_models.py --out tiny_models --only sd3
 torchrun --nproc_per_node 2 --master_port "${MASTER_PORT:-29517}" scripts/train.py --recipe sd3_tiny_flowgrpo "$@"
 python scripts/summarize_run.py outputs/sd3_tiny_flowgrpo/metrics.jsonl

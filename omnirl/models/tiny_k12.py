@@ -24,7 +24,7 @@ import torch
 
 from omnirl.config import REPO_ROOT, Config
 
-K12_DATA = REPO_ROOT / "data" / "mmk12_tiny" / "train.parquet"
+K12_DATA = REPO_ROOT / "data" / "mmk12_tiny" / "train.jsonl"  # JSONL: building needs no pyarrow
 STEPS, BATCH, LR = 100, 8, 3e-3
 
 
