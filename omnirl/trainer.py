@@ -199,19 +199,20 @@ class DiffusionOps:
     def validate(self, rewards: RewardPool, rows: list[PromptRow], dist: D.DistInfo) -> dict[str, float]:
         cfg = self.cfg
         params = sampling_params(cfg, num_steps=cfg.validation.num_steps, ode=True)
-        mine = rows[dist.rank :: dist.world_size]
+        # Rows dealt to ranks round-robin; seeds from the global row index, so the validation images do
+        # not depend on the number of ranks.
         requests = [
             Request(
-                r.prompt,
+                rows[i].prompt,
                 i,
                 i,
                 derive_seed(cfg.run.seed, -1, i),
                 params,
                 cfg.sampling.negative_prompt,
-                r.metadata,
-                open_inputs(r.inputs),
+                rows[i].metadata,
+                open_inputs(rows[i].inputs),
             )
-            for i, r in enumerate(mine)
+            for i in range(dist.rank, len(rows), dist.world_size)
         ]
         trajs, _ = rollout_and_score(self.engine, rewards, requests)
         t = D.all_reduce(torch.tensor([sum(x.reward for x in trajs), float(len(trajs))], dtype=torch.float64))
