@@ -1,0 +1,126 @@
+"""Measuring helpers of the rollout benchmarks: transformer FLOPs counted per text length, the bf16 matmul
+ceiling, wall-clock and CUDA-event timing, peak memory.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from omnirl.memory import synchronize
+from omnirl.models.base import Request, SamplingParams, derive_seed
+from omnirl.models.sd3 import SD3Adapter
+
+CLIP_TOKENS = 77  # SD3's two CLIP encoders, padded to their maximum, ahead of the T5 tokens
+
+
+def text_lengths(adapter, request: Request) -> tuple[int, int]:
+    """(conditional, negative) text lengths of a request's rows: (unpadded, padded to their buckets).
+
+    SD3 encodes every prompt to CLIP 77 + T5 max_sequence_length tokens, all of them attended to (the
+    model's own padding, no mask), so there both are that fixed length."""
+    if isinstance(adapter, SD3Adapter):
+        n = CLIP_TOKENS + adapter.max_sequence_length
+        return (n, n), (n, n)
+    real = adapter.prompt_length(request.prompt), adapter.prompt_length(request.negative_prompt)
+    return real, adapter.compat_key(request)[-2:]
+
+
+def transformer_flops(adapter, params: SamplingParams):
+    """FLOPs of one transformer row as a function of its text length, counted with FlopCounterMode on
+    one-row, unguided `adapter.velocity` calls over zero embeddings (so it works on the meta device too).
+    Qwen-Image: counted at three lengths and fitted exactly by a quadratic (linear layers grow linearly
+    with the tokens, attention quadratically). SD3: one count, every row has the same text length."""
+    import numpy as np
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg, dev = adapter.transformer.config, adapter.device
+    sd3 = isinstance(adapter, SD3Adapter)
+    h, w = params.height // adapter.vae_scale_factor, params.width // adapter.vae_scale_factor
+    channels = cfg.in_channels if sd3 else cfg.in_channels // 4  # Qwen-Image packs 2x2 latent patches
+
+    def count(length: int) -> float:
+        embeds = {"prompt_embeds": torch.zeros(1, length, cfg.joint_attention_dim, device=dev)}
+        if sd3:
+            embeds["pooled_prompt_embeds"] = torch.zeros(1, cfg.pooled_projection_dim, device=dev)
+        else:  # on the host: velocity only asks whether every row is full (then passes no mask at all)
+            embeds["prompt_embeds_mask"] = torch.ones(1, length, dtype=torch.bool)
+        counter = FlopCounterMode(display=False)
+        with counter, torch.no_grad():
+            x = torch.zeros(1, channels, h, w, device=dev)
+            adapter.velocity(x, torch.full((1,), 0.5, device=dev), embeds, 1.0)
+        return counter.get_total_flops()
+
+    if sd3:
+        flops = count(CLIP_TOKENS + adapter.max_sequence_length)
+        return lambda length: flops
+    lengths = (16, 128, 256)
+    coeffs = np.polyfit(lengths, [count(n) for n in lengths], 2)
+    return lambda length: float(np.polyval(coeffs, length))
+
+
+def real_flops(adapter, requests: list[Request], flops_at) -> float:
+    """Transformer FLOPs of one denoising step of `requests`, real rows only: the conditional row at the
+    prompt's own length, the unconditional one at the negative prompt's (no padding counted)."""
+    total = 0.0
+    for r in requests:
+        (cond, neg), _ = text_lengths(adapter, r)
+        total += flops_at(cond) + (flops_at(neg) if r.params.guidance_scale > 1 else 0.0)
+    return total
+
+
+# ---------------------------------------------------------------------------------------------- timing
+
+
+def matmul_tflops(device) -> float:
+    n = 8192 if device.type == "cuda" else 512  # a CPU smoke run only checks the plumbing
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    synchronize()
+    return 10 * 2 * n**3 / (time.perf_counter() - t) / 1e12
+
+
+def make_requests(texts: list[str], params: SamplingParams, negative: str) -> list[Request]:
+    return [
+        Request(p, i, i, derive_seed(0, 0, i), params, negative_prompt=negative, metadata={})
+        for i, p in enumerate(texts)
+    ]
+
+
+def timed(fn) -> tuple[float, object]:
+    synchronize()
+    t = time.perf_counter()
+    out = fn()
+    synchronize()
+    return time.perf_counter() - t, out
+
+
+def time_calls(fn, iters: int) -> tuple[float, float]:
+    """(seconds of a first, warm-up call; mean seconds of the `iters` calls after it), with CUDA events on
+    a GPU, so the host's timer sees no launch latency."""
+    first, _ = timed(fn)
+    if not torch.cuda.is_available():
+        return first, timed(lambda: [fn() for _ in range(iters)])[0] / iters
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return first, start.elapsed_time(end) / 1e3 / iters
+
+
+def peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+
+
+def reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
