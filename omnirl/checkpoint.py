@@ -291,7 +291,7 @@ def adapter_from_checkpoint(path: Path, model_path: str = "") -> tuple[object, C
     from omnirl.models import get_adapter
 
     adapter = get_adapter(cfg.model.adapter)(cfg, torch.device("cpu"))
-    load_weights(path, adapter.transformer)
+    load_weights(path, adapter.transformer if adapter.kind == "diffusion" else adapter.model)
     return adapter, cfg
 
 

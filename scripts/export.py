@@ -8,6 +8,10 @@ SOURCE is a checkpoint directory (output_dir/checkpoints/step_NNNNNN) or a diffu
 (output_dir/lora). A checkpoint names its base model in meta.json and `--model-path` replaces it; a LoRA
 directory names none, so --merge needs --model-path there. A fully fine-tuned checkpoint has no LoRA and
 exports only with --merge. Every weight file is safetensors.
+
+An omni checkpoint (Qwen3-Omni thinker, Qwen-VL) exports its LoRA in the peft format (`--format peft`, as
+the run's own `lora/` directory) or, with --merge, the model as a transformers directory with the LoRA
+merged into its weights (loadable as `model.path`, or with the model class's `from_pretrained`).
 """
 
 import argparse
@@ -43,6 +47,17 @@ def main(argv: list[str]) -> int:
         if is_checkpoint:
             adapter, cfg = adapter_from_checkpoint(args.source, args.model_path)
             model_path = cfg.model.path
+            if adapter.kind == "omni":
+                if args.merge:
+                    adapter.export_merged(args.out, DTYPES[args.dtype])
+                elif args.format == "peft" and cfg.model.finetune == "lora":
+                    adapter.export_lora(args.out)
+                else:
+                    parser.error(
+                        f"{args.source}: an omni model exports with --format peft (a LoRA) or --merge"
+                    )
+                print(f"wrote {args.out}")
+                return 0
             if cfg.model.finetune == "full":
                 if not args.merge:
                     parser.error(f"{args.source} is a full fine-tune (no LoRA): export it with --merge")

@@ -293,3 +293,54 @@ def test_zero_spread_rank_matches_single_rank(tiny_qwen3_omni_k12, tmp_path):
     assert w1.keys() == w2.keys() and w1
     for k in w1:
         assert torch.allclose(w1[k], w2[k], atol=1e-6), k
+
+
+def test_omni_checkpoint_exports_peft_and_merged(tiny_qwen3_omni, tmp_path):
+    """scripts/export.py on an omni checkpoint: the peft LoRA equals the adapter's own export, and the merged
+    transformers directory loads back as a model whose logits equal the LoRA model's."""
+    import sys
+
+    from safetensors.torch import load_file
+
+    from omnirl import checkpoint
+    from omnirl import distributed as D
+    from omnirl.config import Config
+    from omnirl.models import get_adapter
+    from tests.test_omni import ATTENTION, requests
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from export import main as export_main
+
+    cfg = Config()
+    cfg.model.path, cfg.model.adapter, cfg.run.output_dir = (
+        str(tiny_qwen3_omni),
+        "qwen3_omni_thinker",
+        str(tmp_path),
+    )
+    cfg.lora.target_modules = ATTENTION
+    adapter = get_adapter(cfg.model.adapter)(cfg, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    for p in adapter.trainable_parameters():  # a non-zero LoRA, as after training
+        p.data = torch.randn(p.shape, generator=gen) * 0.05
+    optimizer = torch.optim.AdamW(adapter.trainable_parameters(), lr=1e-3)
+    ckpt = checkpoint.save(cfg, 1, adapter.model, optimizer, D.init_distributed())
+
+    assert export_main([str(ckpt), str(tmp_path / "peft"), "--format", "peft"]) == 0
+    adapter.export_lora(tmp_path / "own")
+    ours, exported = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("own", "peft"))
+    assert ours.keys() == exported.keys() and all(torch.equal(ours[k], exported[k]) for k in ours)
+
+    assert export_main([str(ckpt), str(tmp_path / "merged"), "--merge"]) == 0
+    full = Config()
+    full.model.path, full.model.adapter, full.model.finetune = (
+        str(tmp_path / "merged"),
+        cfg.model.adapter,
+        "full",
+    )
+    merged = get_adapter(full.model.adapter)(full, torch.device("cpu"))
+    assert not [n for n, _ in merged.model.named_parameters() if "lora_" in n]
+    inputs = adapter.collate([adapter.prepare(r) for r in requests(2, ["image"])])
+    with torch.no_grad():
+        want = adapter.lm_head(adapter.model(**inputs, position_ids=adapter.rope_positions(inputs))[:, -1])
+        got = merged.lm_head(merged.model(**inputs, position_ids=merged.rope_positions(inputs))[:, -1])
+    assert (want - got).abs().max() < 1e-4

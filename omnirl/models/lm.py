@@ -228,3 +228,18 @@ def decoder_lora_targets(model: nn.Module, names: list[str]) -> list[str]:
             "(Qwen attention: q_proj, k_proj, v_proj, o_proj)"
         )
     return targets
+
+
+def save_merged_lm(hf_model: nn.Module, processor, out_dir, dtype: torch.dtype) -> None:
+    """A transformers directory (config, safetensors weights, processor) of `hf_model` with its LoRA merged
+    into the base weights and the LoRA layers removed (a full fine-tune has none: saved as it is). Changes
+    `hf_model` in place: export is the last thing done with it."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in list(hf_model.named_modules()):
+        if isinstance(module, LoraLayer):
+            module.merge()
+            parent, _, child = name.rpartition(".")
+            setattr(hf_model.get_submodule(parent), child, module.get_base_layer())
+    hf_model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
+    processor.save_pretrained(out_dir)

@@ -43,6 +43,7 @@ from omnirl.models.lm import (
     collate_prompts,
     lora_disabled,
     make_trainable_lm,
+    save_merged_lm,
     sequence_logprobs,
 )
 
@@ -198,6 +199,10 @@ class Qwen3OmniThinkerAdapter:
         if not self.lora:
             raise ValueError("the reference policy with the LoRA off needs model.finetune 'lora'")
         return lora_disabled(self.model)
+
+    def export_merged(self, out_dir: str | Path, dtype: torch.dtype) -> None:
+        """The trained model as a transformers directory (LoRA merged in), loadable as `model.path`."""
+        save_merged_lm(self.thinker, self.processor, out_dir, dtype)
 
     def export_lora(self, out_dir: str | Path, state_dict: dict | None = None) -> None:
         """Write the thinker's LoRA as a peft adapter: `PeftModel.from_pretrained(thinker, out_dir)` loads it

@@ -34,6 +34,7 @@ from omnirl.models.lm import (
     collate_prompts,
     lora_disabled,
     make_trainable_lm,
+    save_merged_lm,
     sequence_logprobs,
 )
 
@@ -161,6 +162,10 @@ class QwenVLAdapter:
         if not self.lora:
             raise ValueError("the reference policy with the LoRA off needs model.finetune 'lora'")
         return lora_disabled(self.model)
+
+    def export_merged(self, out_dir: str | Path, dtype: torch.dtype) -> None:
+        """The trained model as a transformers directory (LoRA merged in), loadable as `model.path`."""
+        save_merged_lm(self.hf_model, self.processor, out_dir, dtype)
 
     def export_lora(self, out_dir: str | Path, state_dict: dict | None = None) -> None:
         """Write the LoRA as a peft adapter: `PeftModel.from_pretrained(model, out_dir)` loads it onto the
