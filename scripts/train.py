@@ -14,6 +14,7 @@ failure summary, so the first failing rank's cause is named there.
 import argparse
 import contextlib
 import io
+import os
 import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -42,6 +43,7 @@ def main(argv: list[str]) -> int:
         from omnirl.trainer import train
 
         train(cfg)
+        distributed.barrier()  # no rank tears down while another is still in a collective
         distributed.destroy()  # NCCL warns about a process group that is never destroyed
     except USER_ERRORS as e:
         print("error: " + " ".join(line.strip() for line in str(e).splitlines()), file=sys.stderr)
@@ -77,5 +79,15 @@ def first_block(box: str) -> str:
     return " ".join(r for r in rows if r) or " ".join(box.split())
 
 
+def exit_now(code: int) -> None:
+    """Leave without interpreter finalization. Everything is written and closed by now; but gloo's worker
+    threads can still hold work objects with Python references after destroy_process_group, and tearing
+    them down during finalization aborts the process now and then ("terminate called without an active
+    exception", seen on CPU runs here), which would turn a finished run into a failed one."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_now(main(sys.argv[1:]))

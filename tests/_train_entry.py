@@ -34,7 +34,7 @@ if hold := os.environ.get("OMNIRL_TEST_HOLD_COMMIT"):
 
     checkpoint.commit = held_commit
 
-from train import main  # noqa: E402
+from train import exit_now, main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_now(main(sys.argv[1:]))
