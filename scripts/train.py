@@ -79,14 +79,14 @@ def first_block(box: str) -> str:
     return " ".join(r for r in rows if r) or " ".join(box.split())
 
 
-def exit_now(code: int) -> None:
+def exit_now(code: int | None) -> None:
     """Leave without interpreter finalization. Everything is written and closed by now; but gloo's worker
     threads can still hold work objects with Python references after destroy_process_group, and tearing
     them down during finalization aborts the process now and then ("terminate called without an active
     exception", seen on CPU runs here), which would turn a finished run into a failed one."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    os._exit(code or 0)  # None: `@record` turns a SystemExit(0) (--help) into a return of None
 
 
 if __name__ == "__main__":
