@@ -34,8 +34,8 @@ from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 from omnirl.config import Config, ConfigError
 from omnirl.distributed import DTYPES, load_pretrained
 from omnirl.models.base import Request, Trajectory
+from omnirl.models.diffusers_setup import check_checkpoint, make_trainable
 from omnirl.models.flow_sde import WindowedSampler
-from omnirl.models.lora import make_trainable
 
 # QwenImagePipeline.check_inputs rejects a longer max_sequence_length.
 MAX_SEQUENCE_LENGTH = 1024
@@ -61,17 +61,7 @@ class QwenImageAdapter:
 
     def __init__(self, cfg: Config, device: torch.device):
         path = cfg.model.path
-        try:
-            index = QwenImagePipeline.load_config(path)
-        except OSError as e:
-            raise ConfigError(
-                f"model.path {path!r} is neither a local diffusers checkpoint (a directory with "
-                f"model_index.json) nor a loadable hub id: {e}"
-            ) from None
-        if index.get("_class_name") != "QwenImagePipeline":
-            raise ConfigError(
-                f"model.path {path!r} holds a {index.get('_class_name')}, not a QwenImagePipeline"
-            )
+        check_checkpoint(path, QwenImagePipeline)
         buckets = list(cfg.rollout.prompt_length_buckets)
         if (
             not buckets

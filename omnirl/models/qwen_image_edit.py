@@ -52,8 +52,8 @@ from transformers.processing_utils import ProcessorMixin
 from omnirl.config import Config, ConfigError
 from omnirl.distributed import DTYPES, load_pretrained
 from omnirl.models.base import Request, Trajectory
+from omnirl.models.diffusers_setup import check_checkpoint, make_trainable
 from omnirl.models.flow_sde import WindowedSampler
-from omnirl.models.lora import make_trainable
 
 
 class ImageOnlyProcessor(Qwen2VLProcessor):
@@ -90,17 +90,7 @@ class QwenImageEditAdapter:
 
     def __init__(self, cfg: Config, device: torch.device):
         path = cfg.model.path
-        try:
-            index = QwenImageEditPipeline.load_config(path)
-        except OSError as e:
-            raise ConfigError(
-                f"model.path {path!r} is neither a local diffusers checkpoint (a directory with "
-                f"model_index.json) nor a loadable hub id: {e}"
-            ) from None
-        if index.get("_class_name") != "QwenImageEditPipeline":
-            raise ConfigError(
-                f"model.path {path!r} holds a {index.get('_class_name')}, not a QwenImageEditPipeline"
-            )
+        check_checkpoint(path, QwenImageEditPipeline)
         buckets = list(cfg.rollout.prompt_length_buckets)
         if not buckets or buckets != sorted(set(buckets)) or buckets[0] < 1:
             raise ConfigError(

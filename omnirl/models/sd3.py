@@ -25,8 +25,8 @@ from transformers import AutoTokenizer, CLIPTextModelWithProjection, T5EncoderMo
 from omnirl.config import Config, ConfigError
 from omnirl.distributed import DTYPES, load_pretrained
 from omnirl.models.base import Request, Trajectory
+from omnirl.models.diffusers_setup import check_checkpoint, make_trainable
 from omnirl.models.flow_sde import WindowedSampler
-from omnirl.models.lora import make_trainable
 
 # The pipeline's default T5 length; a tokenizer with a smaller limit (the tiny model's) lowers it.
 T5_MAX_SEQUENCE_LENGTH = 256
@@ -39,17 +39,7 @@ class SD3Adapter:
 
     def __init__(self, cfg: Config, device: torch.device):
         path = cfg.model.path
-        try:
-            index = StableDiffusion3Pipeline.load_config(path)
-        except OSError as e:
-            raise ConfigError(
-                f"model.path {path!r} is neither a local diffusers checkpoint (a directory with "
-                f"model_index.json) nor a loadable hub id: {e}"
-            ) from None
-        if index.get("_class_name") != "StableDiffusion3Pipeline":
-            raise ConfigError(
-                f"model.path {path!r} holds a {index.get('_class_name')}, not a StableDiffusion3Pipeline"
-            )
+        check_checkpoint(path, StableDiffusion3Pipeline)
         self.device = device
         self.fused_cfg = cfg.rollout.fused_cfg  # read by `rollout`; the engine sets it from the same field
         dtype = DTYPES[cfg.model.dtype]

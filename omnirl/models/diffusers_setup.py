@@ -1,6 +1,6 @@
-"""Making a diffusers transformer trainable: a peft LoRA over a frozen base, or the whole model.
-
-Shared by the diffusion adapters (each loads its own transformer class, then calls this).
+"""What every diffusion adapter does the same way around its own classes: checking that model.path holds
+the family's pipeline, and making its transformer trainable (a peft LoRA over a frozen base, or the whole
+model).
 """
 
 from __future__ import annotations
@@ -10,7 +10,22 @@ import torch
 from diffusers.training_utils import cast_training_params
 from torch import nn
 
-from omnirl.config import Config
+from omnirl.config import Config, ConfigError
+
+
+def check_checkpoint(path: str, pipeline_cls) -> None:
+    """`path` (a local directory or a hub id) holds a `pipeline_cls` checkpoint, else a ConfigError."""
+    try:
+        index = pipeline_cls.load_config(path)
+    except OSError as e:
+        raise ConfigError(
+            f"model.path {path!r} is neither a local diffusers checkpoint (a directory with "
+            f"model_index.json) nor a loadable hub id: {e}"
+        ) from None
+    if index.get("_class_name") != pipeline_cls.__name__:
+        raise ConfigError(
+            f"model.path {path!r} holds a {index.get('_class_name')}, not a {pipeline_cls.__name__}"
+        )
 
 
 def make_trainable(transformer: nn.Module, cfg: Config, device: torch.device) -> None:
