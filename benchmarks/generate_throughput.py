@@ -112,10 +112,12 @@ def response_length(tokens: list[int], stops: set[int]) -> int:
     return len(tokens)
 
 
-def run_ours(adapter, requests, args, keep: list) -> int:
-    engine = GenerationEngine(adapter, args.max_num_seqs, args.kv_cache_gib)
+def run_ours(adapter, requests, args, keep: list, cuda_graph: bool, stats: dict) -> int:
+    engine = GenerationEngine(adapter, args.max_num_seqs, args.kv_cache_gib, cuda_graph=cuda_graph)
     trajs = engine.generate(requests)
     keep[:] = trajs
+    stats.clear()
+    stats.update(engine.stats)
     return sum(len(t.response_ids) for t in trajs)
 
 
@@ -217,7 +219,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--stop-frac", type=float, default=0.0, help="fraction of the vocabulary that stops")
-    p.add_argument("--methods", default="ours,generate,generate_batch")
+    p.add_argument("--methods", default="ours,ours_eager,generate,generate_batch")
     p.add_argument("--check-logprobs", action="store_true", help="re-score our responses as the trainer")
     p.add_argument("--warmup", type=int, default=4, help="requests of a warm-up run per method (0 = none)")
     p.add_argument("--out", default="benchmarks/generate_throughput.json")
@@ -249,13 +251,18 @@ def main() -> None:
     all_stops = set(stops) | set(adapter.eos_token_ids)
     requests = make_requests(args, stops)
     trajs: list = []
+    eager_trajs: list = []
+    stats: dict = {}
     runs = {
-        "ours": lambda reqs: run_ours(adapter, reqs, args, trajs),
+        "ours": lambda reqs: run_ours(adapter, reqs, args, trajs, True, stats),
+        "ours_eager": lambda reqs: run_ours(adapter, reqs, args, eager_trajs, False, stats),
         "generate": lambda reqs: run_generate(adapter, reqs, args, all_stops),
         "generate_batch": lambda reqs: run_generate_batch(adapter, reqs, args, all_stops),
     }
     # generate_batch switches the attention implementation while it runs: keep it last.
-    methods = [m for m in ("ours", "generate", "generate_batch") if m in args.methods.split(",")]
+    methods = [
+        m for m in ("ours", "ours_eager", "generate", "generate_batch") if m in args.methods.split(",")
+    ]
     params = sum(p.numel() for p in adapter.model.parameters())
     report = {"args": vars(args), "device": str(device), "parameters": params, "results": {}}
     results = report["results"]
@@ -266,6 +273,13 @@ def main() -> None:
             timed(runs[name], requests[: args.warmup])
         tokens, seconds = timed(runs[name], requests)
         results[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+        if name.startswith("ours"):  # the engine's own account: decode steps, prefills, graph capture
+            results[name].update(stats)
+            results[name]["ms_per_decode_step"] = 1e3 * (seconds - stats["capture_s"]) / stats["decode_steps"]
+        if name == "ours_eager" and trajs:  # the CUDA-graph replay against the eager step: same samples?
+            same = sum(torch.equal(a.response_ids, b.response_ids) for a, b in zip(trajs, eager_trajs))
+            report["graph_vs_eager_identical_responses"] = f"{same}/{len(trajs)}"
+            print(f"CUDA graph vs eager: {same}/{len(trajs)} responses identical", flush=True)
         print(f"{name}: {tokens} tokens in {seconds:.2f} s", flush=True)
         if name == "ours" and args.check_logprobs:
             report["logprob_check"] = check_logprobs(adapter, trajs, args.temperature)

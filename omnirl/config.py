@@ -113,8 +113,11 @@ class GenerationConfig:
     becomes GenerationParams.stop_token_ids); a response also ends at the model's EOS tokens. The stop
     token is part of the response and is trained."""
     kv_cache_gib: float = 4.0
-    """KV-cache budget per rank in GiB (> 0): a waiting request is admitted only while the KV cache of
-    every running request, at its prompt plus max_new_tokens tokens, fits in it."""
+    """KV-cache budget per rank in GiB (> 0). The engine keeps rollout.max_num_seqs rows ("slots") of
+    the longest prompt plus max_new_tokens tokens each, or as many as fit in this budget."""
+    cuda_graph: bool = True
+    """On CUDA, capture the decode step once per rollout as a CUDA graph and replay it (the step's
+    kernels launched at once instead of one by one from Python); off runs it eagerly. No effect on CPU."""
 
 
 @dataclass

@@ -179,6 +179,30 @@ def gathered_weights(model: nn.Module):
             m.reshard()
 
 
+@contextlib.contextmanager
+def fsdp_hooks_quiet(model: nn.Module):
+    """Inside `gathered_weights`: run forwards of `model` with FSDP2's forward hooks doing no stream or
+    bookkeeping work (no all-gather-stream waits, no post-forward order records), so a decode step can be
+    captured in a CUDA graph (a stream wait in the root pre-forward would fork the capture onto FSDP's
+    all-gather streams and never join them back) and repeated steps grow no per-forward lists.
+
+    It marks every FSDP state as in pre-backward, the state in which FSDP2's forward hooks only unshard
+    what is not unsharded (nothing here) and cast inputs / outputs for mixed precision; the states are put
+    back on exit. A model without FSDP passes through.
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    states = [m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)]
+    saved = [s._training_state for s in states]
+    for s in states:
+        s._training_state = TrainingState.PRE_BACKWARD
+    try:
+        yield model
+    finally:
+        for s, t in zip(states, saved):
+            s._training_state = t
+
+
 def load_pretrained(cls, path: str, **kwargs) -> nn.Module:
     """`cls.from_pretrained(path, **kwargs)` read on rank 0 only, broadcast to the other ranks.
 
@@ -195,10 +219,22 @@ def load_pretrained(cls, path: str, **kwargs) -> nn.Module:
         model = _build_on_meta(cls, path, **kwargs).to_empty(device="cpu")
         if isinstance(model, PreTrainedModel):
             model.tie_weights()  # to_empty() unties shared embeddings (T5): retie so the tensor lists match
+    tensors = [*model.parameters(), *model.buffers()]
+    # Rank 0's dtypes win: from_pretrained keeps some tensors of a bfloat16 model in float32 (transformers'
+    # rotary `inv_freq` buffers), which the meta build's blanket .to(dtype) casts. A broadcast of unequal
+    # dtypes is a size mismatch (gloo aborts, NCCL is undefined), so the other ranks cast to match first.
+    layout = [[(str(t.dtype), tuple(t.shape)) for t in tensors]]
+    dist.broadcast_object_list(layout, src=0)
+    if [shape for _, shape in layout[0]] != [tuple(t.shape) for t in tensors]:
+        raise RuntimeError(f"load_pretrained({cls.__name__}, {path!r}): rank 0 built other tensors than this rank")
+    for tensor, (dtype, _) in zip(tensors, layout[0]):
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+        if tensor.dtype != dtype:
+            tensor.data = tensor.data.to(dtype)
     # Broadcast through the accelerator's backend (NVLink / InfiniBand), not gloo over TCP.
     kind = device_type()
     comm_device = None if kind == "cpu" else torch.device(kind, int(os.environ.get("LOCAL_RANK", 0)))
-    for tensor in [*model.parameters(), *model.buffers()]:
+    for tensor in tensors:
         if comm_device is None:
             dist.broadcast(tensor.data, src=0)
         else:

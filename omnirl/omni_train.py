@@ -19,6 +19,7 @@ Micro-batches hold at most optim.micro_batch_size responses and optim.micro_batc
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,23 +63,33 @@ def generation_params(cfg: Config, tokenizer) -> GenerationParams:
 
 
 def rollout_and_score(
-    engine: GenerationEngine, rewards: RewardPool, requests: list[Request]
+    engine: GenerationEngine,
+    rewards: RewardPool,
+    requests: list[Request],
+    stats: dict[str, float] | None = None,
 ) -> tuple[list[OmniTrajectory], dict[str, np.ndarray]]:
     """Generate and score: each response goes to the reward pool as it finishes, while the others are
     still generating. Sets `reward` on every trajectory; returns them in request order with the per-reward
-    scores (in finishing order, which is all the logged means need)."""
+    scores (in finishing order, which is all the logged means need). Writes into `stats`, when given,
+    `time/generate_s` (the generation, scoring overlapped) and `time/score_wait_s` (the scoring still left
+    after it)."""
     scored = []
+    start = time.perf_counter()
 
     def submit(t: OmniTrajectory) -> None:
         scored.append((t, rewards.submit([t.text], [t.request.prompt], [t.request.metadata])))
 
     trajs = engine.generate(requests, on_finish=submit)
+    generated = time.perf_counter()
     per: dict[str, list[np.ndarray]] = {}
     for t, pending in scored:
         result = rewards.result(pending)
         t.reward = float(result.total[0])
         for k, v in result.per_reward.items():
             per.setdefault(k, []).append(v)
+    if stats is not None:
+        stats["time/generate_s"] = generated - start
+        stats["time/score_wait_s"] = time.perf_counter() - generated
     return trajs, {k: np.concatenate(v) for k, v in per.items()}
 
 
@@ -109,7 +120,9 @@ class OmniOps:
         self.ref_model = None  # a LoRA's reference policy is the same model with the LoRA off
         self.loss_fn = get_loss(cfg.algo.loss)
         self.params = generation_params(cfg, adapter.tokenizer)
-        self.engine = GenerationEngine(adapter, cfg.rollout.max_num_seqs, cfg.generation.kv_cache_gib)
+        self.engine = GenerationEngine(
+            adapter, cfg.rollout.max_num_seqs, cfg.generation.kv_cache_gib, cfg.generation.cuda_graph
+        )
         self.correct = cfg.algo.old_logprob == "recompute" and cfg.algo.correction != "none"
         self._measured: dict[str, float] | None = None  # consistency of this update, once measured
         self._actor: list[torch.Tensor] = []  # bypass mode: the first mini-batch's token log-probs
@@ -140,8 +153,8 @@ class OmniOps:
     def requests(self, rows: list[PromptRow], step: int, dist: D.DistInfo) -> list[Request]:
         return make_requests(self.cfg, rows, step, dist, self.params)[0]
 
-    def rollout_and_score(self, rewards: RewardPool, requests: list[Request]):
-        return rollout_and_score(self.engine, rewards, requests)
+    def rollout_and_score(self, rewards: RewardPool, requests: list[Request], stats: dict | None = None):
+        return rollout_and_score(self.engine, rewards, requests, stats)
 
     def update_rows(self, trajs: list[OmniTrajectory], keep: torch.Tensor, gen: torch.Generator):
         rows = [TokenRow(t, 1.0) for t, kept in zip(trajs, keep.tolist()) if kept]

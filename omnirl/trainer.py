@@ -64,13 +64,18 @@ def to_pil(image: torch.Tensor):
 
 
 def rollout_and_score(
-    engine: DiffusionEngine, rewards: RewardPool, requests: list[Request]
+    engine: DiffusionEngine,
+    rewards: RewardPool,
+    requests: list[Request],
+    stats: dict[str, float] | None = None,
 ) -> tuple[list[Trajectory], dict[str, np.ndarray]]:
     """Generate and score; each finished batch is scored in the pool while the next one denoises.
 
     Sets `reward` on every trajectory; returns them in request order with the per-reward scores (in
-    batch order, which is all the logged means need)."""
+    batch order, which is all the logged means need). Writes into `stats`, when given, `time/generate_s`
+    (the generation, scoring overlapped) and `time/score_wait_s` (the scoring still left after it)."""
     scored = []
+    start = time.perf_counter()
 
     def submit(trajs: list[Trajectory]) -> None:
         images = [to_pil(t.image) for t in trajs]
@@ -78,6 +83,7 @@ def rollout_and_score(
         scored.append((trajs, rewards.submit(images, [t.request.prompt for t in trajs], metadata)))
 
     trajs = engine.generate(requests, on_batch=submit)
+    generated = time.perf_counter()
     per: dict[str, list[np.ndarray]] = {}
     for batch, future in scored:
         result = rewards.result(future)
@@ -85,6 +91,9 @@ def rollout_and_score(
             t.reward = r
         for k, v in result.per_reward.items():
             per.setdefault(k, []).append(v)
+    if stats is not None:
+        stats["time/generate_s"] = generated - start
+        stats["time/score_wait_s"] = time.perf_counter() - generated
     return trajs, {k: np.concatenate(v) for k, v in per.items()}
 
 
@@ -152,8 +161,8 @@ class DiffusionOps:
     def requests(self, rows: list[PromptRow], step: int, dist: D.DistInfo) -> list[Request]:
         return make_requests(self.cfg, rows, step, dist, self.params, self.cfg.sampling.negative_prompt)[0]
 
-    def rollout_and_score(self, rewards: RewardPool, requests: list[Request]):
-        return rollout_and_score(self.engine, rewards, requests)
+    def rollout_and_score(self, rewards: RewardPool, requests: list[Request], stats: dict | None = None):
+        return rollout_and_score(self.engine, rewards, requests, stats)
 
     def update_rows(self, trajs: list[Trajectory], keep: torch.Tensor, gen: torch.Generator) -> list[Pair]:
         pairs = [
@@ -292,7 +301,7 @@ def train(cfg: Config) -> dict[str, float]:
             "reference": module_tensors([ops.ref_model] if ops.ref_model is not None else []),
         }
         with phase("rollout", stats, sleeper, sleep=train_only, wake=["offload"]):
-            trajs, per_reward = ops.rollout_and_score(rewards, requests)
+            trajs, per_reward = ops.rollout_and_score(rewards, requests, stats)
         rewards_t = torch.tensor([t.reward for t in trajs])
         groups = torch.tensor([t.request.group_id for t in trajs])
         adv, keep, adv_metrics = group_advantages(
@@ -311,6 +320,7 @@ def train(cfg: Config) -> dict[str, float]:
             # The optimizer state stays awake: a checkpoint saved after validation reads it.
             with phase("validate", logs, sleeper, wake=["offload"]):
                 logs.update(ops.validate(rewards, val_rows, dist))
+        logs.update(per_rank(logs))
         logger.log(step, logs)
         if cfg.log.image_every and step % cfg.log.image_every == 0:
             ops.log_samples(logger, step, trajs)
@@ -323,6 +333,21 @@ def train(cfg: Config) -> dict[str, float]:
     rewards.close()
     logger.close()
     return logs
+
+
+def per_rank(logs: dict[str, float]) -> dict[str, float]:
+    """The rank-local measurements of a step (the peak device memory of each phase, generation and scoring
+    wait) from every rank: `KEY/rankR` for each rank R, and KEY itself becomes the maximum over ranks (the
+    GPU closest to its limit; the rank the others wait for). Collective: every rank holds the same keys."""
+    keys = sorted(k for k in logs if k.endswith("_peak_gib") or k in ("time/generate_s", "time/score_wait_s"))
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    table = torch.zeros(world, len(keys), dtype=torch.float64)  # [ranks, keys]: a sum of one row each
+    table[rank] = torch.tensor([float(logs[k]) for k in keys], dtype=torch.float64)
+    D.all_reduce(table)
+    out = {f"{k}/rank{r}": table[r, i].item() for i, k in enumerate(keys) for r in range(world)}
+    out.update({k: table[:, i].max().item() for i, k in enumerate(keys)})
+    return out
 
 
 def build_reference(cfg: Config, adapter) -> nn.Module | None:

@@ -190,6 +190,9 @@ class OmniModelBase(Protocol):
         """[B, T] float32 log-probs of response tokens `sequences` [B, T] (right-padded, `response_mask`
         [B, T]) after the collated prompts `model_inputs`; 0 where the mask is 0. Differentiable."""
 
+    def kv_layout(self) -> tuple[int, int, int, torch.dtype]:
+        """(decoder layers, KV heads, head dim, dtype) of the decoder's KV cache, for the engine's slots."""
+
     def kv_bytes_per_token(self) -> int:
         """Bytes of KV cache one token takes over all decoder layers (for the engine's memory budget)."""
 

@@ -41,6 +41,7 @@ from omnirl.models.base import Request
 from omnirl.models.lm import (
     HiddenStatesLM,
     collate_prompts,
+    kv_layout,
     lora_disabled,
     make_trainable_lm,
     save_merged_lm,
@@ -190,10 +191,12 @@ class Qwen3OmniThinkerAdapter:
     ) -> torch.Tensor:
         return sequence_logprobs(self, model_inputs, sequences, response_mask, temperature)
 
+    def kv_layout(self) -> tuple[int, int, int, torch.dtype]:
+        return kv_layout(self.thinker.model.language_model)
+
     def kv_bytes_per_token(self) -> int:
-        text = self.thinker.config.text_config
-        dtype = self.thinker.model.language_model.embed_tokens.weight.dtype
-        return 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * dtype.itemsize
+        layers, heads, dim, dtype = self.kv_layout()
+        return 2 * layers * heads * dim * dtype.itemsize
 
     def lora_disabled(self):
         if not self.lora:

@@ -32,6 +32,7 @@ from omnirl.models.base import Request
 from omnirl.models.lm import (
     HiddenStatesLM,
     collate_prompts,
+    kv_layout,
     lora_disabled,
     make_trainable_lm,
     save_merged_lm,
@@ -153,10 +154,12 @@ class QwenVLAdapter:
     ) -> torch.Tensor:
         return sequence_logprobs(self, model_inputs, sequences, response_mask, temperature)
 
+    def kv_layout(self) -> tuple[int, int, int, torch.dtype]:
+        return kv_layout(self.hf_model.model.language_model)
+
     def kv_bytes_per_token(self) -> int:
-        layers = self.hf_model.model.language_model.layers
-        k_proj = layers[0].self_attn.k_proj  # out_features = kv heads x head_dim
-        return 2 * len(layers) * k_proj.out_features * k_proj.weight.dtype.itemsize
+        layers, heads, dim, dtype = self.kv_layout()
+        return 2 * layers * heads * dim * dtype.itemsize
 
     def lora_disabled(self):
         if not self.lora:

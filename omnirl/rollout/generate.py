@@ -1,16 +1,20 @@
 """GenerationEngine: native continuous-batching generation for omni adapters, on the actor's own module.
 
 The engine calls the very module the optimizer updates (`adapter.model`, no weight copy); under FSDP2 its
-weights are gathered once for the whole phase (`distributed.gathered_weights`). Requests are admitted in
-order while there is a free row (`max_num_seqs`) and the KV cache stays within its memory budget. An
-admitted group is prefilled as one batch (images and audio through the model's own encoders) and merged
-into the running batch; every decode step then runs one forward for all running rows; rows that finish
-leave, and waiting requests take their place.
+weights are gathered once for the whole phase (`distributed.gathered_weights`). A call allocates S slots
+(`max_num_seqs`, fewer if the KV-cache budget holds fewer rows of the longest prompt + max_new_tokens):
+one KV-cache row per slot in every decoder layer, [S, kv heads, C, head dim]. Waiting requests are
+prefilled in groups (one forward, images and audio through the model's own encoders; the left padding
+of the batched prompts is dropped when their KV is copied into free slots from column 0); every decode
+step then runs one forward of all S slots on their latest tokens; a finished slot is freed and a waiting
+request takes it (continuous batching).
 
-Layout of the running batch: rows share the KV cache's columns and are left-padded (right-aligned): every
-row's latest token sits in the same column, and an attention mask marks each row's real columns. Each row
-keeps its own M-RoPE position (the model's get_rope_index on the prompt, then +1 per token), so a row's
-computation does not depend on its neighbours apart from floating-point rounding of batched kernels.
+Each slot writes its next token's KV at its own column (its length) and attends to its columns under a
+mask, so a decode step has the same shapes from the first step to the last and updates its state in
+place: on CUDA it is captured once per call as a CUDA graph and replayed (`cuda_graph`), which removes
+the per-kernel launch cost that bounds a decode step of a batched MoE forward. Each slot keeps its own
+M-RoPE position (the model's get_rope_index on the prompt, then +1 per token), so a row's computation
+does not depend on its neighbours apart from floating-point rounding of batched kernels.
 
 Sampling: one torch.Generator per request, seeded from the request's seed, draws all of the request's
 uniforms at admission; a token is drawn by inverting the CDF of the (top-k / top-p filtered) distribution
@@ -27,16 +31,16 @@ measures it as a baseline on text prompts.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
-from omnirl.distributed import gathered_weights
+from omnirl.distributed import fsdp_hooks_quiet, gathered_weights
 from omnirl.models.base import GenerationParams, OmniModelBase, OmniTrajectory, Request
 from omnirl.models.lm import output_logprobs
 
@@ -45,78 +49,61 @@ from omnirl.models.lm import output_logprobs
 SYNC_EVERY = 8
 
 
-class _KVLayer(DynamicLayer):
-    """One decoder layer's KV cache for the running rows: `keys` / `values` are preallocated [R, H, C, D]
-    buffers whose columns [lo, hi) hold the tokens so far; a step writes its column in place (no torch.cat
-    of the whole cache per token, as DynamicLayer does)."""
+class _SlotLayer(DynamicLayer):
+    """One decoder layer's KV cache, one row per slot: `keys` / `values` are [S, H, C, D] buffers allocated
+    once per `generate` call. A decode step writes each slot's new token at that slot's own column
+    (`column` [S, 1, 1, 1], shared by all layers) and attends to the whole buffer under a mask, so every
+    shape is fixed from step to step (the step can be captured in a CUDA graph)."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, lo: int, hi: int):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, column: torch.Tensor):
         super().__init__()
-        self.keys, self.values, self.lo, self.hi = keys, values, lo, hi
+        self.keys, self.values, self.column = keys, values, column
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        n = key_states.shape[-2]
-        self.keys[:, :, self.hi : self.hi + n] = key_states
-        self.values[:, :, self.hi : self.hi + n] = value_states
-        self.hi += n
-        return self.keys[:, :, self.lo : self.hi], self.values[:, :, self.lo : self.hi]
+        index = self.column.expand(-1, key_states.shape[1], 1, key_states.shape[3])  # [S, H, 1, D]
+        self.keys.scatter_(2, index, key_states)
+        self.values.scatter_(2, index, value_states)
+        return self.keys, self.values
 
     def get_seq_length(self) -> int:
-        return self.hi - self.lo
+        return self.keys.shape[2]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.hi - self.lo + query_length, 0
+        return self.keys.shape[2], 0
 
 
 @dataclass
-class _Running:
-    """The running rows (R of them) on the device; column c of `attn` is column c of every cache layer."""
+class _Slots:
+    """The device state of S slots; a free slot has `done` set. Every tensor keeps its storage for the whole
+    call (steps update them in place), which is what a captured CUDA graph replays on."""
 
-    ids: list[int]  # request index of each row
-    cache: Cache  # of _KVLayer
-    attn: torch.Tensor  # [R, C] long, 1 where a row has a real token
-    last: torch.Tensor  # [R] long, the token to feed next
-    pos: torch.Tensor  # [R], the M-RoPE position of that token (the model's dtype for positions)
-    n_gen: torch.Tensor  # [R] long, tokens recorded so far
-    done: torch.Tensor  # [R] bool
-    max_new: torch.Tensor  # [R] long
-    temperature: torch.Tensor  # [R] float32
-    top_p: torch.Tensor  # [R] float32
-    top_k: torch.Tensor  # [R] long
-    stops: torch.Tensor  # [R, S] long, stop / EOS ids, padded with -1
-    noise: torch.Tensor  # [R, W] float32, the request's uniforms, one per token
-    tokens: torch.Tensor  # [R, W + 1] long; column n_gen is scratch for finished rows
-    logprobs: torch.Tensor  # [R, W + 1] float32
-    filtered: bool  # some row uses top-k / top-p (known on the host: no device sync per step)
-
-    @property
-    def lo(self) -> int:
-        return self.cache.layers[0].lo
-
-    @property
-    def hi(self) -> int:
-        return self.cache.layers[0].hi
-
-    def select(self, keep: torch.Tensor) -> _Running:
-        """The rows `keep` [R'] only, with the leading columns no kept row uses dropped."""
-        attn = self.attn[keep]
-        lead = int(attn[:, self.lo : self.hi].any(0).long().argmax())  # first column some row uses
-        layers = [
-            _KVLayer(layer.keys[keep], layer.values[keep], layer.lo + lead, layer.hi)
-            for layer in self.cache.layers
-        ]
-        rows = {
-            name: getattr(self, name)[keep]
-            for name in self.__dataclass_fields__
-            if name not in ("ids", "cache", "attn", "filtered")
-        }
-        ids = [self.ids[i] for i in keep.tolist()]
-        return _Running(ids=ids, cache=Cache(layers=layers), attn=attn, filtered=self.filtered, **rows)
+    cache: Cache  # of _SlotLayer
+    column: torch.Tensor  # [S, 1, 1, 1] long, the column the next token's KV goes to (= length, clamped)
+    length: torch.Tensor  # [S] long, tokens in the slot's cache
+    last: torch.Tensor  # [S] long, the token to feed next
+    pos: torch.Tensor  # [S], the M-RoPE position of that token
+    n_gen: torch.Tensor  # [S] long, tokens recorded so far
+    done: torch.Tensor  # [S] bool
+    max_new: torch.Tensor  # [S] long
+    temperature: torch.Tensor  # [S] float32
+    top_p: torch.Tensor  # [S] float32
+    top_k: torch.Tensor  # [S] long
+    stops: torch.Tensor  # [S, T] long, stop / EOS ids, padded with -1
+    noise: torch.Tensor  # [S, W] float32, the request's uniforms, one per token
+    tokens: torch.Tensor  # [S, W + 1] long; column n_gen is scratch for finished rows
+    logprobs: torch.Tensor  # [S, W + 1] float32
 
 
 class GenerationEngine:
-    def __init__(self, adapter: OmniModelBase, max_num_seqs: int, kv_cache_gib: float):
+    """`cuda_graph`: on a CUDA device, capture the decode step (forward, sampling, bookkeeping of all
+    slots) once per `generate` call and replay it; the step's eager version runs elsewhere and is what
+    the graph records, so the two give the same tokens. `stats` describes the last call (slots, decode
+    steps, prefills, capture seconds)."""
+
+    def __init__(
+        self, adapter: OmniModelBase, max_num_seqs: int, kv_cache_gib: float, cuda_graph: bool = True
+    ):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if kv_cache_gib <= 0:
@@ -125,6 +112,7 @@ class GenerationEngine:
         self.max_num_seqs = max_num_seqs
         self.kv_budget = kv_cache_gib * 2**30  # bytes
         self.device = adapter.lm_head.weight.device
+        self.cuda_graph = cuda_graph and self.device.type == "cuda"
         self.placeholders = torch.tensor(adapter.placeholder_token_ids, device=self.device)  # [K]
 
     @torch.no_grad()
@@ -133,193 +121,234 @@ class GenerationEngine:
     ) -> list[OmniTrajectory]:
         """Trajectories in the order of `requests`; `on_finish` gets each one as soon as it is done (in
         finishing order), so reward scoring can overlap the rest of the generation."""
+        if not requests:
+            return []
         for r in requests:
             _check_params(r)
         prepared = [self.adapter.prepare(r) for r in requests]  # host tensors
         results: list[OmniTrajectory | None] = [None] * len(requests)
         waiting = deque(range(len(requests)))
-        run: _Running | None = None
+        # Whether rows draw through the sorted (top-k / top-p) path: one choice for the whole call, so a
+        # request's sample does not depend on which other requests share its steps.
+        self._filtered = any(r.params.top_k > 0 or r.params.top_p < 1 for r in requests)
+        stats = self.stats = {"decode_steps": 0, "prefills": 0, "capture_s": 0.0}
         with gathered_weights(self.adapter.model):
-            while waiting or run is not None:
-                admitted = self._admit(waiting, run, requests, prepared)
-                if admitted:
-                    run = self._merge(run, self._prefill(admitted, requests, prepared))
+            slots = self._allocate(requests, prepared)
+            stats["slots"] = len(slots.done)
+            owner: list[int | None] = [None] * slots.done.shape[0]  # request index per slot
+            start = time.perf_counter()
+            step = self._capture(slots) if self.cuda_graph else (lambda: self._step(slots))
+            stats["capture_s"] = time.perf_counter() - start
+            while waiting or any(o is not None for o in owner):
+                free = [s for s, o in enumerate(owner) if o is None]
+                busy = len(owner) - len(free)
+                # Prefills come in groups: once rows run, wait for a quarter of the slots (or the queue).
+                if (
+                    waiting
+                    and free
+                    and (not busy or len(free) >= max(1, len(owner) // 4) or len(waiting) <= len(free))
+                ):
+                    admitted = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
+                    self._prefill(slots, free[: len(admitted)], admitted, requests, prepared)
+                    stats["prefills"] += 1
+                    for s, i in zip(free, admitted):
+                        owner[s] = i
                 for _ in range(SYNC_EVERY):
-                    self._decode(run)
-                finished = run.done.nonzero().flatten()
-                if len(finished):
-                    for i, traj in self._collect(run, finished, requests, prepared):
-                        results[i] = traj
-                        if on_finish is not None:
-                            on_finish(traj)
-                    keep = (~run.done).nonzero().flatten()
-                    run = run.select(keep) if len(keep) else None
+                    step()
+                stats["decode_steps"] += SYNC_EVERY
+                done = slots.done.tolist()
+                finished = [s for s, o in enumerate(owner) if o is not None and done[s]]
+                for i, traj in self._collect(slots, finished, owner, requests, prepared):
+                    results[i] = traj
+                    if on_finish is not None:
+                        on_finish(traj)
+                for s in finished:
+                    owner[s] = None
+            del step  # the graph and its memory pool
         assert all(t is not None for t in results)
         return results
 
-    def _admit(self, waiting: deque, run: _Running | None, requests, prepared) -> list[int]:
-        """Take waiting requests (in order) while rows are free and the KV cache fits the budget.
+    def _allocate(self, requests, prepared) -> _Slots:
+        """Slots for the call: max_num_seqs of them, fewer if the KV cache of that many rows of the
+        longest request (prompt + max_new_tokens) would exceed the budget."""
+        capacity = max(len(x["input_ids"]) + r.params.max_new_tokens for r, x in zip(requests, prepared))
+        per_slot = capacity * self.adapter.kv_bytes_per_token()
+        n = min(self.max_num_seqs, len(requests), int(self.kv_budget // per_slot))
+        if n < 1:
+            longest = max(
+                range(len(requests)),
+                key=lambda i: len(prepared[i]["input_ids"]) + requests[i].params.max_new_tokens,
+            )
+            raise ValueError(
+                f"request {requests[longest].index}: {len(prepared[longest]['input_ids'])} prompt tokens + "
+                f"max_new_tokens {requests[longest].params.max_new_tokens} need {per_slot / 2**30:.3f} GiB "
+                f"of KV cache, more than generation.kv_cache_gib {self.kv_budget / 2**30:g} allows"
+            )
+        width = max(r.params.max_new_tokens for r in requests)
+        n_stops = max(len(self.adapter.eos_token_ids) + len(r.params.stop_token_ids) for r in requests)
+        layers, column = [], torch.zeros(n, 1, 1, 1, dtype=torch.long, device=self.device)
+        num_layers, heads, dim, dtype = self.adapter.kv_layout()
+        for _ in range(num_layers):
+            # zeros, not empty: a masked column still enters the attention as 0 x value, and NaN x 0 is NaN
+            keys = torch.zeros(n, heads, capacity, dim, dtype=dtype, device=self.device)
+            layers.append(_SlotLayer(keys, torch.zeros_like(keys), column))
 
-        The budget counts what the left-padded layout allocates: rows x (longest cached sequence + most
-        tokens any row may still add), at `kv_bytes_per_token` each. Once rows are running, admission
-        waits until a quarter of the rows are free (or the queue fits), so prefills come in batches and the
-        cache is re-laid out less often.
-        """
-        running = len(run.ids) if run is not None else 0
-        free = self.max_num_seqs - running
-        if not waiting or free == 0:
-            return []
-        if running and free < max(1, self.max_num_seqs // 4) and len(waiting) > free:
-            return []
-        length = run.hi - run.lo if run is not None else 0
-        remaining = int((run.max_new - run.n_gen).max()) if run is not None else 0
-        per_token = self.adapter.kv_bytes_per_token()
-        admitted = []
-        while waiting and len(admitted) < free:
-            i = waiting[0]
-            new_length = max(length, len(prepared[i]["input_ids"]))
-            new_remaining = max(remaining, requests[i].params.max_new_tokens)
-            rows = running + len(admitted) + 1
-            if rows * (new_length + new_remaining + SYNC_EVERY) * per_token > self.kv_budget:
-                if rows == 1:
-                    raise ValueError(
-                        f"request {requests[i].index}: {new_length} prompt tokens + max_new_tokens "
-                        f"{new_remaining} need more KV cache than kv_cache_gib allows"
-                    )
-                break
-            admitted.append(waiting.popleft())
-            length, remaining = new_length, new_remaining
-        return admitted
+        def full(value, dtype, *shape):
+            return torch.full((n, *shape), value, dtype=dtype, device=self.device)
 
-    def _prefill(self, admitted: list[int], requests, prepared) -> _Running:
-        """One forward over the admitted prompts (encoders included), and each row's first token."""
+        return _Slots(
+            cache=Cache(layers=layers),
+            column=column,
+            length=full(0, torch.long),
+            last=full(0, torch.long),
+            pos=full(0, torch.long),
+            n_gen=full(0, torch.long),
+            done=full(True, torch.bool),
+            max_new=full(1, torch.long),
+            temperature=full(1.0, torch.float32),
+            top_p=full(1.0, torch.float32),
+            top_k=full(0, torch.long),
+            stops=full(-1, torch.long, n_stops),
+            noise=full(0.0, torch.float32, width),
+            tokens=full(0, torch.long, width + 1),
+            logprobs=full(0.0, torch.float32, width + 1),
+        )
+
+    def _prefill(self, slots: _Slots, free: list[int], admitted: list[int], requests, prepared) -> None:
+        """One forward over the admitted prompts (encoders included); their KV goes to the slots `free`
+        (columns from 0, the left padding dropped), and each row's first token is drawn."""
         batch = self.adapter.collate([prepared[i] for i in admitted])
         batch = {k: v.to(self.device) for k, v in batch.items()}
         positions = self.adapter.rope_positions(batch)  # [3, k, P]
         cache = DynamicCache()
         hidden = self.adapter.model(**batch, position_ids=positions, cache=cache, use_cache=True)  # [k, P, H]
         length = batch["input_ids"].shape[1]
-        layers = [_KVLayer(layer.keys, layer.values, 0, length) for layer in cache.layers]
+        lengths = [len(prepared[i]["input_ids"]) for i in admitted]
+        for layer, src in zip(slots.cache.layers, cache.layers):
+            for row, (s, n) in enumerate(zip(free, lengths)):
+                layer.keys[s, :, :n] = src.keys[row, :, length - n :]
+                layer.values[s, :, :n] = src.values[row, :, length - n :]
+        del cache
         params = [requests[i].params for i in admitted]
-        width = max(p.max_new_tokens for p in params)
-        stops = [self.adapter.eos_token_ids + tuple(p.stop_token_ids) for p in params]
-        noise = torch.zeros(len(admitted), width)  # [k, W]
+        index = torch.tensor(free, device=self.device)
+        noise = torch.zeros(len(admitted), slots.noise.shape[1])  # [k, W]
+        stops = torch.full((len(admitted), slots.stops.shape[1]), -1, dtype=torch.long)
         for row, i in enumerate(admitted):
             gen = torch.Generator().manual_seed(requests[i].seed)
             noise[row, : params[row].max_new_tokens] = torch.rand(params[row].max_new_tokens, generator=gen)
+            ids = self.adapter.eos_token_ids + tuple(params[row].stop_token_ids)
+            stops[row, : len(ids)] = torch.tensor(ids)
 
-        def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=self.device)
+        def put(name: str, values) -> None:
+            target = getattr(slots, name)
+            values = torch.as_tensor(values, dtype=target.dtype).to(self.device)
+            target.index_copy_(0, index, values)
 
-        new = _Running(
-            ids=list(admitted),
-            cache=Cache(layers=layers),
-            attn=batch["attention_mask"],
-            last=torch.zeros(len(admitted), dtype=torch.long, device=self.device),
-            pos=positions.amax(dim=(0, 2)) + 1,  # [k]: the next position after each prompt
-            n_gen=torch.zeros(len(admitted), dtype=torch.long, device=self.device),
-            done=torch.zeros(len(admitted), dtype=torch.bool, device=self.device),
-            max_new=tensor([p.max_new_tokens for p in params], torch.long),
-            temperature=tensor([p.temperature for p in params], torch.float32),
-            top_p=tensor([p.top_p for p in params], torch.float32),
-            top_k=tensor([p.top_k for p in params], torch.long),
-            stops=tensor([s + (-1,) * (max(map(len, stops)) - len(s)) for s in stops], torch.long),
-            noise=noise.to(self.device),
-            tokens=torch.zeros(len(admitted), width + 1, dtype=torch.long, device=self.device),
-            logprobs=torch.zeros(len(admitted), width + 1, device=self.device),
-            filtered=any(p.top_k > 0 or p.top_p < 1 for p in params),
-        )
-        self._record(new, hidden[:, -1])
-        return new
+        put("length", lengths)
+        put("pos", positions.amax(dim=(0, 2)) + 1)  # the next position after each prompt
+        put("n_gen", [0] * len(admitted))
+        put("done", [False] * len(admitted))
+        put("max_new", [p.max_new_tokens for p in params])
+        put("temperature", [p.temperature for p in params])
+        put("top_p", [p.top_p for p in params])
+        put("top_k", [p.top_k for p in params])
+        put("stops", stops)
+        put("noise", noise)
+        # The first token, drawn from the prompt's last hidden state, by the same bookkeeping as a step.
+        self._record(slots, hidden[:, -1], index)
 
-    def _merge(self, run: _Running | None, new: _Running) -> _Running:
-        """Lay the running rows and the newly prefilled ones out in fresh buffers, right-aligned on the
-        latest column, with room for every row's remaining tokens (so no step ever reallocates)."""
-        parts = [p for p in (run, new) if p is not None]
-        length = max(p.hi - p.lo for p in parts)
-        remaining = max(int((p.max_new - p.n_gen).max()) for p in parts)
-        capacity = length + remaining + SYNC_EVERY
-        rows = sum(len(p.ids) for p in parts)
-        layers = []
-        for j, layer in enumerate(new.cache.layers):
-            _, heads, _, dim = layer.keys.shape
-            keys = layer.keys.new_zeros(rows, heads, capacity, dim)  # [R, H, C, D]
-            values = layer.values.new_zeros(rows, heads, capacity, dim)
-            row = 0
-            for p in parts:
-                src = p.cache.layers[j]
-                n, span = len(p.ids), src.hi - src.lo
-                keys[row : row + n, :, length - span : length] = src.keys[:, :, src.lo : src.hi]
-                values[row : row + n, :, length - span : length] = src.values[:, :, src.lo : src.hi]
-                row += n
-            layers.append(_KVLayer(keys, values, 0, length))
-        attn = new.attn.new_zeros(rows, capacity)  # [R, C]
-        row = 0
-        for p in parts:
-            span = p.hi - p.lo
-            attn[row : row + len(p.ids), length - span : length] = p.attn[:, p.lo : p.hi]
-            row += len(p.ids)
+    def _step(self, slots: _Slots) -> None:
+        """One decode step of every slot on its latest token: fixed shapes, in-place updates, no host
+        sync. Free and finished slots compute too (their writes land in columns and scratch entries that
+        no one reads)."""
+        capacity = slots.cache.layers[0].keys.shape[2]
+        slots.column.view(-1).copy_(slots.length.clamp(max=capacity - 1))
+        columns = torch.arange(capacity, device=self.device)
+        mask = (columns[None] <= slots.length[:, None])[:, None, None]  # [S, 1, 1, C]: the cache + this token
+        with fsdp_hooks_quiet(self.adapter.model):
+            hidden = self.adapter.model(
+                input_ids=slots.last[:, None],
+                attention_mask=mask,
+                position_ids=slots.pos.view(1, -1, 1).expand(3, -1, 1),
+                cache=slots.cache,
+                use_cache=True,
+            )  # [S, 1, H]
+        slots.pos.add_(1)
+        slots.length.add_((~slots.done).long())
+        self._record(slots, hidden[:, -1], None)
 
-        def cat(name: str, pad: int = 0) -> torch.Tensor:
-            tensors = [getattr(p, name) for p in parts]
-            width = max(t.shape[-1] for t in tensors)  # per-row tables ([R, W] etc.) are padded on the right
-            tensors = [F.pad(t, (0, width - t.shape[-1]), value=pad) if t.dim() == 2 else t for t in tensors]
-            return torch.cat(tensors)
+    def _record(self, slots: _Slots, hidden: torch.Tensor, index: torch.Tensor | None) -> None:
+        """Draw the next token of the slots `index` (all when None) after their last hidden states [R, H],
+        record it and its log-prob, and update `done` / `last`, in place."""
 
-        return _Running(
-            ids=[i for p in parts for i in p.ids],
-            cache=Cache(layers=layers),
-            attn=attn,
-            stops=cat("stops", pad=-1),
-            filtered=any(p.filtered for p in parts),
-            **{
-                name: cat(name)
-                for name in _Running.__dataclass_fields__
-                if name not in ("ids", "cache", "attn", "stops", "filtered")
-            },
-        )
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return t if index is None else t.index_select(0, index)
 
-    def _decode(self, run: _Running) -> None:
-        """One forward of every running row on its latest token, then sample and record."""
-        run.attn[:, run.hi] = 1
-        positions = run.pos.view(1, -1, 1).expand(3, -1, 1)  # [3, R, 1]
-        hidden = self.adapter.model(
-            input_ids=run.last[:, None],
-            attention_mask=run.attn[:, run.lo : run.hi + 1],
-            position_ids=positions,
-            cache=run.cache,
-            use_cache=True,
-        )  # [R, 1, H]
-        run.pos += 1
-        self._record(run, hidden[:, -1])
-
-    def _record(self, run: _Running, hidden: torch.Tensor) -> None:
-        """Sample each row's next token after its last hidden state [R, H], record the token and its
-        log-prob, update `done`."""
+        n_gen, done = rows(slots.n_gen), rows(slots.done)
         logprobs = output_logprobs(
-            self.adapter.lm_head, hidden, run.temperature[:, None], self.placeholders
+            self.adapter.lm_head, hidden, rows(slots.temperature)[:, None], self.placeholders
         )  # [R, V]
-        step = run.n_gen[:, None]  # [R, 1]; finished rows write to their scratch column
-        uniforms = run.noise.gather(1, step.clamp(max=run.noise.shape[1] - 1)).squeeze(1)  # [R]
-        token = sample(logprobs, run.top_p, run.top_k, uniforms, run.filtered)
+        step = n_gen[:, None]  # [R, 1]; finished rows write to their scratch column
+        noise = rows(slots.noise)
+        uniforms = noise.gather(1, step.clamp(max=noise.shape[1] - 1)).squeeze(1)  # [R]
+        token = sample(logprobs, rows(slots.top_p), rows(slots.top_k), uniforms, self._filtered)
         logprob = logprobs.gather(1, token[:, None]).squeeze(1)
-        run.tokens.scatter_(1, step, token[:, None])
-        run.logprobs.scatter_(1, step, logprob[:, None])
-        active = ~run.done
-        run.n_gen += active.long()
-        stopped = (token[:, None] == run.stops).any(1)
-        run.done |= active & (stopped | (run.n_gen >= run.max_new))
-        run.last = token
+        active = ~done
+        n_next = n_gen + active.long()
+        stopped = (token[:, None] == rows(slots.stops)).any(1)
+        done_next = done | (active & (stopped | (n_next >= rows(slots.max_new))))
+        if index is None:
+            slots.tokens.scatter_(1, step, token[:, None])
+            slots.logprobs.scatter_(1, step, logprob[:, None])
+            slots.n_gen.copy_(n_next)
+            slots.done.copy_(done_next)
+            slots.last.copy_(token)
+        else:
+            tokens, lps = rows(slots.tokens), rows(slots.logprobs)
+            tokens.scatter_(1, step, token[:, None])
+            lps.scatter_(1, step, logprob[:, None])
+            for name, value in (
+                ("tokens", tokens),
+                ("logprobs", lps),
+                ("n_gen", n_next),
+                ("done", done_next),
+                ("last", token),
+            ):
+                getattr(slots, name).index_copy_(0, index, value)
+
+    def _capture(self, slots: _Slots) -> Callable[[], None]:
+        """The decode step as a CUDA graph: warmed up and captured while every slot is free (so the steps
+        run for it change nothing that matters), replayed on the same buffers."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # lazy initialisations, cuBLAS workspaces, autotuning: not in the graph
+                self._step(slots)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self._step(slots)
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"capturing the decode step in a CUDA graph failed ({e}); generation.cuda_graph: false "
+                "runs it eagerly"
+            ) from e
+        return graph.replay
 
     def _collect(
-        self, run: _Running, finished: torch.Tensor, requests, prepared
+        self, slots: _Slots, finished: list[int], owner, requests, prepared
     ) -> list[tuple[int, OmniTrajectory]]:
-        """(request index, trajectory) of the finished rows `finished`, on the host."""
-        lengths = run.n_gen[finished].tolist()
-        tokens, logprobs = run.tokens[finished].cpu(), run.logprobs[finished].cpu()
+        """(request index, trajectory) of the finished slots, on the host."""
+        if not finished:
+            return []
+        index = torch.tensor(finished, device=self.device)
+        lengths = slots.n_gen.index_select(0, index).tolist()
+        tokens = slots.tokens.index_select(0, index).cpu()
+        logprobs = slots.logprobs.index_select(0, index).cpu()
         out = []
-        for row, n, toks, lps in zip(finished.tolist(), lengths, tokens, logprobs):
-            i = run.ids[row]
+        for s, n, toks, lps in zip(finished, lengths, tokens, logprobs):
+            i = owner[s]
             request, response = requests[i], toks[:n].clone()
             stops = set(self.adapter.eos_token_ids) | set(request.params.stop_token_ids)
             traj = OmniTrajectory(
