@@ -269,9 +269,15 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for name in methods:
-        if args.warmup:
-            timed(runs[name], requests[: args.warmup])
-        tokens, seconds = timed(runs[name], requests)
+        try:
+            if args.warmup:
+                timed(runs[name], requests[: args.warmup])
+            tokens, seconds = timed(runs[name], requests)
+        except Exception as e:  # noqa: BLE001 (recorded: the other methods still run)
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
+            out.write_text(json.dumps(report, indent=2) + "\n")
+            continue
         results[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
         if name.startswith("ours"):  # the engine's own account: decode steps, prefills, graph capture
             results[name].update(stats)
@@ -292,6 +298,9 @@ def main() -> None:
     print(f"{'method':<16}{'tokens':>10}{'seconds':>10}{'tokens/s':>12}{'vs generate':>13}")
     base = results.get("generate", {}).get("tokens_per_s")
     for name, r in results.items():
+        if "error" in r:
+            print(f"{name:<16} failed: {r['error']}")
+            continue
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
         print(f"{name:<16}{r['tokens']:>10}{r['seconds']:>10.2f}{r['tokens_per_s']:>12.1f}{ratio:>13}")
     print(f"wrote {args.out}")
