@@ -110,6 +110,13 @@ def test_buckets_key_and_tokens(adapter, tiny_qwen_image):
     assert adapter.compat_key(requests[3])[-2:] == (16, 16)
     assert adapter.compat_key(requests[0])[:-2] == requests[0].params.key
     assert adapter.num_tokens(requests[0]) == 64 + 32  # image tokens + the longer padded text
+    # CFG as two forwards: the negative rows run at the negative prompt's own length, unpadded.
+    adapter.fused_cfg = False
+    try:
+        negative = adapter.prompt_length(requests[0].negative_prompt)
+        assert negative < 16 and adapter.compat_key(requests[0])[-2:] == (32, negative)
+    finally:
+        adapter.fused_cfg = True
     unguided = make_requests(SamplingParams(SIZE, SIZE, STEPS, 1.0, 1.2, "sde", 2, (0, 4)))
     assert adapter.compat_key(unguided[0])[-1] == 0  # no negative prompt: it must not split batches
     # Longer than the largest bucket: truncated to it, as the pipeline's max_sequence_length does.

@@ -128,8 +128,18 @@ class QwenImageAdapter:
         return next(b for b in self.buckets if b >= length)
 
     def compat_key(self, request: Request) -> tuple:
+        """The sampling settings, the prompt's bucket and the negative prompt's padded length: its bucket
+        when CFG is fused (its rows share the forward, and the text length, of the conditional rows),
+        its exact length when CFG runs as two forwards. A recipe's negative prompt is usually one string
+        for all requests, so its own forward then needs neither padding nor a mask (measured on the H200:
+        a 6-token negative padded to a 64-token bucket costs 4% of the transformer time of a rollout)."""
         guided = request.params.guidance_scale > 1
-        negative = self.bucket(request.negative_prompt) if guided else 0  # unused without guidance
+        if not guided:
+            negative = 0  # unused without guidance
+        elif self.fused_cfg:
+            negative = self.bucket(request.negative_prompt)
+        else:
+            negative = self.prompt_length(request.negative_prompt)
         return request.params.key + (self.bucket(request.prompt), negative)
 
     def num_tokens(self, request: Request) -> int:

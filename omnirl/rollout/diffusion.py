@@ -16,8 +16,8 @@ the trainer's forward/backward stays eager. We do not call diffusers' `compile_r
 compiles for good (training included, FSDP2's hooks traced inside), finds blocks by class name, which
 `fully_shard` renames (FSDPQwenImageTransformerBlock), and SD3 defines no `_repeated_blocks`. Shapes are
 static (`dynamic=False`, the batch dim included), so each new batch size would compile again: batches
-are filled (not balanced) and padded up to power-of-two bucket sizes with dummy requests whose outputs
-are dropped. A dummy row draws its noise from its own generator, never from a real request's.
+are filled (not balanced) and padded up to a few bucket sizes (`bucket_size`) with dummy requests whose
+outputs are dropped. A dummy row draws its noise from its own generator, never from a real request's.
 """
 
 from __future__ import annotations
@@ -36,14 +36,22 @@ from omnirl.rollout.packer import RequestPacker
 COMPILE_BACKEND = "inductor"
 # Compiled entries all sit on the one `forward` code object of a block class: one per (block variant,
 # batch bucket, latent / text shape). SD3.5 has three variants (dual attention, plain, last block
-# without context output) and max_num_seqs 64 seven buckets; dynamo's default limit of 8 would drop to
-# eager silently after the eighth.
-RECOMPILE_LIMIT = 64
+# without context output) and max_num_seqs 256 nineteen batch buckets (`bucket_size`); dynamo's default
+# limit of 8 would drop to eager silently after the eighth.
+RECOMPILE_LIMIT = 128
 
 
 def bucket_size(n: int, capacity: int) -> int:
-    """The bucket a batch of `n` requests is padded to: the next power of two, at most `capacity`."""
-    return min(1 << (n - 1).bit_length(), capacity)
+    """The bucket a batch of `n` requests is padded to, at most `capacity`: the next power of two up to 8,
+    then the next multiple of 8, 16, 32, ... (an eighth of the power of two below n, at least 8), so a
+    batch is padded by at most ~1/8 (a power of two pads 33 to 64, i.e. wastes nearly half) and the
+    number of shapes to compile grows only logarithmically: 1, 2, 4, 8, 16, 24, ..., 64, 80, ..., 128."""
+    if n <= 8:
+        size = 1 << (n - 1).bit_length()
+    else:
+        step = max(8, 1 << (n.bit_length() - 4))
+        size = -(-n // step) * step
+    return min(size, capacity)
 
 
 class DiffusionEngine:
