@@ -5,9 +5,19 @@
     python benchmarks/rollout_packing.py --model qwen_image --random-init --images 64 --forward-only \
         --max-num-seqs 32 --unfused-max-num-seqs 32 --single-bucket 32 --compiled-max-num-seqs
     python benchmarks/rollout_packing.py --model sd35 --random-init --dry-run
+    torchrun --nproc_per_node 2 benchmarks/rollout_packing.py --random-init --images 32 --serial-requests 2 \
+        --max-num-seqs 32 --compiled-max-num-seqs --stock-batch --logprob-check 0
 
 The reference (VeRL-Omni v0.2.0, Qwen-Image LoRA OCR recipe, 512 px, True-CFG 4.0, 10 steps, 128 images
 per GPU): 226 s serial (max_num_seqs 1) -> 108 s packed (max_num_seqs 32) per training step.
+
+Under torchrun (one process per GPU) every rank builds the models on its own GPU (LOCAL_RANK), the LoRA is
+sharded over all ranks as the trainer shards it, and each rank generates its own `--images` (rank r takes
+prompts r * images .. (r + 1) * images - 1 of one prompt list, seeds from their global index), starting
+each cell together (a barrier). A cell's generation time is the slowest rank's (the step waits for it),
+gathered from all ranks, as are the peak memory (the largest) and the FLOPs of the MFU (all ranks' over all
+GPUs' ceiling); rows also list every rank's time and peak (`rank_generation_s`, `rank_peak_gib`), `img/s`
+stays per GPU, and rank 0 prints and writes the results. `--forward-only` is single-process only.
 
 Generation time runs from requests in to decoded images and trajectories on the host, through omnirl's
 DiffusionEngine (the trainer's rollout path: packer, per-request generators, SDE window, log-probs), with
@@ -53,6 +63,7 @@ import importlib
 import json
 import os
 import random
+import sys
 import tempfile
 import traceback
 from pathlib import Path
@@ -334,6 +345,20 @@ def forward_cell(
 # ---------------------------------------------------------------------------------------------- main
 
 
+def over_ranks(value: float) -> list[float]:
+    """`value` from every rank, in rank order (one rank: [value]); a collective."""
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    values = torch.zeros(world, dtype=torch.float64)  # a sum of one entry per rank
+    values[rank] = value
+    return D.all_reduce(values).tolist()
+
+
+def rank_columns(values: dict[str, list[float]]) -> dict:
+    """The per-rank lists of a row (`rank_generation_s`, ...): only with several ranks."""
+    return {f"rank_{k}": v for k, v in values.items()} if len(next(iter(values.values()))) > 1 else {}
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(MODELS), default="qwen_image")
@@ -367,6 +392,8 @@ def parse_args() -> argparse.Namespace:
         p.error("give --path or --random-init")
     if a.model != "qwen_image" and (a.single_bucket or a.negative_bucket):
         p.error(f"--single-bucket / --negative-bucket: {a.model} pads every prompt to one fixed length")
+    if a.forward_only and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        p.error("--forward-only runs in a single process (not under torchrun with several ranks)")
     return a
 
 
@@ -419,24 +446,29 @@ def main() -> None:
     if a.dry_run:
         dry_run(a)
         return
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # Under torchrun: the process group first, which puts this rank on its own GPU (LOCAL_RANK).
+    dist = D.init_distributed() if "RANK" in os.environ else None
+    device = dist.device if dist else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     results: dict = {
         "args": vars(a),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
     }
     results["matmul_tflops"] = matmul_tflops(device)
     ceiling = results["matmul_tflops"] * 1e12
-    print(f"bf16 matmul ceiling: {results['matmul_tflops']:.0f} TFLOP/s", flush=True)
+    D.print0(f"bf16 matmul ceiling: {results['matmul_tflops']:.0f} TFLOP/s")
 
     t_load, (cfg, adapter) = timed(lambda: build(a, device))
-    print(f"models built in {t_load:.0f} s, {peak_gib():.1f} GiB", flush=True)
-    # The trainer's path: a 1-rank process group and FSDP2 with the recipe's MixedPrecisionPolicy, so the
-    # rollout gathers the float32 LoRA once per phase in bfloat16 (peft would otherwise run every LoRA
-    # matmul in float32, which is what a training run never does).
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
-        os.environ.setdefault(k, v)
-    os.environ.setdefault("MASTER_PORT", "29555")
-    mesh = D.init_distributed().mesh
+    D.print0(f"models built in {t_load:.0f} s, {peak_gib():.1f} GiB")
+    # The trainer's path: a process group (1 rank without torchrun) and FSDP2 with the recipe's
+    # MixedPrecisionPolicy, so the rollout gathers the float32 LoRA once per phase in bfloat16 (peft would
+    # otherwise run every LoRA matmul in float32, which is what a training run never does).
+    if dist is None:
+        for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
+            os.environ.setdefault(k, v)
+        os.environ.setdefault("MASTER_PORT", "29555")
+        dist = D.init_distributed()
+    mesh = dist.mesh
+    results["world_size"] = dist.world_size
     frozen = {p for p in adapter.transformer.parameters() if not p.requires_grad}  # the LoRA's base
     dc = cfg.distributed  # as the trainer shards it
     D.apply_fsdp(adapter.transformer, adapter.fsdp_units(), mesh, dc.param_dtype, dc.reduce_dtype, frozen)
@@ -445,16 +477,23 @@ def main() -> None:
         s.height, s.width, a.steps, s.guidance_scale, s.noise_level, s.sde_type, s.sde_window_size,
         tuple(s.sde_window_range),
     )  # fmt: skip
-    texts = prompts(a.images, 0)
-    requests = make_requests(texts, params, s.negative_prompt)
+    # This rank's share of one prompt list (all of it in a single process); seeds from the global index.
+    mine = slice(dist.rank * a.images, (dist.rank + 1) * a.images)
+    texts_all = prompts(a.images * dist.world_size, 0)
+    texts = texts_all[mine]
+    requests = make_requests(texts_all, params, s.negative_prompt)[mine]
     flops_at = transformer_flops(adapter, params)
     flops_total = real_flops(adapter, requests, flops_at) * a.steps
+    # The mean over ranks, so that flops_total / seconds / ceiling below is all ranks' FLOPs over all GPUs'
+    # ceiling (the MFU of the whole step).
+    flops_total = sum(over_ranks(flops_total)) / dist.world_size
     results["transformer_tflop_per_rollout"] = flops_total / 1e12
     rows = []
 
     def save():
         results["rows"] = rows
-        Path(a.out).write_text(json.dumps(results, indent=1))
+        if dist.is_main:
+            Path(a.out).write_text(json.dumps(results, indent=1))
 
     eager = [Cell(n) for n in a.max_num_seqs] + [Cell(n, fused_cfg=False) for n in a.unfused_max_num_seqs]
     eager += [Cell(n, buckets="single") for n in a.single_bucket]
@@ -477,17 +516,20 @@ def main() -> None:
             if cell.compile:
                 compile_s, _ = timed(lambda: engine.generate(reqs))  # compiles every bucket shape
             engine.generate(reqs[: min(len(reqs), 2)])  # warm-up (allocator, kernels)
+            D.barrier()  # ranks start together: a step's generation ends with its slowest rank
             reset_peak()
             secs, trajs = timed(lambda: engine.generate(reqs))
             shapes = batch_shapes(adapter, engine, reqs)
-        gen = secs * scale
+        gens, peaks = over_ranks(secs * scale), over_ranks(peak_gib())
+        gen = max(gens)
         row = {
             "name": name, "generation_s": gen, "images_per_s": a.images / gen, "scaled_from": len(reqs),
-            "mfu": flops_total / gen / ceiling, "peak_gib": peak_gib(),
-            "compile_s": max(compile_s - secs, 0.0), "batches": shapes,
+            "mfu": flops_total / gen / ceiling, "peak_gib": max(peaks),
+            "compile_s": max(over_ranks(max(compile_s - secs, 0.0))), "batches": shapes,
+            **rank_columns({"generation_s": gens, "peak_gib": peaks}),
         }  # fmt: skip
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        D.print0(json.dumps(row))
         save()
         return trajs
 
@@ -501,9 +543,9 @@ def main() -> None:
         )
     for cell in eager:
         trajs = guarded(rows, cell.name, lambda cell=cell: run_engine(cell, requests, 1.0))
-        if trajs and cell == Cell(a.logprob_check):
+        if trajs and cell == Cell(a.logprob_check):  # rank 0's rollouts (every rank runs it: FSDP)
             results["logprob_check"] = logprob_gap(adapter, trajs, cfg.algo.clip_range)
-            print(json.dumps(results["logprob_check"]), flush=True)
+            D.print0(json.dumps(results["logprob_check"]))
         del trajs
         save()
     stock(adapter, texts, s.negative_prompt, params, a, rows, flops_total / ceiling, save, compiled=False)
@@ -512,8 +554,9 @@ def main() -> None:
     if compiled:
         stock(adapter, texts, s.negative_prompt, params, a, rows, flops_total / ceiling, save, compiled=True)
     save()
-    print_generation(rows)
-    print(f"wrote {a.out}")
+    if dist.is_main:
+        print_generation(rows)
+        print(f"wrote {a.out}")
 
 
 def print_generation(rows: list[dict]) -> None:
@@ -585,20 +628,30 @@ def stock(adapter, texts, negative, params, a, rows, flop_seconds, save, compile
             with D.gathered_weights(adapter.transformer):  # as the engine does: weights gathered once
                 compile_s = timed(lambda: call(b))[0] if compiled else 0.0
                 call(2, 2) if not compiled else None  # warm-up (kernels, allocator)
+                D.barrier()
                 reset_peak()
                 secs = timed(call)[0]
-            gen = secs * a.images / n
+            gens, peaks = over_ranks(secs * a.images / n), over_ranks(peak_gib())
+            gen = max(gens)
             row = {
                 "name": name, "generation_s": gen, "images_per_s": a.images / gen, "scaled_from": n,
-                "mfu": flop_seconds / gen, "peak_gib": peak_gib(),
-                "compile_s": max(compile_s - secs * b / n, 0.0),
+                "mfu": flop_seconds / gen, "peak_gib": max(peaks),
+                "compile_s": max(over_ranks(max(compile_s - secs * b / n, 0.0))),
+                **rank_columns({"generation_s": gens, "peak_gib": peaks}),
             }  # fmt: skip
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            D.print0(json.dumps(row))
 
         guarded(rows, name, run)
         save()
 
 
 if __name__ == "__main__":
+    under_torchrun = "RANK" in os.environ
     main()
+    if under_torchrun:  # as scripts/train.py ends: no rank tears down while another is in a collective,
+        D.barrier()  # and no interpreter finalization (gloo's threads can abort it)
+        D.destroy()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

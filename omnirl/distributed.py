@@ -226,7 +226,7 @@ def load_pretrained(cls, path: str, **kwargs) -> nn.Module:
     layout = [[(str(t.dtype), tuple(t.shape)) for t in tensors]]
     dist.broadcast_object_list(layout, src=0)
     if [shape for _, shape in layout[0]] != [tuple(t.shape) for t in tensors]:
-        raise RuntimeError(f"load_pretrained({cls.__name__}, {path!r}): rank 0 built other tensors than this rank")
+        raise RuntimeError(f"load_pretrained({cls.__name__}, {path!r}): rank 0 has other tensor shapes")
     for tensor, (dtype, _) in zip(tensors, layout[0]):
         dtype = getattr(torch, dtype.removeprefix("torch."))
         if tensor.dtype != dtype:

@@ -226,6 +226,9 @@ def test_tiny_recipe_under_torchrun_resumes_and_exports(tiny_qwen3_omni_k12, tmp
         assert m["consistency/logprob_abs_diff_max"] <= 1e-5 and m["consistency/prob_pearson"] >= 0.9999
         assert {"loss/policy", "loss/clip_frac", "loss/ratio", "train/grad_norm"} <= m.keys()
         assert m["train/updates"] == 2 and m["adv/kept_frac"] > 0
+        # Rank-local timings (and, on an accelerator, peak memory) from every rank; the key is the maximum.
+        ranks = [m["time/generate_s/rank0"], m["time/generate_s/rank1"]]
+        assert m["time/generate_s"] == max(ranks) and min(ranks) > 0 and "time/score_wait_s/rank1" in m
     assert "val/reward" in rows[1]  # validation.every 2
     assert "<answer>" in (out / "samples/step_000000.txt").read_text()
 

@@ -49,6 +49,13 @@ def test_slurm_scripts_pass_shellcheck():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def test_gpu_run_scripts_pass_shellcheck():
+    scripts = sorted(str(p) for p in (ROOT / "scripts/gpu").glob("*.sh"))
+    assert scripts
+    r = subprocess.run([tool("shellcheck"), *scripts], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 # Stub commands: each appends {"argv": [...], "cwd": ..., "env": {...}} to $STUB_LOG, one JSON per line.
 STUB = f"""#!{sys.executable}
 import json, os, sys

@@ -1,0 +1,43 @@
+"""Checks of omnirl.distributed.load_pretrained and omnirl.trainer.per_rank on 2 ranks (gloo); launched by
+tests/test_distributed.py with torchrun. argv[1]: a tiny Qwen-Image checkpoint. Prints "dist checks OK" on
+each rank; any failure raises."""
+
+import sys
+
+import torch
+from transformers import Qwen2_5_VLForConditionalGeneration
+
+from omnirl import distributed as D
+from omnirl.trainer import per_rank
+
+
+def main() -> None:
+    info = D.init_distributed()
+    # bfloat16: from_pretrained keeps the rotary inv_freq buffers in float32, a meta build casts them; the
+    # broadcast must leave rank 1 with exactly rank 0's (here: every rank's own from_pretrained) tensors.
+    kwargs = dict(subfolder="text_encoder", dtype=torch.bfloat16)
+    model = D.load_pretrained(Qwen2_5_VLForConditionalGeneration, sys.argv[1], **kwargs)
+    ref = Qwen2_5_VLForConditionalGeneration.from_pretrained(sys.argv[1], **kwargs)
+    mine = dict([*model.named_parameters(), *model.named_buffers()])
+    theirs = [*ref.named_parameters(), *ref.named_buffers()]
+    assert {t.dtype for _, t in theirs} == {torch.bfloat16, torch.float32}  # the case under test is there
+    for name, t in theirs:
+        assert mine[name].dtype == t.dtype and torch.equal(mine[name], t), name
+
+    # per_rank: every rank's value under KEY/rankR, the maximum under KEY; other keys are not touched.
+    logs = {"mem/train_peak_gib": 1.0 + info.rank, "time/generate_s": 5.0 - info.rank, "loss/policy": 0.5}
+    assert per_rank(logs) == {
+        "mem/train_peak_gib/rank0": 1.0,
+        "mem/train_peak_gib/rank1": 2.0,
+        "mem/train_peak_gib": 2.0,
+        "time/generate_s/rank0": 5.0,
+        "time/generate_s/rank1": 4.0,
+        "time/generate_s": 5.0,
+    }
+    print(f"rank {info.rank}: dist checks OK", flush=True)
+    D.barrier()
+    D.destroy()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""The benchmarks' plumbing on the tiny checkpoints (CPU): what they measure is timed on GPUs, not here."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_train import ROOT
+
+
+def run(cmd: list[str], timeout: int = 300) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+
+
+@pytest.mark.slow
+def test_rollout_packing_on_two_ranks_reports_the_slowest_rank(tiny_qwen_image, tmp_path):
+    """benchmarks/rollout_packing.py under torchrun: every rank generates its own --images, rank 0 writes
+    each cell's time as the slowest rank's. Rank 0's share is the first --images prompts, seeded by their
+    global index: the same trajectories as a single process, hence the same log-prob check."""
+    args = [
+        *("--path", str(tiny_qwen_image), "--images", "4", "--serial-requests", "1", "--max-num-seqs", "4"),
+        *("--compiled-max-num-seqs", "--stock-batch", "2", "--logprob-check", "4", "--size", "64"),
+        *("--steps", "2"),
+    ]
+    script = "benchmarks/rollout_packing.py"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    run([*torchrun, script, *args, "--out", str(tmp_path / "two.json")])
+    run([sys.executable, script, *args, "--out", str(tmp_path / "one.json")])
+    two, one = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("two", "one"))
+
+    assert (two["world_size"], one["world_size"]) == (2, 1)
+    names = [r["name"] for r in two["rows"]]
+    assert names == [r["name"] for r in one["rows"]] and len(names) == 3  # serial, packed, stock
+    assert names[0].startswith("serial") and names[2].startswith("stock")
+    for r in two["rows"]:
+        assert len(r["rank_generation_s"]) == len(r["rank_peak_gib"]) == 2
+        assert r["generation_s"] == max(r["rank_generation_s"]) > 0
+    assert all("rank_generation_s" not in r for r in one["rows"])  # a single process writes what it did
+    for key in ("mean_abs", "max_abs"):
+        assert two["logprob_check"][key] == pytest.approx(one["logprob_check"][key], rel=1e-6)
+
+
+def test_two_gpu_report_of_a_gpu_run(tmp_path):
+    """scripts/gpu/two_gpu_runs.py mmk12 on the keys a 2-GPU run logs (per-rank peaks exist only on an
+    accelerator, so the CPU rehearsal never shows them): every rank's peak and generation time, the time
+    split, the consistency."""
+    row = {
+        "step": 1, "time/step_s": 20.0, "time/rollout_s": 12.0, "time/train_s": 6.0,
+        "time/generate_s": 11.5, "time/generate_s/rank0": 11.5, "time/generate_s/rank1": 10.25,
+        "time/score_wait_s": 0.5, "time/rollout_sleep_s": 0.25, "time/train_wake_s": 0.25,
+        "mem/rollout_peak_gib": 30.5, "mem/rollout_peak_gib/rank0": 30.5, "mem/rollout_peak_gib/rank1": 29.75,
+        "mem/train_peak_gib": 41.0, "mem/train_peak_gib/rank0": 40.0, "mem/train_peak_gib/rank1": 41.0,
+        "consistency/prob_pearson": 0.99951, "consistency/logprob_abs_diff_mean": 0.0233,
+        "consistency/logprob_abs_diff_max": 0.255, "consistency/tokens": 32768.0, "adv/kept_frac": 1.0,
+        "train/updates": 8.0, "reward/mmk12": 0.0,
+    }  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    cmd = [sys.executable, "scripts/gpu/two_gpu_runs.py", "mmk12", str(tmp_path / "metrics.jsonl")]
+    r = subprocess.run([*cmd, "--json", str(tmp_path / "s.json")], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("| 1 |"))
+    assert "| 11.5 (11.5 / 10.2) | 0.50 | 6.0 | 0.50 | 1.5 | 30.5 / 29.8 | 40.0 / 41.0 | 0.99951 |" in line
+    (step,) = json.loads((tmp_path / "s.json").read_text())["steps"]
+    assert step["train_peak_gib_per_rank"] == [40.0, 41.0] and step["other_s"] == 1.5

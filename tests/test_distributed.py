@@ -1,0 +1,25 @@
+"""omnirl.distributed and the trainer's cross-rank metrics on 2 ranks (torchrun, gloo)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_train import ROOT
+
+
+@pytest.mark.slow
+def test_bf16_load_pretrained_and_per_rank_metrics_on_two_ranks(tiny_qwen_image):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    r = subprocess.run(
+        [*cmd, "tests/_dist_checks.py", str(tiny_qwen_image)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert r.stdout.count("dist checks OK") == 2
