@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 6 on two GPUs (nvidia-h200-x2), in one command of ~5-6 minutes (it stops itself by ~9.5 minutes):
+# Issue 6 on two GPUs (nvidia-h200-x2), in one command of ~5-6 minutes (it stops itself by ~9 minutes):
 #
 #   bash scripts/gpu/two_gpu_runs.sh OUT_DIR
 #   OMNIRL_DRY=1 bash scripts/gpu/two_gpu_runs.sh OUT_DIR   # rehearsal on CPU: tiny sizes, gloo, < 1 minute
@@ -31,7 +31,7 @@ mkdir -p "$out" && out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/../.." || exit 1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 dry=${OMNIRL_DRY:-0}
-budget=${OMNIRL_BUDGET_S:-560}  # seconds for the whole script: the device tool stops a command at 600
+budget=${OMNIRL_BUDGET_S:-540}  # seconds for the whole script: the device tool stops a command at 600
 packing_cap=280                 # the packing run's most; the training run gets what is left
 start=$SECONDS
 work=$(mktemp -d)
