@@ -15,8 +15,9 @@
 #    random-init Qwen3-Omni-shaped thinker (scripts/gpu/two_gpu_runs.py checkpoint: 8 MoE layers, hidden
 #    2048, 32 experts top 8, vocab 151936, bf16, lm_head x4) loaded through model.path, with K12 data from
 #    scripts/make_k12_data.py; the recipe's settings except 8 prompts (x 16 responses: 64 per GPU) per step,
-#    up to 256 new tokens, and no validation, checkpoint, LoRA export or tensorboard. Per step: time split into generation, scoring wait and update, peak memory per
-#    GPU, actor-vs-rollout probability Pearson and |dlogp| (bf16).
+#    up to 256 new tokens, and no validation, checkpoint, LoRA export or tensorboard. Per step: time split
+#    into generation, scoring wait and update, peak memory per GPU, actor-vs-rollout probability Pearson and
+#    |dlogp| (bf16).
 #
 # Everything measured goes under OUT_DIR: summary.md (both tables), summary.log, rollout_packing.{json,log},
 # rollout_packing_summary.json, mmk12.log, mmk12/metrics.jsonl (+ samples/), mmk12_summary.json,
@@ -85,8 +86,9 @@ else
     packing_args=(--random-init --images 32 --serial-requests 2 --max-num-seqs 32)
 fi
 log "1. rollout packing (at most $packing_cap s)"
-OMP_NUM_THREADS=$threads timeout -k 20 "$packing_cap" torchrun --standalone --nproc_per_node 2 benchmarks/rollout_packing.py \
-    "${packing_args[@]}" --compiled-max-num-seqs --stock-batch --logprob-check 0 \
+OMP_NUM_THREADS=$threads timeout -k 20 "$packing_cap" \
+    torchrun --standalone --nproc_per_node 2 benchmarks/rollout_packing.py "${packing_args[@]}" \
+    --compiled-max-num-seqs --stock-batch --logprob-check 0 \
     --out "$out/rollout_packing.json" >"$out/rollout_packing.log" 2>&1
 log "rollout packing exit status $? (124: stopped at its time limit); last lines of its log:"
 grep -v -i -E "warn|torchvision|^[WI][0-9]{4} " "$out/rollout_packing.log" | tail -8
@@ -104,18 +106,19 @@ tail -3 "$out/prepare.log"
 if [[ $dry == 1 ]]; then
     train_args=(--run.steps 2 --rollout.prompts_per_step 2 --rollout.group_size 4
         --generation.max_new_tokens 16 --generation.kv_cache_gib 0.25 --model.dtype float32
-        --distributed.param_dtype float32 --reward.num_workers 2)
+        --distributed.param_dtype float32 --reward.num_workers 2 --optim.mini_batches 2)
 else
     train_args=(--run.steps 3 --rollout.prompts_per_step 8 --generation.max_new_tokens 256)
 fi
 train_cap=$(($(left) - 25))
 if [[ $prepared == 0 && $train_cap -gt 60 ]]; then
     log "2. mmk12 training (at most $train_cap s)"
-    OMP_NUM_THREADS=$threads timeout -k 20 "$train_cap" torchrun --standalone --nproc_per_node 2 scripts/gpu/train_entry.py \
-        --noise-weight 0.001 --recipe mmk12 --model.path "$work/thinker/random_thinker" \
+    OMP_NUM_THREADS=$threads timeout -k 20 "$train_cap" \
+        torchrun --standalone --nproc_per_node 2 scripts/gpu/train_entry.py --noise-weight 0.001 \
+        --recipe mmk12 --model.path "$work/thinker/random_thinker" \
         --data.train_path "$data/train.jsonl" --data.val_path "$data/val.jsonl" \
-        --run.output_dir "$out/mmk12" --optim.mini_batches 2 \
-        --validation.every 0 --checkpoint.every 0 --export.no-lora-at-end --log.no-tensorboard \
+        --run.output_dir "$out/mmk12" --validation.every 0 --checkpoint.every 0 --export.no-lora-at-end \
+        --log.no-tensorboard \
         --log.image_every 1 "${train_args[@]}" >"$out/mmk12.log" 2>&1
     log "mmk12 training exit status $? (124: stopped at its time limit); last lines of its log:"
     grep -v -i -E "warn|torchvision|^[WI][0-9]{4} " "$out/mmk12.log" | tail -8
