@@ -163,6 +163,12 @@ class Cell:
     buckets: str = "recipe"  # "recipe" | "single" (the largest only) | "negative" (+ the negative's length)
 
     @property
+    def spec(self) -> str:
+        """The --cells spelling of this cell."""
+        cfg, compiled = "fused" if self.fused_cfg else "split", "compiled" if self.compile else "eager"
+        return f"{self.max_num_seqs}:{cfg}:{self.buckets}:{compiled}"
+
+    @property
     def name(self) -> str:
         parts = [
             f"packed max_num_seqs {self.max_num_seqs}",
@@ -172,6 +178,25 @@ class Cell:
             self.buckets
         ]
         return ", ".join(parts + ["compiled" if self.compile else "eager"])
+
+
+def parse_cell(spec: str) -> Cell:
+    """A --cells entry: MAX_NUM_SEQS then options separated by ':' (see --help)."""
+    n, *options = spec.split(":")
+    kwargs: dict = {}
+    for option in options:
+        if option in ("fused", "split"):
+            kwargs["fused_cfg"] = option == "fused"
+        elif option in ("recipe", "single", "negative"):
+            kwargs["buckets"] = option
+        elif option in ("eager", "compiled"):
+            kwargs["compile"] = option == "compiled"
+        else:
+            raise argparse.ArgumentTypeError(f"cell {spec!r}: unknown option {option!r}")
+    try:
+        return Cell(int(n), **kwargs)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cell {spec!r}: max_num_seqs {n!r} is not an integer") from None
 
 
 @contextlib.contextmanager
@@ -372,6 +397,19 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--single-bucket", type=int, nargs="*", default=[], help="fused, one prompt bucket")
     p.add_argument("--negative-bucket", type=int, nargs="*", default=[], help="unfused, negative unpadded")
     p.add_argument("--compiled-max-num-seqs", type=int, nargs="*", default=[16, 32])
+    p.add_argument(
+        "--cells",
+        nargs="*",
+        default=[],
+        type=parse_cell,
+        help="more packed cells, each MAX_NUM_SEQS[:fused|split][:recipe|single|negative][:eager|compiled], "
+        "e.g. 32:split:single:compiled (defaults: fused, recipe buckets, eager)",
+    )
+    p.add_argument(
+        "--stock-compiled",
+        action="store_true",
+        help="also the stock pipeline compiled (else only with compiled cells)",
+    )
     p.add_argument("--stock-batch", type=int, nargs="*", default=[16, 32])
     p.add_argument("--forward-only", action="store_true", help="time the transformer forward alone")
     p.add_argument(
@@ -390,7 +428,9 @@ def parse_args() -> argparse.Namespace:
     a = p.parse_args()
     if not (a.path or a.random_init):
         p.error("give --path or --random-init")
-    if a.model != "qwen_image" and (a.single_bucket or a.negative_bucket):
+    if a.model != "qwen_image" and (
+        a.single_bucket or a.negative_bucket or any(c.buckets != "recipe" for c in a.cells)
+    ):
         p.error(f"--single-bucket / --negative-bucket: {a.model} pads every prompt to one fixed length")
     if a.forward_only and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         p.error("--forward-only runs in a single process (not under torchrun with several ranks)")
@@ -450,7 +490,7 @@ def main() -> None:
     dist = D.init_distributed() if "RANK" in os.environ else None
     device = dist.device if dist else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     results: dict = {
-        "args": vars(a),
+        "args": {k: [c.spec for c in v] if k == "cells" else v for k, v in vars(a).items()},
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
     }
     results["matmul_tflops"] = matmul_tflops(device)
@@ -499,6 +539,8 @@ def main() -> None:
     eager += [Cell(n, buckets="single") for n in a.single_bucket]
     eager += [Cell(n, fused_cfg=False, buckets="negative") for n in a.negative_bucket]
     compiled = [Cell(n, compile=True) for n in a.compiled_max_num_seqs]
+    eager += [c for c in a.cells if not c.compile]
+    compiled += [c for c in a.cells if c.compile]
     if a.forward_only:
         for forced_sdpa in (False, True):
             for cell in eager + compiled:
@@ -551,7 +593,7 @@ def main() -> None:
     stock(adapter, texts, s.negative_prompt, params, a, rows, flops_total / ceiling, save, compiled=False)
     for cell in compiled:
         guarded(rows, cell.name, lambda cell=cell: run_engine(cell, requests, 1.0))
-    if compiled:
+    if compiled or a.stock_compiled:
         stock(adapter, texts, s.negative_prompt, params, a, rows, flops_total / ceiling, save, compiled=True)
     save()
     if dist.is_main:

@@ -66,3 +66,25 @@ def test_two_gpu_report_of_a_gpu_run(tmp_path):
     assert "| 11.5 (11.5 / 10.2) | 0.50 | 6.0 | 0.50 | 1.5 | 30.5 / 29.8 | 40.0 / 41.0 | 0.99951 |" in line
     (step,) = json.loads((tmp_path / "s.json").read_text())["steps"]
     assert step["train_peak_gib_per_rank"] == [40.0, 41.0] and step["other_s"] == 1.5
+
+
+def test_rollout_packing_cells_option(tiny_qwen_image, tmp_path):
+    """--cells adds packed configurations by name; a malformed one is refused before any model loads."""
+    args = [
+        *("--path", str(tiny_qwen_image), "--images", "3", "--serial-requests", "0", "--max-num-seqs"),
+        *("--compiled-max-num-seqs", "--stock-batch", "--logprob-check", "0", "--size", "64", "--steps", "2"),
+        *("--cells", "4:split", "4:split:single"),
+    ]
+    script = "benchmarks/rollout_packing.py"
+    run([sys.executable, script, *args, "--out", str(tmp_path / "cells.json")])
+    rows = json.loads((tmp_path / "cells.json").read_text())["rows"]
+    assert [r["name"] for r in rows] == [
+        "packed max_num_seqs 4, CFG 2 forwards, eager",
+        "packed max_num_seqs 4, CFG 2 forwards, one bucket, eager",
+    ]
+    assert all(r["generation_s"] > 0 for r in rows)
+    bad = subprocess.run(
+        [sys.executable, script, "--path", str(tiny_qwen_image), "--cells", "4:twice"],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "unknown option 'twice'" in bad.stderr
