@@ -137,7 +137,9 @@ class GenerationEngine:
             stats["slots"] = len(slots.done)
             owner: list[int | None] = [None] * slots.done.shape[0]  # request index per slot
             start = time.perf_counter()
-            step = self._capture(slots) if self.cuda_graph else (lambda: self._step(slots))
+            # Two steps while every slot is free, before any prefill, on the CPU too: the same order as
+            # a CUDA graph's warm-up and capture (so CPU tests run what the GPU runs, FSDP2 included).
+            step = self._capture(slots) if self.cuda_graph else self._warm_up(slots)
             stats["capture_s"] = time.perf_counter() - start
             while waiting or any(o is not None for o in owner):
                 free = [s for s, o in enumerate(owner) if o is None]
@@ -265,6 +267,9 @@ class GenerationEngine:
         slots.column.view(-1).copy_(slots.length.clamp(max=capacity - 1))
         columns = torch.arange(capacity, device=self.device)
         mask = (columns[None] <= slots.length[:, None])[:, None, None]  # [S, 1, 1, C]: the cache + this token
+        # Quiet FSDP2 hooks for the whole step, the lm_head's call in `_record` included: called outside a
+        # root forward, a child unit's hook would make itself the root of a forward (stream waits, which
+        # break a graph capture; and, as the first forward of a run, a lazy init FSDP then refuses).
         with fsdp_hooks_quiet(self.adapter.model):
             hidden = self.adapter.model(
                 input_ids=slots.last[:, None],
@@ -273,9 +278,9 @@ class GenerationEngine:
                 cache=slots.cache,
                 use_cache=True,
             )  # [S, 1, H]
-        slots.pos.add_(1)
-        slots.length.add_((~slots.done).long())
-        self._record(slots, hidden[:, -1], None)
+            slots.pos.add_(1)
+            slots.length.add_((~slots.done).long())
+            self._record(slots, hidden[:, -1], None)
 
     def _record(self, slots: _Slots, hidden: torch.Tensor, index: torch.Tensor | None) -> None:
         """Draw the next token of the slots `index` (all when None) after their last hidden states [R, H],
@@ -316,14 +321,20 @@ class GenerationEngine:
             ):
                 getattr(slots, name).index_copy_(0, index, value)
 
+    def _warm_up(self, slots: _Slots) -> Callable[[], None]:
+        """Two decode steps while every slot is free (they change nothing that matters: free slots' state
+        is overwritten when a request takes them); returns the eager step."""
+        for _ in range(2):  # lazy initialisations, cuBLAS workspaces, autotuning
+            self._step(slots)
+        return lambda: self._step(slots)
+
     def _capture(self, slots: _Slots) -> Callable[[], None]:
-        """The decode step as a CUDA graph: warmed up and captured while every slot is free (so the steps
-        run for it change nothing that matters), replayed on the same buffers."""
+        """The decode step as a CUDA graph: warmed up (on a side stream, as capture requires) and captured
+        while every slot is free, replayed on the same buffers."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):  # lazy initialisations, cuBLAS workspaces, autotuning: not in the graph
-                self._step(slots)
+            self._warm_up(slots)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         try:

@@ -3,6 +3,7 @@
 #
 #   bash scripts/gpu/two_gpu_runs.sh OUT_DIR
 #   OMNIRL_DRY=1 bash scripts/gpu/two_gpu_runs.sh OUT_DIR   # rehearsal on CPU: tiny sizes, gloo, < 1 minute
+#   OMNIRL_PARTS=mmk12 OMNIRL_BUDGET_S=240 ...               # one of the two runs, a shorter budget
 #
 # 1. Rollout packing, Qwen-Image (full size, random init, 512 px, 10 steps, True-CFG 4.0) on 2 GPUs:
 #    `torchrun --nproc_per_node 2 benchmarks/rollout_packing.py`, 32 images per GPU, serial (timed on 2
@@ -33,6 +34,7 @@ cd "$(dirname "$0")/../.." || exit 1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 dry=${OMNIRL_DRY:-0}
 budget=${OMNIRL_BUDGET_S:-540}  # seconds for the whole script: the device tool stops a command at 600
+parts=${OMNIRL_PARTS:-packing,mmk12}  # which of the two runs
 packing_cap=280                 # the packing run's most; the training run gets what is left
 start=$SECONDS
 work=$(mktemp -d)
@@ -85,13 +87,15 @@ if [[ $dry == 1 ]]; then
 else
     packing_args=(--random-init --images 32 --serial-requests 2 --max-num-seqs 32)
 fi
-log "1. rollout packing (at most $packing_cap s)"
-OMP_NUM_THREADS=$threads timeout -k 20 "$packing_cap" \
-    torchrun --standalone --nproc_per_node 2 benchmarks/rollout_packing.py "${packing_args[@]}" \
-    --compiled-max-num-seqs --stock-batch --logprob-check 0 \
-    --out "$out/rollout_packing.json" >"$out/rollout_packing.log" 2>&1
-log "rollout packing exit status $? (124: stopped at its time limit); last lines of its log:"
-grep -v -i -E "warn|torchvision|^[WI][0-9]{4} " "$out/rollout_packing.log" | tail -8
+if [[ ,$parts, == *,packing,* ]]; then
+    log "1. rollout packing (at most $packing_cap s)"
+    OMP_NUM_THREADS=$threads timeout -k 20 "$packing_cap" \
+        torchrun --standalone --nproc_per_node 2 benchmarks/rollout_packing.py "${packing_args[@]}" \
+        --compiled-max-num-seqs --stock-batch --logprob-check 0 \
+        --out "$out/rollout_packing.json" >"$out/rollout_packing.log" 2>&1
+    log "rollout packing exit status $? (124: stopped at its time limit); last lines of its log:"
+    grep -v -i -E "warn|torchvision|^[WI][0-9]{4} " "$out/rollout_packing.log" | tail -8
+fi
 if [[ -f $out/rollout_packing.json ]]; then
     python scripts/gpu/two_gpu_runs.py packing "$out/rollout_packing.json" \
         --json "$out/rollout_packing_summary.json" >"$work/packing.md" 2>&1
@@ -111,7 +115,9 @@ else
     train_args=(--run.steps 3 --rollout.prompts_per_step 8 --generation.max_new_tokens 256)
 fi
 train_cap=$(($(left) - 25))
-if [[ $prepared == 0 && $train_cap -gt 60 ]]; then
+if [[ ,$parts, != *,mmk12,* ]]; then
+    log "2. mmk12 training not asked for (OMNIRL_PARTS=$parts)"
+elif [[ $prepared == 0 && $train_cap -gt 60 ]]; then
     log "2. mmk12 training (at most $train_cap s)"
     OMP_NUM_THREADS=$threads timeout -k 20 "$train_cap" \
         torchrun --standalone --nproc_per_node 2 scripts/gpu/train_entry.py --noise-weight 0.001 \
