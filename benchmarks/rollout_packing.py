@@ -315,6 +315,8 @@ def forward_cell(
     p = requests[0].params
     guided = p.guidance_scale > 1
     engine = DiffusionEngine(adapter, cell.max_num_seqs, fused_cfg=cell.fused_cfg, compile=cell.compile)
+    # As `engine.generate` does: the adapter's keys (the negative rows' padded length) follow the cell.
+    adapter.fused_cfg = cell.fused_cfg
     with prompt_buckets(adapter, cell.buckets, requests[0].negative_prompt):
         batches = []
         for idx in engine.packer.pack(requests, fill=engine.pad):
