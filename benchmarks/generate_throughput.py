@@ -100,8 +100,18 @@ def make_requests(args, stops: tuple[int, ...]) -> list[Request]:
     for i in range(args.num_requests):
         n = rng.randint(args.prompt_words // 2, args.prompt_words)
         prompt = " ".join(rng.choice(WORDS) for _ in range(n))
-        out.append(Request(prompt, i, i, 1000 + i, params))
+        inputs = {"image": noise_image(i, args.image_size)} if args.image_size else {}
+        out.append(Request(prompt, i, i, 1000 + i, params, inputs=inputs))
     return out
+
+
+def noise_image(seed: int, size: int):
+    """A size x size RGB image of uniform noise."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
 
 
 def response_length(tokens: list[int], stops: set[int]) -> int:
@@ -216,6 +226,10 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--kv-cache-gib", type=float, default=16.0)
     p.add_argument("--prompt-words", type=int, default=40, help="prompts have words in [n / 2, n]")
+    p.add_argument(
+        "--image-size", type=int, default=0, help="each prompt also gets a noise image of this size "
+        "(0 = text only; generate_batch takes no images and is then skipped)",
+    )  # fmt: skip
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--stop-frac", type=float, default=0.0, help="fraction of the vocabulary that stops")
@@ -263,6 +277,8 @@ def main() -> None:
     methods = [
         m for m in ("ours", "ours_eager", "generate", "generate_batch") if m in args.methods.split(",")
     ]
+    if args.image_size:
+        methods = [m for m in methods if m != "generate_batch"]
     params = sum(p.numel() for p in adapter.model.parameters())
     report = {"args": vars(args), "device": str(device), "parameters": params, "results": {}}
     results = report["results"]
