@@ -1,8 +1,9 @@
 """Full-size models with random weights, for benchmarks that must run without downloads.
 
 `write_random_checkpoint` writes a config-only checkpoint of the public configs (with the tiny byte-level
-tokenizers of omnirl.models.tiny); `random_init_loader` replaces an adapter's `load_pretrained` so each
-model is built from its config directly on the device, random weights.
+tokenizers of omnirl.models.tiny, or `edit_tokenizer` for Qwen-Image-Edit); `random_init_loader` replaces
+an adapter's `load_pretrained` so each model is built from its config directly on the device, random
+weights.
 """
 
 from __future__ import annotations
@@ -50,6 +51,64 @@ QWEN_SCHEDULER = {
 }  # fmt: skip
 
 
+# The Qwen2.5-VL config fields naming the special tokens of a condition image.
+VISION_TOKENS = {
+    "image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+    "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>",
+}  # fmt: skip
+QWEN_SPECIALS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+    "<|video_pad|>",
+]  # fmt: skip
+
+
+def _bpe(piece: str, ranks: dict[tuple[str, str], int]) -> list[str]:
+    """`piece` split into the tokens of a byte-level BPE with merge `ranks` (lowest rank merged first)."""
+    parts = list(piece)
+    while len(parts) > 1:
+        pairs = [(ranks.get(pair, len(ranks)), i) for i, pair in enumerate(zip(parts, parts[1:]))]
+        rank, i = min(pairs)
+        if rank == len(ranks):
+            break
+        parts[i : i + 2] = [parts[i] + parts[i + 1]]
+    return parts
+
+
+def edit_tokenizer():
+    """A byte-level Qwen2 BPE that spells every word and mark of Qwen-Image-Edit's prompt template as one
+    token, as the real tokenizer does: the template's prefix is then 64 tokens, exactly what the edit
+    pipeline drops (`prompt_template_encode_start_idx`), so a prompt's text length is the real one's (the
+    condition image's vision tokens plus the instruction at about one token per byte plus a few template
+    tokens). The tiny tokenizers would leave ~150 template tokens in every text (tiny.py's edit one has no
+    merges at all), past the recipe's largest prompt-length bucket."""
+    import re
+
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import QwenImageEditPipeline
+    from tokenizers import pre_tokenizers
+    from transformers import Qwen2Tokenizer
+
+    # The installed pipeline's own template (a pipeline of no modules only sets its fields).
+    none = dict.fromkeys(["scheduler", "vae", "text_encoder", "tokenizer", "processor", "transformer"])
+    template = QwenImageEditPipeline(**none).prompt_template_encode
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    pre = Qwen2Tokenizer(vocab=dict(vocab), merges=[]).backend_tokenizer.pre_tokenizer
+    merges: list[tuple[str, str]] = []
+    ranks: dict[tuple[str, str], int] = {}
+    for chunk in re.split(r"<\|[a-z_]+\|>|\{\}", template):
+        for piece, _ in pre.pre_tokenize_str(chunk):
+            parts = _bpe(piece, ranks)
+            while len(parts) > 1:  # merge what the earlier merges left, left to right
+                pair = (parts[0], parts[1])
+                ranks[pair] = len(merges)
+                merges.append(pair)
+                vocab.setdefault(pair[0] + pair[1], len(vocab))
+                parts[:2] = [pair[0] + pair[1]]
+    vocab.update({s: len(vocab) + i for i, s in enumerate(QWEN_SPECIALS)})
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, pad_token="<|endoftext|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_SPECIALS[1:]})
+    return tokenizer
+
+
 def checked(cls, **kwargs):
     """`cls(**kwargs)` for a transformers config, refusing a key that the default config lacks (the class
     would keep it as a stray attribute and build the model without it)."""
@@ -60,7 +119,9 @@ def checked(cls, **kwargs):
 
 
 def write_random_checkpoint(model: str, out: Path) -> None:
-    """A config-only checkpoint of the public configs, with the tiny byte-level tokenizers of tiny.py."""
+    """A config-only checkpoint of the public configs, with the tiny byte-level tokenizers of tiny.py
+    (`edit_tokenizer` for "qwen_image_edit", whose processor/ also holds the real image processor's
+    settings: a 512 px condition image is 324 vision tokens, as with the real checkpoint)."""
     from omnirl.models import tiny
 
     def dump(sub: str, cfg: dict) -> None:
@@ -68,14 +129,21 @@ def write_random_checkpoint(model: str, out: Path) -> None:
         (out / sub / "config.json").write_text(json.dumps(cfg))
 
     out.mkdir(parents=True, exist_ok=True)
-    if model == "qwen_image":
+    if model in ("qwen_image", "qwen_image_edit"):
         from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
         from transformers import Qwen2_5_VLConfig
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-        (out / "model_index.json").write_text(json.dumps({"_class_name": "QwenImagePipeline"}))
+        edit = model == "qwen_image_edit"
+        pipeline = "QwenImageEditPipeline" if edit else "QwenImagePipeline"
+        (out / "model_index.json").write_text(json.dumps({"_class_name": pipeline}))
+        # Qwen-Image-Edit's transformer, VAE and text encoder have Qwen-Image's shapes.
         with torch.device("meta"):  # the defaults are Qwen-Image's; built on meta only to read the config
             dump("transformer", dict(QwenImageTransformer2DModel().config))
             dump("vae", dict(AutoencoderKLQwenImage().config))
+        tokenizer = edit_tokenizer() if edit else tiny._qwen_image_tokenizer()
+        # The edit text encoder finds the condition image's tokens by these ids: the tokenizer's own.
+        ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in VISION_TOKENS.items()} if edit else {}
         te = Qwen2_5_VLConfig(  # Qwen2.5-VL-7B-Instruct
             text_config=dict(
                 vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
@@ -88,10 +156,15 @@ def write_random_checkpoint(model: str, out: Path) -> None:
                 patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                 fullatt_block_indexes=[7, 15, 23, 31],
             ),
-            image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+            **{"image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652, **ids},
         )  # fmt: skip
         te.save_pretrained(out / "text_encoder")
-        tiny._qwen_image_tokenizer().save_pretrained(out / "tokenizer")
+        tokenizer.save_pretrained(out / "tokenizer")
+        if edit:  # the pipeline tokenizes with its processor's tokenizer; Qwen-Image-Edit's image processor
+            Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 16384).save_pretrained(
+                out / "processor"
+            )
+            tokenizer.save_pretrained(out / "processor")
         dump("scheduler", {})
         (out / "scheduler" / "scheduler_config.json").write_text(json.dumps(QWEN_SCHEDULER))
     elif model == "sd35":

@@ -1,0 +1,583 @@
+"""Per-phase device memory of a real diffusion recipe: a few RL steps of the recipe on its full-size models
+with random weights, and per step a table of each phase's peak device memory and sleep/wake traffic.
+
+    python scripts/gpu/phase_memory.py --recipe qwen_image_flowgrpo_ocr --out OUT [--steps 2] [overrides]
+    python scripts/gpu/phase_memory.py --recipe qwen_image_edit_flowgrpo --out OUT --budget-s 560
+    python scripts/gpu/phase_memory.py --recipe sd35_flowgrpo_ocr --out OUT --gpus 2   # 2 ranks
+    python scripts/gpu/phase_memory.py --recipe sd35_flowgrpo_ocr --out OUT --tiny     # CPU rehearsal
+    python scripts/gpu/phase_memory.py --recipe qwen_image_edit_flowgrpo --out OUT --check   # no run
+
+`--recipe` is one of RECIPES (`yaml/NAME` and `yaml/NAME.yaml` are accepted too). Every flag that is not
+one of this script's is a recipe override (`--section.field value`, as scripts/train.py takes them) and
+wins over what this script sets.
+
+What runs. A temporary folder gets (1) a config-only checkpoint of the recipe's models from their public
+configs (benchmarks/random_init.py `write_random_checkpoint`: no weights are written), (2) the recipe's
+data from the repo's generators (scripts/make_ocr_prompts.py, scripts/make_edit_data.py) and (3) a copy
+of the recipe with the changes below. Then `torchrun --standalone --nproc_per_node GPUS` runs this file as
+a worker per rank, which replaces the adapter modules' `load_pretrained` by `random_init_loader` (each
+model built from its config directly on the rank's device; torch seeded the same way on every rank before
+each model, so all ranks build the same weights) and calls scripts/train.py's `main`, the entry of every
+training run: the real trainer, with its process group and FSDP2 mixed precision even on one GPU.
+
+What changes against the recipe, and why. Kept: what decides a peak: the models and their dtype, the
+resolution, rollout.max_num_seqs and the rest of rollout.* (CFG fusion, compile, prompt buckets),
+optim.micro_batch_size, memory.sleep, the LoRA, gradient checkpointing and the sampling / SDE window.
+Changed:
+- 2 prompts per rank per step, rollout.group_size = max_num_seqs / 2: each rank's rollout is exactly one
+  full packed batch of max_num_seqs requests (`--check` shows the packing), so its peak is the recipe's
+  (the recipe's 32 x 16 images on 4 GPUs are four such batches one after another, each one's
+  trajectories moved to the host when it ends), and a step takes about a minute, not several. Two groups
+  rather than one keep the step's advantages a real GRPO step's. The update then trains max_num_seqs x
+  (trained steps per image) rows in micro-batches of optim.micro_batch_size: the train peak is one
+  micro-batch's, however many there are (gradients accumulate in place).
+- run.steps = --steps (default 2): the optimizer state exists only after step 0's update, so step 0's
+  rollout has nothing to put to sleep; step 1 is the steady state (the optimizer state slept in rollout,
+  woken for training; the host buffers pinned already).
+- Validation, checkpoints, LoRA export, tensorboard and image samples off: none is part of a step.
+- Reward: the recipe's plus `uniform_noise` of weight --noise-weight (a uniform draw in [0, 1) per image):
+  a random-init model draws no readable text, so the OCR reward leaves groups without spread, and those
+  are dropped, which would leave no update to measure. A reward whose packages are missing (rapidocr,
+  rapidfuzz, onnxruntime: the GPU image has none unless carried) is left out, and the JSON says so; the
+  rewards run on host threads, so device memory does not depend on them.
+
+What it reports. The trainer logs per step and phase (omnirl/memory.py `phase`): `mem/{phase}_peak_gib`
+(peak device memory allocated, the largest rank's, with `/rankR` for each rank), `mem/{phase}_sleep_gib`
+and `time/{phase}_sleep_s` (what the phase put to sleep on entry: moved to pinned host memory, freed on
+the device), `mem/{phase}_wake_gib` and `time/{phase}_wake_s` (what it moved back), `time/{phase}_s` (its
+work) and `mem/host_gib` (the host chunks). The rollout phase sleeps the optimizer state (and a full
+fine-tune's reference copy) and wakes the text encoders and VAE; the train phase the reverse. The tables
+show every phase logged (rollout, train; validate when on). OUT gets NAME.md (the tables) and NAME.json
+(settings, device, model build times, per-step phases, the tables, the raw metrics rows), NAME being the
+recipe's (`NAME_tiny` with --tiny).
+
+`--budget-s S` ends the script within S seconds: the run (the whole torchrun process group) is stopped when
+only the time to write the report is left, and the report holds what the finished steps logged. `--tiny`
+runs the recipe's tiny counterpart (RECIPES) on CPU: the tiny checkpoint's configs (omnirl/models/tiny.py,
+built into the temporary folder unless `--model.path` names one), the tiny recipe's sizes, and the same
+data generators, prompt counts, loader and trainer: a rehearsal of the plumbing (CPU logs no peaks;
+sleep/wake still moves bytes). `--check` runs nothing: it prepares as for a run, builds the models on the
+meta device and prints their sizes and how rank 0's rollout packs each step's requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    model: str  # benchmarks/random_init.py write_random_checkpoint's name for the models
+    tiny: str  # the tiny recipe of --tiny
+    family: str  # omnirl.models.tiny.TINY_MODELS key of the tiny checkpoint
+    data: str  # "ocr" or "edit": which generator writes the data
+
+
+RECIPES = {
+    "qwen_image_flowgrpo_ocr": Recipe("qwen_image", "qwen_image_tiny_flowgrpo", "qwen_image", "ocr"),
+    "qwen_image_edit_flowgrpo": Recipe(
+        "qwen_image_edit", "qwen_image_edit_tiny_flowgrpo", "qwen_image_edit", "edit"
+    ),
+    "sd35_flowgrpo_ocr": Recipe("sd35", "sd3_tiny_flowgrpo", "sd3", "ocr"),
+}
+# The adapter modules whose `load_pretrained` the worker replaces (each calls its module-level name).
+ADAPTER_MODULES = ("omnirl.models.qwen_image", "omnirl.models.qwen_image_edit", "omnirl.models.sd3")
+# Packages a reward needs beyond the trainer's; a reward whose packages are missing is left out.
+REWARD_NEEDS = {
+    "ocr": ("rapidocr", "rapidfuzz", "onnxruntime"),
+    "text_edit": ("rapidocr", "rapidfuzz", "onnxruntime"),
+}
+PROMPTS_PER_RANK = 2
+BUILD_SEED = 1234  # the random weights: torch seeded with this (+ a hash of the submodel) before each build
+GIB = 2**30
+STOP_S = 10  # seconds a stopped run has to end before it is killed
+REPORT_S = STOP_S + 5  # what --budget-s keeps back for stopping the run and writing the report
+VERSIONS = ("torch", "diffusers", "transformers", "peft")
+
+
+class UniformNoise:
+    """Reward `uniform_noise`: a uniform draw in [0, 1) per image from a generator seeded by the rank: spread
+    in every group, no signal (scripts/gpu/train_entry.py has the same one for the omni recipe)."""
+
+    def __init__(self):
+        import random
+
+        self.rng = random.Random(int(os.environ.get("RANK", "0")))
+
+    def __call__(self, images, prompts, metadata) -> list[float]:
+        return [self.rng.random() for _ in images]
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+PHASE_KEY = re.compile(r"^(?:mem|time)/(.+)_(?:peak_gib|sleep_gib|wake_gib|sleep_s|wake_s)$")
+PHASE_ORDER = ("rollout", "train", "validate")
+
+
+def per_rank(row: dict, key: str) -> list[float]:
+    """KEY/rank0, KEY/rank1, ... of a metrics row (omnirl.trainer.per_rank), in rank order."""
+    values = []
+    while f"{key}/rank{len(values)}" in row:
+        values.append(row[f"{key}/rank{len(values)}"])
+    return values
+
+
+def phase_names(row: dict) -> list[str]:
+    """The phases a metrics row has keys of: rollout, train, validate first, any other after."""
+    names = {m.group(1) for k in row if (m := PHASE_KEY.match(k))}
+    names |= {n for n in PHASE_ORDER if f"time/{n}_s" in row}
+    return sorted(names, key=lambda n: (PHASE_ORDER.index(n) if n in PHASE_ORDER else len(PHASE_ORDER), n))
+
+
+def phase_stats(row: dict) -> dict[str, dict]:
+    """Each phase's numbers in a metrics row (None where the row has no such key)."""
+    out = {}
+    for name in phase_names(row):
+        stats = {
+            "work_s": row.get(f"time/{name}_s"),
+            "peak_gib": row.get(f"mem/{name}_peak_gib"),
+            "peak_gib_per_rank": per_rank(row, f"mem/{name}_peak_gib"),
+            "sleep_gib": row.get(f"mem/{name}_sleep_gib"),
+            "sleep_s": row.get(f"time/{name}_sleep_s"),
+            "wake_gib": row.get(f"mem/{name}_wake_gib"),
+            "wake_s": row.get(f"time/{name}_wake_s"),
+        }
+        for way in ("sleep", "wake"):
+            gib, s = stats[f"{way}_gib"], stats[f"{way}_s"]
+            stats[f"{way}_gib_per_s"] = gib / s if gib and s else None
+        out[name] = stats
+    return out
+
+
+def fmt(value, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def step_table(row: dict, title: str = "") -> str:
+    """One step of a metrics row as a markdown table: a row per phase."""
+    step_s = row.get("time/step_s")
+    parts = [f"step {fmt(step_s)} s"] if step_s is not None else []
+    if "time/generate_s" in row:
+        wait = fmt(row.get("time/score_wait_s"), 2)
+        parts.append(f"generation {fmt(row['time/generate_s'])} s, scoring wait {wait} s")
+    if "mem/host_gib" in row:
+        parts.append(f"host buffers {fmt(row['mem/host_gib'])} GiB")  # pinned on an accelerator
+    if "train/updates" in row:
+        parts.append(f"optimizer steps {row['train/updates']:g}")
+    head = f"**{title}step {row['step']}**" + (f" ({'; '.join(parts)})" if parts else "")
+    lines = [
+        head,
+        "",
+        "| phase | work s | peak GiB | to host GiB | to host s | to device GiB | to device s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, s in phase_stats(row).items():
+        peak = fmt(s["peak_gib"])
+        if len(s["peak_gib_per_rank"]) > 1:
+            peak += " (" + " / ".join(fmt(v) for v in s["peak_gib_per_rank"]) + ")"
+        lines.append(
+            f"| {name} | {fmt(s['work_s'])} | {peak} | {fmt(s['sleep_gib'], 2)} | {fmt(s['sleep_s'], 2)} "
+            f"| {fmt(s['wake_gib'], 2)} | {fmt(s['wake_s'], 2)} |"
+        )
+    return "\n".join(lines)
+
+
+LEGEND = (
+    "Per phase: work s = the phase's own time; peak GiB = peak device memory allocated from after its "
+    "sleep to its end (the largest rank, each rank in brackets when there are several; none on CPU); to "
+    "host = what the phase put to sleep on entry (rollout: optimizer state; train: text encoders and VAE), "
+    "to device = what it woke (the reverse). Step 0 has no optimizer state yet, so its rollout sleeps none."
+)
+
+
+def report(rows: list[dict], title: str = "") -> str:
+    return "\n\n".join([*(step_table(r, title) for r in rows), LEGEND]) + "\n"
+
+
+def summarise_steps(rows: list[dict]) -> list[dict]:
+    return [
+        {
+            "step": r["step"],
+            "step_s": r.get("time/step_s"),
+            "generate_s": r.get("time/generate_s"),
+            "score_wait_s": r.get("time/score_wait_s"),
+            "host_gib": r.get("mem/host_gib"),
+            "optimizer_steps": r.get("train/updates"),
+            "kept_frac": r.get("adv/kept_frac"),
+            "phases": phase_stats(r),
+        }
+        for r in rows
+    ]
+
+
+# ---------------------------------------------------------------------------------------------- driver
+
+
+def recipe_name(name: str) -> str:
+    name = Path(name).name.removesuffix(".yaml").removesuffix(".yml")
+    if name not in RECIPES:
+        raise SystemExit(f"error: --recipe {name!r}: one of {', '.join(RECIPES)}")
+    return name
+
+
+def make_data(kind: str, out: Path, tiny: bool, rows: int) -> None:
+    """The recipe's data from the repo's generators: OUT/train.jsonl and OUT/val.jsonl."""
+    if kind == "ocr":
+        cmd = ["scripts/make_ocr_prompts.py", "--train", str(max(rows, 64)), "--val", "8"]
+    else:  # the real recipe's sources are 512 px, the tiny one's 64 px (their recipes' comments)
+        size = "64" if tiny else "512"
+        cmd = ["scripts/make_edit_data.py", "--train", str(rows), "--val", "2", "--size", size]
+    subprocess.run([sys.executable, *cmd, "--out", str(out)], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+
+
+def reward_weights(weights: dict[str, float], noise: float) -> tuple[dict[str, float], list[str]]:
+    """The recipe's weights without the rewards whose packages are missing, plus `uniform_noise`."""
+    import importlib.util
+
+    dropped = [
+        n for n in weights if any(importlib.util.find_spec(p) is None for p in REWARD_NEEDS.get(n, ()))
+    ]
+    kept = {n: w for n, w in weights.items() if n not in dropped}
+    return {**kept, "uniform_noise": noise if kept else 1.0}, dropped
+
+
+def override_given(overrides: list[str], key: str) -> str | None:
+    """The value of `--KEY value` or `--KEY=value` among the overrides, if given (the last one)."""
+    value = None
+    for i, arg in enumerate(overrides):
+        if arg == f"--{key}" and i + 1 < len(overrides):
+            value = overrides[i + 1]
+        elif arg.startswith(f"--{key}="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def settings(cfg) -> dict:
+    """What decides the peaks, as the run had it."""
+    return {
+        "model_path": cfg.model.path, "adapter": cfg.model.adapter, "dtype": cfg.model.dtype,
+        "finetune": cfg.model.finetune, "gradient_checkpointing": cfg.model.gradient_checkpointing,
+        "lora_rank": cfg.lora.rank, "lora_alpha": cfg.lora.alpha,
+        "lora_targets": len(cfg.lora.target_modules),
+        "height": cfg.sampling.height, "width": cfg.sampling.width, "num_steps": cfg.sampling.num_steps,
+        "guidance_scale": cfg.sampling.guidance_scale, "sde_window_size": cfg.sampling.sde_window_size,
+        "prompts_per_step": cfg.rollout.prompts_per_step, "group_size": cfg.rollout.group_size,
+        "max_num_seqs": cfg.rollout.max_num_seqs,
+        "max_num_batched_tokens": cfg.rollout.max_num_batched_tokens,
+        "fused_cfg": cfg.rollout.fused_cfg, "compile": cfg.rollout.compile,
+        "prompt_length_buckets": cfg.rollout.prompt_length_buckets,
+        "micro_batch_size": cfg.optim.micro_batch_size, "mini_batches": cfg.optim.mini_batches,
+        "kl_beta": cfg.algo.kl_beta, "old_logprob": cfg.algo.old_logprob, "sleep": cfg.memory.sleep,
+        "fsdp": cfg.distributed.fsdp, "param_dtype": cfg.distributed.param_dtype,
+        "reward_weights": cfg.reward.weights,
+    }  # fmt: skip
+
+
+def run_worker(cmd: list[str], env: dict, budget_s: float) -> tuple[int, bool]:
+    """Run `cmd` in its own process group; past `budget_s` (0: no limit) the whole group is stopped.
+    Returns (exit status, whether the budget stopped it)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
+    try:
+        return proc.wait(timeout=budget_s or None), False
+    except subprocess.TimeoutExpired:
+        print(
+            f"phase_memory: out of --budget-s: run stopped after {budget_s:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        timed_out = True
+    except KeyboardInterrupt:
+        timed_out = False
+    os.killpg(proc.pid, signal.SIGTERM)  # torchrun passes it on to its workers
+    try:
+        proc.wait(timeout=STOP_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    return proc.wait(), timed_out
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
+    p.add_argument("--recipe", required=True, help=f"one of {', '.join(RECIPES)}")
+    p.add_argument("--out", required=True, help="folder for NAME.json and NAME.md")
+    p.add_argument("--steps", type=int, default=2, help="RL steps (2: the second shows the steady state)")
+    p.add_argument("--gpus", type=int, default=1, help="ranks (one per GPU), run by torchrun --standalone")
+    p.add_argument("--tiny", action="store_true", help="the tiny recipe on CPU: a rehearsal")
+    p.add_argument(
+        "--budget-s", type=float, default=0, help="end within this many seconds, the run stopped if need be"
+    )
+    p.add_argument("--noise-weight", type=float, default=1e-3, help="weight of the uniform_noise reward")
+    p.add_argument("--keep", action="store_true", help="keep the temporary folder (printed)")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="no run: build the models on the meta device and print rank 0's packed rollout batches",
+    )
+    a, overrides = p.parse_known_args(argv)
+    sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "benchmarks")]
+    from omnirl.config import ConfigError
+
+    name = recipe_name(a.recipe)
+    spec = RECIPES[name]
+    start = time.perf_counter()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = name + ("_tiny" if a.tiny else "")
+    work = Path(tempfile.mkdtemp(prefix=f"phase_memory_{tag}_"))
+    try:
+        return drive(a, name, spec, tag, overrides, out, work, start)
+    except ConfigError as e:  # a bad override or recipe value, found before anything runs
+        print("error: " + " ".join(line.strip() for line in str(e).splitlines()), file=sys.stderr)
+        return 2
+    finally:
+        if a.keep:
+            print(f"phase_memory: kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def drive(
+    a, name: str, spec: Recipe, tag: str, overrides: list[str], out: Path, work: Path, start: float
+) -> int:
+    import yaml
+    from train import parse  # scripts/train.py: load_config, a bad override made a one-line ConfigError
+
+    from omnirl.config import resolve_recipe
+
+    source = resolve_recipe(spec.tiny if a.tiny else name)
+    recipe = yaml.safe_load(source.read_text())
+    # The user's overrides decide max_num_seqs (hence the prompt counts below) and the model path.
+    cfg = parse(str(source), overrides)
+    ckpt = cfg.model.path if override_given(overrides, "model.path") else None
+    t0 = time.perf_counter()
+    if ckpt is None:
+        ckpt = str(work / "ckpt")
+        if a.tiny:
+            from omnirl.models.tiny import TINY_MODELS
+
+            TINY_MODELS[spec.family](Path(ckpt))
+        else:
+            from random_init import write_random_checkpoint  # benchmarks/random_init.py
+
+            write_random_checkpoint(spec.model, Path(ckpt))
+    ckpt_s = time.perf_counter() - t0
+    prompts = PROMPTS_PER_RANK * a.gpus
+    make_data(spec.data, work / "data", a.tiny, rows=max(16, prompts * a.steps))
+    weights, dropped = reward_weights(recipe["reward"]["weights"], a.noise_weight)
+    if dropped:
+        print(f"phase_memory: reward {dropped} left out: its packages are missing (device memory does not "
+              f"depend on it; uniform_noise gives the groups spread)", flush=True)  # fmt: skip
+    recipe["model"]["path"] = ckpt
+    recipe["data"].update(train_path=str(work / "data/train.jsonl"), val_path=str(work / "data/val.jsonl"))
+    recipe["run"].update(steps=a.steps, output_dir=str(work / "run"))
+    recipe["rollout"].update(
+        prompts_per_step=prompts, group_size=max(1, cfg.rollout.max_num_seqs // PROMPTS_PER_RANK)
+    )
+    recipe["reward"]["weights"] = weights
+    recipe["validation"] = {**recipe.get("validation", {}), "every": 0}
+    recipe["checkpoint"] = {**recipe.get("checkpoint", {}), "every": 0}
+    recipe["export"] = {**recipe.get("export", {}), "lora_at_end": False}
+    recipe["log"] = {**recipe.get("log", {}), "tensorboard": False, "image_every": 0}
+    derived = work / f"{tag}.yaml"
+    derived.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    cfg = parse(str(derived), overrides)  # what the worker will run
+    if a.check:
+        print(json.dumps(check_plan(cfg, a.gpus), indent=1))
+        return 0
+    info = work / "info"
+    info.mkdir()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    if a.tiny:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # CPU, also on a machine with GPUs
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.gpus}"]
+    cmd = [*torchrun, str(Path(__file__).resolve()), "--worker", str(derived), str(info), *overrides]
+    print(f"phase_memory: {tag}: {a.steps} steps, {prompts} prompts x {cfg.rollout.group_size} images per "
+          f"step on {a.gpus} rank(s), max_num_seqs {cfg.rollout.max_num_seqs}, micro-batch "
+          f"{cfg.optim.micro_batch_size}, sleep {cfg.memory.sleep}", flush=True)  # fmt: skip
+    run_start = time.perf_counter()
+    budget = max(1.0, a.budget_s - (run_start - start) - REPORT_S) if a.budget_s else 0
+    rc, timed_out = run_worker(cmd, env, budget)
+    run_s = time.perf_counter() - run_start
+
+    from omnirl.metrics import read_metrics
+
+    metrics = work / "run" / "metrics.jsonl"
+    rows = read_metrics(metrics) if metrics.is_file() else []
+    ranks = sorted(info.glob("rank*.json"))
+    device = json.loads(ranks[0].read_text()) if ranks else {}
+    loads = device.get("loads", [])
+    built = ""
+    if loads:
+        built = f"models built in {sum(x['s'] for x in loads):.1f} s"
+        if loads[-1]["allocated_gib_after"] is not None:
+            built += f", {loads[-1]['allocated_gib_after']:.1f} GiB on the device"
+    head = header(tag, cfg, device, built)
+    table = head + "\n\n" + (report(rows, title=f"{tag}, ") if rows else "no step finished\n")
+    problems = []
+    if rc:
+        problems.append(
+            "the run was stopped by --budget-s" if timed_out else f"the run failed (exit status {rc})"
+        )
+    if len(rows) < a.steps:
+        problems.append(f"{len(rows)} of {a.steps} steps logged")
+    for r in rows:
+        if r.get("train/updates"):
+            continue
+        if r.get("train/skipped_nonfinite"):  # forward and backward ran; no optimizer state was made
+            problems.append(f"step {r['step']}: every optimizer step skipped (non-finite loss or gradient)")
+        else:
+            problems.append(f"step {r['step']}: no update ran (no group with reward spread)")
+    summary = {
+        "recipe": name, "tiny": a.tiny, "source_recipe": str(source.relative_to(ROOT)), "steps": a.steps,
+        "world_size": a.gpus, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": ["python", "scripts/gpu/phase_memory.py", *sys.argv[1:]],
+        "settings": settings(cfg), "reward_left_out": dropped, "device": device,
+        "rc": rc, "timed_out": timed_out, "problems": problems, "checkpoint_write_s": ckpt_s,
+        "run_s": run_s, "wall_s": time.perf_counter() - start, "per_step": summarise_steps(rows),
+        "table": table, "metrics": rows,
+    }  # fmt: skip
+    (out / f"{tag}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (out / f"{tag}.md").write_text(table)
+    if loads:
+        print(built + ": " + ", ".join(f"{x['subfolder']} {x['s']:.1f} s" for x in loads), flush=True)
+    print("\n" + table)
+    for problem in problems:
+        print(f"phase_memory: {tag}: {problem}", file=sys.stderr)
+    print(f"phase_memory: wrote {out / (tag + '.json')} and .md ({time.perf_counter() - start:.0f} s)")
+    return rc or (1 if problems else 0)
+
+
+def header(tag: str, cfg, device: dict, built: str) -> str:
+    """One line: the run's device, versions and the settings that decide its peaks."""
+    versions = ", ".join(f"{k} {v}" for k, v in device.get("versions", {}).items())
+    r, o = cfg.rollout, cfg.optim
+    lora = f"LoRA r{cfg.lora.rank}" if cfg.model.finetune == "lora" else "full fine-tune"
+    return (
+        f"{tag} on {device.get('device', '?')} ({versions}): {cfg.sampling.height}x{cfg.sampling.width}, "
+        f"{r.prompts_per_step} prompts x {r.group_size} images per step, max_num_seqs {r.max_num_seqs}, "
+        f"CFG {'fused' if r.fused_cfg else 'as two forwards'}, {'compiled' if r.compile else 'eager'}, "
+        f"micro-batch {o.micro_batch_size}, {lora}, gradient checkpointing "
+        f"{'on' if cfg.model.gradient_checkpointing else 'off'}, sleep {'on' if cfg.memory.sleep else 'off'}"
+        + (f"; {built}" if built else "")
+    )
+
+
+def check_plan(cfg, world: int) -> dict:
+    """What a run of `cfg` would build and pack, without running it: every model built on the meta device
+    (parameter counts), and rank 0's requests of each step packed as its rollout packs them (batch sizes,
+    the compatibility key's last fields: e.g. the text buckets), with the update's micro-batch count."""
+    import importlib
+
+    import torch
+    from random_init import random_init_loader  # benchmarks/random_init.py
+    from torch import nn
+
+    from omnirl import distributed as D
+    from omnirl.models import get_adapter
+    from omnirl.rollout.diffusion import DiffusionEngine
+    from omnirl.step import make_requests
+    from omnirl.trainer import LOADERS, sampling_params
+
+    meta = torch.device("meta")
+    for module in ADAPTER_MODULES:
+        importlib.import_module(module).load_pretrained = random_init_loader(meta)
+    adapter = get_adapter(cfg.model.adapter)(cfg, meta)
+    params = {}
+    for name, module in vars(adapter).items():
+        if isinstance(module, nn.Module):
+            lora = sum(p.numel() for n, p in module.named_parameters() if "lora_" in n)
+            params[name] = {"params_b": sum(p.numel() for p in module.parameters()) / 1e9 - lora / 1e9}
+            if lora:
+                params[name]["lora_params_m"] = lora / 1e6
+    r = cfg.rollout
+    engine = DiffusionEngine(adapter, r.max_num_seqs, r.max_num_batched_tokens, r.fused_cfg, compile=False)
+    rows = LOADERS[cfg.data.format](cfg.data.train_path, None)
+    dist = D.DistInfo(0, world, 0, meta, None)
+    sp = sampling_params(cfg)
+    trained = cfg.sampling.sde_window_size or cfg.sampling.num_steps  # trained steps per image
+    steps = []
+    for step in range(cfg.run.steps):
+        requests = make_requests(cfg, rows, step, dist, sp, cfg.sampling.negative_prompt)[0]
+        batches = engine.packer.pack(requests, fill=r.compile)
+        steps.append({
+            "requests": len(requests),
+            "batches": [
+                {"requests": len(b), "tokens_per_request": engine.tokens(requests[b[0]]),
+                 "key_tail": repr(adapter.compat_key(requests[b[0]])[-3:])}
+                for b in batches
+            ],
+            "train_rows": len(requests) * trained,
+            "micro_batches": -(-len(requests) * trained // cfg.optim.micro_batch_size),
+        })  # fmt: skip
+    return {"models": params, "steps": steps}
+
+
+# ---------------------------------------------------------------------------------------------- worker
+
+
+def worker(recipe: str, info: str, overrides: list[str]) -> None:
+    """One rank: random-init loaders in place of `load_pretrained`, then scripts/train.py's `main`."""
+    sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "benchmarks")]
+    import importlib
+
+    import torch
+    import train  # scripts/train.py
+    from random_init import random_init_loader  # benchmarks/random_init.py
+
+    from omnirl.memory import synchronize
+    from omnirl.rewards import REWARDS
+
+    REWARDS["uniform_noise"] = "__main__:UniformNoise"
+    rank, local = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    load = random_init_loader(device)
+    record = {
+        "rank": rank, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "device_gib": torch.cuda.get_device_properties(device).total_memory / GIB if cuda else None,
+        "versions": {m: importlib.import_module(m).__version__ for m in VERSIONS},
+        "loads": [],
+    }  # fmt: skip
+    path = Path(info) / f"rank{rank}.json"
+
+    def seeded_load(cls, model_path, subfolder=None, **kwargs):
+        # The same seed on every rank before each model, whatever was drawn before: identical weights.
+        torch.manual_seed(BUILD_SEED + zlib.crc32(f"{cls.__name__}/{subfolder}".encode()))
+        begin = time.perf_counter()
+        model = load(cls, model_path, subfolder=subfolder, **kwargs)
+        synchronize()
+        record["loads"].append({
+            "subfolder": subfolder, "class": cls.__name__, "s": time.perf_counter() - begin,
+            "params_b": sum(p.numel() for p in model.parameters()) / 1e9,
+            "allocated_gib_after": torch.cuda.memory_allocated(device) / GIB if cuda else None,
+        })  # fmt: skip
+        path.write_text(json.dumps(record, indent=1) + "\n")
+        return model
+
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    for module in ADAPTER_MODULES:
+        importlib.import_module(module).load_pretrained = seeded_load
+    train.exit_now(train.main(["--recipe", recipe, *overrides]))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        worker(sys.argv[2], sys.argv[3], sys.argv[4:])
+    sys.exit(main(sys.argv[1:]))

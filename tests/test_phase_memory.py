@@ -1,0 +1,117 @@
+"""scripts/gpu/phase_memory.py: its dry mode (--tiny) end to end on CPU, its plan of a real recipe (--check,
+full-size models on the meta device), and its table of a GPU run's metrics row (CPU runs log no peaks)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts/gpu/phase_memory.py"
+
+
+def phase_memory():
+    spec = importlib.util.spec_from_file_location("phase_memory", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return r
+
+
+def test_tiny_run_reports_rollout_and_train_phases(tmp_path):
+    """The SD3.5 recipe's dry mode: the tiny SD3 recipe through the same data generator, random-init loader
+    and trainer entry, 2 prompts x max_num_seqs / 2 images per step, two steps; the table and the JSON."""
+    r = run("--recipe", "yaml/sd35_flowgrpo_ocr", "--tiny", "--out", str(tmp_path))
+    summary = json.loads((tmp_path / "sd35_flowgrpo_ocr_tiny.json").read_text())
+    table = (tmp_path / "sd35_flowgrpo_ocr_tiny.md").read_text()
+    assert summary["rc"] == 0 and summary["problems"] == []
+    assert summary["source_recipe"] == "yaml/sd3_tiny_flowgrpo.yaml"
+    s = summary["settings"]
+    assert (s["prompts_per_step"], s["group_size"], s["max_num_seqs"]) == (2, 16, 32)
+    assert (s["micro_batch_size"], s["sleep"], s["lora_rank"]) == (64, True, 8)  # the recipe's
+    assert s["reward_weights"] == {"jpeg_compressibility": 1.0, "uniform_noise": 0.001}
+    assert [x["subfolder"] for x in summary["device"]["loads"]][:2] == ["transformer", "vae"]
+
+    steps = summary["per_step"]
+    assert [x["step"] for x in steps] == [0, 1]
+    for x in steps:
+        assert list(x["phases"]) == ["rollout", "train"] and x["optimizer_steps"] == 1
+    # Step 1: rollout sleeps the optimizer state that training wakes, and wakes the text encoders and
+    # VAE that training put to sleep; step 0's rollout has no optimizer state to sleep yet.
+    rollout, train = steps[1]["phases"]["rollout"], steps[1]["phases"]["train"]
+    assert rollout["sleep_gib"] == train["wake_gib"] > 0
+    assert rollout["wake_gib"] == train["sleep_gib"] > rollout["sleep_gib"]
+    assert steps[0]["phases"]["rollout"]["sleep_gib"] == 0
+    for text in (table, r.stdout, summary["table"]):
+        assert "**sd35_flowgrpo_ocr_tiny, step 1**" in text
+        assert "| rollout | " in text and "| train | " in text
+
+
+def test_check_plans_the_edit_recipe_on_full_size_models(tmp_path):
+    """--check for Qwen-Image-Edit: the config-only checkpoint (random_init's Qwen-Image-Edit layout) builds
+    the full-size models on the meta device, and every step's 32 requests (512 px sign sources from
+    make_edit_data) are one packed batch in the recipe's 384-token text bucket: the tokenizer's template
+    prefix is the 64 tokens the pipeline drops, and a 512 px condition image is 324 vision tokens."""
+    r = run("--recipe", "qwen_image_edit_flowgrpo", "--check", "--out", str(tmp_path))
+    plan = json.loads(r.stdout[r.stdout.index("{") :])
+    models = plan["models"]
+    assert 20 < models["transformer"]["params_b"] < 21 and 8 < models["text_encoder"]["params_b"] < 9
+    assert 400 < models["transformer"]["lora_params_m"] < 450  # rank 64 on the 12 target modules
+    for step in plan["steps"]:
+        (batch,) = step["batches"]
+        assert batch["requests"] == step["requests"] == 32
+        assert batch["key_tail"] == "((512, 512), 384, 384)"  # condition size, prompt and negative buckets
+        assert (step["train_rows"], step["micro_batches"]) == (64, 16)  # SDE window 2, micro-batch 4
+
+
+def test_table_of_a_gpu_row():
+    """Per-rank peaks, sleep/wake traffic and a phase beyond rollout and train, in the order logged."""
+    pm = phase_memory()
+    row = {
+        "step": 1, "time/step_s": 61.25, "time/generate_s": 30.5, "time/score_wait_s": 0.25,
+        "mem/host_gib": 21.0, "train/updates": 2.0,
+        "time/rollout_s": 31.0, "mem/rollout_peak_gib": 88.75, "mem/rollout_peak_gib/rank0": 88.75,
+        "mem/rollout_peak_gib/rank1": 87.5, "mem/rollout_sleep_gib": 3.25, "time/rollout_sleep_s": 0.08,
+        "mem/rollout_wake_gib": 16.5, "time/rollout_wake_s": 0.375,
+        "time/train_s": 25.0, "mem/train_peak_gib": 94.25, "mem/train_peak_gib/rank0": 94.25,
+        "mem/train_peak_gib/rank1": 93.0, "mem/train_sleep_gib": 16.5, "time/train_sleep_s": 0.34,
+        "mem/train_wake_gib": 3.25, "time/train_wake_s": 0.07,
+        "time/validate_s": 12.0, "mem/validate_peak_gib": 70.0, "mem/validate_peak_gib/rank0": 70.0,
+        "mem/validate_peak_gib/rank1": 69.0, "mem/validate_wake_gib": 0.0, "time/validate_wake_s": 0.0,
+        "mem/validate_sleep_gib": 0.0, "time/validate_sleep_s": 0.0,
+        "time/generate_s/rank0": 30.5, "time/generate_s/rank1": 29.0, "reward/mean": 0.5,
+    }  # fmt: skip
+    lines = pm.step_table(row, "qwen_image_flowgrpo_ocr, ").splitlines()
+    assert lines[0] == (
+        "**qwen_image_flowgrpo_ocr, step 1** (step 61.2 s; generation 30.5 s, scoring wait 0.25 s; "
+        "host buffers 21.0 GiB; optimizer steps 2)"
+    )
+    assert lines[2].startswith("| phase | work s | peak GiB | to host GiB |")
+    assert lines[4:] == [
+        "| rollout | 31.0 | 88.8 (88.8 / 87.5) | 3.25 | 0.08 | 16.50 | 0.38 |",
+        "| train | 25.0 | 94.2 (94.2 / 93.0) | 16.50 | 0.34 | 3.25 | 0.07 |",
+        "| validate | 12.0 | 70.0 (70.0 / 69.0) | 0.00 | 0.00 | 0.00 | 0.00 |",
+    ]
+    stats = pm.summarise_steps([row])[0]
+    assert stats["phases"]["train"]["peak_gib_per_rank"] == [94.25, 93.0]
+    assert stats["phases"]["train"]["sleep_gib_per_s"] == 16.5 / 0.34
+    assert stats["phases"]["validate"]["sleep_gib_per_s"] is None
+    # One rank: the peak alone; a CPU row (no peaks, no sleeper): "-".
+    one = {k: v for k, v in row.items() if "/rank1" not in k}
+    assert "| rollout | 31.0 | 88.8 | 3.25 |" in pm.step_table(one)
+    cpu = {"step": 0, "time/rollout_s": 1.0, "time/train_s": 2.0}
+    assert pm.step_table(cpu).splitlines()[4:] == [
+        "| rollout | 1.0 | - | - | - | - | - |",
+        "| train | 2.0 | - | - | - | - | - |",
+    ]
