@@ -41,17 +41,86 @@ from omnirl.models.flow_sde import WindowedSampler
 MAX_SEQUENCE_LENGTH = 1024
 
 
-def pad_to(t: torch.Tensor, length: int) -> torch.Tensor:
-    """Zero-pad [B, L, ...] along dim 1 to `length` (False for a bool mask)."""
-    return torch.cat([t, t.new_zeros(t.shape[0], length - t.shape[1], *t.shape[2:])], dim=1)
+def pad_to(t: torch.Tensor, length: int, dim: int = 1) -> torch.Tensor:
+    """Zero-pad `t` at the end of `dim` to `length` (False for a bool mask)."""
+    shape = list(t.shape)
+    shape[dim] = length - t.shape[dim]
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
 def collate(rows: list[torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-prompt embeddings [L_i, D] -> ([B, length, D] zero-padded at the end, [B, length] bool mask)."""
-    embeds = torch.cat([pad_to(r[None], length) for r in rows])
+    embeds = torch.stack([pad_to(r, length, dim=0) for r in rows])
     positions = torch.arange(length, device=embeds.device)
     mask = torch.stack([positions < len(r) for r in rows])
     return embeds, mask
+
+
+# The parts the Qwen-Image and Qwen-Image-Edit adapters share (their pipelines share them too).
+
+
+def pipeline_sigmas(scheduler, num_steps: int, image_seq_len: int) -> torch.Tensor:
+    """The pipelines' sigma schedule: [num_steps + 1] float32 on the host, the last one 0. Its shift `mu`
+    grows with the generated image's token count."""
+    config = scheduler.config
+    mu = calculate_shift(
+        image_seq_len,
+        config.get("base_image_seq_len", 256),
+        config.get("max_image_seq_len", 4096),
+        config.get("base_shift", 0.5),
+        config.get("max_shift", 1.15),
+    )
+    sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
+    retrieve_timesteps(scheduler, num_steps, sigmas=sigmas, mu=mu)
+    return scheduler.sigmas.float().cpu()
+
+
+def text_embeds(
+    rows: list[torch.Tensor], batch: int, text_length: int, negative_length: int
+) -> dict[str, torch.Tensor]:
+    """The packed batch's text inputs from `encode`'s rows (the `batch` prompts, then their negative
+    prompts when there are more rows), each padded to its key's length, with masks."""
+    embeds = {}
+    embeds["prompt_embeds"], embeds["prompt_embeds_mask"] = collate(rows[:batch], text_length)
+    if len(rows) > batch:
+        negative = collate(rows[batch:], negative_length)
+        embeds["negative_prompt_embeds"], embeds["negative_prompt_embeds_mask"] = negative
+    return embeds
+
+
+def true_cfg(forward, x, timestep, embeds: dict[str, torch.Tensor], guidance_scale: float, fused_cfg: bool):
+    """The guided prediction of `forward(x, timestep, text, mask)` (the transformer's packed output).
+    True-CFG as the pipelines: neg + s * (cond - neg), rescaled per token to the norm of the conditional
+    prediction. The conditional and negative rows go through one forward when `fused_cfg` (the shorter
+    text padded and masked to the longer), else two."""
+    cond = (embeds["prompt_embeds"], embeds["prompt_embeds_mask"])  # [B, L, D], [B, L]
+    if guidance_scale <= 1:
+        return forward(x, timestep, *cond)
+    neg = (embeds["negative_prompt_embeds"], embeds["negative_prompt_embeds_mask"])  # [B, L', D]
+    if fused_cfg:
+        length = max(cond[0].shape[1], neg[0].shape[1])
+        v_cond, v_neg = forward(
+            torch.cat([x, x]),
+            torch.cat([timestep, timestep]),
+            torch.cat([pad_to(cond[0], length), pad_to(neg[0], length)]),
+            torch.cat([pad_to(cond[1], length), pad_to(neg[1], length)]),
+        ).chunk(2)
+    else:
+        v_cond = forward(x, timestep, *cond)
+        v_neg = forward(x, timestep, *neg)
+    comb = v_neg + guidance_scale * (v_cond - v_neg)
+    return comb * (torch.norm(v_cond, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True))
+
+
+def decode(vae, latents: torch.Tensor) -> torch.Tensor:
+    """Images [B, 3, H, W] float32 in [0, 1] of latents [B, C, h, w], de-normalised as the pipelines do,
+    with the frame axis the video VAE expects."""
+    config, vae_dtype, device = vae.config, vae.dtype, latents.device
+    mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1).to(device, vae_dtype)
+    inv_std = 1.0 / torch.tensor(config.latents_std).view(1, -1, 1, 1, 1).to(device, vae_dtype)
+    vae_in = latents[:, :, None].to(vae_dtype) / inv_std + mean  # [B, C, 1, h, w]
+    images = vae.decode(vae_in, return_dict=False)[0][:, :, 0]  # [B, 3, H, W] in [-1, 1]
+    return (images.float() * 0.5 + 0.5).clamp(0, 1)  # as VaeImageProcessor.postprocess
 
 
 class QwenImageAdapter:
@@ -150,17 +219,7 @@ class QwenImageAdapter:
 
     def sigmas(self, num_steps: int, image_seq_len: int) -> torch.Tensor:
         """The pipeline's sigma schedule: [num_steps + 1] float32 on the host, the last one 0."""
-        config = self.scheduler.config
-        mu = calculate_shift(
-            image_seq_len,
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
-        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-        retrieve_timesteps(self.scheduler, num_steps, sigmas=sigmas, mu=mu)
-        return self.scheduler.sigmas.float().cpu()
+        return pipeline_sigmas(self.scheduler, num_steps, image_seq_len)
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> list[torch.Tensor]:
@@ -213,24 +272,7 @@ class QwenImageAdapter:
             )[0]
             return out.float()  # [B', h/2 * w/2, 4C]
 
-        cond = (embeds["prompt_embeds"], embeds["prompt_embeds_mask"])  # [B, L, D], [B, L]
-        if guidance_scale <= 1:
-            v = forward(x, timestep, *cond)
-        else:
-            neg = (embeds["negative_prompt_embeds"], embeds["negative_prompt_embeds_mask"])  # [B, L', D]
-            if fused_cfg:
-                length = max(cond[0].shape[1], neg[0].shape[1])
-                v_cond, v_neg = forward(
-                    torch.cat([x, x]),
-                    torch.cat([timestep, timestep]),
-                    torch.cat([pad_to(cond[0], length), pad_to(neg[0], length)]),
-                    torch.cat([pad_to(cond[1], length), pad_to(neg[1], length)]),
-                ).chunk(2)
-            else:
-                v_cond = forward(x, timestep, *cond)
-                v_neg = forward(x, timestep, *neg)
-            comb = v_neg + guidance_scale * (v_cond - v_neg)
-            v = comb * (torch.norm(v_cond, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True))
+        v = true_cfg(forward, x, timestep, embeds, guidance_scale, fused_cfg)
         # _unpack_latents works in pixels and adds the video VAE's frame axis.
         pixels = self.vae_scale_factor
         return QwenImagePipeline._unpack_latents(v, h * pixels, w * pixels, pixels)[:, :, 0]
@@ -261,24 +303,14 @@ class QwenImageAdapter:
         guided = p.guidance_scale > 1
         texts = [r.prompt for r in requests] + ([r.negative_prompt for r in requests] if guided else [])
         rows = self.encode(texts)  # [L_i, D] each: the prompts, then the negative prompts
-        embeds = {}
-        embeds["prompt_embeds"], embeds["prompt_embeds_mask"] = collate(rows[:batch], text_length)
-        if guided:
-            negative = collate(rows[batch:], negative_length)
-            embeds["negative_prompt_embeds"], embeds["negative_prompt_embeds_mask"] = negative
+        embeds = text_embeds(rows, batch, text_length, negative_length)
 
         for i in range(num_steps):
             # [B, C, h, w]
             v = self.velocity(latents, sampler.sigma(i), embeds, p.guidance_scale, self.fused_cfg)
             latents = sampler.step(i, v, latents)
 
-        # De-normalised as the pipeline does it, with the frame axis the video VAE expects.
-        config, vae_dtype = self.vae.config, self.vae.dtype
-        mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1).to(self.device, vae_dtype)
-        inv_std = 1.0 / torch.tensor(config.latents_std).view(1, -1, 1, 1, 1).to(self.device, vae_dtype)
-        vae_in = latents[:, :, None].to(vae_dtype) / inv_std + mean  # [B, C, 1, h, w]
-        images = self.vae.decode(vae_in, return_dict=False)[0][:, :, 0]  # [B, 3, H, W] in [-1, 1]
-        images = (images.float() * 0.5 + 0.5).clamp(0, 1)  # as VaeImageProcessor.postprocess
+        images = decode(self.vae, latents)  # [B, 3, H, W] in [0, 1]
 
         trajectories = []
         for b, req in enumerate(requests):

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import peft
 import torch
 from diffusers import (
@@ -37,8 +36,6 @@ from diffusers import (
 )
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import (
     calculate_dimensions,
-    calculate_shift,
-    retrieve_timesteps,
 )
 from torch import nn
 from transformers import (
@@ -54,6 +51,7 @@ from omnirl.distributed import DTYPES, load_pretrained
 from omnirl.models.base import Request, Trajectory
 from omnirl.models.diffusers_setup import check_checkpoint, make_trainable
 from omnirl.models.flow_sde import WindowedSampler
+from omnirl.models.qwen_image import collate, decode, pad_to, pipeline_sigmas, text_embeds, true_cfg
 
 
 class ImageOnlyProcessor(Qwen2VLProcessor):
@@ -65,21 +63,6 @@ class ImageOnlyProcessor(Qwen2VLProcessor):
         self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
         self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
         ProcessorMixin.__init__(self, image_processor, tokenizer)
-
-
-def pad_to(t: torch.Tensor, length: int, dim: int = 1) -> torch.Tensor:
-    """Zero-pad `t` at the end of `dim` to `length` (False for a bool mask)."""
-    shape = list(t.shape)
-    shape[dim] = length - t.shape[dim]
-    return torch.cat([t, t.new_zeros(shape)], dim=dim)
-
-
-def collate(rows: list[torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-prompt embeddings [L_i, D] -> ([B, length, D] zero-padded at the end, [B, length] bool mask)."""
-    embeds = torch.stack([pad_to(r, length, dim=0) for r in rows])
-    positions = torch.arange(length, device=embeds.device)
-    mask = torch.stack([positions < len(r) for r in rows])
-    return embeds, mask
 
 
 class QwenImageEditAdapter:
@@ -199,17 +182,7 @@ class QwenImageEditAdapter:
     def sigmas(self, num_steps: int, image_seq_len: int) -> torch.Tensor:
         """The pipeline's sigma schedule: [num_steps + 1] float32 on the host, the last one 0. Its shift
         `mu` grows with the generated image's token count (condition tokens not counted)."""
-        config = self.scheduler.config
-        mu = calculate_shift(
-            image_seq_len,
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
-        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-        retrieve_timesteps(self.scheduler, num_steps, sigmas=sigmas, mu=mu)
-        return self.scheduler.sigmas.float().cpu()
+        return pipeline_sigmas(self.scheduler, num_steps, image_seq_len)
 
     @torch.no_grad()
     def encode(self, prompts: list[str], images: list) -> list[torch.Tensor]:
@@ -294,24 +267,7 @@ class QwenImageEditAdapter:
             )[0]
             return out[:, :num_image_tokens].float()  # [B', S, 4C] the generated tokens only
 
-        cond = (embeds["prompt_embeds"], embeds["prompt_embeds_mask"])  # [B, L, D], [B, L]
-        if guidance_scale <= 1:
-            v = forward(x, timestep, *cond)
-        else:
-            neg = (embeds["negative_prompt_embeds"], embeds["negative_prompt_embeds_mask"])  # [B, L', D]
-            if fused_cfg:
-                length = max(cond[0].shape[1], neg[0].shape[1])
-                v_cond, v_neg = forward(
-                    torch.cat([x, x]),
-                    torch.cat([timestep, timestep]),
-                    torch.cat([pad_to(cond[0], length), pad_to(neg[0], length)]),
-                    torch.cat([pad_to(cond[1], length), pad_to(neg[1], length)]),
-                ).chunk(2)
-            else:
-                v_cond = forward(x, timestep, *cond)
-                v_neg = forward(x, timestep, *neg)
-            comb = v_neg + guidance_scale * (v_cond - v_neg)
-            v = comb * (torch.norm(v_cond, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True))
+        v = true_cfg(forward, x, timestep, embeds, guidance_scale, fused_cfg)
         # _unpack_latents works in pixels and adds the video VAE's frame axis.
         pixels = self.vae_scale_factor
         return QwenImageEditPipeline._unpack_latents(v, h * pixels, w * pixels, pixels)[:, :, 0]
@@ -352,23 +308,14 @@ class QwenImageEditAdapter:
         embeds = {"image_latents": self.encode_images(conditions, cond_h, cond_w)}  # [B, C, h', w']
         latent_size = list(embeds["image_latents"].shape[2:])
         embeds["condition_size"] = torch.tensor([latent_size] * batch, device=self.device)  # [B, 2]
-        embeds["prompt_embeds"], embeds["prompt_embeds_mask"] = collate(rows[:batch], text_length)
-        if guided:
-            negative = collate(rows[batch:], negative_length)
-            embeds["negative_prompt_embeds"], embeds["negative_prompt_embeds_mask"] = negative
+        embeds |= text_embeds(rows, batch, text_length, negative_length)
 
         for i in range(num_steps):
             # [B, C, h, w]
             v = self.velocity(latents, sampler.sigma(i), embeds, p.guidance_scale, self.fused_cfg)
             latents = sampler.step(i, v, latents)
 
-        # De-normalised as the pipeline does it, with the frame axis the video VAE expects.
-        config, vae_dtype = self.vae.config, self.vae.dtype
-        mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1).to(self.device, vae_dtype)
-        inv_std = 1.0 / torch.tensor(config.latents_std).view(1, -1, 1, 1, 1).to(self.device, vae_dtype)
-        vae_in = latents[:, :, None].to(vae_dtype) / inv_std + mean  # [B, C, 1, h, w]
-        images = self.vae.decode(vae_in, return_dict=False)[0][:, :, 0]  # [B, 3, H, W] in [-1, 1]
-        images = (images.float() * 0.5 + 0.5).clamp(0, 1)  # as VaeImageProcessor.postprocess
+        images = decode(self.vae, latents)  # [B, 3, H, W] in [0, 1]
 
         trajectories = []
         for b, req in enumerate(requests):
