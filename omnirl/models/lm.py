@@ -24,11 +24,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import re
+from pathlib import Path
 
 import peft
 import torch
 import torch.nn.functional as F
 from peft.tuners.tuners_utils import BaseTunerLayer
+from safetensors.torch import save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -253,3 +255,56 @@ def save_merged_lm(hf_model: nn.Module, processor, out_dir, dtype: torch.dtype) 
             setattr(hf_model.get_submodule(parent), child, module.get_base_layer())
     hf_model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
     processor.save_pretrained(out_dir)
+
+
+class TransformersLMAdapter:
+    """The `OmniModelBase` methods that the transformers-based adapters (Qwen3-Omni thinker, Qwen VL) share.
+    A subclass sets `hf_model` (the transformers model whose `model` is the body and `lm_head` the head),
+    `model` (their `HiddenStatesLM`), `processor`, `pad_token_id`, `lora` and `lora_config`."""
+
+    hf_model: nn.Module
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def collate(self, inputs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return collate_prompts(inputs, self.pad_token_id)
+
+    def token_logprobs(
+        self,
+        model_inputs: dict[str, torch.Tensor],
+        sequences: torch.Tensor,
+        response_mask: torch.Tensor,
+        temperature: float,
+    ) -> torch.Tensor:
+        return sequence_logprobs(self, model_inputs, sequences, response_mask, temperature)
+
+    def kv_layout(self) -> tuple[int, int, int, torch.dtype]:
+        return kv_layout(self.hf_model.model.language_model)
+
+    def kv_bytes_per_token(self) -> int:
+        layers, heads, dim, dtype = self.kv_layout()
+        return 2 * layers * heads * dim * dtype.itemsize
+
+    def lora_disabled(self):
+        if not self.lora:
+            raise ValueError("the reference policy with the LoRA off needs model.finetune 'lora'")
+        return lora_disabled(self.model)
+
+    def export_merged(self, out_dir: str | Path, dtype: torch.dtype) -> None:
+        """The trained model as a transformers directory (LoRA merged in), loadable as `model.path`."""
+        save_merged_lm(self.hf_model, self.processor, out_dir, dtype)
+
+    def export_lora(self, out_dir: str | Path, state_dict: dict | None = None) -> None:
+        """Write the LoRA as a peft adapter: `PeftModel.from_pretrained(hf_model, out_dir)` loads it onto the
+        model's transformers class. An FSDP run passes the gathered full state dict of `self.model`."""
+        if not self.lora:
+            raise ValueError("export_lora needs model.finetune 'lora'")
+        if state_dict is not None:  # names under HiddenStatesLM -> the model's own names
+            state_dict = {re.sub(r"^body\.", "model.", k): v for k, v in state_dict.items()}
+        layers = peft.get_peft_model_state_dict(self.hf_model, state_dict=state_dict)
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.lora_config.save_pretrained(out_dir)
+        tensors = {f"base_model.model.{k}": v.detach().cpu().contiguous() for k, v in layers.items()}
+        save_file(tensors, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})

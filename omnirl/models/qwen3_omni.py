@@ -18,12 +18,9 @@ adds is what RL needs around them:
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
-import peft
 import torch
-from safetensors.torch import save_file
 from torch import nn
 from transformers import (
     AutoConfig,
@@ -40,12 +37,8 @@ from omnirl.distributed import DTYPES, load_pretrained
 from omnirl.models.base import Request
 from omnirl.models.lm import (
     HiddenStatesLM,
-    collate_prompts,
-    kv_layout,
-    lora_disabled,
+    TransformersLMAdapter,
     make_trainable_lm,
-    save_merged_lm,
-    sequence_logprobs,
 )
 
 # Request.inputs keys this adapter reads: one PIL image and one waveform (1-D float array, 16 kHz).
@@ -75,7 +68,7 @@ class _ProcessorWithoutVideo(Qwen3OmniMoeProcessor):
             setattr(self, f"{name}_token", getattr(tokenizer, f"{name}_token"))
 
 
-class Qwen3OmniThinkerAdapter:
+class Qwen3OmniThinkerAdapter(TransformersLMAdapter):
     """The `OmniModelBase` for Qwen3-Omni MoE checkpoints; trains the thinker (model.stage 'thinker')."""
 
     kind = "omni"  # the trainer's ops for this adapter (omnirl.trainer.OPS)
@@ -134,8 +127,9 @@ class Qwen3OmniThinkerAdapter:
         self.path = path
         self.device = device
 
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
+    @property
+    def hf_model(self) -> nn.Module:
+        return self.thinker
 
     def fsdp_units(self) -> list[nn.Module]:
         body = self.thinker.model
@@ -169,9 +163,6 @@ class Qwen3OmniThinkerAdapter:
             inputs["feature_attention_mask"] = out["feature_attention_mask"]  # [1, frames]
         return inputs
 
-    def collate(self, inputs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        return collate_prompts(inputs, self.pad_token_id)
-
     def rope_positions(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         mask = batch.get("feature_attention_mask")
         positions, _ = self.thinker.get_rope_index(
@@ -181,31 +172,6 @@ class Qwen3OmniThinkerAdapter:
             audio_seqlens=mask.sum(-1) if mask is not None else None,
         )
         return positions  # [3, B, L]
-
-    def token_logprobs(
-        self,
-        model_inputs: dict[str, torch.Tensor],
-        sequences: torch.Tensor,
-        response_mask: torch.Tensor,
-        temperature: float,
-    ) -> torch.Tensor:
-        return sequence_logprobs(self, model_inputs, sequences, response_mask, temperature)
-
-    def kv_layout(self) -> tuple[int, int, int, torch.dtype]:
-        return kv_layout(self.thinker.model.language_model)
-
-    def kv_bytes_per_token(self) -> int:
-        layers, heads, dim, dtype = self.kv_layout()
-        return 2 * layers * heads * dim * dtype.itemsize
-
-    def lora_disabled(self):
-        if not self.lora:
-            raise ValueError("the reference policy with the LoRA off needs model.finetune 'lora'")
-        return lora_disabled(self.model)
-
-    def export_merged(self, out_dir: str | Path, dtype: torch.dtype) -> None:
-        """The trained model as a transformers directory (LoRA merged in), loadable as `model.path`."""
-        save_merged_lm(self.thinker, self.processor, out_dir, dtype)
 
     def export_lora(self, out_dir: str | Path, state_dict: dict | None = None) -> None:
         """Write the thinker's LoRA as a peft adapter: `PeftModel.from_pretrained(thinker, out_dir)` loads it
@@ -218,13 +184,4 @@ class Qwen3OmniThinkerAdapter:
         ...`) and before every target module name. An FSDP run passes the gathered full state dict of
         `self.model`.
         """
-        if not self.lora:
-            raise ValueError("export_lora needs model.finetune 'lora'")
-        if state_dict is not None:  # names under HiddenStatesLM -> the thinker's own names
-            state_dict = {re.sub(r"^body\.", "model.", k): v for k, v in state_dict.items()}
-        layers = peft.get_peft_model_state_dict(self.thinker, state_dict=state_dict)
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        self.lora_config.save_pretrained(out_dir)
-        tensors = {f"base_model.model.{k}": v.detach().cpu().contiguous() for k, v in layers.items()}
-        save_file(tensors, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})
+        super().export_lora(out_dir, state_dict)

@@ -10,12 +10,7 @@ language model conditioned on the image: model.stage 'thinker'.
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
-import peft
 import torch
-from safetensors.torch import save_file
 from torch import nn
 from transformers import (
     AutoConfig,
@@ -31,12 +26,8 @@ from omnirl.distributed import DTYPES, load_pretrained
 from omnirl.models.base import Request
 from omnirl.models.lm import (
     HiddenStatesLM,
-    collate_prompts,
-    kv_layout,
-    lora_disabled,
+    TransformersLMAdapter,
     make_trainable_lm,
-    save_merged_lm,
-    sequence_logprobs,
 )
 
 FAMILIES = {
@@ -60,7 +51,7 @@ class _ProcessorWithoutVideo(Qwen2_5_VLProcessor):
         self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
 
 
-class QwenVLAdapter:
+class QwenVLAdapter(TransformersLMAdapter):
     """The `OmniModelBase` for Qwen2.5-VL and Qwen3-VL checkpoints."""
 
     kind = "omni"  # the trainer's ops for this adapter (omnirl.trainer.OPS)
@@ -102,9 +93,6 @@ class QwenVLAdapter:
         self.lm_head = self.model.lm_head
         self.device = device
 
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
-
     def fsdp_units(self) -> list[nn.Module]:
         body = self.hf_model.model
         units = [*body.language_model.layers, body.visual]
@@ -132,9 +120,6 @@ class QwenVLAdapter:
             inputs["image_grid_thw"] = out["image_grid_thw"]  # [1, 3]
         return inputs
 
-    def collate(self, inputs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        return collate_prompts(inputs, self.pad_token_id)
-
     def rope_positions(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         ids = batch["input_ids"]
         positions, _ = self.hf_model.model.get_rope_index(
@@ -144,43 +129,3 @@ class QwenVLAdapter:
             attention_mask=batch["attention_mask"],
         )
         return positions  # [3, B, L]
-
-    def token_logprobs(
-        self,
-        model_inputs: dict[str, torch.Tensor],
-        sequences: torch.Tensor,
-        response_mask: torch.Tensor,
-        temperature: float,
-    ) -> torch.Tensor:
-        return sequence_logprobs(self, model_inputs, sequences, response_mask, temperature)
-
-    def kv_layout(self) -> tuple[int, int, int, torch.dtype]:
-        return kv_layout(self.hf_model.model.language_model)
-
-    def kv_bytes_per_token(self) -> int:
-        layers, heads, dim, dtype = self.kv_layout()
-        return 2 * layers * heads * dim * dtype.itemsize
-
-    def lora_disabled(self):
-        if not self.lora:
-            raise ValueError("the reference policy with the LoRA off needs model.finetune 'lora'")
-        return lora_disabled(self.model)
-
-    def export_merged(self, out_dir: str | Path, dtype: torch.dtype) -> None:
-        """The trained model as a transformers directory (LoRA merged in), loadable as `model.path`."""
-        save_merged_lm(self.hf_model, self.processor, out_dir, dtype)
-
-    def export_lora(self, out_dir: str | Path, state_dict: dict | None = None) -> None:
-        """Write the LoRA as a peft adapter: `PeftModel.from_pretrained(model, out_dir)` loads it onto the
-        family's ForConditionalGeneration class. An FSDP run passes the gathered full state dict of
-        `self.model`."""
-        if not self.lora:
-            raise ValueError("export_lora needs model.finetune 'lora'")
-        if state_dict is not None:  # names under HiddenStatesLM -> the model's own names
-            state_dict = {re.sub(r"^body\.", "model.", k): v for k, v in state_dict.items()}
-        layers = peft.get_peft_model_state_dict(self.hf_model, state_dict=state_dict)
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        self.lora_config.save_pretrained(out_dir)
-        tensors = {f"base_model.model.{k}": v.detach().cpu().contiguous() for k, v in layers.items()}
-        save_file(tensors, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})
