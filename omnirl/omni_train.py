@@ -36,7 +36,7 @@ from omnirl.metrics import MetricsLogger
 from omnirl.models.base import GenerationParams, OmniModelBase, OmniTrajectory, Request, derive_seed
 from omnirl.rewards.pool import RewardPool
 from omnirl.rollout.generate import GenerationEngine
-from omnirl.step import equalise, make_requests
+from omnirl.step import collect_scores, equalise, make_requests
 
 TOKEN_LOSSES = ("grpo", "gspo")
 
@@ -77,20 +77,10 @@ def rollout_and_score(
     start = time.perf_counter()
 
     def submit(t: OmniTrajectory) -> None:
-        scored.append((t, rewards.submit([t.text], [t.request.prompt], [t.request.metadata])))
+        scored.append(([t], rewards.submit([t.text], [t.request.prompt], [t.request.metadata])))
 
     trajs = engine.generate(requests, on_finish=submit)
-    generated = time.perf_counter()
-    per: dict[str, list[np.ndarray]] = {}
-    for t, pending in scored:
-        result = rewards.result(pending)
-        t.reward = float(result.total[0])
-        for k, v in result.per_reward.items():
-            per.setdefault(k, []).append(v)
-    if stats is not None:
-        stats["time/generate_s"] = generated - start
-        stats["time/score_wait_s"] = time.perf_counter() - generated
-    return trajs, {k: np.concatenate(v) for k, v in per.items()}
+    return trajs, collect_scores(rewards, scored, start, time.perf_counter(), stats)
 
 
 @dataclass

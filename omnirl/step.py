@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Protocol
 
 import numpy as np
@@ -94,6 +95,27 @@ class UpdateOps(Protocol):
     def measured(self) -> dict[str, float]:
         """Global metrics of the update that are not sums (e.g. actor-rollout consistency). Collective:
         every rank calls it once per update."""
+
+
+def collect_scores(
+    rewards, scored: list[tuple[list, Any]], start: float, generated: float, stats: dict[str, float] | None
+) -> dict[str, np.ndarray]:
+    """Wait for the reward pool's results of `scored` ([(trajectories, pending result)], submitted during
+    the generation that ran from `start` to `generated`, perf_counter seconds), set each trajectory's
+    `reward` and return the per-reward scores in submission order. Writes into `stats`, when given,
+    `time/generate_s` (the generation, scoring overlapped) and `time/score_wait_s` (the scoring still
+    left after it)."""
+    per: dict[str, list[np.ndarray]] = {}
+    for trajs, pending in scored:
+        result = rewards.result(pending)
+        for t, r in zip(trajs, result.total.tolist()):
+            t.reward = r
+        for k, v in result.per_reward.items():
+            per.setdefault(k, []).append(v)
+    if stats is not None:
+        stats["time/generate_s"] = generated - start
+        stats["time/score_wait_s"] = time.perf_counter() - generated
+    return {k: np.concatenate(v) for k, v in per.items()}
 
 
 def equalise(micro_batches: list[list], pad_row: Any) -> list[list]:

@@ -38,7 +38,7 @@ from omnirl.models.flow_sde import flow_step
 from omnirl.omni_train import OmniOps
 from omnirl.rewards.pool import RewardPool
 from omnirl.rollout.diffusion import DiffusionEngine
-from omnirl.step import equalise, make_requests, reward_stats, update
+from omnirl.step import collect_scores, equalise, make_requests, reward_stats, update
 
 
 def sampling_params(cfg: Config, num_steps: int | None = None, ode: bool = False) -> SamplingParams:
@@ -83,18 +83,7 @@ def rollout_and_score(
         scored.append((trajs, rewards.submit(images, [t.request.prompt for t in trajs], metadata)))
 
     trajs = engine.generate(requests, on_batch=submit)
-    generated = time.perf_counter()
-    per: dict[str, list[np.ndarray]] = {}
-    for batch, future in scored:
-        result = rewards.result(future)
-        for t, r in zip(batch, result.total.tolist()):
-            t.reward = r
-        for k, v in result.per_reward.items():
-            per.setdefault(k, []).append(v)
-    if stats is not None:
-        stats["time/generate_s"] = generated - start
-        stats["time/score_wait_s"] = time.perf_counter() - generated
-    return trajs, {k: np.concatenate(v) for k, v in per.items()}
+    return trajs, collect_scores(rewards, scored, start, time.perf_counter(), stats)
 
 
 @dataclass
