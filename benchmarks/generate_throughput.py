@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
+from omnirl.algos.correction import consistency_metrics
 from omnirl.config import Config
 from omnirl.distributed import DTYPES, device_type
 from omnirl.memory import synchronize
@@ -148,15 +149,14 @@ def check_logprobs(adapter, trajs, temperature: float, micro_batch: int = 16) ->
         lp = adapter.token_logprobs(batch, seqs.to(adapter.device), mask.to(adapter.device), temperature)
         trainer.append(lp[mask.to(adapter.device).bool()].cpu())
         rollout += [t.logprobs for t in chunk]
-    trainer, rollout = torch.cat(trainer).double(), torch.cat(rollout).double()
-    diff = (trainer - rollout).abs()
-    pearson = torch.corrcoef(torch.stack([trainer.exp(), rollout.exp()]))[0, 1]
+    trainer, rollout = torch.cat(trainer), torch.cat(rollout)
+    m = consistency_metrics(trainer, rollout, torch.ones_like(trainer, dtype=torch.bool))  # as logged
     return {
-        "tokens": len(diff),
-        "mean_abs_diff": diff.mean().item(),
-        "max_abs_diff": diff.max().item(),
-        "prob_pearson": pearson.item(),
-        "mean_logprob": rollout.mean().item(),
+        "tokens": int(m["consistency/tokens"]),
+        "mean_abs_diff": m["consistency/logprob_abs_diff_mean"],
+        "max_abs_diff": m["consistency/logprob_abs_diff_max"],
+        "prob_pearson": m["consistency/prob_pearson"],
+        "mean_logprob": rollout.double().mean().item(),
     }
 
 
