@@ -28,8 +28,9 @@ from omnirl.metrics import GRID_PAD, read_metrics
 from omnirl.models import get_adapter
 from omnirl.step import NonFiniteError, make_requests, update
 from omnirl.trainer import DiffusionOps, sampling_params
+from tests.support_compare import max_diff
 from tests.test_sd3 import make_requests as sd3_requests
-from tests.test_sd3 import max_diff, noise_free, run_pipeline
+from tests.test_sd3 import noise_free, run_pipeline
 from tests.test_train import ROOT, tiny_cfg, torchrun, torchrun_cmd
 
 RECIPE = ROOT / "yaml/sd3_tiny_flowgrpo.yaml"

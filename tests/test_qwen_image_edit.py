@@ -16,6 +16,7 @@ from omnirl.models import get_adapter
 from omnirl.models.base import Request, SamplingParams, derive_seed
 from omnirl.models.qwen_image_edit import QwenImageEditAdapter
 from omnirl.trainer import Pair, pair_logprob
+from tests.support_compare import max_diff, packed_serial_diffs
 
 # Different lengths (the tiny tokenizer is one token per byte), all in the 320 bucket; negatives in 288.
 PROMPTS = [
@@ -65,10 +66,6 @@ def make_requests(params: SamplingParams, images: list[Image.Image], n: int = le
 
 def noise_free(guidance: float = GUIDANCE) -> SamplingParams:
     return SamplingParams(SIZE, SIZE, STEPS, guidance, 0.0, "sde", 0, (0, 1))
-
-
-def max_diff(a, b) -> float:
-    return (a - b).abs().max().item()
 
 
 @pytest.fixture(scope="module")
@@ -139,15 +136,7 @@ def test_packed_rollout_equals_serial(adapter):
     serial = [adapter.rollout([r])[0] for r in requests]
     starts = [int(t.step_indices[0]) for t in packed]
     assert len(set(starts)) > 1, f"rows should sit at different window positions, got starts {starts}"
-    d_latents = d_logprobs = 0.0
-    for a, b in zip(packed, serial):
-        assert a.step_indices.tolist() == b.step_indices.tolist()
-        assert a.latents.shape == (2, 4, 16, 16) and a.logprobs.shape == (2,)
-        assert torch.all(a.logprobs != 0)
-        d_latents = max(
-            d_latents, max_diff(a.final_latents, b.final_latents), max_diff(a.next_latents, b.next_latents)
-        )
-        d_logprobs = max(d_logprobs, max_diff(a.logprobs, b.logprobs))
+    d_latents, d_logprobs = packed_serial_diffs(packed, serial)
     print(
         f"packed vs serial: text lengths {lengths}, window starts {starts}, latents {d_latents:.2e}, "
         f"logprobs {d_logprobs:.2e}"

@@ -13,6 +13,7 @@ from omnirl.models import get_adapter
 from omnirl.models.base import Request, SamplingParams, derive_seed
 from omnirl.models.flow_sde import flow_step
 from omnirl.models.sd3 import SD3Adapter
+from tests.support_compare import max_diff, packed_serial_diffs
 
 PROMPTS = ["a red cat", "two dogs in the snow", "a lighthouse at night", "OPEN 24 HOURS"]
 NEGATIVES = ["blurry", "", "low quality", ""]
@@ -59,10 +60,6 @@ def run_pipeline(pipe, adapter, requests, output_type):
     ).images
 
 
-def max_diff(a, b) -> float:
-    return (a - b).abs().max().item()
-
-
 @pytest.fixture(scope="module")
 def adapter(tiny_sd3):
     return make_adapter(tiny_sd3)  # LoRA with B = 0: the policy equals the base model
@@ -95,15 +92,7 @@ def test_packed_rollout_equals_serial(adapter):
     serial = [adapter.rollout([r])[0] for r in requests]
     starts = [int(t.step_indices[0]) for t in packed]
     assert len(set(starts)) > 1, f"rows should sit at different window positions, got starts {starts}"
-    d_latents = d_logprobs = 0.0
-    for a, b in zip(packed, serial):
-        assert a.step_indices.tolist() == b.step_indices.tolist()
-        assert a.latents.shape == (2, 4, 16, 16) and a.logprobs.shape == (2,)
-        assert torch.all(a.logprobs != 0)
-        d_latents = max(
-            d_latents, max_diff(a.final_latents, b.final_latents), max_diff(a.next_latents, b.next_latents)
-        )
-        d_logprobs = max(d_logprobs, max_diff(a.logprobs, b.logprobs))
+    d_latents, d_logprobs = packed_serial_diffs(packed, serial)
     print(f"packed vs serial: window starts {starts}, latents {d_latents:.2e}, logprobs {d_logprobs:.2e}")
     assert d_latents < 1e-5 and d_logprobs < 1e-5
 
