@@ -136,7 +136,7 @@ def run_ours(adapter, requests, args, keep: list, cuda_graph: bool, stats: dict)
 def check_logprobs(adapter, trajs, temperature: float, micro_batch: int = 16) -> dict[str, float]:
     """Trainer-side log-probs (one forward over prompt + response) of the engine's responses vs the ones it
     recorded: mean / max |diff| of log-probs and the Pearson correlation of the token probabilities."""
-    trainer, rollout = [], []
+    trainer, rollout, positions = [], [], []
     for i in range(0, len(trajs), micro_batch):
         chunk = trajs[i : i + micro_batch]
         batch = adapter.collate([t.prompt_inputs() for t in chunk])
@@ -149,7 +149,8 @@ def check_logprobs(adapter, trajs, temperature: float, micro_batch: int = 16) ->
         lp = adapter.token_logprobs(batch, seqs.to(adapter.device), mask.to(adapter.device), temperature)
         trainer.append(lp[mask.to(adapter.device).bool()].cpu())
         rollout += [t.logprobs for t in chunk]
-    trainer, rollout = torch.cat(trainer), torch.cat(rollout)
+        positions += [torch.arange(len(t.response_ids)) for t in chunk]
+    trainer, rollout, positions = torch.cat(trainer), torch.cat(rollout), torch.cat(positions)
     m = consistency_metrics(trainer, rollout, torch.ones_like(trainer, dtype=torch.bool))  # as logged
     return {
         "tokens": int(m["consistency/tokens"]),
@@ -157,6 +158,12 @@ def check_logprobs(adapter, trajs, temperature: float, micro_batch: int = 16) ->
         "max_abs_diff": m["consistency/logprob_abs_diff_max"],
         "prob_pearson": m["consistency/prob_pearson"],
         "mean_logprob": rollout.double().mean().item(),
+        # Does the difference grow along the response (KV-cache decode vs one forward)? |diff| by position.
+        "mean_abs_diff_by_position": {
+            f"{lo}-{hi}": (trainer - rollout)[(positions >= lo) & (positions < hi)].abs().mean().item()
+            for lo, hi in ((0, 32), (32, 128), (128, 256), (256, 1 << 20))
+            if ((positions >= lo) & (positions < hi)).any()
+        },
     }
 
 
@@ -237,13 +244,17 @@ def main() -> None:
     p.add_argument("--check-logprobs", action="store_true", help="re-score our responses as the trainer")
     p.add_argument("--warmup", type=int, default=4, help="requests of a warm-up run per method (0 = none)")
     p.add_argument("--out", default="benchmarks/generate_throughput.json")
+    p.add_argument(
+        "--keep-model", default="", help="write the --random-init checkpoint here (DIR/random_thinker) "
+        "for later runs' --model, instead of into a temporary folder",
+    )  # fmt: skip
     args = p.parse_args()
 
     torch.set_num_threads(1 if device_type() == "cpu" else torch.get_num_threads())
     device = torch.device(device_type())
     with tempfile.TemporaryDirectory() as tmp:
         if args.random_init:
-            path = random_init_checkpoint(args, Path(tmp), device)
+            path = random_init_checkpoint(args, Path(args.keep_model or tmp), device)
         elif args.model:
             path = Path(args.model)
         else:

@@ -145,12 +145,23 @@ def apply_fsdp(
     `ignored_params` (the frozen base of a LoRA model) stay plain replicated tensors; only the
     trainable parameters become sharded DTensors. Gradients are summed, not averaged, over ranks:
     the losses are already divided by the global (all-reduced) sample or token count.
+
+    The root does not cast its floating-point inputs to `param_dtype` (the units do: their inputs are
+    activations). A root's inputs are what the caller chose: Qwen3-Omni's M-RoPE position ids are float32
+    (video positions can be fractional), and in bfloat16 integers above 256 round to even numbers (above
+    512 to multiples of 4), which moved the rotary positions of every long prompt and response; SD3's
+    timesteps are float32 in the stock pipeline, and rounding them changes the time embedding. So adapters
+    pass their inputs in the dtype the model computes in (latents, text embeddings) and keep positions and
+    timesteps as the stock pipeline does, with or without FSDP.
     """
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
+    root_mp = MixedPrecisionPolicy(
+        param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype], cast_forward_inputs=False
+    )
     ignored = ignored_params or set()
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=mp, ignored_params=ignored & set(unit.parameters()))
-    fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, mp_policy=root_mp, ignored_params=ignored)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)

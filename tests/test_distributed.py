@@ -23,3 +23,21 @@ def test_bf16_load_pretrained_and_per_rank_metrics_on_two_ranks(tiny_qwen_image)
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     assert r.stdout.count("dist checks OK") == 2
+
+
+@pytest.mark.slow
+def test_fsdp_bf16_keeps_omni_rollout_and_trainer_logprobs(tiny_qwen3_omni):
+    """FSDP2 with bf16 compute gives the plain bf16 model's samples and log-probs (rollout and trainer) on
+    prompts whose M-RoPE positions bf16 cannot hold (tests/_fsdp_bf16_omni.py)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    r = subprocess.run(
+        [*cmd, "tests/_fsdp_bf16_omni.py", str(tiny_qwen3_omni)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert r.stdout.count("fsdp bf16 checks OK") == 2

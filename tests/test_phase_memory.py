@@ -72,7 +72,7 @@ def test_check_plans_the_edit_recipe_on_full_size_models(tmp_path):
         (batch,) = step["batches"]
         assert batch["requests"] == step["requests"] == 32
         assert batch["key_tail"] == "((512, 512), 384, 384)"  # condition size, prompt and negative buckets
-        assert (step["train_rows"], step["micro_batches"]) == (64, 16)  # SDE window 2, micro-batch 4
+        assert (step["train_rows"], step["micro_batches"]) == (64, 32)  # SDE window 2, micro-batch 2
 
 
 def test_table_of_a_gpu_row():

@@ -4,6 +4,7 @@
 #   bash scripts/gpu/two_gpu_runs.sh OUT_DIR
 #   OMNIRL_DRY=1 bash scripts/gpu/two_gpu_runs.sh OUT_DIR   # rehearsal on CPU: tiny sizes, gloo, < 1 minute
 #   OMNIRL_PARTS=mmk12 OMNIRL_BUDGET_S=240 ...               # one of the two runs, a shorter budget
+#   OMNIRL_NPROC=1 ...                                       # on one GPU
 #
 # 1. Rollout packing, Qwen-Image (full size, random init, 512 px, 10 steps, True-CFG 4.0) on 2 GPUs:
 #    `torchrun --nproc_per_node 2 benchmarks/rollout_packing.py`, 32 images per GPU, serial (timed on 2
@@ -35,6 +36,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OF
 dry=${OMNIRL_DRY:-0}
 budget=${OMNIRL_BUDGET_S:-540}  # seconds for the whole script: the device tool stops a command at 600
 parts=${OMNIRL_PARTS:-packing,mmk12}  # which of the two runs
+nproc=${OMNIRL_NPROC:-2}        # ranks (GPUs) of both runs
 packing_cap=280                 # the packing run's most; the training run gets what is left
 start=$SECONDS
 work=$(mktemp -d)
@@ -90,7 +92,7 @@ fi
 if [[ ,$parts, == *,packing,* ]]; then
     log "1. rollout packing (at most $packing_cap s)"
     OMP_NUM_THREADS=$threads timeout -k 20 "$packing_cap" \
-        torchrun --standalone --nproc_per_node 2 benchmarks/rollout_packing.py "${packing_args[@]}" \
+        torchrun --standalone --nproc_per_node "$nproc" benchmarks/rollout_packing.py "${packing_args[@]}" \
         --compiled-max-num-seqs --stock-batch --logprob-check 0 \
         --out "$out/rollout_packing.json" >"$out/rollout_packing.log" 2>&1
     log "rollout packing exit status $? (124: stopped at its time limit); last lines of its log:"
@@ -120,7 +122,7 @@ if [[ ,$parts, != *,mmk12,* ]]; then
 elif [[ $prepared == 0 && $train_cap -gt 60 ]]; then
     log "2. mmk12 training (at most $train_cap s)"
     OMP_NUM_THREADS=$threads timeout -k 20 "$train_cap" \
-        torchrun --standalone --nproc_per_node 2 scripts/gpu/train_entry.py --noise-weight 0.001 \
+        torchrun --standalone --nproc_per_node "$nproc" scripts/gpu/train_entry.py --noise-weight 0.001 \
         --recipe mmk12 --model.path "$work/thinker/random_thinker" \
         --data.train_path "$data/train.jsonl" --data.val_path "$data/val.jsonl" \
         --run.output_dir "$out/mmk12" --validation.every 0 --checkpoint.every 0 --export.no-lora-at-end \
@@ -144,7 +146,7 @@ fi
     echo
     cat "$work/packing.md" 2>/dev/null || echo "(no result)"
     echo
-    echo "## 2. mmk12, 2 ranks (${train_args[*]})"
+    echo "## 2. mmk12, $nproc ranks (${train_args[*]})"
     echo
     cat "$work/mmk12.md" 2>/dev/null || echo "(no result)"
 } >"$out/summary.md"
