@@ -9,35 +9,22 @@ import pytest
 from tests.test_train import ROOT
 
 
-@pytest.mark.slow
-def test_bf16_load_pretrained_and_per_rank_metrics_on_two_ranks(tiny_qwen_image):
+def two_ranks(script: str, *args: str) -> str:
+    """stdout of `script` run by torchrun on 2 ranks (gloo); a failure shows its output."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    r = subprocess.run(
-        [*cmd, "tests/_dist_checks.py", str(tiny_qwen_image)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = subprocess.run([*cmd, script, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    assert r.stdout.count("dist checks OK") == 2
+    return r.stdout
+
+
+@pytest.mark.slow
+def test_bf16_load_pretrained_and_per_rank_metrics_on_two_ranks(tiny_qwen_image):
+    assert two_ranks("tests/_dist_checks.py", str(tiny_qwen_image)).count("dist checks OK") == 2
 
 
 @pytest.mark.slow
 def test_fsdp_bf16_keeps_omni_rollout_and_trainer_logprobs(tiny_qwen3_omni):
     """FSDP2 with bf16 compute gives the plain bf16 model's samples and log-probs (rollout and trainer) on
     prompts whose M-RoPE positions bf16 cannot hold (tests/_fsdp_bf16_omni.py)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    r = subprocess.run(
-        [*cmd, "tests/_fsdp_bf16_omni.py", str(tiny_qwen3_omni)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    assert r.stdout.count("fsdp bf16 checks OK") == 2
+    assert two_ranks("tests/_fsdp_bf16_omni.py", str(tiny_qwen3_omni)).count("fsdp bf16 checks OK") == 2
