@@ -152,7 +152,7 @@ def apply_fsdp(
     512 to multiples of 4), which moved the rotary positions of every long prompt and response; SD3's
     timesteps are float32 in the stock pipeline, and rounding them changes the time embedding. So adapters
     pass their inputs in the dtype the model computes in (latents, text embeddings) and keep positions and
-    timesteps as the stock pipeline does, with or without FSDP.
+    timesteps as the stock pipeline does, with or without FSDP: in the dtype `compute_dtype` names.
     """
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
     root_mp = MixedPrecisionPolicy(
@@ -162,11 +162,19 @@ def apply_fsdp(
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=mp, ignored_params=ignored & set(unit.parameters()))
     fully_shard(model, mesh=mesh, mp_policy=root_mp, ignored_params=ignored)
+    model._omnirl_compute_dtype = DTYPES[param_dtype]  # read by `compute_dtype`
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
     return model
+
+
+def compute_dtype(model: nn.Module, stored: torch.dtype) -> torch.dtype:
+    """The dtype `model`'s forward computes in, hence the dtype its floating-point inputs must have: FSDP's
+    param_dtype where `apply_fsdp` wrapped it (the root does not cast its inputs), else `stored`, the dtype
+    its weights are kept in (a fully fine-tuned transformer: float32 master weights, bf16 compute)."""
+    return getattr(model, "_omnirl_compute_dtype", stored)
 
 
 @contextlib.contextmanager

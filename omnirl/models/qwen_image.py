@@ -32,7 +32,7 @@ from torch import nn
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
 from omnirl.config import Config, ConfigError
-from omnirl.distributed import DTYPES, load_pretrained
+from omnirl.distributed import DTYPES, compute_dtype, load_pretrained
 from omnirl.models.base import Request, Trajectory
 from omnirl.models.diffusers_setup import check_checkpoint, make_trainable
 from omnirl.models.flow_sde import WindowedSampler
@@ -254,7 +254,7 @@ class QwenImageAdapter:
         architecture instead (the trainer's frozen reference copy for the KL term).
         """
         model = transformer if transformer is not None else self.transformer
-        dtype = self.transformer_dtype
+        dtype = compute_dtype(model, self.transformer_dtype)  # the model's inputs: FSDP's root does not cast
         batch, channels, h, w = latents.shape
         x = QwenImagePipeline._pack_latents(latents, batch, channels, h, w).to(dtype)  # [B, h/2 * w/2, 4C]
         # The pipeline feeds the scheduler's timestep (sigma * 1000, float32) cast to its dtype, / 1000.

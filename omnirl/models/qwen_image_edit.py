@@ -47,7 +47,7 @@ from transformers import (
 from transformers.processing_utils import ProcessorMixin
 
 from omnirl.config import Config, ConfigError
-from omnirl.distributed import DTYPES, load_pretrained
+from omnirl.distributed import DTYPES, compute_dtype, load_pretrained
 from omnirl.models.base import Request, Trajectory
 from omnirl.models.diffusers_setup import check_checkpoint, make_trainable
 from omnirl.models.flow_sde import WindowedSampler
@@ -242,7 +242,7 @@ class QwenImageEditAdapter:
             return out
 
         model = transformer if transformer is not None else self.transformer
-        dtype = self.transformer_dtype
+        dtype = compute_dtype(model, self.transformer_dtype)  # the model's inputs: FSDP's root does not cast
         batch, channels, h, w = latents.shape
         cond_h, cond_w = sizes[0].tolist()
         pack = QwenImageEditPipeline._pack_latents

@@ -23,7 +23,7 @@ from torch import nn
 from transformers import AutoTokenizer, CLIPTextModelWithProjection, T5EncoderModel
 
 from omnirl.config import Config, ConfigError
-from omnirl.distributed import DTYPES, load_pretrained
+from omnirl.distributed import DTYPES, compute_dtype, load_pretrained
 from omnirl.models.base import Request, Trajectory
 from omnirl.models.diffusers_setup import check_checkpoint, make_trainable
 from omnirl.models.flow_sde import WindowedSampler
@@ -141,7 +141,7 @@ class SD3Adapter:
         the same architecture instead (the trainer's frozen reference copy for the KL term).
         """
         model = transformer if transformer is not None else self.transformer
-        dtype = self.transformer_dtype
+        dtype = compute_dtype(model, self.transformer_dtype)  # the model's inputs: FSDP's root does not cast
         x = latents.to(dtype)
         # The pipeline feeds the scheduler's timesteps, which are sigma * num_train_timesteps in float32.
         timestep = sigmas.float() * self.scheduler.config.num_train_timesteps  # [B]
