@@ -32,7 +32,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 def test_tiny_run_reports_rollout_and_train_phases(tmp_path):
     """The SD3.5 recipe's dry mode: the tiny SD3 recipe through the same data generator, random-init loader
     and trainer entry, 2 prompts x max_num_seqs / 2 images per step, two steps; the table and the JSON."""
-    r = run("--recipe", "yaml/sd35_flowgrpo_ocr", "--tiny", "--out", str(tmp_path))
+    r = run("--recipe", "yaml/sd35_flowgrpo_ocr", "--tiny", "--steps", "2", "--out", str(tmp_path))
     summary = json.loads((tmp_path / "sd35_flowgrpo_ocr_tiny.json").read_text())
     table = (tmp_path / "sd35_flowgrpo_ocr_tiny.md").read_text()
     assert summary["rc"] == 0 and summary["problems"] == []

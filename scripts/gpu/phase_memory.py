@@ -1,7 +1,7 @@
 """Per-phase device memory of a real diffusion recipe: a few RL steps of the recipe on its full-size models
 with random weights, and per step a table of each phase's peak device memory and sleep/wake traffic.
 
-    python scripts/gpu/phase_memory.py --recipe qwen_image_flowgrpo_ocr --out OUT [--steps 2] [overrides]
+    python scripts/gpu/phase_memory.py --recipe qwen_image_flowgrpo_ocr --out OUT [--steps 3] [overrides]
     python scripts/gpu/phase_memory.py --recipe qwen_image_edit_flowgrpo --out OUT --budget-s 560
     python scripts/gpu/phase_memory.py --recipe sd35_flowgrpo_ocr --out OUT --gpus 2   # 2 ranks
     python scripts/gpu/phase_memory.py --recipe sd35_flowgrpo_ocr --out OUT --tiny     # CPU rehearsal
@@ -31,9 +31,11 @@ Changed:
   rather than one keep the step's advantages a real GRPO step's. The update then trains max_num_seqs x
   (trained steps per image) rows in micro-batches of optim.micro_batch_size: the train peak is one
   micro-batch's, however many there are (gradients accumulate in place).
-- run.steps = --steps (default 2): the optimizer state exists only after step 0's update, so step 0's
-  rollout has nothing to put to sleep; step 1 is the steady state (the optimizer state slept in rollout,
-  woken for training; the host buffers pinned already).
+- run.steps = --steps (default 3): the optimizer state exists only after step 0's update, so step 0's
+  rollout has nothing to put to sleep, and step 0's train phase pins the host chunks of the text encoders
+  and VAE. Step 1's rollout puts the optimizer state to sleep for the first time and pins its chunks (a
+  phase sleeps before it wakes, so the encoders' chunks are still taken). Step 2 is the steady state:
+  every transition reuses its chunks.
 - Validation, checkpoints, LoRA export, tensorboard and image samples off: none is part of a step.
 - Reward: the recipe's plus `uniform_noise` of weight --noise-weight (a uniform draw in [0, 1) per image):
   a random-init model draws no readable text, so the OCR reward leaves groups without spread, and those
@@ -316,7 +318,7 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--recipe", required=True, help=f"one of {', '.join(RECIPES)}")
     p.add_argument("--out", required=True, help="folder for NAME.json and NAME.md")
-    p.add_argument("--steps", type=int, default=2, help="RL steps (2: the second shows the steady state)")
+    p.add_argument("--steps", type=int, default=3, help="RL steps (3: the third shows the steady state)")
     p.add_argument("--gpus", type=int, default=1, help="ranks (one per GPU), run by torchrun --standalone")
     p.add_argument("--tiny", action="store_true", help="the tiny recipe on CPU: a rehearsal")
     p.add_argument(
