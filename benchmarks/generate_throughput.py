@@ -38,6 +38,7 @@ from omnirl.distributed import DTYPES, device_type
 from omnirl.memory import synchronize
 from omnirl.models import get_adapter
 from omnirl.models.base import GenerationParams, Request
+from omnirl.models.lm import pad_responses
 from omnirl.rollout.generate import GenerationEngine
 
 WORDS = "the of a to in is that for it as with was on be by at this from or have an are which".split()
@@ -141,13 +142,10 @@ def check_logprobs(adapter, trajs, temperature: float, micro_batch: int = 16) ->
         chunk = trajs[i : i + micro_batch]
         batch = adapter.collate([t.prompt_inputs() for t in chunk])
         batch = {k: v.to(adapter.device) for k, v in batch.items()}
-        length = max(len(t.response_ids) for t in chunk)
-        seqs = torch.full((len(chunk), length), adapter.pad_token_id)
-        mask = torch.zeros(len(chunk), length, dtype=torch.long)
-        for b, t in enumerate(chunk):
-            seqs[b, : len(t.response_ids)], mask[b, : len(t.response_ids)] = t.response_ids, 1
-        lp = adapter.token_logprobs(batch, seqs.to(adapter.device), mask.to(adapter.device), temperature)
-        trainer.append(lp[mask.to(adapter.device).bool()].cpu())
+        seqs, mask = pad_responses([t.response_ids for t in chunk], adapter.pad_token_id)
+        seqs, mask = seqs.to(adapter.device), mask.to(adapter.device)
+        lp = adapter.token_logprobs(batch, seqs, mask, temperature)
+        trainer.append(lp[mask].cpu())
         rollout += [t.logprobs for t in chunk]
         positions += [torch.arange(len(t.response_ids)) for t in chunk]
     trainer, rollout, positions = torch.cat(trainer), torch.cat(rollout), torch.cat(positions)

@@ -34,6 +34,7 @@ from omnirl.data.edit import open_inputs
 from omnirl.data.prompts import PromptRow
 from omnirl.metrics import MetricsLogger
 from omnirl.models.base import GenerationParams, OmniModelBase, OmniTrajectory, Request, derive_seed
+from omnirl.models.lm import pad_responses
 from omnirl.rewards.pool import RewardPool
 from omnirl.rollout.generate import GenerationEngine
 from omnirl.step import collect_scores, equalise, make_requests
@@ -182,13 +183,8 @@ class OmniOps:
         device = self.engine.device
         trajs = [r.traj for r in mb]
         batch = {k: v.to(device) for k, v in self.adapter.collate([t.prompt_inputs() for t in trajs]).items()}
-        length = max(len(t.response_ids) for t in trajs)
-        seqs = torch.full((len(mb), length), self.adapter.pad_token_id)  # [B, T]
-        mask = torch.zeros(len(mb), length, dtype=torch.bool)  # [B, T]
-        for b, t in enumerate(trajs):
-            seqs[b, : len(t.response_ids)] = t.response_ids
-            mask[b, : len(t.response_ids)] = True
-        rollout = _padded([t.logprobs for t in trajs], length, device)  # [B, T]
+        seqs, mask = pad_responses([t.response_ids for t in trajs], self.adapter.pad_token_id)  # [B, T]
+        rollout = _padded([t.logprobs for t in trajs], seqs.shape[1], device)  # [B, T]
         return batch, seqs.to(device), mask.to(device), rollout
 
     def recompute_old(self, rows: list[TokenRow], pad_traj: OmniTrajectory) -> dict[str, float]:

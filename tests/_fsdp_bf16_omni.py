@@ -17,6 +17,7 @@ from omnirl import distributed as D
 from omnirl.config import Config
 from omnirl.models import get_adapter
 from omnirl.models.base import GenerationParams, Request
+from omnirl.models.lm import pad_responses
 from omnirl.rollout.generate import GenerationEngine
 from omnirl.trainer import shard
 
@@ -40,11 +41,7 @@ def rollout_and_score(adapter, requests):
     rotary = adapter.model.body.language_model.rotary_emb
     hook = rotary.register_forward_hook(lambda m, args, out: seen.append(args[1].detach().clone()))
     batch = {k: v.to(adapter.device) for k, v in adapter.collate([t.prompt_inputs() for t in trajs]).items()}
-    length = max(len(t.response_ids) for t in trajs)
-    seqs = torch.full((len(trajs), length), adapter.pad_token_id)
-    mask = torch.zeros(len(trajs), length, dtype=torch.bool)
-    for b, t in enumerate(trajs):
-        seqs[b, : len(t.response_ids)], mask[b, : len(t.response_ids)] = t.response_ids, True
+    seqs, mask = pad_responses([t.response_ids for t in trajs], adapter.pad_token_id)
     with torch.no_grad():
         lp = adapter.token_logprobs(batch, seqs.to(adapter.device), mask.to(adapter.device), 1.0).cpu()
     hook.remove()

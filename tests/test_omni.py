@@ -19,6 +19,7 @@ from transformers import AutoConfig, Qwen3OmniMoeThinkerForConditionalGeneration
 from omnirl.config import Config
 from omnirl.models import get_adapter
 from omnirl.models.base import GenerationParams, Request
+from omnirl.models.lm import pad_responses
 from omnirl.rollout.generate import GenerationEngine, sample
 
 DEVICE = torch.device("cpu")
@@ -84,17 +85,10 @@ def requests(n: int, modality, params=None, **kw) -> list[Request]:
 def recompute(adapter, trajs, temperature):
     """(trainer log-probs, rollout log-probs) of all response tokens, flattened."""
     batch = adapter.collate([t.prompt_inputs() for t in trajs])
-    length = max(len(t.response_ids) for t in trajs)
-    seqs = torch.full((len(trajs), length), adapter.pad_token_id)
-    mask = torch.zeros(len(trajs), length, dtype=torch.long)
-    rollout = torch.zeros(len(trajs), length)
-    for b, t in enumerate(trajs):
-        n = len(t.response_ids)
-        seqs[b, :n], mask[b, :n], rollout[b, :n] = t.response_ids, 1, t.logprobs
+    seqs, mask = pad_responses([t.response_ids for t in trajs], adapter.pad_token_id)
     with torch.no_grad():
         trainer = adapter.token_logprobs(batch, seqs, mask, temperature)
-    keep = mask.bool()
-    return trainer[keep], rollout[keep]
+    return trainer[mask], torch.cat([t.logprobs for t in trajs])
 
 
 def assert_aligned(trainer, rollout, what):

@@ -4,6 +4,7 @@
   hidden states, never logits: callers apply `lm_head` only where they need it, in chunks. Full-vocabulary
   float32 logits of a whole batch are what must never exist (152k vocab x 16k tokens is ~10 GB).
 - `collate_prompts`: left-padded prompt batches with the multimodal tensors concatenated in row order.
+- `pad_responses`: response tokens right-padded into the [B, T] batch `token_logprobs` takes.
 - `output_logprobs`: the one definition of the policy's distribution that rollout and trainer share,
   log_softmax(logits / temperature) over the vocabulary, with the multimodal placeholder ids masked out.
 - `chunked_token_logprobs` / `sequence_logprobs`: the trainer's log-probs of given response tokens.
@@ -88,6 +89,20 @@ def collate_prompts(inputs: list[dict[str, torch.Tensor]], pad_token_id: int) ->
         width = max(p.shape[-1] for p in parts)
         batch[key] = torch.cat([F.pad(p, (0, width - p.shape[-1])) for p in parts])
     return batch
+
+
+def pad_responses(
+    responses: list[torch.Tensor | list[int]], pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Response token ids of varying lengths as `token_logprobs` takes them: (sequences [B, T] long,
+    right-padded with `pad_token_id`; response mask [B, T] bool), T the longest."""
+    length = max(len(r) for r in responses)
+    sequences = torch.full((len(responses), length), pad_token_id, dtype=torch.long)  # [B, T]
+    mask = torch.zeros(len(responses), length, dtype=torch.bool)  # [B, T]
+    for b, r in enumerate(responses):
+        sequences[b, : len(r)] = torch.as_tensor(r)
+        mask[b, : len(r)] = True
+    return sequences, mask
 
 
 def output_logprobs(

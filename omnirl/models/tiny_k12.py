@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from omnirl.config import REPO_ROOT, Config
+from omnirl.models.lm import pad_responses
 
 K12_DATA = REPO_ROOT / "data" / "mmk12_tiny" / "train.jsonl"  # JSONL: building needs no pyarrow
 STEPS, BATCH, LR = 100, 8, 3e-3
@@ -74,11 +75,7 @@ def _teach_format(path: Path, data: str | Path):
     for _ in range(STEPS):
         picked = rng.sample(range(len(rows)), min(BATCH, len(rows)))
         targets = [target(rows[i].metadata) for i in picked]
-        length = max(map(len, targets))
-        seqs = torch.full((len(picked), length), adapter.pad_token_id)  # [B, T]
-        mask = torch.zeros(len(picked), length, dtype=torch.bool)  # [B, T]
-        for b, t in enumerate(targets):
-            seqs[b, : len(t)], mask[b, : len(t)] = torch.tensor(t), True
+        seqs, mask = pad_responses(targets, adapter.pad_token_id)  # [B, T]
         logprobs = adapter.token_logprobs(adapter.collate([prompts[i] for i in picked]), seqs, mask, 1.0)
         loss = -logprobs.sum() / mask.sum()
         optimizer.zero_grad()
