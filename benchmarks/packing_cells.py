@@ -74,14 +74,20 @@ def parse_cell(spec: str) -> Cell:
 
 
 @contextlib.contextmanager
-def prompt_buckets(adapter, kind: str, negative: str):
+def prompt_buckets(adapter, kind: str, requests: list[Request]):
     """The cell's `rollout.prompt_length_buckets`, set on the adapter for the cell's duration (the same
-    as building it with that recipe value: the adapter reads `buckets` on every call)."""
+    as building it with that recipe value: the adapter reads `buckets` on every call). "single": the
+    smallest recipe bucket that holds every prompt of `requests`, as a recipe for one prompt set would
+    set it; "negative": the negative prompt's own length added."""
     if kind == "recipe":
         yield
         return
     saved = adapter.buckets
-    adapter.buckets = [saved[-1]] if kind == "single" else sorted({adapter.prompt_length(negative), *saved})
+    if kind == "single":
+        longest = max(adapter.prompt_length(r.prompt) for r in requests)
+        adapter.buckets = [next(b for b in saved if b >= longest)]
+    else:
+        adapter.buckets = sorted({adapter.prompt_length(requests[0].negative_prompt), *saved})
     try:
         yield
     finally:
@@ -180,7 +186,7 @@ def forward_cell(
     engine = DiffusionEngine(adapter, cell.max_num_seqs, fused_cfg=cell.fused_cfg, compile=cell.compile)
     # As `engine.generate` does: the adapter's keys (the negative rows' padded length) follow the cell.
     adapter.fused_cfg = cell.fused_cfg
-    with prompt_buckets(adapter, cell.buckets, requests[0].negative_prompt):
+    with prompt_buckets(adapter, cell.buckets, requests):
         batches = []
         for idx in engine.packer.pack(requests, fill=engine.pad):
             real = [requests[i] for i in idx]

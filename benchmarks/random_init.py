@@ -1,9 +1,9 @@
 """Full-size models with random weights, for benchmarks that must run without downloads.
 
 `write_random_checkpoint` writes a config-only checkpoint of the public configs (with the tiny byte-level
-tokenizers of omnirl.models.tiny, or `edit_tokenizer` for Qwen-Image-Edit); `random_init_loader` replaces
-an adapter's `load_pretrained` so each model is built from its config directly on the device, random
-weights.
+tokenizers of omnirl.models.tiny, or `edit_tokenizer` for Qwen-Image-Edit; for the Qwen-Image families the
+real Qwen2 BPE when its ranks are given: `qwen_bpe_tokenizer`); `random_init_loader` replaces an adapter's
+`load_pretrained` so each model is built from its config directly on the device, random weights.
 """
 
 from __future__ import annotations
@@ -109,6 +109,61 @@ def edit_tokenizer():
     return tokenizer
 
 
+# Qwen2's special tokens from id 151643 on, in order (the real tokenizer_config.json of Qwen2.5-VL): the ids
+# the text encoder config names (image_token_id 151655 and so on) are then the tokenizer's own.
+QWEN2_SPECIALS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
+    "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+]  # fmt: skip
+
+
+def qwen_bpe_tokenizer(ranks_file: str | Path):
+    """The real Qwen2 tokenizer (Qwen2.5-VL's, the one Qwen-Image's pipelines use), built offline from the
+    byte-level BPE ranks of Qwen's `qwen.tiktoken` (151,643 tokens; Qwen2 kept Qwen's vocabulary), which the
+    `dashscope` wheel ships in `dashscope/resources/`. Prompt lengths then are the real ones: the tiny
+    byte-level tokenizers spend a token per byte, ~5x the real count for English prompts, which inflates
+    every text row and misleads the choice of prompt-length buckets.
+
+    The merges are derived from the ranks as transformers' `TikTokenConverter` derives them (every split of
+    a token into two tokens, in rank order). Checked once against `tiktoken` itself with the Qwen2
+    pre-tokenizer pattern on this machine: equal ids for 1,014 texts (the benchmark's prompts, the OCR
+    prompt set, digits, punctuation, non-Latin scripts)."""
+    import base64
+
+    from transformers import Qwen2Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    ranks: dict[bytes, int] = {}
+    for line in Path(ranks_file).read_bytes().splitlines():
+        token, rank = line.split()
+        ranks[base64.b64decode(token)] = int(rank)
+    single = sum(len(t) == 1 for t in ranks)
+    if sorted(ranks.values()) != list(range(len(ranks))) or single != 256:
+        raise ValueError(
+            f"{ranks_file}: not byte-level BPE ranks (need ranks 0..n-1 and all 256 single bytes, got "
+            f"{len(ranks)} ranks, {single} single bytes); Qwen's qwen.tiktoken has 151643 ranks"
+        )
+    byte_char = bytes_to_unicode()  # the byte-level alphabet: byte -> printable character
+
+    def spell(b: bytes) -> str:
+        return "".join(byte_char[x] for x in b)
+
+    merges = []  # (rank of the merged token, left, right)
+    for token, rank in ranks.items():
+        splits = [(token[:i], token[i:]) for i in range(1, len(token))]
+        splits = sorted((ranks[l], ranks[r], l, r) for l, r in splits if l in ranks and r in ranks)
+        merges += [(rank, l, r) for _, _, l, r in splits]
+    merges.sort(key=lambda m: m[0])
+    vocab = {spell(t): r for t, r in ranks.items()}
+    vocab.update({s: len(ranks) + i for i, s in enumerate(QWEN2_SPECIALS)})
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab, merges=[(spell(l), spell(r)) for _, l, r in merges], pad_token="<|endoftext|>"
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN2_SPECIALS[1:]})
+    return tokenizer
+
+
 def checked(cls, **kwargs):
     """`cls(**kwargs)` for a transformers config, refusing a key that the default config lacks (the class
     would keep it as a stray attribute and build the model without it)."""
@@ -118,11 +173,16 @@ def checked(cls, **kwargs):
     return cls(**kwargs)
 
 
-def write_random_checkpoint(model: str, out: Path) -> None:
+def write_random_checkpoint(model: str, out: Path, qwen_bpe: str | Path | None = None) -> None:
     """A config-only checkpoint of the public configs, with the tiny byte-level tokenizers of tiny.py
     (`edit_tokenizer` for "qwen_image_edit", whose processor/ also holds the real image processor's
-    settings: a 512 px condition image is 324 vision tokens, as with the real checkpoint)."""
+    settings: a 512 px condition image is 324 vision tokens, as with the real checkpoint). `qwen_bpe`: the
+    path of Qwen's `qwen.tiktoken`, for the real tokenizer of the Qwen-Image families
+    (`qwen_bpe_tokenizer`)."""
     from omnirl.models import tiny
+
+    if qwen_bpe and model not in ("qwen_image", "qwen_image_edit"):
+        raise ValueError(f"the Qwen BPE tokenizer is for the Qwen-Image families, not {model!r}")
 
     def dump(sub: str, cfg: dict) -> None:
         (out / sub).mkdir(parents=True, exist_ok=True)
@@ -141,7 +201,10 @@ def write_random_checkpoint(model: str, out: Path) -> None:
         with torch.device("meta"):  # the defaults are Qwen-Image's; built on meta only to read the config
             dump("transformer", dict(QwenImageTransformer2DModel().config))
             dump("vae", dict(AutoencoderKLQwenImage().config))
-        tokenizer = edit_tokenizer() if edit else tiny._qwen_image_tokenizer()
+        if qwen_bpe:
+            tokenizer = qwen_bpe_tokenizer(qwen_bpe)
+        else:
+            tokenizer = edit_tokenizer() if edit else tiny._qwen_image_tokenizer()
         # The edit text encoder finds the condition image's tokens by these ids: the tokenizer's own.
         ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in VISION_TOKENS.items()} if edit else {}
         te = Qwen2_5_VLConfig(  # Qwen2.5-VL-7B-Instruct

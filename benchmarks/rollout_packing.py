@@ -28,8 +28,8 @@ max_num_seqs values:
 - `--max-num-seqs`: packed, CFG rows fused into one forward, the recipe's prompt-length buckets.
 - `--unfused-max-num-seqs`: packed, the conditional and the unconditional rows as two forwards, each text
   padded only to its own bucket (`rollout.fused_cfg false`).
-- `--single-bucket` (Qwen-Image): fused, one prompt-length bucket, the recipe's largest (256): more
-  padding, fewer batches.
+- `--single-bucket` (Qwen-Image): fused, one prompt-length bucket, the smallest of the recipe's that holds
+  every prompt: more padding, fewer batches.
 - `--negative-bucket` (Qwen-Image): unfused, the negative prompt's own length added as a bucket, so the
   unconditional forward is unpadded and unmasked (SDPA keeps its flash kernel), as in the stock pipeline.
 - `--compiled-max-num-seqs`: fused, per-block torch.compile with power-of-two batch buckets (compile time
@@ -49,7 +49,11 @@ memory-efficient attention (masks kept); unfused cells with each text padded onl
 (the stock pipeline's shapes). Serial, stock and the log-prob check are not run.
 
 `--random-init` builds the full-size models from their public configs with random weights (no download):
-a config-only checkpoint is written and the adapter's loader builds each model from its config.
+a config-only checkpoint is written and the adapter's loader builds each model from its config. Its
+Qwen-Image tokenizer is byte-level (a token per byte, ~5x the real count: this benchmark's prompts are 9-68
+real tokens, median 38, but ~200 bytes) unless `--qwen-bpe` names Qwen's BPE ranks, which the `dashscope`
+wheel ships: `pip download --no-deps dashscope==2.0.2 -d /tmp/ds && unzip -j /tmp/ds/dashscope-*.whl
+dashscope/resources/qwen.tiktoken -d /tmp/ds` (`random_init.qwen_bpe_tokenizer` builds the tokenizer).
 `--dry-run` builds every model on the meta device (no memory, no accelerator), prints parameter counts and
 the counted transformer FLOPs, and exits: a check of the configs.
 """
@@ -186,6 +190,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--path", help="a local checkpoint (else --random-init)")
     p.add_argument("--random-init", action="store_true")
     p.add_argument("--dry-run", action="store_true", help="build every model on meta, count, exit")
+    p.add_argument(
+        "--qwen-bpe",
+        help="Qwen's qwen.tiktoken (in the dashscope wheel: dashscope/resources/qwen.tiktoken): with "
+        "--random-init, Qwen-Image gets the real Qwen2 tokenizer, so prompts have their real token counts "
+        "(without it a byte-level tokenizer spends ~5x as many)",
+    )
     p.add_argument("--images", type=int, default=128, help="images per GPU (the reference: 128)")
     p.add_argument("--serial-requests", type=int, default=16, help="0 skips the serial run")
     p.add_argument("--max-num-seqs", type=int, nargs="*", default=[8, 16, 32, 64], help="fused cells")
@@ -207,6 +217,9 @@ def parse_args() -> argparse.Namespace:
         help="also the stock pipeline compiled (else only with compiled cells)",
     )
     p.add_argument("--stock-batch", type=int, nargs="*", default=[16, 32])
+    p.add_argument(
+        "--no-stock-eager", action="store_true", help="the stock pipeline only compiled (with compiled cells)"
+    )
     p.add_argument("--forward-only", action="store_true", help="time the transformer forward alone")
     p.add_argument(
         "--forward-iters", type=int, default=3, help="timed forwards per batch (after one warm-up)"
@@ -224,6 +237,8 @@ def parse_args() -> argparse.Namespace:
     a = p.parse_args()
     if not (a.path or a.random_init):
         p.error("give --path or --random-init")
+    if a.qwen_bpe and not (a.random_init and a.model == "qwen_image"):
+        p.error("--qwen-bpe is for --random-init --model qwen_image (a real checkpoint has its tokenizer)")
     if a.model != "qwen_image" and (
         a.single_bucket or a.negative_bucket or any(c.buckets != "recipe" for c in a.cells)
     ):
@@ -239,7 +254,7 @@ def build(a, device: torch.device):
     path = a.path
     if a.random_init:
         path = tempfile.mkdtemp() + "/ckpt"
-        write_random_checkpoint(a.model, Path(path))
+        write_random_checkpoint(a.model, Path(path), a.qwen_bpe)
     if a.random_init or device.type == "meta":
         importlib.import_module(module).load_pretrained = random_init_loader(device)
     size = ["--sampling.height", str(a.size), "--sampling.width", str(a.size)]
@@ -349,7 +364,7 @@ def main() -> None:
     def run_engine(cell: Cell, reqs: list[Request], scale: float, name: str = ""):
         name = name or cell.name
         engine = DiffusionEngine(adapter, cell.max_num_seqs, fused_cfg=cell.fused_cfg, compile=cell.compile)
-        with prompt_buckets(adapter, cell.buckets, s.negative_prompt):
+        with prompt_buckets(adapter, cell.buckets, reqs):
             compile_s = 0.0
             if cell.compile:
                 compile_s, _ = timed(lambda: engine.generate(reqs))  # compiles every bucket shape
@@ -386,7 +401,8 @@ def main() -> None:
             D.print0(json.dumps(results["logprob_check"]))
         del trajs
         save()
-    stock(adapter, texts, s.negative_prompt, params, a, rows, flops_total / ceiling, save, compiled=False)
+    if not a.no_stock_eager:
+        stock(adapter, texts, s.negative_prompt, params, a, rows, flops_total / ceiling, save, compiled=False)
     for cell in compiled:
         guarded(rows, cell.name, lambda cell=cell: run_engine(cell, requests, 1.0))
     if compiled or a.stock_compiled:

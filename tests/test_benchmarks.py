@@ -88,3 +88,58 @@ def test_rollout_packing_cells_option(tiny_qwen_image, tmp_path):
         cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
     assert bad.returncode == 2 and "unknown option 'twice'" in bad.stderr
+
+
+def _tiktoken_bpe(piece: bytes, ranks: dict[bytes, int]) -> list[int]:
+    """tiktoken's byte-pair encoding of one pre-tokenized piece: merge the adjacent pair whose union has
+    the lowest rank until none is a token (the reference the tokenizer built from the ranks must match)."""
+    parts = [bytes([b]) for b in piece]
+    while True:
+        pairs = [(ranks.get(a + b, len(ranks)), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
+        rank, i = min(pairs, default=(len(ranks), 0))
+        if rank == len(ranks):
+            return [ranks[p] for p in parts]
+        parts[i : i + 2] = [parts[i] + parts[i + 1]]
+
+
+def test_qwen_bpe_tokenizer_from_tiktoken_ranks(tmp_path):
+    """benchmarks/random_init.py builds the real Qwen2 tokenizer from Qwen's qwen.tiktoken ranks (checked
+    on the real file against tiktoken itself; here on a small ranks file against tiktoken's algorithm):
+    same ids, the special tokens at the real checkpoint's ids (vocabulary size + 0..13), a file that is not
+    byte-level BPE ranks refused by name."""
+    import base64
+    import random
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from random_init import QWEN2_SPECIALS, qwen_bpe_tokenizer, write_random_checkpoint
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    singles = list(range(256))
+    random.Random(0).shuffle(singles)  # ranks need not follow byte order
+    tokens = [bytes([b]) for b in singles]
+    tokens += [b"th", b"he", b" t", b" th", b"the", b" the", b"re", b"ad", b"read", b"reads", b" reads"]
+    tokens += [b"ab", b"abc", b"bc", b"  ", "é".encode(), b"yz", b"xy"]  # "xyz": y+z merges first
+    ranks = {t: i for i, t in enumerate(tokens)}
+    path = tmp_path / "ranks.tiktoken"
+    path.write_bytes(b"".join(base64.b64encode(t) + b" %d\n" % r for t, r in ranks.items()))
+
+    tok = qwen_bpe_tokenizer(path)
+    char_byte = {c: b for b, c in bytes_to_unicode().items()}
+    pre = tok.backend_tokenizer.pre_tokenizer
+    texts = ["the sign reads abc", "They read   the abcabc", 'café "OPEN" 42x', "bcab thethe reads", "xyz xy"]
+    for text in texts:
+        expected = []
+        for piece, _ in pre.pre_tokenize_str(text):
+            expected += _tiktoken_bpe(bytes(char_byte[c] for c in piece), ranks)
+        assert tok(text).input_ids == expected, text
+    ids = tok.convert_tokens_to_ids(QWEN2_SPECIALS)
+    assert ids == list(range(len(ranks), len(ranks) + 14))
+    assert tok("<|im_start|>user").input_ids[0] == len(ranks) + 1
+
+    del ranks[b"\x00"]  # a byte missing: not a byte-level BPE
+    bad = tmp_path / "bad.tiktoken"
+    bad.write_bytes(b"".join(base64.b64encode(t) + b" %d\n" % i for i, t in enumerate(ranks)))
+    with pytest.raises(ValueError, match="bad.tiktoken: not byte-level BPE ranks"):
+        qwen_bpe_tokenizer(bad)
+    with pytest.raises(ValueError, match="for the Qwen-Image families, not 'sd35'"):
+        write_random_checkpoint("sd35", tmp_path / "ckpt", qwen_bpe=path)
