@@ -10,21 +10,30 @@ import torch
 
 from omnirl.memory import synchronize
 from omnirl.models.base import Request, SamplingParams, derive_seed
+from omnirl.models.qwen_image import padded_lengths
 from omnirl.models.sd3 import SD3Adapter
 
 CLIP_TOKENS = 77  # SD3's two CLIP encoders, padded to their maximum, ahead of the T5 tokens
 
 
 def text_lengths(adapter, request: Request) -> tuple[int, int]:
-    """(conditional, negative) text lengths of a request's rows: (unpadded, padded to their buckets).
+    """(conditional, negative) text lengths of a request's rows, unpadded.
 
     SD3 encodes every prompt to CLIP 77 + T5 max_sequence_length tokens, all of them attended to (the
     model's own padding, no mask), so there both are that fixed length."""
     if isinstance(adapter, SD3Adapter):
         n = CLIP_TOKENS + adapter.max_sequence_length
-        return (n, n), (n, n)
-    real = adapter.prompt_length(request.prompt), adapter.prompt_length(request.negative_prompt)
-    return real, adapter.compat_key(request)[-2:]
+        return n, n
+    return adapter.prompt_length(request.prompt), adapter.prompt_length(request.negative_prompt)
+
+
+def batch_lengths(adapter, batch: list[Request]) -> tuple[int, int]:
+    """(conditional, negative) text lengths a packed batch is padded to, as the adapter's rollout pads it."""
+    if isinstance(adapter, SD3Adapter):
+        return text_lengths(adapter, batch[0])
+    cond, neg = zip(*(text_lengths(adapter, r) for r in batch))
+    guided = batch[0].params.guidance_scale > 1
+    return padded_lengths(adapter.buckets, list(cond), list(neg) if guided else [], adapter.fused_cfg)
 
 
 def transformer_flops(adapter, params: SamplingParams):
@@ -65,7 +74,7 @@ def real_flops(adapter, requests: list[Request], flops_at) -> float:
     prompt's own length, the unconditional one at the negative prompt's (no padding counted)."""
     total = 0.0
     for r in requests:
-        (cond, neg), _ = text_lengths(adapter, r)
+        cond, neg = text_lengths(adapter, r)
         total += flops_at(cond) + (flops_at(neg) if r.params.guidance_scale > 1 else 0.0)
     return total
 

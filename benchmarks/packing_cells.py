@@ -15,7 +15,7 @@ import json
 import traceback
 
 import torch
-from measure import peak_gib, real_flops, reset_peak, text_lengths, time_calls  # benchmarks/measure.py
+from measure import batch_lengths, peak_gib, real_flops, reset_peak, time_calls  # benchmarks/measure.py
 
 from omnirl import distributed as D
 from omnirl.memory import empty_cache
@@ -131,7 +131,7 @@ def forward_inputs(adapter, batch: list[Request]) -> dict:
     out = {
         "latents": torch.randn(len(batch), channels, h, w, device=adapter.device),  # [B, C, h, w]
         "sigma": torch.full((len(batch),), 0.5, device=adapter.device),  # [B]
-        "lengths": text_lengths(adapter, batch[0])[1],  # the bucket lengths of the batch's key
+        "lengths": batch_lengths(adapter, batch),  # the padded text lengths, as the rollout pads
     }
     negatives = [r.negative_prompt for r in batch] if guided else None
     if sd3:

@@ -73,6 +73,7 @@ import diffusers
 import torch
 import transformers
 from measure import (  # benchmarks/measure.py
+    batch_lengths,
     make_requests,
     matmul_tflops,
     peak_gib,
@@ -162,7 +163,7 @@ def logprob_gap(adapter, trajs, clip_range: float) -> dict:
 def batch_shapes(adapter, engine: DiffusionEngine, requests: list[Request]) -> list[list[int]]:
     """[requests, conditional text length, negative text length] of each batch the engine's packer makes."""
     return [
-        [len(idx), *text_lengths(adapter, requests[idx[0]])[1]]
+        [len(idx), *batch_lengths(adapter, [requests[i] for i in idx])]
         for idx in engine.packer.pack(requests, engine.pad)
     ]
 
@@ -277,7 +278,7 @@ def dry_run(a) -> None:
     params = SamplingParams(s.height, s.width, a.steps, s.guidance_scale, 0.0, "ode", 0, (0, 1))
     flops_at = transformer_flops(adapter, params)
     requests = make_requests(prompts(a.images, 0), params, s.negative_prompt)
-    lengths = [text_lengths(adapter, r)[0] for r in requests]
+    lengths = [text_lengths(adapter, r) for r in requests]
     per_image = real_flops(adapter, requests, flops_at) / len(requests) * a.steps
     cond = sum(c for c, _ in lengths) / len(lengths)
     print(

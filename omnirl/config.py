@@ -136,10 +136,12 @@ class RolloutConfig:
     less peak memory, more launches)."""
     compile: bool = False
     """torch.compile the transformer's repeated blocks for rollout (training stays eager); batches are
-    padded to power-of-two sizes so that a rollout compiles each size once and never recompiles."""
+    padded to a few bucket sizes (rollout.diffusion.bucket_size) so that a rollout compiles each shape once
+    and never recompiles."""
     prompt_length_buckets: list[int] = field(default_factory=lambda: [64, 128, 256, 512, 1024])
-    """Text-token lengths that prompts are padded to (Qwen-Image family, ascending). Only prompts of one
-    bucket share a forward, so padding stays bounded and a compiled transformer sees few shapes. The largest
+    """Text-token lengths that prompts are padded to (Qwen-Image family, ascending): a packed batch pads its
+    texts to the smallest bucket that holds its longest, so a compiled transformer sees few shapes. Requests
+    of different buckets share a batch (the packer sorts them by length and fills full batches). The largest
     is the maximum prompt length: longer prompts are truncated to it (the pipeline's max_sequence_length,
     at most 1024). Qwen-Image-Edit's text also holds the condition image's vision tokens and is never
     truncated: a longer one is an error."""

@@ -61,7 +61,7 @@ def test_tiny_run_reports_rollout_and_train_phases(tmp_path):
 def test_check_plans_the_edit_recipe_on_full_size_models(tmp_path):
     """--check for Qwen-Image-Edit: the config-only checkpoint (random_init's Qwen-Image-Edit layout) builds
     the full-size models on the meta device, and every step's 32 requests (512 px sign sources from
-    make_edit_data) are one packed batch in the recipe's 384-token text bucket: the tokenizer's template
+    make_edit_data) are one packed batch padded to the 384-token text bucket: the tokenizer's template
     prefix is the 64 tokens the pipeline drops, and a 512 px condition image is 324 vision tokens."""
     r = run("--recipe", "qwen_image_edit_flowgrpo", "--check", "--out", str(tmp_path))
     plan = json.loads(r.stdout[r.stdout.index("{") :])
@@ -71,7 +71,9 @@ def test_check_plans_the_edit_recipe_on_full_size_models(tmp_path):
     for step in plan["steps"]:
         (batch,) = step["batches"]
         assert batch["requests"] == step["requests"] == 32
-        assert batch["key_tail"] == "((512, 512), 384, 384)"  # condition size, prompt and negative buckets
+        assert batch["key_tail"] == "((512, 512), 0)"  # condition size; no negative length (fused CFG)
+        # Both CFG rows of 1,024 generated + 1,024 condition image tokens + the text padded to its bucket.
+        assert batch["tokens_per_request"] == 2 * (1024 + 1024 + 384)
         assert (step["train_rows"], step["micro_batches"]) == (64, 32)  # SDE window 2, micro-batch 2
 
 

@@ -16,7 +16,8 @@ from omnirl.config import Config
 from omnirl.models import get_adapter
 from omnirl.models.base import Request, SamplingParams, derive_seed
 from omnirl.models.flow_sde import flow_step
-from omnirl.models.qwen_image import QwenImageAdapter
+from omnirl.models.qwen_image import QwenImageAdapter, padded_lengths
+from omnirl.rollout.diffusion import DiffusionEngine
 from omnirl.trainer import Pair, pair_logprob
 from tests.support_compare import max_diff, packed_serial_diffs
 from tests.test_train import read_jsonl, torchrun
@@ -101,23 +102,33 @@ def load_pipeline(path):
 
 
 def test_buckets_key_and_tokens(adapter, tiny_qwen_image):
+    """Prompt lengths are not in the compatibility key: the packer sorts requests by their bucketed tokens
+    and fills full batches across buckets, and a batch pads its texts to the bucket of its longest. With
+    CFG as two forwards the negative prompt's exact length is in the key (its forward runs unpadded)."""
     requests = make_requests(sde())
     assert [adapter.prompt_length(p) for p in PROMPTS] == [19, 23, 18, 11]
-    assert {adapter.compat_key(r)[-2:] for r in requests[:3]} == {(32, 16)}
-    assert adapter.compat_key(requests[3])[-2:] == (16, 16)
-    assert adapter.compat_key(requests[0])[:-2] == requests[0].params.key
-    assert adapter.num_tokens(requests[0]) == 64 + 32  # image tokens + the longer padded text
-    # CFG as two forwards: the negative rows run at the negative prompt's own length, unpadded.
+    assert [adapter.prompt_length(n) for n in NEGATIVES] == [11, 6, 13, 5]
+    assert {adapter.compat_key(r) for r in requests} == {requests[0].params.key + (0,)}
+    # Image tokens + the bucket of the longer of the prompt and (fused CFG) the negative prompt.
+    assert [adapter.num_tokens(r) for r in requests] == [64 + 32, 64 + 32, 64 + 32, 64 + 16]
+    # Sorted by bucketed tokens (then queue position), two rows a batch: the 11-token prompt of bucket 16
+    # shares a batch with a 19-token one, both padded to 32, the negatives to their bucket 16.
+    engine = DiffusionEngine(adapter, max_num_seqs=2)
+    assert engine.packer.pack(requests) == [[3, 0], [1, 2]]
+    assert padded_lengths(BUCKETS, [11, 19], [5, 11], fused_cfg=True) == (32, 16)
     adapter.fused_cfg = False
     try:
-        negative = adapter.prompt_length(requests[0].negative_prompt)
-        assert negative < 16 and adapter.compat_key(requests[0])[-2:] == (32, negative)
+        negatives = [adapter.prompt_length(n) for n in NEGATIVES]
+        assert [adapter.compat_key(r)[-1] for r in requests] == negatives
+        assert [adapter.num_tokens(r) for r in requests] == [64 + 32, 64 + 32, 64 + 32, 64 + 16]
+        assert padded_lengths(BUCKETS, [11, 19], [6, 6], fused_cfg=False) == (32, 6)  # negatives unpadded
     finally:
         adapter.fused_cfg = True
     unguided = make_requests(SamplingParams(SIZE, SIZE, STEPS, 1.0, 1.2, "sde", 2, (0, 4)))
     assert adapter.compat_key(unguided[0])[-1] == 0  # no negative prompt: it must not split batches
+    assert adapter.num_tokens(unguided[1]) == 64 + 32 and padded_lengths(BUCKETS, [11], [], True) == (16, 0)
     # Longer than the largest bucket: truncated to it, as the pipeline's max_sequence_length does.
-    assert adapter.prompt_length("word " * 40) == adapter.bucket("word " * 40) == 64
+    assert adapter.prompt_length("word " * 40) == BUCKETS[-1]
     for bad in ([], [32, 16], [16, 16], [0, 8], [64, 2048]):
         with pytest.raises(ValueError, match="rollout.prompt_length_buckets must be"):
             make_adapter(tiny_qwen_image, buckets=bad)
@@ -139,9 +150,10 @@ def test_noise_free_rollout_is_the_pipeline_sampler(adapter, tiny_qwen_image, gu
 
 
 def test_packed_rollout_equals_serial(adapter):
-    """Packed: 3 requests, their cond and negative rows in one forward. Serial: one request at a time,
-    its True-CFG as two batch-1 forwards (the reference's serial rollout)."""
-    requests = make_requests(sde())[:3]
+    """Packed: 4 requests (prompts of buckets 16 and 32, all padded to 32), their cond and negative rows in
+    one forward. Serial: one request at a time, its True-CFG as two batch-1 forwards (the reference's
+    serial rollout)."""
+    requests = make_requests(sde())
     packed = adapter.rollout(requests)
     adapter.fused_cfg = False
     try:
@@ -150,7 +162,7 @@ def test_packed_rollout_equals_serial(adapter):
         adapter.fused_cfg = True
     starts = [int(t.step_indices[0]) for t in packed]
     assert len(set(starts)) > 1, f"rows should sit at different window positions, got starts {starts}"
-    assert len({t.embeds["prompt_embeds"].shape[0] for t in packed}) == 3  # stored unpadded
+    assert len({t.embeds["prompt_embeds"].shape[0] for t in packed}) == 4  # stored unpadded
     d_latents, d_logprobs = packed_serial_diffs(packed, serial)
     print(f"packed vs serial: window starts {starts}, latents {d_latents:.2e}, logprobs {d_logprobs:.2e}")
     assert d_latents < 1e-5 and d_logprobs < 1e-5
@@ -163,7 +175,8 @@ def test_recomputed_logprob_equals_rollout(adapter, sde_type):
     params = sde(sde_type)
     short = make_requests(params)[:3]
     long = make_requests(params, LONG_PROMPTS, LONG_NEGATIVES, first=3)
-    assert {adapter.compat_key(r)[-2:] for r in long} == {(64, 32)}
+    lengths = [(adapter.prompt_length(r.prompt), adapter.prompt_length(r.negative_prompt)) for r in long]
+    assert padded_lengths(BUCKETS, *map(list, zip(*lengths)), fused_cfg=True) == (64, 32)
     trajs = adapter.rollout(short) + adapter.rollout(long)
     pairs = [Pair(t, k, 1.0) for t in trajs for k in range(len(t.logprobs))]
     recorded = torch.stack([p.traj.logprobs[p.k] for p in pairs])

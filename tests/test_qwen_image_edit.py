@@ -195,7 +195,7 @@ def test_bad_requests_and_paths(adapter, tiny_qwen_image_edit, tmp_path):
         adapter.compat_key(no_image)
     too_long = Request("x" * 200, 0, 0, 0, params, inputs={"image": source_image(0)})
     with pytest.raises(ValueError, match=r"\d+ text tokens, more than the largest .*\[288, 320, 352\]"):
-        adapter.compat_key(too_long)
+        adapter.num_tokens(too_long)  # the packer asks every request's tokens before any rollout
     missing = tmp_path / "no_such_model"
     with pytest.raises(ValueError, match=re.escape(str(missing))):
         make_adapter(missing)

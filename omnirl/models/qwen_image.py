@@ -10,8 +10,12 @@ level 0 it is the pipeline's sampler: same initial latents, same image.
 
 Prompts differ in length. Rows are zero-padded at the end and masked (`encoder_hidden_states_mask`); the
 text RoPE positions of a row do not depend on how far it is padded, so a padded row computes what it
-computes alone. The padded length is a bucket (`rollout.prompt_length_buckets`) that is part of the
-compatibility key: padding stays bounded and a compiled transformer sees few shapes.
+computes alone. A batch pads its texts to the smallest bucket (`rollout.prompt_length_buckets`) that holds
+its longest, so a compiled transformer sees few shapes. The bucket is a property of the batch, not of a
+request (it is not in the compatibility key): the packer sorts requests by their bucketed length and fills
+full batches across bucket boundaries. Measured on an H200 with the real tokenizer (benchmarks/RESULTS.md),
+a per-request bucket split 128 prompts into six batches, three of them 8-16-row tails, and lost to the stock
+pipeline's full batches; text is a small part of a 512 px row (1,024 image tokens), a tail batch a large one.
 """
 
 from __future__ import annotations
@@ -73,6 +77,22 @@ def pipeline_sigmas(scheduler, num_steps: int, image_seq_len: int) -> torch.Tens
     sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
     retrieve_timesteps(scheduler, num_steps, sigmas=sigmas, mu=mu)
     return scheduler.sigmas.float().cpu()
+
+
+def bucket(buckets: list[int], length: int) -> int:
+    """The smallest of the ascending `buckets` that holds `length` tokens."""
+    return next(b for b in buckets if b >= length)
+
+
+def padded_lengths(
+    buckets: list[int], cond: list[int], negative: list[int], fused_cfg: bool
+) -> tuple[int, int]:
+    """The (conditional, negative) lengths a packed batch pads its texts to, from its rows' own lengths:
+    the conditional ones to the bucket of the longest; the negative ones to theirs too when CFG is fused
+    (`true_cfg` then pads both to the longer), else to their own longest (one length: it is in the key), so
+    the negative forward runs unpadded and unmasked. `negative` is empty without guidance."""
+    neg = max(negative, default=0)
+    return bucket(buckets, max(cond)), bucket(buckets, neg) if fused_cfg and negative else neg
 
 
 def text_embeds(
@@ -191,31 +211,30 @@ class QwenImageAdapter:
         tokens = self.tokenizer(pipe.prompt_template_encode.format(prompt)).input_ids
         return min(len(tokens) - pipe.prompt_template_encode_start_idx, self.buckets[-1])
 
-    def bucket(self, prompt: str) -> int:
-        """The padded text length of `prompt`: the smallest bucket that holds it."""
-        length = self.prompt_length(prompt)
-        return next(b for b in self.buckets if b >= length)
+    def text_length(self, request: Request) -> int:
+        """Text tokens of the request's conditional row: its prompt's; with a fused CFG the longer of its
+        prompt's and its negative prompt's, since both rows share one forward and one padded length."""
+        texts = [request.prompt]
+        if self.fused_cfg and request.params.guidance_scale > 1:
+            texts.append(request.negative_prompt)
+        return max(self.prompt_length(t) for t in texts)
 
     def compat_key(self, request: Request) -> tuple:
-        """The sampling settings, the prompt's bucket and the negative prompt's padded length: its bucket
-        when CFG is fused (its rows share the forward, and the text length, of the conditional rows),
-        its exact length when CFG runs as two forwards. A recipe's negative prompt is usually one string
-        for all requests, so its own forward then needs neither padding nor a mask (measured on the H200:
-        a 6-token negative padded to a 64-token bucket costs 4% of the transformer time of a rollout)."""
+        """The sampling settings and, when CFG runs as two forwards, the negative prompt's exact length: a
+        recipe's negative prompt is usually one string for all requests, so its own forward then needs
+        neither padding nor a mask (measured on the H200: a 6-token negative padded to a 64-token bucket
+        costs 4% of the transformer time of a rollout). Prompt lengths are not in the key (see the module
+        docstring): a batch pads to its longest prompt's bucket."""
         guided = request.params.guidance_scale > 1
-        if not guided:
-            negative = 0  # unused without guidance
-        elif self.fused_cfg:
-            negative = self.bucket(request.negative_prompt)
-        else:
-            negative = self.prompt_length(request.negative_prompt)
-        return request.params.key + (self.bucket(request.prompt), negative)
+        split = guided and not self.fused_cfg
+        return request.params.key + (self.prompt_length(request.negative_prompt) if split else 0,)
 
     def num_tokens(self, request: Request) -> int:
+        """Transformer tokens of the request's conditional row when its text is padded to its bucket (the
+        packer sorts by it and counts a batch as rows x its longest)."""
         p = request.params
         image = (p.height // self.vae_scale_factor // 2) * (p.width // self.vae_scale_factor // 2)
-        text, negative = self.compat_key(request)[-2:]
-        return image + max(text, negative)  # a fused CFG forward pads both texts to the longer one
+        return image + bucket(self.buckets, self.text_length(request))  # prompt_length <= the largest
 
     def sigmas(self, num_steps: int, image_seq_len: int) -> torch.Tensor:
         """The pipeline's sigma schedule: [num_steps + 1] float32 on the host, the last one 0."""
@@ -287,7 +306,6 @@ class QwenImageAdapter:
         p = requests[0].params
         key = self.compat_key(requests[0])
         assert all(self.compat_key(r) == key for r in requests), "a packed batch must share one compat_key"
-        text_length, negative_length = key[-2:]
         multiple = self.vae_scale_factor * 2
         if p.height % multiple or p.width % multiple:
             raise ValueError(
@@ -303,7 +321,9 @@ class QwenImageAdapter:
         guided = p.guidance_scale > 1
         texts = [r.prompt for r in requests] + ([r.negative_prompt for r in requests] if guided else [])
         rows = self.encode(texts)  # [L_i, D] each: the prompts, then the negative prompts
-        embeds = text_embeds(rows, batch, text_length, negative_length)
+        lengths = [len(r) for r in rows]
+        padded = padded_lengths(self.buckets, lengths[:batch], lengths[batch:], self.fused_cfg)
+        embeds = text_embeds(rows, batch, *padded)
 
         for i in range(num_steps):
             # [B, C, h, w]

@@ -17,8 +17,9 @@ encoder.
 
 Prompts differ in length (their embeddings also hold the condition image's vision tokens). Rows are
 zero-padded at the end and masked (`encoder_hidden_states_mask`); the text RoPE positions of a row do not
-depend on how far it is padded, so a padded row computes what it computes alone. The padded length is a
-bucket (`rollout.prompt_length_buckets`) in the compatibility key. The edit pipeline never truncates a
+depend on how far it is padded, so a padded row computes what it computes alone. A batch pads its texts
+to the smallest bucket (`rollout.prompt_length_buckets`) that holds its longest, as qwen_image.py does
+(the bucket is a property of the batch, not in the compatibility key). The edit pipeline never truncates a
 prompt, so a longer one than the largest bucket is an error, not a truncation.
 """
 
@@ -51,7 +52,16 @@ from omnirl.distributed import DTYPES, compute_dtype, load_pretrained
 from omnirl.models.base import Request, Trajectory
 from omnirl.models.diffusers_setup import check_checkpoint, make_trainable
 from omnirl.models.flow_sde import WindowedSampler
-from omnirl.models.qwen_image import collate, decode, pad_to, pipeline_sigmas, text_embeds, true_cfg
+from omnirl.models.qwen_image import (
+    bucket,
+    collate,
+    decode,
+    pad_to,
+    padded_lengths,
+    pipeline_sigmas,
+    text_embeds,
+    true_cfg,
+)
 
 
 class ImageOnlyProcessor(Qwen2VLProcessor):
@@ -156,28 +166,38 @@ class QwenImageEditAdapter:
         vision = patches // image_processor.merge_size**2
         return len(tokens) - 1 + vision - pipe.prompt_template_encode_start_idx
 
-    def bucket(self, prompt: str, condition_size: tuple[int, int]) -> int:
-        """The padded text length of `prompt`: the smallest bucket that holds it."""
-        length = self.prompt_length(prompt, condition_size)
-        if length > self.buckets[-1]:
-            raise ConfigError(
-                f"prompt {prompt!r} with a {condition_size[1]}x{condition_size[0]} condition image is "
-                f"{length} text tokens, more than the largest of rollout.prompt_length_buckets "
-                f"{self.buckets}: add a larger bucket (the edit pipeline does not truncate prompts)"
-            )
-        return next(b for b in self.buckets if b >= length)
+    def text_length(self, request: Request) -> int:
+        """Text tokens of the request's conditional row: its prompt's with its condition image's vision
+        tokens; with a fused CFG the longer of that and its negative prompt's (both rows share one forward
+        and one padded length). Past the largest bucket it is an error: the pipeline does not truncate."""
+        size = self.condition_size(request)
+        texts = [request.prompt]
+        if self.fused_cfg and request.params.guidance_scale > 1:
+            texts.append(request.negative_prompt)
+        lengths = {text: self.prompt_length(text, size) for text in texts}
+        for text, length in lengths.items():
+            if length > self.buckets[-1]:
+                raise ConfigError(
+                    f"prompt {text!r} with a {size[1]}x{size[0]} condition image is {length} text tokens, "
+                    f"more than the largest of rollout.prompt_length_buckets {self.buckets}: add a larger "
+                    "bucket (the edit pipeline does not truncate prompts)"
+                )
+        return max(lengths.values())
 
     def compat_key(self, request: Request) -> tuple:
+        """The sampling settings, the condition image's size and, when CFG runs as two forwards, the
+        negative prompt's exact length (its own forward then needs no padding and no mask)."""
         size = self.condition_size(request)
-        guided = request.params.guidance_scale > 1
-        negative = self.bucket(request.negative_prompt, size) if guided else 0  # unused without guidance
-        return request.params.key + (size, self.bucket(request.prompt, size), negative)
+        split = request.params.guidance_scale > 1 and not self.fused_cfg
+        return request.params.key + (size, self.prompt_length(request.negative_prompt, size) if split else 0)
 
     def num_tokens(self, request: Request) -> int:
+        """Transformer tokens of the request's conditional row (generated and condition image tokens, text
+        padded to its bucket): the packer sorts by it and counts a batch as rows x its longest."""
         p, factor = request.params, self.vae_scale_factor * 2  # a token is a 2x2 patch of latents
-        (cond_h, cond_w), text, negative = self.compat_key(request)[-3:]
+        cond_h, cond_w = self.condition_size(request)
         image = (p.height // factor) * (p.width // factor) + (cond_h // factor) * (cond_w // factor)
-        return image + max(text, negative)  # a fused CFG forward pads both texts to the longer one
+        return image + bucket(self.buckets, self.text_length(request))
 
     def sigmas(self, num_steps: int, image_seq_len: int) -> torch.Tensor:
         """The pipeline's sigma schedule: [num_steps + 1] float32 on the host, the last one 0. Its shift
@@ -282,7 +302,7 @@ class QwenImageEditAdapter:
         p = requests[0].params
         key = self.compat_key(requests[0])
         assert all(self.compat_key(r) == key for r in requests), "a packed batch must share one compat_key"
-        (cond_h, cond_w), text_length, negative_length = key[-3:]
+        cond_h, cond_w = key[-2]
         multiple = self.vae_scale_factor * 2
         if p.height % multiple or p.width % multiple:
             raise ValueError(
@@ -308,7 +328,9 @@ class QwenImageEditAdapter:
         embeds = {"image_latents": self.encode_images(conditions, cond_h, cond_w)}  # [B, C, h', w']
         latent_size = list(embeds["image_latents"].shape[2:])
         embeds["condition_size"] = torch.tensor([latent_size] * batch, device=self.device)  # [B, 2]
-        embeds |= text_embeds(rows, batch, text_length, negative_length)
+        lengths = [len(r) for r in rows]
+        padded = padded_lengths(self.buckets, lengths[:batch], lengths[batch:], self.fused_cfg)
+        embeds |= text_embeds(rows, batch, *padded)
 
         for i in range(num_steps):
             # [B, C, h, w]

@@ -521,8 +521,8 @@ def check_plan(cfg, world: int) -> dict:
         steps.append({
             "requests": len(requests),
             "batches": [
-                {"requests": len(b), "tokens_per_request": engine.tokens(requests[b[0]]),
-                 "key_tail": repr(adapter.compat_key(requests[b[0]])[-3:])}
+                {"requests": len(b), "tokens_per_request": engine.tokens(requests[b[-1]]),  # the longest's
+                 "key_tail": repr(adapter.compat_key(requests[b[0]])[len(sp.key):])}
                 for b in batches
             ],
             "train_rows": len(requests) * trained,
