@@ -43,6 +43,8 @@ from omnirl.models.flow_sde import WindowedSampler
 
 # QwenImagePipeline.check_inputs rejects a longer max_sequence_length.
 MAX_SEQUENCE_LENGTH = 1024
+# Images the VAE decodes at once (`decode`).
+DECODE_ROWS = 16
 
 
 def pad_to(t: torch.Tensor, length: int, dim: int = 1) -> torch.Tensor:
@@ -139,7 +141,10 @@ def decode(vae, latents: torch.Tensor) -> torch.Tensor:
     mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1).to(device, vae_dtype)
     inv_std = 1.0 / torch.tensor(config.latents_std).view(1, -1, 1, 1, 1).to(device, vae_dtype)
     vae_in = latents[:, :, None].to(vae_dtype) / inv_std + mean  # [B, C, 1, h, w]
-    images = vae.decode(vae_in, return_dict=False)[0][:, :, 0]  # [B, 3, H, W] in [-1, 1]
+    # In chunks: the video VAE's activations grow with the batch (64 images at 512 px ran out of the
+    # H200's memory next to the transformer; benchmarks/RESULTS.md), and each image decodes on its own.
+    chunks = [vae.decode(x, return_dict=False)[0][:, :, 0] for x in vae_in.split(DECODE_ROWS)]
+    images = torch.cat(chunks)  # [B, 3, H, W] in [-1, 1]
     return (images.float() * 0.5 + 0.5).clamp(0, 1)  # as VaeImageProcessor.postprocess
 
 
