@@ -134,6 +134,27 @@ def test_buckets_key_and_tokens(adapter, tiny_qwen_image):
             make_adapter(tiny_qwen_image, buckets=bad)
 
 
+def test_decode_in_chunks_equals_one_batch(adapter, monkeypatch):
+    """`decode` runs the VAE on DECODE_ROWS images at a time (a 64-image batch ran out of the H200's memory
+    in one decode); each image decodes on its own, so chunks give what one batch gives."""
+    from omnirl.models import qwen_image
+
+    c, h = adapter.transformer.config.in_channels // 4, SIZE // adapter.vae_scale_factor
+    latents = torch.randn(5, c, h, h, generator=torch.Generator().manual_seed(0))
+    whole = qwen_image.decode(adapter.vae, latents)
+    monkeypatch.setattr(qwen_image, "DECODE_ROWS", 2)
+    sizes, vae_decode = [], adapter.vae.decode
+
+    def counted(x, **kwargs):
+        sizes.append(len(x))
+        return vae_decode(x, **kwargs)
+
+    monkeypatch.setattr(adapter.vae, "decode", counted)
+    chunked = qwen_image.decode(adapter.vae, latents)
+    assert sizes == [2, 2, 1] and chunked.shape == (5, 3, SIZE, SIZE)
+    assert max_diff(chunked, whole) < 1e-5
+
+
 @pytest.mark.parametrize("guidance", [1.0, TRUE_CFG])
 def test_noise_free_rollout_is_the_pipeline_sampler(adapter, tiny_qwen_image, guidance):
     """True-CFG with its norm rescaling, prompts padded to their bucket (the pipeline pads to the longest)."""
