@@ -327,6 +327,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--noise-weight", type=float, default=1e-3, help="weight of the uniform_noise reward")
     p.add_argument("--keep", action="store_true", help="keep the temporary folder (printed)")
     p.add_argument(
+        "--qwen-bpe",
+        help="Qwen's qwen.tiktoken (the dashscope wheel's): the Qwen-Image recipes' random-init checkpoint "
+        "gets the real Qwen2 tokenizer, so prompts have their real lengths (benchmarks/random_init.py)",
+    )
+    p.add_argument(
         "--check",
         action="store_true",
         help="no run: build the models on the meta device and print rank 0's packed rollout batches",
@@ -377,7 +382,7 @@ def drive(
         else:
             from random_init import write_random_checkpoint  # benchmarks/random_init.py
 
-            write_random_checkpoint(spec.model, Path(ckpt))
+            write_random_checkpoint(spec.model, Path(ckpt), a.qwen_bpe)
     ckpt_s = time.perf_counter() - t0
     prompts = PROMPTS_PER_RANK * a.gpus
     make_data(spec.data, work / "data", a.tiny, rows=max(16, prompts * a.steps))

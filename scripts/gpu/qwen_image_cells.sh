@@ -8,18 +8,21 @@
 #   ours:   omnirl packed, max_num_seqs 32: fused CFG eager, CFG as two forwards eager, two forwards compiled
 #   stock:  the stock QwenImagePipeline with 32 prompts per call, eager, then with its blocks compiled
 #   single: omnirl packed, two forwards, one prompt bucket, compiled
-# Full-size random-init Qwen-Image, 512 px, 10 steps, True-CFG 4.0, LoRA r64 (benchmarks/rollout_packing.py).
+# Full-size random-init Qwen-Image, 512 px, 10 steps, True-CFG 4.0, LoRA r64 (benchmarks/rollout_packing.py);
+# QWEN_BPE=path/to/qwen.tiktoken gives it the real Qwen2 tokenizer (--qwen-bpe: real prompt lengths).
 # Writes OUT_DIR/cells_JOB.{json,log}; each JSON is rewritten after every cell; CAP_S stops a job.
 set -uo pipefail
 out=${1:?usage: bash scripts/gpu/qwen_image_cells.sh OUT_DIR [IMAGES] [JOBS] [CAP_S]}
 images=${2:-64}
 read -r -a jobs <<<"${3:-ours stock}"
 cap=${4:-560}
-mkdir -p "$out"
+mkdir -p "$out" && out=$(realpath "$out")
+bpe=${QWEN_BPE:+$(realpath "$QWEN_BPE")}  # before the cd below
 cd "$(dirname "$0")/../.." || exit 1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 common=(--random-init --images "$images" --serial-requests 0 --logprob-check 0 --max-num-seqs
     --compiled-max-num-seqs --stock-batch)
+[[ -n $bpe ]] && common+=(--qwen-bpe "$bpe")
 for gpu in "${!jobs[@]}"; do
     job=${jobs[$gpu]}
     case $job in
