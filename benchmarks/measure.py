@@ -111,6 +111,20 @@ def timed(fn) -> tuple[float, object]:
     return time.perf_counter() - t, out
 
 
+def timed_repeats(fn, repeats: int, before=lambda: None) -> tuple[float, list[float], object]:
+    """(median seconds, every run's seconds, the last output) of `repeats` timed calls of `fn`, each after
+    `before()` (a barrier, so ranks start together). One generation is a long run, but two calls of the
+    same cell minutes apart differed by ~3% on the H200: a comparison that close needs the median."""
+    import statistics
+
+    runs, out = [], None
+    for _ in range(repeats):
+        before()
+        secs, out = timed(fn)
+        runs.append(secs)
+    return statistics.median(runs), runs, out
+
+
 def time_calls(fn, iters: int) -> tuple[float, float]:
     """(seconds of a first, warm-up call; mean seconds of the `iters` calls after it), with CUDA events on
     a GPU, so the host's timer sees no launch latency."""

@@ -36,6 +36,8 @@ max_num_seqs values:
   reported apart).
 - stock: diffusers' own pipeline (QwenImagePipeline / StableDiffusion3Pipeline) around the same modules,
   batches of `--stock-batch` prompts per call, eager and with compiled blocks.
+`--repeats N` times each cell N times after its warm-up and reports the median (every run listed in
+`generation_s_runs`): the same cell measured minutes apart varied by ~3% on the H200.
 MFU: transformer FLOPs of the real (unpadded) rows, counted with torch's FlopCounterMode at each row's own
 text length, over the bf16 matmul rate measured in the same run (8192^3).
 
@@ -81,6 +83,7 @@ from measure import (  # benchmarks/measure.py
     reset_peak,
     text_lengths,
     timed,
+    timed_repeats,
     transformer_flops,
 )
 from packing_cells import (  # benchmarks/packing_cells.py
@@ -225,6 +228,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--forward-iters", type=int, default=3, help="timed forwards per batch (after one warm-up)"
     )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="timed generations per cell (after the warm-up); a row reports their median and lists each",
+    )
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--size", type=int, default=512)
     p.add_argument("--out", default="rollout_packing.json")
@@ -238,6 +247,8 @@ def parse_args() -> argparse.Namespace:
     a = p.parse_args()
     if not (a.path or a.random_init):
         p.error("give --path or --random-init")
+    if a.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {a.repeats}")
     if a.qwen_bpe and not (a.random_init and a.model == "qwen_image"):
         p.error("--qwen-bpe is for --random-init --model qwen_image (a real checkpoint has its tokenizer)")
     if a.model != "qwen_image" and (
@@ -370,9 +381,9 @@ def main() -> None:
             if cell.compile:
                 compile_s, _ = timed(lambda: engine.generate(reqs))  # compiles every bucket shape
             engine.generate(reqs[: min(len(reqs), 2)])  # warm-up (allocator, kernels)
-            D.barrier()  # ranks start together: a step's generation ends with its slowest rank
             reset_peak()
-            secs, trajs = timed(lambda: engine.generate(reqs))
+            # Ranks start each run together (a barrier): a step's generation ends with its slowest rank.
+            secs, runs, trajs = timed_repeats(lambda: engine.generate(reqs), a.repeats, D.barrier)
             shapes = batch_shapes(adapter, engine, reqs)
         gens, peaks = over_ranks(secs * scale), over_ranks(peak_gib())
         gen = max(gens)
@@ -380,6 +391,7 @@ def main() -> None:
             "name": name, "generation_s": gen, "images_per_s": a.images / gen, "scaled_from": len(reqs),
             "mfu": flops_total / gen / ceiling, "peak_gib": max(peaks),
             "compile_s": max(over_ranks(max(compile_s - secs, 0.0))), "batches": shapes,
+            "generation_s_runs": [r * scale for r in runs],  # this rank's (rank 0's in the JSON)
             **rank_columns({"generation_s": gens, "peak_gib": peaks}),
         }  # fmt: skip
         rows.append(row)
@@ -464,15 +476,15 @@ def stock(adapter, texts, negative, params, a, rows, flop_seconds, save, compile
             with D.gathered_weights(adapter.transformer):  # as the engine does: weights gathered once
                 compile_s = timed(lambda: call(b))[0] if compiled else 0.0
                 call(2, 2) if not compiled else None  # warm-up (kernels, allocator)
-                D.barrier()
                 reset_peak()
-                secs = timed(call)[0]
+                secs, runs, _ = timed_repeats(call, a.repeats, D.barrier)
             gens, peaks = over_ranks(secs * a.images / n), over_ranks(peak_gib())
             gen = max(gens)
             row = {
                 "name": name, "generation_s": gen, "images_per_s": a.images / gen, "scaled_from": n,
                 "mfu": flop_seconds / gen, "peak_gib": max(peaks),
                 "compile_s": max(over_ranks(max(compile_s - secs * b / n, 0.0))),
+                "generation_s_runs": [r * a.images / n for r in runs],  # this rank's
                 **rank_columns({"generation_s": gens, "peak_gib": peaks}),
             }  # fmt: skip
             rows.append(row)

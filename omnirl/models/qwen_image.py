@@ -14,7 +14,7 @@ computes alone. A batch pads its texts to the smallest bucket (`rollout.prompt_l
 its longest, so a compiled transformer sees few shapes. The bucket is a property of the batch, not of a
 request (it is not in the compatibility key): the packer sorts requests by their bucketed length and fills
 full batches across bucket boundaries. Measured on an H200 with the real tokenizer (benchmarks/RESULTS.md),
-a per-request bucket split 128 prompts into six batches, three of them 8-16-row tails, and lost to the stock
+a per-request bucket split 128 prompts into six batches, three of them 8-13-row tails, and lost to the stock
 pipeline's full batches; text is a small part of a 512 px row (1,024 image tokens), a tail batch a large one.
 """
 
