@@ -32,7 +32,7 @@ max_num_seqs values:
   every prompt: more padding, fewer batches.
 - `--negative-bucket` (Qwen-Image): unfused, the negative prompt's own length added as a bucket, so the
   unconditional forward is unpadded and unmasked (SDPA keeps its flash kernel), as in the stock pipeline.
-- `--compiled-max-num-seqs`: fused, per-block torch.compile with power-of-two batch buckets (compile time
+- `--compiled-max-num-seqs`: fused, per-block torch.compile with batches padded to a few sizes (compile time
   reported apart).
 - stock: diffusers' own pipeline (QwenImagePipeline / StableDiffusion3Pipeline) around the same modules,
   batches of `--stock-batch` prompts per call, eager and with compiled blocks.

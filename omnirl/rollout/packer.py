@@ -16,8 +16,8 @@ The rules:
 - The batches of a key are balanced (33 requests with max 32: 17 + 16, not 32 + 1): a packed forward
   is as slow and as memory-hungry as its largest batch, so the fewest batches of the most even sizes
   is best (a 1-row forward wastes an accelerator that 16 rows keep busy). With `fill=True` each batch
-  is filled before the next one starts (32 + 1), which is what a rollout padded to power-of-two bucket
-  sizes wants: 17 + 16 would pad to 32 + 16 rows, 32 + 1 to none.
+  is filled before the next one starts (32 + 1), which is what a rollout padded to a few bucket
+  sizes wants: 17 + 16 would pad to 24 + 16 rows, 32 + 1 to none.
 - The result is deterministic: keys in order of first appearance, then requests of a key sorted by
   (tokens, queue position), so requests of similar length share a batch and pad little.
 """
