@@ -24,7 +24,8 @@ DiffusionEngine (the trainer's rollout path: packer, per-request generators, SDE
 the recipe's settings (`qwen_image_flowgrpo_ocr` / `sd35_flowgrpo_ocr`). The cells, each a list of
 max_num_seqs values:
 - serial: one request at a time, its CFG as two batch-1 forwards per step, eager (what the reference's
-  serial meant); timed on `--serial-requests` requests and scaled linearly to `--images`.
+  serial meant); timed on `--serial-requests` requests and scaled linearly to `--images`; with
+  `--serial-compiled` also with compiled blocks.
 - `--max-num-seqs`: packed, CFG rows fused into one forward, the recipe's prompt-length buckets.
 - `--unfused-max-num-seqs`: packed, the conditional and the unconditional rows as two forwards, each text
   padded only to its own bucket (`rollout.fused_cfg false`).
@@ -202,6 +203,11 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--images", type=int, default=128, help="images per GPU (the reference: 128)")
     p.add_argument("--serial-requests", type=int, default=16, help="0 skips the serial run")
+    p.add_argument(
+        "--serial-compiled",
+        action="store_true",
+        help="also the serial run with compiled blocks (the same --serial-requests, compile time apart)",
+    )
     p.add_argument("--max-num-seqs", type=int, nargs="*", default=[8, 16, 32, 64], help="fused cells")
     p.add_argument("--unfused-max-num-seqs", type=int, nargs="*", default=[], help="CFG as two forwards")
     p.add_argument("--single-bucket", type=int, nargs="*", default=[], help="fused, one prompt bucket")
@@ -418,6 +424,11 @@ def main() -> None:
         stock(adapter, texts, s.negative_prompt, params, a, rows, flops_total / ceiling, save, compiled=False)
     for cell in compiled:
         guarded(rows, cell.name, lambda cell=cell: run_engine(cell, requests, 1.0))
+    if a.serial_requests and a.serial_compiled:
+        name = "serial (max_num_seqs 1, CFG 2 forwards, compiled)"
+        serial = Cell(1, fused_cfg=False, compile=True)
+        scale = a.images / a.serial_requests
+        guarded(rows, name, lambda: run_engine(serial, requests[: a.serial_requests], scale, name))
     if compiled or a.stock_compiled:
         stock(adapter, texts, s.negative_prompt, params, a, rows, flops_total / ceiling, save, compiled=True)
     save()
