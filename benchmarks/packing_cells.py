@@ -20,7 +20,7 @@ from measure import batch_lengths, peak_gib, real_flops, reset_peak, time_calls 
 from omnirl import distributed as D
 from omnirl.memory import empty_cache
 from omnirl.models.base import Request
-from omnirl.models.qwen_image import collate
+from omnirl.models.qwen_image import bucket, collate
 from omnirl.models.sd3 import SD3Adapter
 from omnirl.rollout.diffusion import DiffusionEngine
 
@@ -85,7 +85,7 @@ def prompt_buckets(adapter, kind: str, requests: list[Request]):
     saved = adapter.buckets
     if kind == "single":
         longest = max(adapter.prompt_length(r.prompt) for r in requests)
-        adapter.buckets = [next(b for b in saved if b >= longest)]
+        adapter.buckets = [bucket(saved, longest)]
     else:
         adapter.buckets = sorted({adapter.prompt_length(requests[0].negative_prompt), *saved})
     try:

@@ -98,10 +98,12 @@ def padded_lengths(
 
 
 def text_embeds(
-    rows: list[torch.Tensor], batch: int, text_length: int, negative_length: int
+    rows: list[torch.Tensor], batch: int, buckets: list[int], fused_cfg: bool
 ) -> dict[str, torch.Tensor]:
     """The packed batch's text inputs from `encode`'s rows (the `batch` prompts, then their negative
-    prompts when there are more rows), each padded to its key's length, with masks."""
+    prompts when there are more rows), padded to the batch's `padded_lengths`, with masks."""
+    lengths = [len(r) for r in rows]
+    text_length, negative_length = padded_lengths(buckets, lengths[:batch], lengths[batch:], fused_cfg)
     embeds = {}
     embeds["prompt_embeds"], embeds["prompt_embeds_mask"] = collate(rows[:batch], text_length)
     if len(rows) > batch:
@@ -326,9 +328,7 @@ class QwenImageAdapter:
         guided = p.guidance_scale > 1
         texts = [r.prompt for r in requests] + ([r.negative_prompt for r in requests] if guided else [])
         rows = self.encode(texts)  # [L_i, D] each: the prompts, then the negative prompts
-        lengths = [len(r) for r in rows]
-        padded = padded_lengths(self.buckets, lengths[:batch], lengths[batch:], self.fused_cfg)
-        embeds = text_embeds(rows, batch, *padded)
+        embeds = text_embeds(rows, batch, self.buckets, self.fused_cfg)
 
         for i in range(num_steps):
             # [B, C, h, w]

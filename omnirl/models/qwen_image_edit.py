@@ -57,7 +57,6 @@ from omnirl.models.qwen_image import (
     collate,
     decode,
     pad_to,
-    padded_lengths,
     pipeline_sigmas,
     text_embeds,
     true_cfg,
@@ -328,9 +327,7 @@ class QwenImageEditAdapter:
         embeds = {"image_latents": self.encode_images(conditions, cond_h, cond_w)}  # [B, C, h', w']
         latent_size = list(embeds["image_latents"].shape[2:])
         embeds["condition_size"] = torch.tensor([latent_size] * batch, device=self.device)  # [B, 2]
-        lengths = [len(r) for r in rows]
-        padded = padded_lengths(self.buckets, lengths[:batch], lengths[batch:], self.fused_cfg)
-        embeds |= text_embeds(rows, batch, *padded)
+        embeds |= text_embeds(rows, batch, self.buckets, self.fused_cfg)
 
         for i in range(num_steps):
             # [B, C, h, w]
