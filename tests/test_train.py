@@ -117,6 +117,11 @@ def test_zero_spread_rank_matches_single_rank(tiny_sd3, tmp_path):
     recipe["run"]["steps"] = 1
     recipe["rollout"].update(prompts_per_step=per_step, group_size=4)
     recipe["optim"]["micro_batch_size"] = 8  # several micro-batches: rank 1 must pad them all
+    # Adam's first step is lr * g / (|g| + eps): with the default eps an element whose gradient is near
+    # zero turns the rounding of a different reduction order (2 ranks vs 1) into a weight difference of up
+    # to lr. With eps = 1 >> |g| the step is lr * g (plain SGD), so the weights differ by lr times the
+    # gradients' rounding, which is what this test means to hold: the same gradient on 1 and 2 ranks.
+    recipe["optim"]["eps"] = 1.0
     results = {}
     for nproc in (1, 2):
         recipe["run"]["output_dir"] = str(tmp_path / f"out{nproc}")
@@ -131,8 +136,12 @@ def test_zero_spread_rank_matches_single_rank(tiny_sd3, tmp_path):
     w1 = load_file(lora1 / "pytorch_lora_weights.safetensors")
     w2 = load_file(lora2 / "pytorch_lora_weights.safetensors")
     assert w1.keys() == w2.keys() and w1
+    # LoRA B starts at 0, so B's weights are the step itself: it must have moved, and the two runs' steps
+    # agree to the gradients' fp32 rounding (relative 1e-4 of the largest step, as grad_norm above).
+    moved = max(w1[k].abs().max().item() for k in w1 if "lora_B" in k)
+    assert moved > 1e-5
     for k in w1:
-        assert torch.allclose(w1[k], w2[k], atol=1e-6), k
+        assert (w1[k] - w2[k]).abs().max().item() <= 1e-4 * moved, k
 
 
 @pytest.mark.slow
