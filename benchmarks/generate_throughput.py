@@ -33,7 +33,7 @@ import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from omnirl.algos.correction import consistency_metrics
-from omnirl.config import Config
+from omnirl.config import config_for
 from omnirl.distributed import DTYPES, device_type
 from omnirl.memory import synchronize
 from omnirl.models import get_adapter
@@ -259,8 +259,8 @@ def main() -> None:
             from omnirl.models.tiny import make_tiny_qwen3_omni
 
             path = make_tiny_qwen3_omni(Path(tmp) / "tiny")
-        cfg = Config()
-        cfg.model.path, cfg.model.adapter, cfg.model.dtype = str(path), "qwen3_omni_thinker", args.dtype
+        cfg = config_for("qwen3_omni_thinker")
+        cfg.model.path, cfg.model.dtype = str(path), args.dtype
         cfg.model.finetune = "lora"
         cfg.lora.target_modules = ["q_proj", "k_proj", "v_proj", "o_proj"]
         start = time.perf_counter()

@@ -44,7 +44,7 @@ def transformer_flops(adapter, params: SamplingParams):
     import numpy as np
     from torch.utils.flop_counter import FlopCounterMode
 
-    cfg, dev = adapter.transformer.config, adapter.device
+    cfg, dev = adapter.policy.config, adapter.device
     sd3 = isinstance(adapter, SD3Adapter)
     h, w = params.height // adapter.vae_scale_factor, params.width // adapter.vae_scale_factor
     channels = cfg.in_channels if sd3 else cfg.in_channels // 4  # Qwen-Image packs 2x2 latent patches

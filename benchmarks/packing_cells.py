@@ -75,7 +75,7 @@ def parse_cell(spec: str) -> Cell:
 
 @contextlib.contextmanager
 def prompt_buckets(adapter, kind: str, requests: list[Request]):
-    """The cell's `rollout.prompt_length_buckets`, set on the adapter for the cell's duration (the same
+    """The cell's `family.prompt_length_buckets`, set on the adapter for the cell's duration (the same
     as building it with that recipe value: the adapter reads `buckets` on every call). "single": the
     smallest recipe bucket that holds every prompt of `requests`, as a recipe for one prompt set would
     set it; "negative": the negative prompt's own length added."""
@@ -125,7 +125,7 @@ def forward_inputs(adapter, batch: list[Request]) -> dict:
     sigmas, and the text rows (Qwen-Image: unpadded rows, collated per variant; SD3: the embeddings)."""
     p = batch[0].params
     sd3 = isinstance(adapter, SD3Adapter)
-    channels = adapter.transformer.config.in_channels // (1 if sd3 else 4)
+    channels = adapter.policy.config.in_channels // (1 if sd3 else 4)
     h, w = p.height // adapter.vae_scale_factor, p.width // adapter.vae_scale_factor
     guided = p.guidance_scale > 1
     out = {
@@ -223,7 +223,7 @@ def forward_cell(
         def run(variant=variant, name=name):
             reset_peak()
             kernel = sdpa_kernel(kernels[variant]) if variant in kernels else contextlib.nullcontext()
-            with kernel, compiled_blocks(engine), D.gathered_weights(adapter.transformer), torch.no_grad():
+            with kernel, compiled_blocks(engine), D.gathered_weights(adapter.policy), torch.no_grad():
                 detail = [batch_row(variant, real, inputs) for real, inputs in batches]
             secs = sum(d["ms"] for d in detail) / 1e3
             useful, padded = (sum(d[k] for d in detail) * 1e12 for k in ("useful_tflop", "padded_tflop"))

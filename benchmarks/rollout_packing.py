@@ -134,7 +134,7 @@ def logprob_gap(adapter, trajs, clip_range: float) -> dict:
     """For the unchanged policy: the trainer's recomputed log-prob of every trained step (micro-batches of 8,
     as the recipe trains) against the rollout's, per timestep; and the clip fraction that gap alone would
     give the first update (ratio outside 1 +- clip_range)."""
-    from omnirl.trainer import Pair, pair_logprob
+    from omnirl.ops.diffusion import Pair, pair_logprob
 
     pairs = [Pair(t, k, 1.0) for t in trajs for k in range(len(t.logprobs))]
     diffs, steps = [], []
@@ -338,9 +338,9 @@ def main() -> None:
         dist = D.init_distributed()
     mesh = dist.mesh
     results["world_size"] = dist.world_size
-    frozen = {p for p in adapter.transformer.parameters() if not p.requires_grad}  # the LoRA's base
+    frozen = {p for p in adapter.policy.parameters() if not p.requires_grad}  # the LoRA's base
     dc = cfg.distributed  # as the trainer shards it
-    D.apply_fsdp(adapter.transformer, adapter.fsdp_units(), mesh, dc.param_dtype, dc.reduce_dtype, frozen)
+    D.apply_fsdp(adapter.policy, adapter.fsdp_units(), mesh, dc.param_dtype, dc.reduce_dtype, frozen)
     s = cfg.sampling
     params = SamplingParams(
         s.height, s.width, a.steps, s.guidance_scale, s.noise_level, s.sde_type, s.sde_window_size,
@@ -458,7 +458,7 @@ def stock(adapter, texts, negative, params, a, rows, flop_seconds, save, compile
 
     `flop_seconds`: the rollout's FLOPs over the matmul rate (its duration at 100% MFU)."""
     pipe = type(adapter.text_pipe)(  # the text encoders and tokenizers, plus the denoising modules
-        **{**adapter.text_pipe.components, "transformer": adapter.transformer, "vae": adapter.vae,
+        **{**adapter.text_pipe.components, "transformer": adapter.policy, "vae": adapter.vae,
            "scheduler": adapter.scheduler}
     )  # fmt: skip
     pipe.set_progress_bar_config(disable=True)
@@ -484,7 +484,7 @@ def stock(adapter, texts, negative, params, a, rows, flop_seconds, save, compile
                 )  # fmt: skip
 
         def run(b=b, n=n, name=name, call=call):
-            with D.gathered_weights(adapter.transformer):  # as the engine does: weights gathered once
+            with D.gathered_weights(adapter.policy):  # as the engine does: weights gathered once
                 compile_s = timed(lambda: call(b))[0] if compiled else 0.0
                 call(2, 2) if not compiled else None  # warm-up (kernels, allocator)
                 reset_peak()

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from omnirl import distributed as D
-from omnirl.config import Config
+from omnirl.config import Config, config_for
 
 STEP_DIR = re.compile(r"step_(\d{6,})")
 FORMAT = 1
@@ -280,8 +280,7 @@ def adapter_from_checkpoint(path: Path, model_path: str = "") -> tuple[object, C
     recorded model.path, e.g. on another machine), with the checkpoint's weights loaded; and its config."""
     meta = json.loads((path / "meta.json").read_text())
     ident = meta["identity"]
-    cfg = Config()
-    cfg.model.adapter = ident["model.adapter"]
+    cfg = config_for(ident["model.adapter"])
     cfg.model.path = model_path or ident["model.path"]
     cfg.model.finetune = ident["model.finetune"]
     cfg.model.dtype = meta["model_dtype"]
@@ -291,7 +290,7 @@ def adapter_from_checkpoint(path: Path, model_path: str = "") -> tuple[object, C
     from omnirl.models import get_adapter
 
     adapter = get_adapter(cfg.model.adapter)(cfg, torch.device("cpu"))
-    load_weights(path, adapter.transformer if adapter.kind == "diffusion" else adapter.model)
+    load_weights(path, adapter.policy)
     return adapter, cfg
 
 
@@ -329,17 +328,27 @@ def lora_to_peft(lora_dir: Path, out_dir: Path, model_path: str = "") -> None:
 
 
 def save_merged(
-    model_path: str, out_dir: Path, dtype: torch.dtype, lora_dir: Path | None = None, transformer=None
+    model_path: str, out_dir: Path, dtype: torch.dtype, lora_dir: Path | None = None, policy=None
 ) -> None:
     """The whole diffusers pipeline of `model_path` in safetensors, with the LoRA of `lora_dir` fused into
-    the transformer's weights (diffusers' `fuse_lora`, in float32) or with a fully fine-tuned
-    `transformer` in place of the original."""
+    the transformer's weights (diffusers' `fuse_lora`, in float32) or with a fully fine-tuned `policy` in
+    place of the pipeline's transformer."""
     from diffusers import DiffusionPipeline
 
-    extra = {"transformer": transformer} if transformer is not None else {}
+    extra = {"transformer": policy} if policy is not None else {}
     pipe = DiffusionPipeline.from_pretrained(model_path, torch_dtype=torch.float32, **extra)
     if lora_dir is not None:
         pipe.load_lora_weights(lora_dir)
         pipe.fuse_lora()
         pipe.unload_lora_weights()
     pipe.to(dtype).save_pretrained(out_dir, safe_serialization=True)
+
+
+def export_lora(cfg: Config, adapter, policy: nn.Module, dist) -> None:
+    """Gather the full (unsharded) LoRA of `policy` to rank 0 and write it there in the adapter's format
+    (diffusers for diffusion adapters, peft for omni ones) under output_dir/lora. The frozen base is not
+    gathered: at 30B parameters it would be ~60 GB of host memory for nothing."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    state = get_model_state_dict(policy, options=options)
+    if dist.is_main:
+        adapter.export_lora(f"{cfg.run.output_dir}/lora", state)

@@ -3,11 +3,16 @@
 A recipe only supplies values. An unknown key, a value of the wrong type or a missing required value is
 a `ConfigError` naming the key and the file. CLI overrides are `--section.field value` (tyro), and
 `--help` prints every field with the attribute docstrings below.
+
+A model family's own settings are not a section here: each adapter class names its `Settings` dataclass
+(omnirl.models), and the recipe's `family:` section is checked against the one of `model.adapter`, as
+strictly as the sections below (`config_class`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from dataclasses import dataclass, field
@@ -48,9 +53,6 @@ class ModelConfig:
     """Train a LoRA (base frozen and replicated) or every transformer weight (FSDP2-sharded)."""
     gradient_checkpointing: bool = False
     """Recompute activations of each transformer block in the backward pass."""
-    stage: Literal["thinker", "talker", "all"] = "thinker"
-    """Omni models: the stage that is trained and run ('thinker': text out; Qwen3-Omni's 'talker' (speech)
-    and 'all' are not implemented yet). Modules the stage does not use are never loaded."""
 
 
 @dataclass
@@ -87,9 +89,6 @@ class SamplingConfig:
     """The window start is drawn per request, uniformly from [lo, hi)."""
     negative_prompt: str = ""
     """Negative prompt of the unconditional CFG branch."""
-    condition_area: int = 1024 * 1024
-    """Edit models: pixel area the condition image is resized to (its aspect ratio kept, sides multiples
-    of 32) before the VAE and the text encoder see it. QwenImageEditPipeline hard-codes 1024 * 1024."""
 
 
 @dataclass
@@ -138,13 +137,6 @@ class RolloutConfig:
     """torch.compile the transformer's repeated blocks for rollout (training stays eager); batches are
     padded to a few bucket sizes (rollout.diffusion.bucket_size) so that a rollout compiles each shape once
     and never recompiles."""
-    prompt_length_buckets: list[int] = field(default_factory=lambda: [64, 128, 256, 512, 1024])
-    """Text-token lengths that prompts are padded to (Qwen-Image family, ascending): a packed batch pads its
-    texts to the smallest bucket that holds its longest, so a compiled transformer sees few shapes. Requests
-    of different buckets share a batch (the packer sorts them by length and fills full batches). The largest
-    is the maximum prompt length: longer prompts are truncated to it (the pipeline's max_sequence_length,
-    at most 1024). Qwen-Image-Edit's text also holds the condition image's vision tokens and is never
-    truncated: a longer one is an error."""
 
 
 @dataclass
@@ -322,6 +314,32 @@ class Config:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    family: Any = None
+    """The model family's own settings: an instance of the `Settings` dataclass of the adapter named by
+    model.adapter. `config_class` types it; a plain `Config()` has none."""
+
+
+@functools.cache
+def config_class(adapter: str) -> type[Config]:
+    """`Config` with its `family` section typed as the `Settings` of `adapter` (an unknown adapter is a
+    ConfigError naming the known ones), so the recipe's `family:` keys and `--family.x` overrides are
+    checked like any other section's. Imports the adapter's module, which loads no weights."""
+    from omnirl.models import get_adapter  # omnirl.models imports this module
+
+    settings = get_adapter(adapter).Settings
+    return dataclasses.make_dataclass(
+        "Config",
+        [("family", settings, field(default_factory=settings))],
+        bases=(Config,),
+        namespace={"__doc__": Config.__doc__},
+    )
+
+
+def config_for(adapter: str) -> Config:
+    """The default config of `adapter`, with its family settings (tests and scripts build on it)."""
+    cfg = config_class(adapter)()
+    cfg.model.adapter = adapter
+    return cfg
 
 
 REQUIRED = ("model.path", "data.train_path")
@@ -412,11 +430,23 @@ def _build(cls: type, data: dict, prefix: str, src: str) -> Any:
     return cls(**kwargs)
 
 
-def config_from_dict(data: dict, src: str = "<dict>") -> Config:
-    """Strict conversion of a nested mapping (a parsed recipe) into a `Config`."""
+def recipe_adapter(data: dict, src: str) -> str:
+    """The adapter a parsed recipe names (model.adapter, else the default), checked to be a string."""
+    model = data.get("model", {})
+    adapter = model.get("adapter", ModelConfig.adapter) if isinstance(model, dict) else ModelConfig.adapter
+    if not isinstance(adapter, str):
+        raise ConfigError(f"{src}: model.adapter: expected a string, got {adapter!r}")
+    return adapter
+
+
+def config_from_dict(data: dict, src: str = "<dict>", adapter: str | None = None) -> Config:
+    """Strict conversion of a nested mapping (a parsed recipe) into a `Config` whose `family` section is
+    the settings of `adapter` (default: the recipe's model.adapter)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{src}: a recipe must be a mapping of sections, got {type(data).__name__}")
-    return _build(Config, data, "", src)
+    adapter = adapter or recipe_adapter(data, src)
+    data = {**data, "model": {**data.get("model", {}), "adapter": adapter}}
+    return _build(config_class(adapter), data, "", src)
 
 
 def check_required(cfg: Config, src: str) -> None:
@@ -426,21 +456,31 @@ def check_required(cfg: Config, src: str) -> None:
             raise ConfigError(f"{src}: missing required value {key!r}")
 
 
-def load_recipe(recipe: str) -> tuple[Config, Path]:
+def load_recipe(recipe: str, adapter: str | None = None) -> tuple[Config, Path]:
     path = resolve_recipe(recipe)
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    return config_from_dict(data or {}, str(path)), path
+    return config_from_dict(data or {}, str(path), adapter), path
+
+
+def override_adapter(overrides: list[str]) -> str | None:
+    """The value of a `--model.adapter NAME` (or `=NAME`) override: it decides the `family` section."""
+    for i, arg in enumerate(overrides):
+        if arg == "--model.adapter" and i + 1 < len(overrides):
+            return overrides[i + 1]
+        if arg.startswith("--model.adapter="):
+            return arg.split("=", 1)[1]
+    return None
 
 
 def load_config(recipe: str, overrides: list[str]) -> Config:
     """Recipe YAML -> strict `Config` -> tyro CLI overrides (`--optim.lr 1e-4`)."""
     import tyro
 
-    cfg, path = load_recipe(recipe)
-    cfg = tyro.cli(Config, default=cfg, args=overrides, description=f"omnirl recipe {path}")
+    cfg, path = load_recipe(recipe, override_adapter(overrides))
+    cfg = tyro.cli(type(cfg), default=cfg, args=overrides, description=f"omnirl recipe {path}")
     check_required(cfg, str(path))
     return cfg
 

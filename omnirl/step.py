@@ -1,19 +1,20 @@
 """The parts of an RL step that diffusion and omni models share: one copy, used by both kinds.
 
 - `make_requests`: this rank's requests of a step, seeds from (seed, step, global request index).
-- `update`: the policy update over the rows that a kind's ops object builds (`trainer.DiffusionOps`: one
-  row per (sample, trained denoising step); `omni_train.OmniOps`: one row per response). The loop is the
+- `update`: the policy update over the rows that a kind's ops object builds (`ops.diffusion.DiffusionOps`:
+  one row per (sample, trained denoising step); `ops.omni.OmniOps`: one row per response). The loop is the
   same for both: mini-batches, micro-batches of the same (all-reduced) number on every rank with
   zero-weight padding rows, losses divided by the global (all-reduced) count, gradient sync and clipping,
   the non-finite guard, and the reduction of the metrics over ranks (DESIGN.md section 4).
-- `reward_stats`: the global mean of each named reward.
+- `reward_stats`: the global mean of each named reward; `per_rank`: rank-local measurements of every rank.
+- `assign_advantages`: the group-relative advantage of every sample.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -21,10 +22,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from omnirl import distributed as D
+from omnirl.algos.advantages import group_advantages
 from omnirl.config import Config, ConfigError
 from omnirl.data.edit import open_inputs
 from omnirl.data.prompts import PromptRow, step_prompt_indices
 from omnirl.models.base import GenerationParams, Request, SamplingParams, derive_seed
+
+if TYPE_CHECKING:
+    from omnirl.ops import KindOps
 
 
 def make_requests(
@@ -69,34 +74,6 @@ def make_requests(
     return requests, req_rows
 
 
-class UpdateOps(Protocol):
-    """What `update` needs from a kind of model. A row is whatever the kind trains on (it has a `weight`:
-    1 for real rows, 0 for padding rows)."""
-
-    module: nn.Module  # the trained module (the FSDP root)
-
-    def update_rows(self, trajs: list, keep: torch.Tensor, gen: torch.Generator) -> list:
-        """This rank's rows of the kept samples, shuffled with `gen`."""
-
-    def recompute_old(self, rows: list, pad_traj: Any) -> dict[str, float]:
-        """Record the behaviour policy's log-probs on every row (old_logprob recompute), under no_grad,
-        in `micro_batches`; returns metric sums."""
-
-    def count(self, rows: list) -> float:
-        """This rank's share of the loss normaliser of a mini-batch (pairs, tokens or responses)."""
-
-    def micro_batches(self, rows: list, pad_traj: Any) -> list[list]:
-        """The micro-batches of `rows`, as many on every rank (`equalise`, padding rows from `pad_traj`)."""
-
-    def loss(self, micro_batch: list, normaliser: float, measure: bool) -> tuple[torch.Tensor, dict]:
-        """Forward and loss of one micro-batch; `measure` is True for the first mini-batch of the update
-        (the policy the rollout sampled from, before any optimizer step)."""
-
-    def measured(self) -> dict[str, float]:
-        """Global metrics of the update that are not sums (e.g. actor-rollout consistency). Collective:
-        every rank calls it once per update."""
-
-
 def collect_scores(
     rewards, scored: list[tuple[list, Any]], start: float, generated: float, stats: dict[str, float] | None
 ) -> dict[str, np.ndarray]:
@@ -127,7 +104,7 @@ def equalise(micro_batches: list[list], pad_row: Any) -> list[list]:
     return micro_batches + [[pad_row] for _ in range(int(n) - len(micro_batches))]
 
 
-def update(cfg: Config, ops: UpdateOps, optimizer, trajs: list, keep: torch.Tensor, step: int) -> dict:
+def update(cfg: Config, ops: KindOps, optimizer, trajs: list, keep: torch.Tensor, step: int) -> dict:
     """One RL step's policy update over this rank's samples; returns the logged (global) metrics.
 
     `keep` [N] bool marks the samples of groups with reward spread. Losses are divided by the global count
@@ -157,8 +134,8 @@ def update(cfg: Config, ops: UpdateOps, optimizer, trajs: list, keep: torch.Tens
                 finite_loss &= bool(torch.isfinite(loss.detach()))
                 for k, v in m.items():
                     mb_sums[k] = mb_sums.get(k, 0.0) + float(v)
-            sync_grads(cfg, ops.module)
-            grad_norm = clip_grads(cfg, ops.module)
+            sync_grads(cfg, ops.policy)
+            grad_norm = clip_grads(cfg, ops.policy)
             if skip_nonfinite(cfg, step, finite_loss, grad_norm):
                 optimizer.zero_grad(set_to_none=True)
                 sums["train/skipped_nonfinite"] += 1
@@ -245,3 +222,32 @@ def reward_stats(per: dict[str, np.ndarray]) -> dict[str, float]:
         torch.tensor([float(per[k].sum()) for k in keys] + [float(len(per[keys[0]]))], dtype=torch.float64)
     )
     return {f"reward/{k}": t[i].item() / t[-1].item() for i, k in enumerate(keys)}
+
+
+def per_rank(logs: dict[str, float]) -> dict[str, float]:
+    """The rank-local measurements of a step (the peak device memory of each phase, generation and scoring
+    wait) from every rank: `KEY/rankR` for each rank R, and KEY itself becomes the maximum over ranks (the
+    GPU closest to its limit; the rank the others wait for). Collective: every rank holds the same keys."""
+    keys = sorted(k for k in logs if k.endswith("_peak_gib") or k in ("time/generate_s", "time/score_wait_s"))
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    table = torch.zeros(world, len(keys), dtype=torch.float64)  # [ranks, keys]: a sum of one row each
+    table[rank] = torch.tensor([float(logs[k]) for k in keys], dtype=torch.float64)
+    D.all_reduce(table)
+    out = {f"{k}/rank{r}": table[r, i].item() for i, k in enumerate(keys) for r in range(world)}
+    out.update({k: table[:, i].max().item() for i, k in enumerate(keys)})
+    return out
+
+
+def assign_advantages(cfg: Config, trajs: list) -> tuple[torch.Tensor, dict[str, float]]:
+    """Set each trajectory's group-relative advantage; returns (keep [N] bool: the samples of groups with
+    reward spread, the advantage metrics)."""
+    rewards = torch.tensor([t.reward for t in trajs])
+    groups = torch.tensor([t.request.group_id for t in trajs])
+    a = cfg.algo
+    adv, keep, metrics = group_advantages(
+        rewards, groups, a.adv_clip, a.global_std, std_normalise=a.std_normalise
+    )
+    for t, value in zip(trajs, adv.tolist()):
+        t.advantage = value
+    return keep, metrics

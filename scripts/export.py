@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
     lora_only = not args.merge and args.format == "diffusers"
 
     with tempfile.TemporaryDirectory() as tmp:
-        lora_dir, model_path, transformer = args.source, args.model_path, None
+        lora_dir, model_path, policy = args.source, args.model_path, None
         if is_checkpoint:
             adapter, cfg = adapter_from_checkpoint(args.source, args.model_path)
             model_path = cfg.model.path
@@ -61,7 +61,7 @@ def main(argv: list[str]) -> int:
             if cfg.model.finetune == "full":
                 if not args.merge:
                     parser.error(f"{args.source} is a full fine-tune (no LoRA): export it with --merge")
-                transformer, lora_dir = adapter.transformer, None
+                policy, lora_dir = adapter.policy, None
             else:
                 lora_dir = args.out if lora_only else Path(tmp)
                 adapter.export_lora(lora_dir)
@@ -71,7 +71,7 @@ def main(argv: list[str]) -> int:
         if args.merge:
             if not model_path:
                 parser.error("--merge of a LoRA directory needs --model-path (the base model)")
-            save_merged(model_path, args.out, DTYPES[args.dtype], lora_dir, transformer)
+            save_merged(model_path, args.out, DTYPES[args.dtype], lora_dir, policy)
         elif args.format == "peft":
             lora_to_peft(lora_dir, args.out, model_path)
     print(f"wrote {args.out}")

@@ -8,7 +8,7 @@ import torch
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from omnirl import distributed as D
-from omnirl.trainer import per_rank
+from omnirl.step import per_rank
 
 
 def main() -> None:

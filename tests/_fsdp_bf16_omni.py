@@ -10,20 +10,21 @@ the plain model's samples and log-probs, and the rotary embedding must see the e
 """
 
 import sys
+from types import SimpleNamespace
 
 import torch
 
 from omnirl import distributed as D
-from omnirl.config import Config
+from omnirl.config import config_for
 from omnirl.models import get_adapter
 from omnirl.models.base import GenerationParams, Request
 from omnirl.models.lm import pad_responses
+from omnirl.ops import shard
 from omnirl.rollout.generate import GenerationEngine
-from omnirl.trainer import shard
 
 
 def build(path: str, info: D.DistInfo, fsdp: bool):
-    cfg = Config()
+    cfg = config_for("qwen3_omni_thinker")
     cfg.model.path, cfg.model.adapter, cfg.model.dtype = path, "qwen3_omni_thinker", "bfloat16"
     cfg.model.finetune, cfg.lora.rank, cfg.lora.alpha = "lora", 8, 16
     cfg.lora.target_modules = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -31,7 +32,7 @@ def build(path: str, info: D.DistInfo, fsdp: bool):
     torch.manual_seed(0)  # the same LoRA init in both
     adapter = get_adapter("qwen3_omni_thinker")(cfg, info.device)
     if fsdp:
-        shard(cfg, adapter, adapter.model, None, info)
+        shard(cfg, SimpleNamespace(adapter=adapter, policy=adapter.policy, ref_model=None), info)
     return adapter
 
 

@@ -12,6 +12,8 @@ from omnirl.rewards.jpeg import JpegCompressibility
 
 
 class _FailsOnRank1:
+    modality = "image"
+
     def __init__(self):
         self.jpeg = JpegCompressibility()
         self.calls = 0

@@ -6,6 +6,8 @@ from omnirl.rewards.mmk12 import Mmk12Reward
 
 
 class ConstantOnFlaggedRows:
+    modality = "image"
+
     def __init__(self):
         self.jpeg = JpegCompressibility()
 
@@ -16,6 +18,8 @@ class ConstantOnFlaggedRows:
 
 class Mmk12ZeroOnFlaggedRows:
     """The mmk12 reward (math-verify), except rows flagged `constant`, which all score 0."""
+
+    modality = "text"
 
     def __init__(self):
         self.mmk12 = Mmk12Reward()

@@ -26,8 +26,8 @@ from omnirl.checkpoint import CheckpointError
 from omnirl.data.prompts import load_prompts
 from omnirl.metrics import GRID_PAD, read_metrics
 from omnirl.models import get_adapter
+from omnirl.ops.diffusion import DiffusionOps, sampling_params
 from omnirl.step import NonFiniteError, make_requests, update
-from omnirl.trainer import DiffusionOps, sampling_params
 from tests.support_compare import max_diff
 from tests.test_sd3 import make_requests as sd3_requests
 from tests.test_sd3 import noise_free, run_pipeline
@@ -189,7 +189,7 @@ def adapter(tiny_sd3):
     cfg = tiny_cfg(tiny_sd3, Path("unused"), "--lora.rank", "4", "--lora.alpha", "8")
     D.seed_everything(0)
     adapter = get_adapter("sd3")(cfg, torch.device("cpu"))
-    for name, p in adapter.transformer.named_parameters():
+    for name, p in adapter.policy.named_parameters():
         if "lora_B" in name:
             p.data.normal_(0.0, 0.05)
     return adapter
@@ -199,7 +199,7 @@ def save_checkpoint(adapter, tiny_sd3, out: Path, *extra) -> Path:
     cfg = tiny_cfg(tiny_sd3, out, "--lora.rank", "4", "--lora.alpha", "8", *extra)
     cfg.run.output_dir = str(out)
     opt = torch.optim.AdamW(adapter.trainable_parameters(), lr=1e-2)
-    return checkpoint.save(cfg, 3, adapter.transformer, opt, D.init_distributed())
+    return checkpoint.save(cfg, 3, adapter.policy, opt, D.init_distributed())
 
 
 def test_checkpoint_of_another_model_fails_before_loading(adapter, tiny_sd3, tmp_path):
@@ -215,10 +215,10 @@ def test_checkpoint_of_another_model_fails_before_loading(adapter, tiny_sd3, tmp
         checkpoint.find_resume(cfg8)
     # Loading into such a model fails as well, and leaves its weights and optimizer untouched.
     other = get_adapter("sd3")(cfg8, torch.device("cpu"))
-    before = {k: v.clone() for k, v in other.transformer.state_dict().items()}
+    before = {k: v.clone() for k, v in other.policy.state_dict().items()}
     opt = torch.optim.AdamW(other.trainable_parameters(), lr=1e-2)
     with pytest.raises(CheckpointError, match="lora.rank"):
-        checkpoint.load(path, cfg8, other.transformer, opt, D.init_distributed())
+        checkpoint.load(path, cfg8, other.policy, opt, D.init_distributed())
     # meta.json edited to match: the tensors themselves are checked before anything is read.
     meta = json.loads((path / "meta.json").read_text())
     meta["identity"] = checkpoint.identity(cfg8)
@@ -226,8 +226,8 @@ def test_checkpoint_of_another_model_fails_before_loading(adapter, tiny_sd3, tmp
     with pytest.raises(
         CheckpointError, match=r"do not fit this model.*lora_A.*checkpoint \(4, 64\), model \(8, 64\)"
     ):
-        checkpoint.load(path, cfg8, other.transformer, opt, D.init_distributed())
-    assert all(torch.equal(v, before[k]) for k, v in other.transformer.state_dict().items())
+        checkpoint.load(path, cfg8, other.policy, opt, D.init_distributed())
+    assert all(torch.equal(v, before[k]) for k, v in other.policy.state_dict().items())
     assert not opt.state
 
     other_model = tiny_cfg(
@@ -245,7 +245,7 @@ def test_checkpoint_of_another_model_fails_before_loading(adapter, tiny_sd3, tmp
     cfg4.run.output_dir = str(tmp_path / "out")
     torch.rand(5)
     opt = torch.optim.AdamW(adapter.trainable_parameters(), lr=1e-2)
-    assert checkpoint.load(path, cfg4, adapter.transformer, opt, D.init_distributed())[0] == 3
+    assert checkpoint.load(path, cfg4, adapter.policy, opt, D.init_distributed())[0] == 3
     assert torch.equal(torch.rand(3), expected)
     cfg4.checkpoint.resume = ""
     with pytest.raises(CheckpointError, match="holds checkpoints after step 0 .step_000003."):
@@ -265,7 +265,7 @@ def test_nonfinite_loss_is_skipped_or_stops(adapter, tiny_sd3, tmp_path):
     keep = torch.tensor([True, True])
     good = float(trajs[0].logprobs[0])
     trajs[0].logprobs[0] = float("nan")  # a NaN behaviour log-prob: NaN ratio, loss and gradients
-    model = adapter.transformer
+    model = adapter.policy
     before = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.AdamW(adapter.trainable_parameters(), lr=1e-2)
     ops = DiffusionOps(cfg, adapter)
@@ -350,12 +350,12 @@ def test_export_merges_a_full_finetune(tiny_sd3, tmp_path):
     cfg.run.output_dir = str(tmp_path / "out")
     adapter = get_adapter("sd3")(cfg, torch.device("cpu"))
     with torch.no_grad():
-        adapter.transformer.proj_out.weight.add_(0.5)  # "trained"
+        adapter.policy.proj_out.weight.add_(0.5)  # "trained"
     opt = torch.optim.AdamW(adapter.trainable_parameters())
-    path = checkpoint.save(cfg, 1, adapter.transformer, opt, D.init_distributed())
+    path = checkpoint.save(cfg, 1, adapter.policy, opt, D.init_distributed())
     with pytest.raises(SystemExit):  # no LoRA to export
         run_export(path, tmp_path / "lora")
     run_export(path, tmp_path / "merged", "--merge", "--dtype", "bfloat16")
     merged = SD3Transformer2DModel.from_pretrained(tmp_path / "merged", subfolder="transformer")
-    trained = adapter.transformer.state_dict()
+    trained = adapter.policy.state_dict()
     assert all(torch.equal(v, trained[k].bfloat16().float()) for k, v in merged.state_dict().items())

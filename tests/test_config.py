@@ -6,7 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from omnirl.config import RECIPE_DIR, ConfigError, check_required, config_from_dict, load_config, load_recipe
+from omnirl.config import (
+    RECIPE_DIR,
+    ConfigError,
+    check_required,
+    config_for,
+    config_from_dict,
+    load_config,
+    load_recipe,
+)
 
 RECIPES = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
 
@@ -93,3 +101,45 @@ def test_help_documents_every_field():
     assert r.returncode == 0
     assert "--optim.lr" in r.stdout and "AdamW learning rate" in r.stdout
     assert "--sampling.noise-level" in r.stdout or "--sampling.noise_level" in r.stdout
+
+
+def test_family_settings_are_the_adapters_and_strict(tmp_path):
+    cfg = load_config("qwen_image_tiny_flowgrpo", ["--family.prompt_length_buckets", "16", "48"])
+    assert type(cfg.family).__name__ == "QwenImageSettings" and cfg.family.prompt_length_buckets == [16, 48]
+    assert load_config("sd3_tiny_flowgrpo", []).family == config_for("sd3").family
+    with pytest.raises(ConfigError, match="unknown key 'family.condition_area'"):
+        config_from_dict({"model": {"adapter": "qwen_image"}, "family": {"condition_area": 4}})
+    with pytest.raises(ConfigError, match="family.prompt_length_buckets: expected a list"):
+        config_from_dict({"model": {"adapter": "qwen_image"}, "family": {"prompt_length_buckets": 64}})
+    with pytest.raises(ConfigError, match="family.prompt_length_buckets must be distinct ascending"):
+        config_from_dict({"model": {"adapter": "qwen_image"}, "family": {"prompt_length_buckets": [64, 32]}})
+    with pytest.raises(ConfigError, match="unknown adapter 'nope'"):
+        config_from_dict({"model": {"adapter": "nope"}})
+    # --model.adapter decides which family section the recipe's keys are checked against.
+    with pytest.raises(ConfigError, match="unknown key 'family.prompt_length_buckets'"):
+        load_config("qwen_image_tiny_flowgrpo", ["--model.adapter", "sd3"])
+
+
+def test_reward_of_another_modality_fails_before_loading(tmp_path):
+    """An image model paired with a text reward: one error line naming both, before any model loads."""
+    root = Path(__file__).resolve().parent.parent
+    recipe = tmp_path / "bad.yaml"
+    out = tmp_path / "out"
+    text = (RECIPE_DIR / "sd3_tiny_flowgrpo.yaml").read_text()
+    text = text.replace(
+        "weights: {jpeg_compressibility: 1.0}", "weights: {jpeg_compressibility: 1.0, mmk12: 1.0}"
+    )
+    recipe.write_text(text.replace("output_dir: outputs/sd3_tiny_flowgrpo", f"output_dir: {out}"))
+    cmd = [
+        sys.executable,
+        "scripts/train.py",
+        "--recipe",
+        str(recipe),
+        "--model.path",
+        str(tmp_path / "none"),
+    ]
+    r = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    line = "error: reward 'mmk12' reads text outputs, but model.adapter 'sd3' produces image"
+    assert r.stderr.strip().splitlines()[-1] == line and "Traceback" not in r.stderr
+    assert not out.exists()

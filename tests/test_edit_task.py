@@ -14,9 +14,9 @@ from omnirl import distributed as D
 from omnirl.config import REPO_ROOT, load_config
 from omnirl.data.edit import load_edit_rows, open_inputs
 from omnirl.data.prompts import DataError
+from omnirl.ops.diffusion import sampling_params
 from omnirl.rewards.text_edit import TextEditReward
 from omnirl.step import make_requests
-from omnirl.trainer import sampling_params
 from tests.test_train import read_jsonl, torchrun
 
 sys.path.insert(0, str(REPO_ROOT / "scripts"))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from omnirl.config import Config
+from omnirl.config import config_for
 from omnirl.models.base import Request, SamplingParams, derive_seed
 from omnirl.models.sd3 import SD3Adapter
 from omnirl.rollout import diffusion
@@ -32,7 +32,7 @@ MIXED = make_requests([KEY_A, KEY_B] * 3)  # the keys interleaved: A B A B A B
 
 @pytest.fixture(scope="module")
 def adapter(tiny_sd3):
-    cfg = Config()
+    cfg = config_for("sd3")
     cfg.model.path = str(tiny_sd3)
     return SD3Adapter(cfg, torch.device("cpu"))
 
@@ -47,7 +47,7 @@ def run(engine: DiffusionEngine, requests: list[Request]):
     """Trajectories, the request indices of each batch handed to on_batch, and the row count of every
     transformer forward (seen by a hook on the real module)."""
     seen, rows = [], []
-    hook = engine.adapter.transformer.register_forward_pre_hook(
+    hook = engine.adapter.policy.register_forward_pre_hook(
         lambda _, args, kwargs: rows.append(kwargs["hidden_states"].shape[0]), with_kwargs=True
     )
     try:

@@ -18,6 +18,7 @@ from PIL import Image
 from omnirl.config import REPO_ROOT
 from omnirl.data.mmk12 import PROMPT_TEMPLATE, load_mmk12
 from omnirl.data.prompts import DataError
+from omnirl.models.base import Output
 from omnirl.rewards import get_reward
 from omnirl.rewards.mmk12 import Mmk12Reward, last_boxed, option_letter
 from omnirl.rewards.pool import RewardPool
@@ -229,7 +230,7 @@ def test_reward_in_the_pools_threads():
             "<answer>\\boxed{A}</answer>",
         ]
         meta = [{"answer": "0.5"}, {"answer": "\\frac{1}{2}"}, {"answer": "A"}]
-        result = pool.score(responses, ["p"] * 3, meta)
+        result = pool.score([Output(text=r) for r in responses], ["p"] * 3, meta)
         np.testing.assert_allclose(result.per_reward["mmk12"], [1.0, 0.15 / 1.3, 1.0])
     finally:
         pool.close()

@@ -19,15 +19,16 @@ from transformers import AutoConfig, AutoTokenizer, Qwen3OmniMoeThinkerForCondit
 
 from omnirl import distributed as D
 from omnirl.algos.advantages import group_advantages
+from omnirl.algos.losses import get_loss
 from omnirl.config import ConfigError, load_config
 from omnirl.data.mmk12 import load_mmk12
 from omnirl.data.prompts import step_prompt_indices
 from omnirl.models import get_adapter
 from omnirl.models.base import GenerationParams, Request
-from omnirl.omni_train import OmniOps, generation_params
+from omnirl.ops import check_before_loading, rollout_and_score
+from omnirl.ops.omni import OmniOps, generation_params
 from omnirl.rewards.pool import RewardPool
 from omnirl.step import update
-from omnirl.trainer import DiffusionOps
 from tests.test_train import ROOT, read_jsonl, torchrun
 
 RECIPE = ROOT / "yaml/mmk12_tiny.yaml"
@@ -64,7 +65,7 @@ def rollout(cfg):
     pool = RewardPool(cfg.reward.weights, 1, 120)
     try:
         requests = ops.requests(load_mmk12(cfg.data.train_path), 0, D.init_distributed())
-        trajs, per = ops.rollout_and_score(pool, requests)
+        trajs, per = rollout_and_score(ops, pool, requests)
     finally:
         pool.close()
     return adapter, ops, trajs, per, pool.rewards["mmk12"]
@@ -194,10 +195,10 @@ def test_gradient_checkpointing_recomputes_decoder_layers(tiny_qwen3_omni_k12, t
 
 
 def test_bad_settings_are_named(tiny_qwen3_omni_k12, tmp_path):
-    with pytest.raises(ConfigError, match="omni models train with a token loss"):
-        OmniOps.check_config(omni_cfg(tiny_qwen3_omni_k12, tmp_path, "--algo.loss", "flow_grpo"))
+    with pytest.raises(ConfigError, match="omni models train with grpo, gspo"):
+        check_before_loading(omni_cfg(tiny_qwen3_omni_k12, tmp_path, "--algo.loss", "flow_grpo"))
     with pytest.raises(ConfigError, match="diffusion models train with flow_grpo"):
-        DiffusionOps.check_config(omni_cfg(tiny_qwen3_omni_k12, tmp_path))
+        get_loss(omni_cfg(tiny_qwen3_omni_k12, tmp_path).algo.loss, "diffusion")
     with pytest.raises(ConfigError, match="kl_beta > 0 with model.finetune full"):
         OmniOps.check_config(
             omni_cfg(tiny_qwen3_omni_k12, tmp_path, "--algo.kl_beta", "0.1", "--model.finetune", "full")
@@ -307,14 +308,14 @@ def test_omni_checkpoint_exports_peft_and_merged(tiny_qwen3_omni, tmp_path):
 
     from omnirl import checkpoint
     from omnirl import distributed as D
-    from omnirl.config import Config
+    from omnirl.config import config_for
     from omnirl.models import get_adapter
     from tests.test_omni import ATTENTION, requests
 
     sys.path.insert(0, str(ROOT / "scripts"))
     from export import main as export_main
 
-    cfg = Config()
+    cfg = config_for("qwen3_omni_thinker")
     cfg.model.path, cfg.model.adapter, cfg.run.output_dir = (
         str(tiny_qwen3_omni),
         "qwen3_omni_thinker",
@@ -334,7 +335,7 @@ def test_omni_checkpoint_exports_peft_and_merged(tiny_qwen3_omni, tmp_path):
     assert ours.keys() == exported.keys() and all(torch.equal(ours[k], exported[k]) for k in ours)
 
     assert export_main([str(ckpt), str(tmp_path / "merged"), "--merge"]) == 0
-    full = Config()
+    full = config_for("qwen3_omni_thinker")
     full.model.path, full.model.adapter, full.model.finetune = (
         str(tmp_path / "merged"),
         cfg.model.adapter,

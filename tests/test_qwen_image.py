@@ -12,13 +12,13 @@ import torch
 from diffusers import QwenImagePipeline
 from safetensors.torch import load_file
 
-from omnirl.config import Config
+from omnirl.config import config_for
 from omnirl.models import get_adapter
 from omnirl.models.base import Request, SamplingParams, derive_seed
 from omnirl.models.flow_sde import flow_step
-from omnirl.models.qwen_image import QwenImageAdapter, padded_lengths
+from omnirl.models.qwen_image import QwenImageAdapter, QwenImageSettings, padded_lengths
+from omnirl.ops.diffusion import Pair, pair_logprob
 from omnirl.rollout.diffusion import DiffusionEngine
-from omnirl.trainer import Pair, pair_logprob
 from tests.support_compare import max_diff, packed_serial_diffs
 from tests.test_train import read_jsonl, torchrun
 
@@ -42,9 +42,9 @@ LORA_TARGETS += ["img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "t
 
 
 def make_adapter(path, buckets=BUCKETS, **lora) -> QwenImageAdapter:
-    cfg = Config()
+    cfg = config_for("qwen_image")
     cfg.model.path = str(path)
-    cfg.rollout.prompt_length_buckets = buckets
+    cfg.family = QwenImageSettings(prompt_length_buckets=buckets)
     for key, value in lora.items():
         setattr(cfg.lora, key, value)
     return QwenImageAdapter(cfg, torch.device("cpu"))
@@ -68,7 +68,7 @@ def sde(sde_type: str = "sde") -> SamplingParams:
 def run_pipeline(pipe, adapter, requests, output_type):
     """The reference: diffusers' pipeline from the same initial latents the adapter draws per request,
     packed 2x2 as the pipeline takes them. Returns packed latents [B, 64, 16] or images [B, 3, H, W]."""
-    c, h = adapter.transformer.config.in_channels // 4, SIZE // adapter.vae_scale_factor
+    c, h = adapter.policy.config.in_channels // 4, SIZE // adapter.vae_scale_factor
     latents = torch.stack(
         [torch.randn(c, h, h, generator=torch.Generator().manual_seed(r.seed)) for r in requests]
     )
@@ -130,7 +130,7 @@ def test_buckets_key_and_tokens(adapter, tiny_qwen_image):
     # Longer than the largest bucket: truncated to it, as the pipeline's max_sequence_length does.
     assert adapter.prompt_length("word " * 40) == BUCKETS[-1]
     for bad in ([], [32, 16], [16, 16], [0, 8], [64, 2048]):
-        with pytest.raises(ValueError, match="rollout.prompt_length_buckets must be"):
+        with pytest.raises(ValueError, match="family.prompt_length_buckets must be"):
             make_adapter(tiny_qwen_image, buckets=bad)
 
 
@@ -139,7 +139,7 @@ def test_decode_in_chunks_equals_one_batch(adapter, monkeypatch):
     in one decode); each image decodes on its own, so chunks give what one batch gives."""
     from omnirl.models import qwen_image
 
-    c, h = adapter.transformer.config.in_channels // 4, SIZE // adapter.vae_scale_factor
+    c, h = adapter.policy.config.in_channels // 4, SIZE // adapter.vae_scale_factor
     latents = torch.randn(5, c, h, h, generator=torch.Generator().manual_seed(0))
     whole = qwen_image.decode(adapter.vae, latents)
     monkeypatch.setattr(qwen_image, "DECODE_ROWS", 2)
@@ -164,9 +164,9 @@ def test_noise_free_rollout_is_the_pipeline_sampler(adapter, tiny_qwen_image, gu
     ref_latents = run_pipeline(pipe, adapter, requests, "latent")
     ref_images = run_pipeline(pipe, adapter, requests, "pt")
     d_latents = max_diff(final_latents(trajs), ref_latents)
-    d_images = max_diff(torch.stack([t.image for t in trajs]), ref_images)
+    d_images = max_diff(torch.stack([t.output.image for t in trajs]), ref_images)
     print(f"true_cfg {guidance}: pipeline vs rollout: latents {d_latents:.2e}, images {d_images:.2e}")
-    assert trajs[0].image.shape == (3, SIZE, SIZE)
+    assert trajs[0].output.image.shape == (3, SIZE, SIZE)
     assert d_latents < 1e-5 and d_images < 1e-5
 
 
@@ -232,12 +232,12 @@ def test_exported_lora_loads_into_the_pipeline(tiny_qwen_image, tmp_path):
     # alpha != rank: the export must carry the scale; the reference recipe's targets, MLPs included.
     adapter = make_adapter(tiny_qwen_image, rank=4, alpha=8.0, target_modules=LORA_TARGETS)
     torch.manual_seed(0)
-    for name, p in adapter.transformer.named_parameters():
+    for name, p in adapter.policy.named_parameters():
         if "lora_B" in name:
             p.data.normal_(0.0, 0.05)
     adapter.export_lora(tmp_path)
     # An FSDP run exports from the gathered full state dict instead: same file contents.
-    adapter.export_lora(tmp_path / "from_state_dict", adapter.transformer.state_dict())
+    adapter.export_lora(tmp_path / "from_state_dict", adapter.policy.state_dict())
     exported = load_file(tmp_path / "pytorch_lora_weights.safetensors")
     from_state_dict = load_file(tmp_path / "from_state_dict" / "pytorch_lora_weights.safetensors")
     assert len(exported) == len(adapter.trainable_parameters()) == len(from_state_dict)
@@ -251,7 +251,7 @@ def test_exported_lora_loads_into_the_pipeline(tiny_qwen_image, tmp_path):
     ref_images = run_pipeline(pipe, adapter, requests, "pt")
     trajs = adapter.rollout(requests)
     d_latents = max_diff(final_latents(trajs), ref_latents)
-    d_images = max_diff(torch.stack([t.image for t in trajs]), ref_images)
+    d_images = max_diff(torch.stack([t.output.image for t in trajs]), ref_images)
     change = max_diff(ref_latents, base)
     print(
         f"LoRA changes pipeline by {change:.2e}; vs rollout: latents {d_latents:.2e}, images {d_images:.2e}"

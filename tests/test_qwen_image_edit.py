@@ -11,11 +11,11 @@ from diffusers import QwenImageEditPipeline
 from PIL import Image
 from safetensors.torch import load_file
 
-from omnirl.config import Config
+from omnirl.config import config_for
 from omnirl.models import get_adapter
 from omnirl.models.base import Request, SamplingParams, derive_seed
-from omnirl.models.qwen_image_edit import QwenImageEditAdapter
-from omnirl.trainer import Pair, pair_logprob
+from omnirl.models.qwen_image_edit import QwenImageEditAdapter, QwenImageEditSettings
+from omnirl.ops.diffusion import Pair, pair_logprob
 from tests.support_compare import max_diff, packed_serial_diffs
 
 # Different lengths (the tiny tokenizer is one token per byte), all in the 320 bucket; negatives in 288.
@@ -40,10 +40,9 @@ def source_image(seed: int, width: int = 64, height: int = 64) -> Image.Image:
 
 
 def make_adapter(path, **lora) -> QwenImageEditAdapter:
-    cfg = Config()
+    cfg = config_for("qwen_image_edit")
     cfg.model.path = str(path)
-    cfg.sampling.condition_area = AREA
-    cfg.rollout.prompt_length_buckets = [288, 320, 352]
+    cfg.family = QwenImageEditSettings(prompt_length_buckets=[288, 320, 352], condition_area=AREA)
     for key, value in lora.items():
         setattr(cfg.lora, key, value)
     return QwenImageEditAdapter(cfg, torch.device("cpu"))
@@ -89,7 +88,7 @@ def pipeline(tiny_qwen_image_edit, adapter, monkeypatch):
 def run_pipeline(pipe, adapter, request, output_type):
     """One request through the pipeline (it takes one condition image per call), from the initial
     latents the adapter draws for it."""
-    c, h = adapter.transformer.config.in_channels // 4, SIZE // adapter.vae_scale_factor
+    c, h = adapter.policy.config.in_channels // 4, SIZE // adapter.vae_scale_factor
     latents = torch.randn(1, c, h, h, generator=torch.Generator().manual_seed(request.seed))
     guided = request.params.guidance_scale > 1
     return pipe(
@@ -119,9 +118,9 @@ def test_noise_free_rollout_is_the_pipeline_sampler(adapter, pipeline, guidance)
     trajs = adapter.rollout(requests)
     ref_latents, ref_images = pipeline_outputs(pipeline, adapter, requests)
     d_latents = max_diff(torch.stack([t.final_latents for t in trajs]), ref_latents)
-    d_images = max_diff(torch.stack([t.image for t in trajs]), ref_images)
+    d_images = max_diff(torch.stack([t.output.image for t in trajs]), ref_images)
     print(f"guidance {guidance}: pipeline vs rollout: latents {d_latents:.2e}, images {d_images:.2e}")
-    assert trajs[0].image.shape == (3, SIZE, SIZE)
+    assert trajs[0].output.image.shape == (3, SIZE, SIZE)
     assert trajs[0].embeds["image_latents"].shape == (4, 16, 16)  # the 32x32 condition image's latents
     assert d_latents < 1e-5 and d_images < 1e-5
 
@@ -165,7 +164,7 @@ def test_recomputed_logprob_equals_rollout(adapter):
 def test_exported_lora_loads_into_the_pipeline(tiny_qwen_image_edit, pipeline, tmp_path):
     adapter = make_adapter(tiny_qwen_image_edit, rank=4, alpha=8.0)  # alpha != rank: the scale must travel
     torch.manual_seed(0)
-    for name, p in adapter.transformer.named_parameters():
+    for name, p in adapter.policy.named_parameters():
         if "lora_B" in name:
             p.data.normal_(0.0, 0.1)
     adapter.export_lora(tmp_path)
@@ -178,7 +177,7 @@ def test_exported_lora_loads_into_the_pipeline(tiny_qwen_image_edit, pipeline, t
     ref_latents, ref_images = pipeline_outputs(pipeline, adapter, requests)
     trajs = adapter.rollout(requests)
     d_latents = max_diff(torch.stack([t.final_latents for t in trajs]), ref_latents)
-    d_images = max_diff(torch.stack([t.image for t in trajs]), ref_images)
+    d_images = max_diff(torch.stack([t.output.image for t in trajs]), ref_images)
     change = max_diff(ref_latents, base)
     print(
         f"LoRA changes pipeline by {change:.2e}; vs rollout: latents {d_latents:.2e}, images {d_images:.2e}"

@@ -4,10 +4,13 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image, ImageDraw, ImageFont
 
+from omnirl.config import ConfigError
 from omnirl.data.prompts import DataError
-from omnirl.rewards import REWARDS, get_reward
+from omnirl.models.base import MODALITIES, Output
+from omnirl.rewards import REWARDS, check_modalities, get_reward, reward_inputs, to_pil
 from omnirl.rewards.jpeg import JpegCompressibility, JpegIncompressibility, jpeg_kb
 from omnirl.rewards.ocr import OcrReward, ocr_score, target_text
 from omnirl.rewards.pool import RewardError, RewardPool
@@ -19,6 +22,11 @@ def flat_and_noise():
     return [flat, noise]
 
 
+def outputs(images: list[Image.Image]) -> list[Output]:
+    """PIL images as the image outputs a rollout hands the pool (8-bit values, so to_pil gives them back)."""
+    return [Output(image=torch.from_numpy(np.array(im)).permute(2, 0, 1).float() / 255) for im in images]
+
+
 def render(text):
     img = Image.new("RGB", (512, 128), "white")
     ImageDraw.Draw(img).text((16, 32), text, fill="black", font=ImageFont.load_default(size=48))
@@ -28,8 +36,34 @@ def render(text):
 def test_registry_resolves_every_name_and_rejects_unknown():
     for name in REWARDS:
         assert callable(get_reward(name)())
+        assert get_reward(name).modality in MODALITIES, name
     with pytest.raises(ValueError, match="unknown reward 'clip'; known: .*jpeg_compressibility"):
         get_reward("clip")
+
+
+def test_reward_of_a_modality_the_model_lacks_is_refused():
+    check_modalities({"ocr": 1.0, "jpeg_compressibility": 1.0}, frozenset({"image"}), "sd3")
+    with pytest.raises(
+        ConfigError, match="reward 'mmk12' reads text outputs, but model.adapter 'sd3' produces image"
+    ):
+        check_modalities({"jpeg_compressibility": 1.0, "mmk12": 1.0}, frozenset({"image"}), "sd3")
+    with pytest.raises(ConfigError, match="reward 'ocr' reads image .* 'qwen_vl' produces text"):
+        check_modalities({"ocr": 1.0}, frozenset({"text"}), "qwen_vl")
+
+
+def test_reward_inputs_per_modality():
+    images = flat_and_noise()
+    converted = reward_inputs(outputs(images), "image")
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(converted, images))
+    video, audio = torch.rand(3, 3, 8, 8), torch.rand(2, 100) * 2 - 1
+    both = Output(video=video, fps=8.0, audio=audio, sample_rate=16000)
+    assert both.modalities == {"video", "audio"}
+    [(v, fps)], [(a, rate)] = reward_inputs([both], "video"), reward_inputs([both], "audio")
+    assert v is video and fps == 8.0 and a is audio and rate == 16000
+    assert reward_inputs([Output(text="4")], "text") == ["4"]
+    with pytest.raises(ValueError, match="sample 0 has no image output"):
+        reward_inputs([both], "image")
+    assert np.array_equal(np.asarray(to_pil(torch.zeros(3, 2, 2))), np.zeros((2, 2, 3), np.uint8))
 
 
 def test_jpeg_flat_image_is_more_compressible_than_noise():
@@ -69,11 +103,15 @@ def test_ocr_reward_with_rapidocr():
 
 
 class PromptLength:
+    modality = "image"
+
     def __call__(self, images, prompts, metadata):
         return [float(len(p)) for p in prompts]
 
 
 class Broken:
+    modality = "image"
+
     def __init__(self, out=None, exc=None, wait=None):
         self.out, self.exc, self.wait = out, exc, wait
 
@@ -91,7 +129,7 @@ def test_pool_weighted_sum_equals_hand_sum():
     pool = RewardPool(
         {"jpeg_compressibility": 2.0, "jpeg_incompressibility": 0.5}, num_workers=2, timeout_s=60
     )
-    res = pool.score(images, prompts, meta)
+    res = pool.score(outputs(images), prompts, meta)
     np.testing.assert_allclose(res.per_reward["jpeg_compressibility"], -kb)
     np.testing.assert_allclose(res.total, 2.0 * -kb + 0.5 * kb)
     pool.close()
@@ -99,7 +137,7 @@ def test_pool_weighted_sum_equals_hand_sum():
     pool = RewardPool.from_instances(
         {"jpeg": (JpegIncompressibility(), 1.0), "len": (PromptLength(), -0.1)}, num_workers=2, timeout_s=60
     )
-    futures = [pool.submit(images, prompts, meta) for _ in range(3)]  # several batches in flight
+    futures = [pool.submit(outputs(images), prompts, meta) for _ in range(3)]  # several batches in flight
     for fut in futures:
         res = pool.result(fut)
         assert res.total.dtype == np.float64
@@ -125,7 +163,7 @@ def test_pool_unknown_reward_fails_at_construction():
 def test_pool_bad_scorer_is_a_loud_error(reward, words):
     pool = RewardPool.from_instances({"ok": (PromptLength(), 1.0), "bad": (reward, 1.0)}, 1, timeout_s=60)
     with pytest.raises(RewardError, match=words):
-        pool.score(flat_and_noise(), ["a cat", "a red dog"], [{}, {}])
+        pool.score(outputs(flat_and_noise()), ["a cat", "a red dog"], [{}, {}])
     pool.close()
 
 
@@ -133,8 +171,8 @@ def test_pool_timeout_names_the_reward():
     release = threading.Event()
     pool = RewardPool.from_instances({"slow": (Broken(out=[0.0], wait=release), 1.0)}, 1, timeout_s=0.2)
     try:
-        first = pool.submit([flat_and_noise()[0]], ["a cat"], [{}])
-        second = pool.submit([flat_and_noise()[0]], ["a dog"], [{}])
+        first = pool.submit(outputs(flat_and_noise()[:1]), ["a cat"], [{}])
+        second = pool.submit(outputs(flat_and_noise()[:1]), ["a dog"], [{}])
         # Waiting on the second batch, queued behind the hung first one, still reports the hang.
         with pytest.raises(RewardError, match="'slow' took longer than timeout_s=0.2"):
             pool.result(second)

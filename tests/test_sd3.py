@@ -8,7 +8,7 @@ import torch
 from diffusers import StableDiffusion3Pipeline
 from safetensors.torch import load_file
 
-from omnirl.config import Config
+from omnirl.config import config_for
 from omnirl.models import get_adapter
 from omnirl.models.base import Request, SamplingParams, derive_seed
 from omnirl.models.flow_sde import flow_step
@@ -23,7 +23,7 @@ SIZE = 32  # pixels: 16x16 latents (the tiny VAE downsamples 2x)
 
 
 def make_adapter(path, **lora) -> SD3Adapter:
-    cfg = Config()
+    cfg = config_for("sd3")
     cfg.model.path = str(path)
     for key, value in lora.items():
         setattr(cfg.lora, key, value)
@@ -43,7 +43,7 @@ def noise_free(guidance: float = GUIDANCE) -> SamplingParams:
 
 def run_pipeline(pipe, adapter, requests, output_type):
     """The reference: diffusers' pipeline from the same initial latents the adapter draws per request."""
-    c, h = adapter.transformer.config.in_channels, SIZE // adapter.vae_scale_factor
+    c, h = adapter.policy.config.in_channels, SIZE // adapter.vae_scale_factor
     latents = torch.stack(
         [torch.randn(c, h, h, generator=torch.Generator().manual_seed(r.seed)) for r in requests]
     )
@@ -79,9 +79,9 @@ def test_noise_free_rollout_is_the_pipeline_sampler(adapter, tiny_sd3, guidance)
     ref_latents = run_pipeline(pipe, adapter, requests, "latent")
     ref_images = run_pipeline(pipe, adapter, requests, "pt")
     d_latents = max_diff(torch.stack([t.final_latents for t in trajs]), ref_latents)
-    d_images = max_diff(torch.stack([t.image for t in trajs]), ref_images)
+    d_images = max_diff(torch.stack([t.output.image for t in trajs]), ref_images)
     print(f"guidance {guidance}: pipeline vs rollout: latents {d_latents:.2e}, images {d_images:.2e}")
-    assert trajs[0].image.shape == (3, SIZE, SIZE)
+    assert trajs[0].output.image.shape == (3, SIZE, SIZE)
     assert d_latents < 1e-5 and d_images < 1e-5
 
 
@@ -123,12 +123,12 @@ def test_recomputed_logprob_equals_rollout(adapter, sde_type):
 def test_exported_lora_loads_into_the_pipeline(tiny_sd3, tmp_path):
     adapter = make_adapter(tiny_sd3, rank=4, alpha=8.0)  # alpha != rank: the export must carry the scale
     torch.manual_seed(0)
-    for name, p in adapter.transformer.named_parameters():
+    for name, p in adapter.policy.named_parameters():
         if "lora_B" in name:
             p.data.normal_(0.0, 0.05)
     adapter.export_lora(tmp_path)
     # An FSDP run exports from the gathered full state dict instead: same file contents.
-    adapter.export_lora(tmp_path / "from_state_dict", adapter.transformer.state_dict())
+    adapter.export_lora(tmp_path / "from_state_dict", adapter.policy.state_dict())
     exported = load_file(tmp_path / "pytorch_lora_weights.safetensors")
     from_state_dict = load_file(tmp_path / "from_state_dict" / "pytorch_lora_weights.safetensors")
     assert len(exported) == len(adapter.trainable_parameters()) == len(from_state_dict)
@@ -142,7 +142,7 @@ def test_exported_lora_loads_into_the_pipeline(tiny_sd3, tmp_path):
     ref_images = run_pipeline(pipe, adapter, requests, "pt")
     trajs = adapter.rollout(requests)
     d_latents = max_diff(torch.stack([t.final_latents for t in trajs]), ref_latents)
-    d_images = max_diff(torch.stack([t.image for t in trajs]), ref_images)
+    d_images = max_diff(torch.stack([t.output.image for t in trajs]), ref_images)
     change = max_diff(ref_latents, base)
     print(
         f"LoRA changes pipeline by {change:.2e}; vs rollout: latents {d_latents:.2e}, images {d_images:.2e}"

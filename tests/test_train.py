@@ -17,10 +17,10 @@ from omnirl.algos.advantages import group_advantages
 from omnirl.config import load_config
 from omnirl.data.prompts import load_prompts, step_prompt_indices
 from omnirl.models import get_adapter
+from omnirl.ops import rollout_and_score
+from omnirl.ops.diffusion import DiffusionOps, Pair, pair_logprob, sampling_params
 from omnirl.rewards.pool import RewardPool
-from omnirl.rollout.diffusion import DiffusionEngine
 from omnirl.step import make_requests, update
-from omnirl.trainer import DiffusionOps, Pair, pair_logprob, rollout_and_score, sampling_params
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,7 +40,7 @@ def test_update_moves_lora_only_and_recomputed_logprobs_match(tiny_sd3, tmp_path
     rows = load_prompts(cfg.data.train_path)
     requests, _ = make_requests(cfg, rows, 0, dist, sampling_params(cfg))
     pool = RewardPool(cfg.reward.weights, 1, 60)
-    trajs, _ = rollout_and_score(DiffusionEngine(adapter, 8), pool, requests)
+    trajs, _ = rollout_and_score(DiffusionOps(cfg, adapter), pool, requests)
     pool.close()
 
     # For the unchanged policy the trainer's recomputed log-prob equals the rollout's (fp32, 1e-5).
@@ -57,7 +57,7 @@ def test_update_moves_lora_only_and_recomputed_logprobs_match(tiny_sd3, tmp_path
     )
     for t, a in zip(trajs, adv.tolist()):
         t.advantage = a
-    model = adapter.transformer
+    model = adapter.policy
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-2)

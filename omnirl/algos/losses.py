@@ -29,18 +29,26 @@ import torch
 
 from omnirl.config import ConfigError
 
+# name -> (the kind of model it trains: an adapter's `kind`, "module:function").
 LOSSES = {
-    "flow_grpo": "omnirl.algos.losses:flow_grpo_loss",
-    "grpo": "omnirl.algos.losses:grpo_loss",
-    "gspo": "omnirl.algos.losses:gspo_loss",
+    "flow_grpo": ("diffusion", "omnirl.algos.losses:flow_grpo_loss"),
+    "grpo": ("omni", "omnirl.algos.losses:grpo_loss"),
+    "gspo": ("omni", "omnirl.algos.losses:gspo_loss"),
 }
 
 
-def get_loss(name: str) -> Callable:
-    """The loss function registered under `name` in LOSSES, imported on first use."""
+def get_loss(name: str, kind: str | None = None) -> Callable:
+    """The loss function registered under `name` in LOSSES, imported on first use; with `kind`, a loss of
+    another kind of model is a ConfigError naming the losses that kind can train with."""
     if name not in LOSSES:
         raise ConfigError(f"unknown algo.loss {name!r}; known losses: {', '.join(sorted(LOSSES))}")
-    module, attr = LOSSES[name].split(":")
+    loss_kind, path = LOSSES[name]
+    if kind is not None and loss_kind != kind:
+        fits = sorted(n for n, (k, _) in LOSSES.items() if k == kind)
+        raise ConfigError(
+            f"algo.loss {name!r} trains {loss_kind} models; {kind} models train with {', '.join(fits)}"
+        )
+    module, attr = path.split(":")
     return getattr(importlib.import_module(module), attr)
 
 

@@ -1,1 +1,24 @@
+"""Prompt and sample datasets, by row schema (data.format): each loader reads a file into `PromptRow`s."""
 
+from __future__ import annotations
+
+from omnirl import distributed as D
+from omnirl.config import Config
+from omnirl.data.edit import load_edit_rows
+from omnirl.data.mmk12 import load_mmk12
+from omnirl.data.prompts import PromptRow, load_prompts
+
+LOADERS = {"prompts": load_prompts, "edit": load_edit_rows, "mmk12": load_mmk12}
+
+
+def load_data(cfg: Config) -> tuple[list[PromptRow], list[PromptRow], list[str] | None]:
+    """(training rows, validation rows, the malformed rows skipped: None unless data.on_bad_row is skip).
+    A skipped row is warned about once, with its file and line."""
+    skipped: list[str] | None = [] if cfg.data.on_bad_row == "skip" else None
+    load = LOADERS[cfg.data.format]
+    rows = load(cfg.data.train_path, skipped)
+    val_rows = load(cfg.data.val_path, skipped) if cfg.validation.every and cfg.data.val_path else []
+    if skipped:
+        D.print0(f"warning: skipped {len(skipped)} malformed data rows (data.on_bad_row: skip):")
+        D.print0("\n".join(f"  {e}" for e in skipped))
+    return rows, val_rows, skipped

@@ -100,6 +100,27 @@ def derive_seed(base_seed: int, step: int, index: int) -> int:
     return x & (2**63 - 1)
 
 
+MODALITIES = ("image", "video", "audio", "text")
+
+
+@dataclass
+class Output:
+    """What one sample produced, with its modality: an image, a video (with its fps), an audio track (with
+    its sample rate), several of them (a video and its own audio track), or the text of an omni model.
+    Host tensors without a batch dimension."""
+
+    image: torch.Tensor | None = None  # [3, H, W] float32 in [0, 1]
+    video: torch.Tensor | None = None  # [F, 3, H, W] float32 in [0, 1]
+    fps: float = 0.0
+    audio: torch.Tensor | None = None  # [C, T] float32 in [-1, 1]
+    sample_rate: int = 0
+    text: str | None = None
+
+    @property
+    def modalities(self) -> frozenset[str]:
+        return frozenset(m for m in MODALITIES if getattr(self, m) is not None)
+
+
 @dataclass
 class Trajectory:
     """A finished diffusion rollout of one request, on the host.
@@ -114,7 +135,7 @@ class Trajectory:
     logprobs: torch.Tensor  # [K] float32, rollout log-prob of each trained step (0 where not recorded)
     sigmas: torch.Tensor  # [num_steps + 1] float32, the full sigma schedule (last = 0)
     embeds: dict[str, torch.Tensor]  # prompt (and negative) embeddings the transformer was called with
-    image: torch.Tensor  # [3, H, W] float32 in [0, 1], the decoded output
+    output: Output  # the decoded sample (an image [3, H, W] for the image families)
     final_latents: torch.Tensor  # [*latent_shape]
     reward: float = float("nan")
     advantage: float = 0.0
@@ -139,6 +160,10 @@ class OmniTrajectory:
     reward: float = float("nan")
     advantage: float = 0.0
 
+    @property
+    def output(self) -> Output:
+        return Output(text=self.text)
+
     def prompt_inputs(self) -> dict[str, torch.Tensor]:
         """The prompt as `prepare` returned it: the input of `OmniModelBase.collate`."""
         return {"input_ids": self.prompt_ids, **self.mm_inputs}
@@ -154,8 +179,11 @@ class OmniModelBase(Protocol):
     `lm_head` through one definition (`omnirl.models.lm.output_logprobs`), so their log-probs agree.
     """
 
-    kind: Literal["omni"]  # a class attribute: the trainer runs it with omnirl.omni_train.OmniOps
+    kind: Literal["omni"]  # a class attribute: the trainer runs it with omnirl.ops.omni.OmniOps
+    modalities: frozenset[str]  # a class attribute: what its outputs hold ({"text"})
+    Settings: type  # a class attribute: the dataclass of the family's own settings (the recipe's `family:`)
     model: nn.Module  # the trained module and FSDP root: forward(**batch, position_ids, ...) -> [B, L, H]
+    policy: nn.Module  # the same module: what the trainer shards, checkpoints and optimizes
     lm_head: nn.Module  # the output projection, a child of `model`, applied by callers where they need it
     processor: Any  # the transformers processor: chat template, image / audio features, placeholders
     tokenizer: Any
@@ -206,13 +234,23 @@ class OmniModelBase(Protocol):
 
 
 class DiffusionAdapter(Protocol):
-    """What the rollout engine and the trainer need from a diffusion model family."""
+    """What the rollout engine and the trainer need from a diffusion model family.
 
-    kind: Literal["diffusion"]  # a class attribute: the trainer runs it with omnirl.trainer.DiffusionOps
-    transformer: nn.Module  # the trained module (LoRA injected or fully trainable)
-    fused_cfg: (
-        bool  # rollout runs CFG's cond + uncond rows in one forward; the engine sets it (rollout.fused_cfg)
-    )
+    An adapter is built as `Adapter(cfg, device)` and reads its own settings from `cfg.family` (an instance
+    of its `Settings`). Nothing outside `omnirl/models/` names its transformer(s): the trainer, the engine,
+    checkpoints and export go through `policy` and the methods below. A family of several experts (one
+    transformer per noise range) makes `policy` an `nn.ModuleDict` and routes each row of a batch to the
+    expert that owns its sigma inside `velocity`, so one micro-batch may hold rows of several experts; the
+    trajectory's sigmas (`sigmas[step_indices]`) decide the expert again when the trainer replays a step.
+    """
+
+    kind: Literal[
+        "diffusion"
+    ]  # a class attribute: the trainer runs it with omnirl.ops.diffusion.DiffusionOps
+    modalities: frozenset[str]  # a class attribute: what its outputs hold, e.g. {"image"}
+    Settings: type  # a class attribute: the dataclass of the family's own settings (the recipe's `family:`)
+    policy: nn.Module  # the trained module (LoRA injected or fully trainable): one transformer or experts
+    fused_cfg: bool  # CFG's cond + uncond rows share one forward in rollout: the engine sets it (only there)
 
     def compat_key(self, request: Request) -> tuple:
         """Everything that must be uniform inside one forward: `request.params.key` plus what the
@@ -237,16 +275,20 @@ class DiffusionAdapter(Protocol):
         embeds: dict[str, torch.Tensor],
         guidance_scale: float,
         fused_cfg: bool = True,
-        transformer: nn.Module | None = None,
+        policy: nn.Module | None = None,
     ) -> torch.Tensor:
         """The guided velocity for a batch: latents [B, *latent], sigmas [B], embeds batched on dim 0.
-        `transformer` replaces the trained one (the frozen reference copy of a full fine-tune)."""
+        `policy` replaces the trained one (the frozen reference copy of a full fine-tune)."""
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """The parameters the optimizer updates (the LoRA, or the whole transformer)."""
 
-    def export_lora(self, out_dir: str, transformer_state_dict: dict | None = None) -> None:
-        """Write the LoRA in the family's diffusers format (`load_lora_weights` reads it)."""
+    def lora_disabled(self) -> AbstractContextManager[None]:
+        """A context in which `policy` runs with its LoRA off: the reference policy of a LoRA run."""
+
+    def export_lora(self, out_dir: str, state_dict: dict | None = None) -> None:
+        """Write the LoRA in the family's diffusers format (`load_lora_weights` reads it). An FSDP run
+        passes the gathered full state dict of `policy`."""
 
     def offload_modules(self) -> list[nn.Module]:
         """Modules only the rollout needs (text encoders, VAE): they sleep during training."""

@@ -1,6 +1,6 @@
 """What every diffusion adapter does the same way around its own classes: checking that model.path holds
-the family's pipeline, and making its transformer trainable (a peft LoRA over a frozen base, or the whole
-model).
+the family's pipeline, making its transformer trainable (a peft LoRA over a frozen base, or the whole
+model), and writing its LoRA in the family's diffusers format.
 """
 
 from __future__ import annotations
@@ -49,3 +49,15 @@ def make_trainable(transformer: nn.Module, cfg: Config, device: torch.device) ->
     if cfg.model.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     transformer.to(device)
+
+
+def save_lora(pipeline_cls, transformer: nn.Module, out_dir, state_dict: dict | None = None) -> None:
+    """Write `transformer`'s LoRA as `out_dir/pytorch_lora_weights.safetensors` in the diffusers format,
+    loadable with `pipeline_cls.load_lora_weights`. An FSDP run passes the gathered full state dict."""
+    layers = peft.get_peft_model_state_dict(transformer, state_dict=state_dict)
+    pipeline_cls.save_lora_weights(
+        out_dir,
+        transformer_lora_layers=layers,
+        # Without it a loader assumes lora_alpha == rank and scales the update wrongly.
+        transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict(),
+    )

@@ -8,7 +8,6 @@
 - `output_logprobs`: the one definition of the policy's distribution that rollout and trainer share,
   log_softmax(logits / temperature) over the vocabulary, with the multimodal placeholder ids masked out.
 - `chunked_token_logprobs` / `sequence_logprobs`: the trainer's log-probs of given response tokens.
-- `lora_disabled`: the model with its LoRA layers off, the reference policy of the KL term.
 - `checkpoint_decoder_layers`: activation checkpointing of the decoder layers in the trainer's backward.
 
 The placeholder ids (image / video / audio pads) are input-only slots that the model fills with encoder
@@ -22,7 +21,6 @@ offers no log-prob of given tokens; TRL / verl do this inside their trainers.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import re
 from pathlib import Path
@@ -30,10 +28,11 @@ from pathlib import Path
 import peft
 import torch
 import torch.nn.functional as F
-from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from omnirl.models.peft_lora import lora_disabled
 
 # Tokens per lm_head chunk: 1024 x 152k vocab x 4 bytes = 0.6 GB of float32 logits at a time.
 LOGPROB_CHUNK = 1024
@@ -183,23 +182,6 @@ def sequence_logprobs(
     return out
 
 
-@contextlib.contextmanager
-def lora_disabled(model: nn.Module):
-    """Run `model` with every peft LoRA layer off (peft's `enable_adapters(False)`), restored on exit.
-
-    The adapters are injected with `peft.inject_adapter_in_model`, which leaves the transformers model
-    without the `disable_adapters()` of a PeftModel, so the layers are switched one by one."""
-    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
-    assert layers, "lora_disabled on a model without LoRA layers"
-    for layer in layers:
-        layer.enable_adapters(False)
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.enable_adapters(True)
-
-
 def checkpoint_decoder_layers(hf_model: nn.Module, layers: nn.ModuleList) -> None:
     """Recompute each decoder layer's activations in the backward pass (model.gradient_checkpointing).
 
@@ -278,6 +260,12 @@ class TransformersLMAdapter:
     `model` (their `HiddenStatesLM`), `processor`, `pad_token_id`, `lora` and `lora_config`."""
 
     hf_model: nn.Module
+    modalities = frozenset({"text"})
+
+    @property
+    def policy(self) -> nn.Module:
+        """The trained module: `model` (the body and `lm_head`), the FSDP root."""
+        return self.model
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]

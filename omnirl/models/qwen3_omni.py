@@ -18,7 +18,9 @@ adds is what RL needs around them:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import nn
@@ -68,15 +70,23 @@ class _ProcessorWithoutVideo(Qwen3OmniMoeProcessor):
             setattr(self, f"{name}_token", getattr(tokenizer, f"{name}_token"))
 
 
-class Qwen3OmniThinkerAdapter(TransformersLMAdapter):
-    """The `OmniModelBase` for Qwen3-Omni MoE checkpoints; trains the thinker (model.stage 'thinker')."""
+@dataclass
+class Qwen3OmniSettings:
+    stage: Literal["thinker", "talker", "all"] = "thinker"
+    """The stage that is trained and run ('thinker': text out; the talker (speech) and 'all' are not
+    implemented yet). Modules the stage does not use are never loaded."""
 
-    kind = "omni"  # the trainer's ops for this adapter (omnirl.trainer.OPS)
+
+class Qwen3OmniThinkerAdapter(TransformersLMAdapter):
+    """The `OmniModelBase` for Qwen3-Omni MoE checkpoints; trains the thinker (family.stage 'thinker')."""
+
+    kind = "omni"  # the trainer's ops for this adapter (omnirl.ops.OPS)
+    Settings = Qwen3OmniSettings
 
     def __init__(self, cfg: Config, device: torch.device):
-        if cfg.model.stage != "thinker":
+        if cfg.family.stage != "thinker":
             raise ValueError(
-                f"model.stage {cfg.model.stage!r}: the Qwen3-Omni adapter implements only 'thinker' (text "
+                f"family.stage {cfg.family.stage!r}: the Qwen3-Omni adapter implements only 'thinker' (text "
                 "output); the talker (speech) and 'all' are not supported"
             )
         path = cfg.model.path

@@ -10,7 +10,7 @@ level 0 it is the pipeline's sampler: same initial latents, same image.
 
 Prompts differ in length. Rows are zero-padded at the end and masked (`encoder_hidden_states_mask`); the
 text RoPE positions of a row do not depend on how far it is padded, so a padded row computes what it
-computes alone. A batch pads its texts to the smallest bucket (`rollout.prompt_length_buckets`) that holds
+computes alone. A batch pads its texts to the smallest bucket (`family.prompt_length_buckets`) that holds
 its longest, so a compiled transformer sees few shapes. The bucket is a property of the batch, not of a
 request (it is not in the compatibility key): the packer sorts requests by their bucketed length and fills
 full batches across bucket boundaries. Measured on an H200 with the real tokenizer (benchmarks/RESULTS.md),
@@ -20,10 +20,10 @@ pipeline's full batches; text is a small part of a 512 px row (1,024 image token
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import peft
 import torch
 from diffusers import (
     AutoencoderKLQwenImage,
@@ -37,9 +37,10 @@ from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
 from omnirl.config import Config, ConfigError
 from omnirl.distributed import DTYPES, compute_dtype, load_pretrained
-from omnirl.models.base import Request, Trajectory
-from omnirl.models.diffusers_setup import check_checkpoint, make_trainable
+from omnirl.models.base import Output, Request, Trajectory
+from omnirl.models.diffusers_setup import check_checkpoint, make_trainable, save_lora
 from omnirl.models.flow_sde import WindowedSampler
+from omnirl.models.peft_lora import lora_disabled
 
 # QwenImagePipeline.check_inputs rejects a longer max_sequence_length.
 MAX_SEQUENCE_LENGTH = 1024
@@ -150,28 +151,41 @@ def decode(vae, latents: torch.Tensor) -> torch.Tensor:
     return (images.float() * 0.5 + 0.5).clamp(0, 1)  # as VaeImageProcessor.postprocess
 
 
+def check_buckets(buckets: list[int], limit: int | None) -> None:
+    """Prompt-length buckets are distinct ascending positive lengths, at most `limit` (None: no limit)."""
+    if not buckets or buckets != sorted(set(buckets)) or buckets[0] < 1 or (limit and buckets[-1] > limit):
+        allowed = f"in [1, {limit}]" if limit else "positive"
+        raise ConfigError(
+            f"family.prompt_length_buckets must be distinct ascending lengths {allowed}, got {buckets}"
+        )
+
+
+@dataclass
+class QwenImageSettings:
+    prompt_length_buckets: list[int] = field(default_factory=lambda: [64, 128, 256, 512, 1024])
+    """Text-token lengths that prompts are padded to (ascending): a packed batch pads its texts to the
+    smallest bucket that holds its longest, so a compiled transformer sees few shapes. Requests of different
+    buckets share a batch (the packer sorts them by length and fills full batches). The largest is the
+    maximum prompt length: longer prompts are truncated to it (the pipeline's max_sequence_length, at most
+    1024)."""
+
+    def __post_init__(self):
+        check_buckets(self.prompt_length_buckets, MAX_SEQUENCE_LENGTH)
+
+
 class QwenImageAdapter:
     """The `DiffusionAdapter` for `QwenImagePipeline` checkpoints (Qwen/Qwen-Image)."""
 
-    kind = "diffusion"  # the trainer's ops for this adapter (omnirl.trainer.OPS)
+    kind = "diffusion"  # the trainer's ops for this adapter (omnirl.ops.OPS)
+    modalities = frozenset({"image"})
+    fused_cfg = True  # CFG rows in one forward; the rollout engine sets it (rollout.fused_cfg)
+    Settings = QwenImageSettings
 
     def __init__(self, cfg: Config, device: torch.device):
         path = cfg.model.path
         check_checkpoint(path, QwenImagePipeline)
-        buckets = list(cfg.rollout.prompt_length_buckets)
-        if (
-            not buckets
-            or buckets != sorted(set(buckets))
-            or buckets[0] < 1
-            or buckets[-1] > MAX_SEQUENCE_LENGTH
-        ):
-            raise ConfigError(
-                f"rollout.prompt_length_buckets must be distinct ascending lengths in "
-                f"[1, {MAX_SEQUENCE_LENGTH}], got {buckets}"
-            )
-        self.buckets = buckets
+        self.buckets = list(cfg.family.prompt_length_buckets)
         self.device = device
-        self.fused_cfg = cfg.rollout.fused_cfg  # read by `rollout`; the engine sets it from the same field
         dtype = DTYPES[cfg.model.dtype]
         # A fully fine-tuned transformer is trained, hence kept, in float32; a LoRA base stays in `dtype`.
         self.lora = cfg.model.finetune == "lora"
@@ -201,6 +215,11 @@ class QwenImageAdapter:
         )
 
         make_trainable(self.transformer, cfg, device)
+
+    @property
+    def policy(self) -> nn.Module:
+        """The trained module: the one transformer."""
+        return self.transformer
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.transformer.parameters() if p.requires_grad]
@@ -269,17 +288,17 @@ class QwenImageAdapter:
         embeds: dict[str, torch.Tensor],
         guidance_scale: float,
         fused_cfg: bool = True,
-        transformer: nn.Module | None = None,
+        policy: nn.Module | None = None,
     ) -> torch.Tensor:
         """The guided velocity [B, C, h, w] float32 for latents [B, C, h, w] at per-row sigmas [B].
 
         The rollout and the trainer's log-prob recomputation both call this, so they run the same math.
         True-CFG as the pipeline: neg + s * (cond - neg), rescaled per token to the norm of the conditional
         prediction. The conditional and negative rows go through one forward by default (`fused_cfg`), the
-        shorter text padded and masked to the longer. `transformer` runs another module of the same
-        architecture instead (the trainer's frozen reference copy for the KL term).
+        shorter text padded and masked to the longer. `policy` runs another module of the same architecture
+        instead (the trainer's frozen reference copy for the KL term).
         """
-        model = transformer if transformer is not None else self.transformer
+        model = policy if policy is not None else self.transformer
         dtype = compute_dtype(model, self.transformer_dtype)  # the model's inputs: FSDP's root does not cast
         batch, channels, h, w = latents.shape
         x = QwenImagePipeline._pack_latents(latents, batch, channels, h, w).to(dtype)  # [B, h/2 * w/2, 4C]
@@ -348,7 +367,7 @@ class QwenImageAdapter:
                     **sampler.record(b),  # latents, next_latents [K, C, h, w], step_indices, logprobs [K]
                     sigmas=sigmas,
                     embeds=sample_embeds,
-                    image=images[b].cpu(),
+                    output=Output(image=images[b].cpu()),
                     final_latents=latents[b].cpu(),
                 )
             )
@@ -362,15 +381,14 @@ class QwenImageAdapter:
             out[key], out[f"{key}_mask"] = collate(rows, max(len(r) for r in rows))
         return out
 
-    def export_lora(self, out_dir: str | Path, transformer_state_dict: dict | None = None) -> None:
+    def lora_disabled(self):
+        if not self.lora:
+            raise ValueError("the reference policy with the LoRA off needs model.finetune 'lora'")
+        return lora_disabled(self.transformer)
+
+    def export_lora(self, out_dir: str | Path, state_dict: dict | None = None) -> None:
         """Write the LoRA as `pytorch_lora_weights.safetensors` in the diffusers format, loadable with
         `QwenImagePipeline.load_lora_weights`. An FSDP run passes the gathered full state dict."""
         if not self.lora:
             raise ValueError("export_lora needs model.finetune 'lora'")
-        layers = peft.get_peft_model_state_dict(self.transformer, state_dict=transformer_state_dict)
-        QwenImagePipeline.save_lora_weights(
-            out_dir,
-            transformer_lora_layers=layers,
-            # Without it a loader assumes lora_alpha == rank and scales the update wrongly.
-            transformer_lora_adapter_metadata=self.transformer.peft_config["default"].to_dict(),
-        )
+        save_lora(QwenImagePipeline, self.transformer, out_dir, state_dict)

@@ -11,23 +11,23 @@ tokens (`img_shapes` has two entries per row) and only the generated tokens' vel
 level 0 it is the pipeline's sampler: same initial latents, same image.
 
 The pipeline resizes the condition image to a hard-coded 1024 * 1024 pixel area; here the area is
-`sampling.condition_area`. The condition image's size is part of the compatibility key, and its VAE latents
+`family.condition_area`. The condition image's size is part of the compatibility key, and its VAE latents
 are stored in `Trajectory.embeds["image_latents"]` with the prompt embeddings, so training never re-runs an
 encoder.
 
 Prompts differ in length (their embeddings also hold the condition image's vision tokens). Rows are
 zero-padded at the end and masked (`encoder_hidden_states_mask`); the text RoPE positions of a row do not
 depend on how far it is padded, so a padded row computes what it computes alone. A batch pads its texts
-to the smallest bucket (`rollout.prompt_length_buckets`) that holds its longest, as qwen_image.py does
+to the smallest bucket (`family.prompt_length_buckets`) that holds its longest, as qwen_image.py does
 (the bucket is a property of the batch, not in the compatibility key). The edit pipeline never truncates a
 prompt, so a longer one than the largest bucket is an error, not a truncation.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import peft
 import torch
 from diffusers import (
     AutoencoderKLQwenImage,
@@ -49,11 +49,13 @@ from transformers.processing_utils import ProcessorMixin
 
 from omnirl.config import Config, ConfigError
 from omnirl.distributed import DTYPES, compute_dtype, load_pretrained
-from omnirl.models.base import Request, Trajectory
-from omnirl.models.diffusers_setup import check_checkpoint, make_trainable
+from omnirl.models.base import Output, Request, Trajectory
+from omnirl.models.diffusers_setup import check_checkpoint, make_trainable, save_lora
 from omnirl.models.flow_sde import WindowedSampler
+from omnirl.models.peft_lora import lora_disabled
 from omnirl.models.qwen_image import (
     bucket,
+    check_buckets,
     collate,
     decode,
     pad_to,
@@ -74,25 +76,36 @@ class ImageOnlyProcessor(Qwen2VLProcessor):
         ProcessorMixin.__init__(self, image_processor, tokenizer)
 
 
+@dataclass
+class QwenImageEditSettings:
+    prompt_length_buckets: list[int] = field(default_factory=lambda: [64, 128, 256, 512, 1024])
+    """Text-token lengths that prompts are padded to (ascending), as Qwen-Image's. The text also holds the
+    condition image's vision tokens and is never truncated (the edit pipeline does not): a longer one than
+    the largest bucket is an error."""
+    condition_area: int = 1024 * 1024
+    """Pixel area the condition image is resized to (its aspect ratio kept, sides multiples of 32) before
+    the VAE and the text encoder see it. QwenImageEditPipeline hard-codes 1024 * 1024."""
+
+    def __post_init__(self):
+        check_buckets(self.prompt_length_buckets, None)
+        if self.condition_area < 1:
+            raise ConfigError(f"family.condition_area must be positive, got {self.condition_area}")
+
+
 class QwenImageEditAdapter:
     """The `DiffusionAdapter` for `QwenImageEditPipeline` checkpoints (Qwen/Qwen-Image-Edit). Every request
     carries its condition image (a PIL image) in `request.inputs["image"]`."""
 
-    kind = "diffusion"  # the trainer's ops for this adapter (omnirl.trainer.OPS)
+    kind = "diffusion"  # the trainer's ops for this adapter (omnirl.ops.OPS)
+    modalities = frozenset({"image"})
+    fused_cfg = True  # CFG rows in one forward; the rollout engine sets it (rollout.fused_cfg)
+    Settings = QwenImageEditSettings
 
     def __init__(self, cfg: Config, device: torch.device):
         path = cfg.model.path
         check_checkpoint(path, QwenImageEditPipeline)
-        buckets = list(cfg.rollout.prompt_length_buckets)
-        if not buckets or buckets != sorted(set(buckets)) or buckets[0] < 1:
-            raise ConfigError(
-                f"rollout.prompt_length_buckets must be distinct ascending positive lengths, got {buckets}"
-            )
-        if cfg.sampling.condition_area < 1:
-            raise ConfigError(f"sampling.condition_area must be positive, got {cfg.sampling.condition_area}")
-        self.buckets = buckets
-        self.condition_area = cfg.sampling.condition_area
-        self.fused_cfg = cfg.rollout.fused_cfg  # read by `rollout`; the engine sets it from the same field
+        self.buckets = list(cfg.family.prompt_length_buckets)
+        self.condition_area = cfg.family.condition_area
         self.device = device
         dtype = DTYPES[cfg.model.dtype]
         # A fully fine-tuned transformer is trained, hence kept, in float32; a LoRA base stays in `dtype`.
@@ -128,6 +141,11 @@ class QwenImageEditAdapter:
         self.vae_scale_factor = self.pipe.vae_scale_factor
 
         make_trainable(self.transformer, cfg, device)
+
+    @property
+    def policy(self) -> nn.Module:
+        """The trained module: the one transformer."""
+        return self.transformer
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.transformer.parameters() if p.requires_grad]
@@ -236,7 +254,7 @@ class QwenImageEditAdapter:
         embeds: dict[str, torch.Tensor],
         guidance_scale: float,
         fused_cfg: bool = True,
-        transformer: nn.Module | None = None,
+        policy: nn.Module | None = None,
     ) -> torch.Tensor:
         """The guided velocity [B, C, h, w] float32 for latents [B, C, h, w] at per-row sigmas [B].
 
@@ -244,8 +262,8 @@ class QwenImageEditAdapter:
         Each row's condition latents (`image_latents`, cropped to its `condition_size`) follow its image
         tokens. True-CFG as the pipeline: neg + s * (cond - neg), rescaled per token to the norm of the
         conditional prediction; the conditional and negative rows go through one forward by default
-        (`fused_cfg`), the shorter text padded and masked to the longer. `transformer` runs another module
-        of the same architecture instead (the trainer's frozen reference copy for the KL term).
+        (`fused_cfg`), the shorter text padded and masked to the longer. `policy` runs another module of
+        the same architecture instead (the trainer's frozen reference copy for the KL term).
         """
         sizes = embeds["condition_size"]  # [B, 2] latent height, width of each row's condition image
         if (sizes != sizes[0]).any():
@@ -256,11 +274,11 @@ class QwenImageEditAdapter:
                 rows = (sizes == size).all(dim=1).nonzero().squeeze(1)
                 part = {k: e[rows] for k, e in embeds.items()}
                 out[rows] = self.velocity(
-                    latents[rows], sigmas[rows], part, guidance_scale, fused_cfg, transformer
+                    latents[rows], sigmas[rows], part, guidance_scale, fused_cfg, policy
                 )
             return out
 
-        model = transformer if transformer is not None else self.transformer
+        model = policy if policy is not None else self.transformer
         dtype = compute_dtype(model, self.transformer_dtype)  # the model's inputs: FSDP's root does not cast
         batch, channels, h, w = latents.shape
         cond_h, cond_w = sizes[0].tolist()
@@ -350,7 +368,7 @@ class QwenImageEditAdapter:
                     **sampler.record(b),  # latents, next_latents [K, C, h, w], step_indices, logprobs [K]
                     sigmas=sigmas,
                     embeds=sample_embeds,
-                    image=images[b].cpu(),
+                    output=Output(image=images[b].cpu()),
                     final_latents=latents[b].cpu(),
                 )
             )
@@ -370,15 +388,14 @@ class QwenImageEditAdapter:
         out["image_latents"] = torch.stack([pad_to(pad_to(im, cond_h), cond_w, dim=2) for im in images])
         return out
 
-    def export_lora(self, out_dir: str | Path, transformer_state_dict: dict | None = None) -> None:
+    def lora_disabled(self):
+        if not self.lora:
+            raise ValueError("the reference policy with the LoRA off needs model.finetune 'lora'")
+        return lora_disabled(self.transformer)
+
+    def export_lora(self, out_dir: str | Path, state_dict: dict | None = None) -> None:
         """Write the LoRA as `pytorch_lora_weights.safetensors` in the diffusers format, loadable with
         `QwenImageEditPipeline.load_lora_weights`. An FSDP run passes the gathered full state dict."""
         if not self.lora:
             raise ValueError("export_lora needs model.finetune 'lora'")
-        layers = peft.get_peft_model_state_dict(self.transformer, state_dict=transformer_state_dict)
-        QwenImageEditPipeline.save_lora_weights(
-            out_dir,
-            transformer_lora_layers=layers,
-            # Without it a loader assumes lora_alpha == rank and scales the update wrongly.
-            transformer_lora_adapter_metadata=self.transformer.peft_config["default"].to_dict(),
-        )
+        save_lora(QwenImageEditPipeline, self.transformer, out_dir, state_dict)

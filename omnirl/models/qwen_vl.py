@@ -5,10 +5,12 @@ checkpoint's model_type), the placeholder expansion and the M-RoPE positions (`g
 transformers' own. As in `qwen3_omni.py`, this file adds LoRA (peft) on the language model's decoder layers
 only (the vision blocks have attention projections too), the peft export, and a processor without the video
 processor (which needs torchvision; omnirl feeds these models images only). A VL model has one stage, the
-language model conditioned on the image: model.stage 'thinker'.
+language model conditioned on the image.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -51,17 +53,19 @@ class _ProcessorWithoutVideo(Qwen2_5_VLProcessor):
         self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
 
 
+@dataclass
+class QwenVLSettings:
+    """A VL model has no settings of its own: it has one stage, the language model conditioned on the
+    image."""
+
+
 class QwenVLAdapter(TransformersLMAdapter):
     """The `OmniModelBase` for Qwen2.5-VL and Qwen3-VL checkpoints."""
 
-    kind = "omni"  # the trainer's ops for this adapter (omnirl.trainer.OPS)
+    kind = "omni"  # the trainer's ops for this adapter (omnirl.ops.OPS)
+    Settings = QwenVLSettings
 
     def __init__(self, cfg: Config, device: torch.device):
-        if cfg.model.stage != "thinker":
-            raise ValueError(
-                f"model.stage {cfg.model.stage!r}: a Qwen VL model has one stage, 'thinker' (the language "
-                "model conditioned on the image)"
-            )
         path = cfg.model.path
         try:
             config = AutoConfig.from_pretrained(path)

@@ -9,9 +9,9 @@ draws the same noise as a serial run), a per-row SDE window, and the log-prob of
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
-import peft
 import torch
 from diffusers import (
     AutoencoderKL,
@@ -24,24 +24,32 @@ from transformers import AutoTokenizer, CLIPTextModelWithProjection, T5EncoderMo
 
 from omnirl.config import Config, ConfigError
 from omnirl.distributed import DTYPES, compute_dtype, load_pretrained
-from omnirl.models.base import Request, Trajectory
-from omnirl.models.diffusers_setup import check_checkpoint, make_trainable
+from omnirl.models.base import Output, Request, Trajectory
+from omnirl.models.diffusers_setup import check_checkpoint, make_trainable, save_lora
 from omnirl.models.flow_sde import WindowedSampler
+from omnirl.models.peft_lora import lora_disabled
 
 # The pipeline's default T5 length; a tokenizer with a smaller limit (the tiny model's) lowers it.
 T5_MAX_SEQUENCE_LENGTH = 256
 
 
+@dataclass
+class SD3Settings:
+    """SD3 has no settings of its own: its prompts are padded to fixed lengths, its sizes are sampling.*."""
+
+
 class SD3Adapter:
     """The `DiffusionAdapter` for `StableDiffusion3Pipeline` checkpoints (SD3 medium, SD3.5 medium/large)."""
 
-    kind = "diffusion"  # the trainer's ops for this adapter (omnirl.trainer.OPS)
+    kind = "diffusion"  # the trainer's ops for this adapter (omnirl.ops.OPS)
+    modalities = frozenset({"image"})
+    fused_cfg = True  # CFG rows in one forward; the rollout engine sets it (rollout.fused_cfg)
+    Settings = SD3Settings
 
     def __init__(self, cfg: Config, device: torch.device):
         path = cfg.model.path
         check_checkpoint(path, StableDiffusion3Pipeline)
         self.device = device
-        self.fused_cfg = cfg.rollout.fused_cfg  # read by `rollout`; the engine sets it from the same field
         dtype = DTYPES[cfg.model.dtype]
         # A fully fine-tuned transformer is trained, hence kept, in float32; a LoRA base stays in `dtype`.
         self.lora = cfg.model.finetune == "lora"
@@ -87,6 +95,11 @@ class SD3Adapter:
 
         make_trainable(self.transformer, cfg, device)
 
+    @property
+    def policy(self) -> nn.Module:
+        """The trained module: the one transformer."""
+        return self.transformer
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.transformer.parameters() if p.requires_grad]
 
@@ -131,16 +144,16 @@ class SD3Adapter:
         embeds: dict[str, torch.Tensor],
         guidance_scale: float,
         fused_cfg: bool = True,
-        transformer: nn.Module | None = None,
+        policy: nn.Module | None = None,
     ) -> torch.Tensor:
         """The guided velocity [B, C, h, w] float32 for latents [B, C, h, w] at per-row sigmas [B].
 
         The rollout and the trainer's log-prob recomputation both call this, so they run the same math.
         With guidance the unconditional and conditional rows go through one forward by default
-        (`fused_cfg`), stacked [uncond; cond] as the pipeline does. `transformer` runs another module of
-        the same architecture instead (the trainer's frozen reference copy for the KL term).
+        (`fused_cfg`), stacked [uncond; cond] as the pipeline does. `policy` runs another module of the
+        same architecture instead (the trainer's frozen reference copy for the KL term).
         """
-        model = transformer if transformer is not None else self.transformer
+        model = policy if policy is not None else self.transformer
         dtype = compute_dtype(model, self.transformer_dtype)  # the model's inputs: FSDP's root does not cast
         x = latents.to(dtype)
         # The pipeline feeds the scheduler's timesteps, which are sigma * num_train_timesteps in float32.
@@ -214,7 +227,7 @@ class SD3Adapter:
                     **sampler.record(b),  # latents, next_latents [K, C, h, w], step_indices, logprobs [K]
                     sigmas=sigmas,
                     embeds={k: e[b].cpu() for k, e in embeds.items()},
-                    image=images[b].cpu(),
+                    output=Output(image=images[b].cpu()),
                     final_latents=latents[b].cpu(),
                 )
             )
@@ -231,15 +244,14 @@ class SD3Adapter:
     def batch_embeds(self, embeds: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         return {k: torch.stack([e[k] for e in embeds]) for k in embeds[0]}
 
-    def export_lora(self, out_dir: str | Path, transformer_state_dict: dict | None = None) -> None:
+    def lora_disabled(self):
+        if not self.lora:
+            raise ValueError("the reference policy with the LoRA off needs model.finetune 'lora'")
+        return lora_disabled(self.transformer)
+
+    def export_lora(self, out_dir: str | Path, state_dict: dict | None = None) -> None:
         """Write the LoRA as `pytorch_lora_weights.safetensors` in the diffusers format, loadable with
         `StableDiffusion3Pipeline.load_lora_weights`. An FSDP run passes the gathered full state dict."""
         if not self.lora:
             raise ValueError("export_lora needs model.finetune 'lora'")
-        layers = peft.get_peft_model_state_dict(self.transformer, state_dict=transformer_state_dict)
-        StableDiffusion3Pipeline.save_lora_weights(
-            out_dir,
-            transformer_lora_layers=layers,
-            # Without it a loader assumes lora_alpha == rank and scales the update wrongly.
-            transformer_lora_adapter_metadata=self.transformer.peft_config["default"].to_dict(),
-        )
+        save_lora(StableDiffusion3Pipeline, self.transformer, out_dir, state_dict)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from omnirl.config import REPO_ROOT, Config
+from omnirl.config import REPO_ROOT, config_for
 from omnirl.models.lm import pad_responses
 
 K12_DATA = REPO_ROOT / "data" / "mmk12_tiny" / "train.jsonl"  # JSONL: building needs no pyarrow
@@ -50,8 +50,8 @@ def _teach_format(path: Path, data: str | Path):
     from omnirl.models.base import GenerationParams, Request
     from omnirl.models.qwen3_omni import Qwen3OmniThinkerAdapter
 
-    cfg = Config()
-    cfg.model.path, cfg.model.adapter, cfg.model.finetune = str(path), "qwen3_omni_thinker", "full"
+    cfg = config_for("qwen3_omni_thinker")
+    cfg.model.path, cfg.model.finetune = str(path), "full"
     adapter = Qwen3OmniThinkerAdapter(cfg, torch.device("cpu"))
     tok = adapter.tokenizer
     rows = load_mmk12(data)

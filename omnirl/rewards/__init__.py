@@ -2,8 +2,12 @@
 a VLM judge) load only in runs that use them.
 
 A reward is a class constructed with no arguments whose instances are called on a batch:
-`reward(images, prompts, metadata) -> list[float]`, one finite float per image. `metadata[i]` is the data
-row of sample i (`omnirl.data.prompts.PromptRow.metadata`, with "source" = "file.jsonl:LINE" for error
+`reward(samples, prompts, metadata) -> list[float]`, one finite float per sample. The class declares the
+modality it reads (`modality`: "image", "video", "audio" or "text"), and `samples` holds that part of each
+sample's `Output` (`reward_inputs`): PIL images, videos [F, 3, H, W] in [0, 1] with their fps, audio
+tracks [C, T] with their sample rate, or response texts. A recipe that pairs a reward with a model that
+cannot produce its modality fails when it loads (`check_modalities`). `metadata[i]` is the data row of
+sample i (`omnirl.data.prompts.PromptRow.metadata`, with "source" = "file.jsonl:LINE" for error
 messages). `omnirl.rewards.pool.RewardPool` combines several rewards with weights and never calls one
 reward instance from two threads at once.
 """
@@ -13,9 +17,11 @@ from __future__ import annotations
 import importlib
 from typing import Any, Protocol
 
+import torch
 from PIL import Image
 
 from omnirl.config import ConfigError
+from omnirl.models.base import Output
 
 REWARDS = {
     "jpeg_compressibility": "omnirl.rewards.jpeg:JpegCompressibility",
@@ -27,11 +33,13 @@ REWARDS = {
 
 
 class Reward(Protocol):
-    def __call__(
-        self, images: list[Image.Image] | list[str], prompts: list[str], metadata: list[dict[str, Any]]
-    ) -> list[float]:
-        """One finite score per sample; higher is better. `images` holds the generated outputs: PIL
-        images from diffusion models, the response texts from text-output (omni) models."""
+    # A class attribute: the part of an Output it reads ("image", "video", "audio", "text"), or None for a
+    # reward that reads no output (a noise or constant score) and is called with the Output records.
+    modality: str | None
+
+    def __call__(self, samples: list, prompts: list[str], metadata: list[dict[str, Any]]) -> list[float]:
+        """One finite score per sample; higher is better. `samples` holds each sample's `modality`, as
+        `reward_inputs` makes it."""
 
 
 def get_reward(name: str) -> type[Reward]:
@@ -40,3 +48,38 @@ def get_reward(name: str) -> type[Reward]:
         raise ConfigError(f"unknown reward {name!r}; known: {', '.join(sorted(REWARDS))}")
     module, cls = REWARDS[name].split(":")
     return getattr(importlib.import_module(module), cls)
+
+
+def check_modalities(names, modalities: frozenset[str], adapter: str) -> None:
+    """Every named reward reads a modality that the model's outputs hold, else a ConfigError naming both."""
+    for name in names:
+        modality = get_reward(name).modality
+        if modality is not None and modality not in modalities:
+            raise ConfigError(
+                f"reward {name!r} reads {modality} outputs, but model.adapter {adapter!r} produces "
+                f"{', '.join(sorted(modalities))}"
+            )
+
+
+def to_pil(image: torch.Tensor) -> Image.Image:
+    """An image [3, H, W] in [0, 1] as an 8-bit PIL image (what image rewards and files see)."""
+    array = (image.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()  # [H, W, 3]
+    return Image.fromarray(array)
+
+
+def reward_inputs(outputs: list[Output], modality: str | None) -> list:
+    """What a reward of `modality` is called with: PIL images, (video [F, 3, H, W], fps) pairs, (audio
+    [C, T], sample rate) pairs or texts, one per output (None: the outputs themselves). An output without
+    that modality is an error."""
+    if modality is None:
+        return list(outputs)
+    for i, out in enumerate(outputs):
+        if modality not in out.modalities:
+            raise ValueError(f"sample {i} has no {modality} output (it holds {sorted(out.modalities)})")
+    if modality == "image":
+        return [to_pil(o.image) for o in outputs]
+    if modality == "video":
+        return [(o.video, o.fps) for o in outputs]
+    if modality == "audio":
+        return [(o.audio, o.sample_rate) for o in outputs]
+    return [o.text for o in outputs]

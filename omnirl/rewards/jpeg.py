@@ -18,6 +18,8 @@ def jpeg_kb(image: Image.Image) -> float:
 
 
 class JpegCompressibility:
+    modality = "image"
+
     def __call__(
         self, images: list[Image.Image], prompts: list[str], metadata: list[dict[str, Any]]
     ) -> list[float]:
@@ -25,6 +27,8 @@ class JpegCompressibility:
 
 
 class JpegIncompressibility:
+    modality = "image"
+
     def __call__(
         self, images: list[Image.Image], prompts: list[str], metadata: list[dict[str, Any]]
     ) -> list[float]:

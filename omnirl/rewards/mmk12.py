@@ -79,6 +79,8 @@ def score_response(response: str, gold: str, math_equal) -> float:
 
 
 class Mmk12Reward:
+    modality = "text"
+
     timeout_s = 10.0
     """Seconds one math-verify comparison may take before its child process is killed (scored wrong)."""
 

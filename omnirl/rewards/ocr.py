@@ -51,6 +51,8 @@ def ocr_score(recognised: str, target: str) -> float:
 
 
 class OcrReward:
+    modality = "image"
+
     def __init__(self) -> None:
         self._engine = None  # created at the first call: ~2 s to load the ONNX models
 

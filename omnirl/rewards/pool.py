@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from PIL import Image
 
-from omnirl.rewards import Reward, get_reward
+from omnirl.models.base import Output
+from omnirl.rewards import Reward, get_reward, reward_inputs
 
 
 class RewardError(RuntimeError):
@@ -40,7 +40,7 @@ class RewardResult:
 @dataclass(eq=False)
 class _Job:
     name: str
-    args: tuple[list[Image.Image], list[str], list[dict[str, Any]]]
+    args: tuple[list, list[str], list[dict[str, Any]]]  # the reward's inputs (reward_inputs), prompts, rows
     future: Future
     started: float | None = None  # time.monotonic() when the reward was called
 
@@ -104,17 +104,22 @@ class RewardPool:
                     job.future.set_exception(e)
 
     def submit(
-        self, images: list[Image.Image], prompts: list[str], metadata: list[dict[str, Any]]
+        self, outputs: list[Output], prompts: list[str], metadata: list[dict[str, Any]]
     ) -> PendingScores:
-        """Queue one batch for every reward and return at once."""
+        """Queue one batch for every reward (each called with the modality it reads) and return at once."""
         assert not self._closed, "submit() after close()"
-        if not len(images) == len(prompts) == len(metadata):
+        if not len(outputs) == len(prompts) == len(metadata):
             raise ValueError(
-                f"images, prompts and metadata must have one entry per sample, "
-                f"got {len(images)}, {len(prompts)}, {len(metadata)}"
+                f"outputs, prompts and metadata must have one entry per sample, "
+                f"got {len(outputs)}, {len(prompts)}, {len(metadata)}"
             )
-        args = (list(images), list(prompts), list(metadata))
-        jobs = [_Job(name, args, Future()) for name in self.rewards]
+        # Each modality is converted once per batch (e.g. to PIL for every image reward).
+        modalities = {reward.modality for reward in self.rewards.values()}
+        inputs = {m: reward_inputs(outputs, m) for m in modalities}
+        jobs = [
+            _Job(name, (inputs[reward.modality], list(prompts), list(metadata)), Future())
+            for name, reward in self.rewards.items()
+        ]
         for job in jobs:
             self._queue.put(job)
         pending = PendingScores(jobs)
@@ -182,9 +187,9 @@ class RewardPool:
         return arr
 
     def score(
-        self, images: list[Image.Image], prompts: list[str], metadata: list[dict[str, Any]]
+        self, outputs: list[Output], prompts: list[str], metadata: list[dict[str, Any]]
     ) -> RewardResult:
-        return self.result(self.submit(images, prompts, metadata))
+        return self.result(self.submit(outputs, prompts, metadata))
 
     def close(self) -> None:
         """Stop the workers once the queued jobs are done; a hung job's daemon thread is abandoned."""

@@ -67,6 +67,8 @@ def preserve_score(output: Image.Image, source: Image.Image, region: tuple[int, 
 
 
 class TextEditReward:
+    modality = "image"
+
     def __init__(self) -> None:
         self.ocr = OcrReward()  # its own engine: the pool never calls one reward from two threads
 

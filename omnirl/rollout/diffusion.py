@@ -104,7 +104,7 @@ class DiffusionEngine:
         for block, fn in self.compiled:
             block.forward = fn  # an instance attribute shadows the class's forward until deleted below
         try:
-            with gathered_weights(self.adapter.transformer):
+            with gathered_weights(self.adapter.policy):
                 for idx in self.packer.pack(requests, fill=self.pad):
                     batch = [requests[i] for i in idx]
                     trajs = self.adapter.rollout(batch + self.padding(batch))[: len(batch)]

@@ -65,6 +65,7 @@ meta device and prints their sizes and how rank 0's rollout packs each step's re
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -131,7 +132,7 @@ PHASE_ORDER = ("rollout", "train", "validate")
 
 
 def per_rank(row: dict, key: str) -> list[float]:
-    """KEY/rank0, KEY/rank1, ... of a metrics row (omnirl.trainer.per_rank), in rank order."""
+    """KEY/rank0, KEY/rank1, ... of a metrics row (omnirl.step.per_rank), in rank order."""
     values = []
     while f"{key}/rank{len(values)}" in row:
         values.append(row[f"{key}/rank{len(values)}"])
@@ -281,7 +282,7 @@ def settings(cfg) -> dict:
         "max_num_seqs": cfg.rollout.max_num_seqs,
         "max_num_batched_tokens": cfg.rollout.max_num_batched_tokens,
         "fused_cfg": cfg.rollout.fused_cfg, "compile": cfg.rollout.compile,
-        "prompt_length_buckets": cfg.rollout.prompt_length_buckets,
+        "family": dataclasses.asdict(cfg.family),
         "micro_batch_size": cfg.optim.micro_batch_size, "mini_batches": cfg.optim.mini_batches,
         "kl_beta": cfg.algo.kl_beta, "old_logprob": cfg.algo.old_logprob, "sleep": cfg.memory.sleep,
         "fsdp": cfg.distributed.fsdp, "param_dtype": cfg.distributed.param_dtype,
@@ -497,10 +498,11 @@ def check_plan(cfg, world: int) -> dict:
     from torch import nn
 
     from omnirl import distributed as D
+    from omnirl.data import LOADERS
     from omnirl.models import get_adapter
+    from omnirl.ops.diffusion import sampling_params
     from omnirl.rollout.diffusion import DiffusionEngine
     from omnirl.step import make_requests
-    from omnirl.trainer import LOADERS, sampling_params
 
     meta = torch.device("meta")
     for module in ADAPTER_MODULES:

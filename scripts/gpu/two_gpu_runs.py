@@ -63,7 +63,7 @@ SLEEP_WAKE = ("time/rollout_sleep_s", "time/rollout_wake_s", "time/train_sleep_s
 
 
 def per_rank(row: dict, key: str) -> list[float]:
-    """KEY/rank0, KEY/rank1, ... of a metrics row (omnirl.trainer.per_rank), in rank order."""
+    """KEY/rank0, KEY/rank1, ... of a metrics row (omnirl.step.per_rank), in rank order."""
     values, r = [], 0
     while f"{key}/rank{r}" in row:
         values.append(row[f"{key}/rank{r}"])

@@ -1,8 +1,8 @@
 """The omni half of an RL step: text-output models (`OmniModelBase` adapters) with token-level losses.
 
 - Rollout: the native `GenerationEngine` on the actor's own module, one request per (prompt, sample);
-  each response is scored by the reward pool as soon as it finishes, the decoded text standing where a
-  diffusion model's image would (the Reward protocol), with the data row's metadata (answer, choices).
+  each response is scored by the reward pool as soon as it finishes (its output is the decoded text: text
+  rewards read it), with the data row's metadata (answer, choices).
 - Update: a training row is one response (`TokenRow`). The trainer re-scores its tokens with the adapter's
   `token_logprobs` on the exact prompt tensors the rollout prepared (`OmniTrajectory.prompt_inputs`), and
   a token loss of `omnirl.algos.losses` (grpo, gspo) runs over the [B, T] response tokens of a
@@ -19,10 +19,9 @@ Micro-batches hold at most optim.micro_batch_size responses and optim.micro_batc
 from __future__ import annotations
 
 import dataclasses
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -30,16 +29,12 @@ from omnirl import distributed as D
 from omnirl.algos.correction import consistency_metrics, correction_weights
 from omnirl.algos.losses import get_loss
 from omnirl.config import Config, ConfigError
-from omnirl.data.edit import open_inputs
 from omnirl.data.prompts import PromptRow
 from omnirl.metrics import MetricsLogger
-from omnirl.models.base import GenerationParams, OmniModelBase, OmniTrajectory, Request, derive_seed
+from omnirl.models.base import GenerationParams, OmniModelBase, OmniTrajectory, Request
 from omnirl.models.lm import pad_responses
-from omnirl.rewards.pool import RewardPool
 from omnirl.rollout.generate import GenerationEngine
-from omnirl.step import collect_scores, equalise, make_requests
-
-TOKEN_LOSSES = ("grpo", "gspo")
+from omnirl.step import equalise, make_requests
 
 
 def generation_params(cfg: Config, tokenizer) -> GenerationParams:
@@ -61,27 +56,6 @@ def generation_params(cfg: Config, tokenizer) -> GenerationParams:
         top_k=g.top_k,
         stop_token_ids=tuple(stop),
     )
-
-
-def rollout_and_score(
-    engine: GenerationEngine,
-    rewards: RewardPool,
-    requests: list[Request],
-    stats: dict[str, float] | None = None,
-) -> tuple[list[OmniTrajectory], dict[str, np.ndarray]]:
-    """Generate and score: each response goes to the reward pool as it finishes, while the others are
-    still generating. Sets `reward` on every trajectory; returns them in request order with the per-reward
-    scores (in finishing order, which is all the logged means need). Writes into `stats`, when given,
-    `time/generate_s` (the generation, scoring overlapped) and `time/score_wait_s` (the scoring still left
-    after it)."""
-    scored = []
-    start = time.perf_counter()
-
-    def submit(t: OmniTrajectory) -> None:
-        scored.append(([t], rewards.submit([t.text], [t.request.prompt], [t.request.metadata])))
-
-    trajs = engine.generate(requests, on_finish=submit)
-    return trajs, collect_scores(rewards, scored, start, time.perf_counter(), stats)
 
 
 @dataclass
@@ -107,9 +81,9 @@ class OmniOps:
 
     def __init__(self, cfg: Config, adapter: OmniModelBase):
         self.cfg, self.adapter = cfg, adapter
-        self.module: nn.Module = adapter.model
+        self.policy: nn.Module = adapter.policy
         self.ref_model = None  # a LoRA's reference policy is the same model with the LoRA off
-        self.loss_fn = get_loss(cfg.algo.loss)
+        self.loss_fn = get_loss(cfg.algo.loss, "omni")
         self.params = generation_params(cfg, adapter.tokenizer)
         self.engine = GenerationEngine(
             adapter, cfg.rollout.max_num_seqs, cfg.generation.kv_cache_gib, cfg.generation.cuda_graph
@@ -121,10 +95,9 @@ class OmniOps:
 
     @staticmethod
     def check_config(cfg: Config) -> None:
-        """Settings this kind cannot run, found before the model loads."""
+        """Settings this kind cannot run, found before the model loads (the loss's kind is checked with the
+        loss: `omnirl.ops.check_before_loading`)."""
         a = cfg.algo
-        if a.loss not in TOKEN_LOSSES:
-            raise ConfigError(f"algo.loss {a.loss!r}: omni models train with a token loss ({TOKEN_LOSSES})")
         if a.kl_beta > 0 and cfg.model.finetune == "full":
             raise ConfigError(
                 "algo.kl_beta > 0 with model.finetune full: omni models take the KL to the same model with "
@@ -144,8 +117,13 @@ class OmniOps:
     def requests(self, rows: list[PromptRow], step: int, dist: D.DistInfo) -> list[Request]:
         return make_requests(self.cfg, rows, step, dist, self.params)[0]
 
-    def rollout_and_score(self, rewards: RewardPool, requests: list[Request], stats: dict | None = None):
-        return rollout_and_score(self.engine, rewards, requests, stats)
+    def validation_params(self) -> GenerationParams:
+        """generation.* at validation.temperature and validation.top_p."""
+        v = self.cfg.validation
+        return dataclasses.replace(self.params, temperature=v.temperature, top_p=v.top_p)
+
+    def generate(self, requests: list[Request], on_done: Callable[[list], None]) -> list[OmniTrajectory]:
+        return self.engine.generate(requests, on_finish=lambda t: on_done([t]))
 
     def update_rows(self, trajs: list[OmniTrajectory], keep: torch.Tensor, gen: torch.Generator):
         rows = [TokenRow(t, 1.0) for t, kept in zip(trajs, keep.tolist()) if kept]
@@ -261,25 +239,6 @@ class OmniOps:
         out = self._measured
         self._measured, self._actor, self._rollout = None, [], []
         return out
-
-    def validate(self, rewards: RewardPool, rows: list[PromptRow], dist: D.DistInfo) -> dict[str, float]:
-        """validation.num_samples responses per prompt at validation.temperature / top_p (generation.*
-        otherwise); rows are dealt to ranks round-robin, seeds from the global (row, sample) index."""
-        cfg = self.cfg
-        n = cfg.validation.num_samples
-        params = dataclasses.replace(
-            self.params, temperature=cfg.validation.temperature, top_p=cfg.validation.top_p
-        )
-        requests = []
-        for i in range(dist.rank, len(rows), dist.world_size):
-            inputs = open_inputs(rows[i].inputs)
-            for j in range(n):
-                index = i * n + j
-                seed = derive_seed(cfg.run.seed, -1, index)
-                requests.append(Request(rows[i].prompt, i, index, seed, params, "", rows[i].metadata, inputs))
-        trajs, _ = rollout_and_score(self.engine, rewards, requests)
-        t = D.all_reduce(torch.tensor([sum(x.reward for x in trajs), float(len(trajs))], dtype=torch.float64))
-        return {"val/reward": (t[0] / t[1]).item()}
 
     def log_samples(self, logger: MetricsLogger, step: int, trajs: list[OmniTrajectory]) -> None:
         texts = [f"request {t.request.index}, reward {t.reward:.4f}: {t.text}" for t in trajs[:8]]

@@ -1,0 +1,28 @@
+"""The reference policy of a LoRA run: the same module with its peft LoRA layers switched off. Diffusion
+adapters (diffusers transformers, one or several experts) and omni adapters (transformers language models)
+both inject peft layers, so one switch serves every family."""
+
+from __future__ import annotations
+
+import contextlib
+
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
+
+
+@contextlib.contextmanager
+def lora_disabled(model: nn.Module):
+    """Run `model` with every peft LoRA layer off (peft's `enable_adapters(False)`), restored on exit.
+
+    Layers are switched one by one: adapters injected with `peft.inject_adapter_in_model` (the omni models)
+    leave the transformers model without a PeftModel's `disable_adapters()`, and a `ModuleDict` of experts
+    has none either."""
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    assert layers, "lora_disabled on a model without LoRA layers"
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
