@@ -17,6 +17,7 @@ setup(
         "tensorboard>=2.15",
         "pyyaml>=6",
         "pillow>=10",
+        "av>=14",  # PyAV: video samples as mp4; its wheel bundles libav with libx264 and AAC
         "numpy>=1.26",
         "tqdm>=4.66",
         "rapidfuzz>=3",

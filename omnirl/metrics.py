@@ -1,19 +1,32 @@
-"""What users watch: metrics.jsonl, tensorboard scalars and image grids, and a tqdm progress bar.
+"""What users watch: metrics.jsonl, tensorboard scalars and samples (image grids, texts, videos, audio),
+and a tqdm progress bar.
 
 Only the enabled process (rank 0) writes anything; on other ranks every method returns at once, so
 the trainer calls them unconditionally. Layout under `output_dir`:
 
   metrics.jsonl                one JSON object per step, {"step": s, **scalars}, appended and flushed
-  tb/                          tensorboard event files (scalars; image grids and captions)
+  tb/                          tensorboard event files (scalars; image grids and captions; each video as
+                               an animated GIF; audio tracks, mono)
   samples/step_{s:06d}.png     the image grid of step s (and .txt with its captions, one per line)
   samples/step_{s:06d}.txt     an omni model's sample responses of step s, one per line
+  samples/step_{s:06d}_{i}.mp4 video i of step s (H.264, yuv420p; its own audio track as AAC when it has one)
+  samples/step_{s:06d}_{i}.wav audio sample i of step s (16-bit PCM)
+
+Videos are encoded with PyAV (`av`), whose manylinux wheel (about 36 MB) bundles the libav libraries
+with libx264 and AAC, so no system ffmpeg is needed; frames and audio go to the encoders in-process and
+are muxed in one pass, and the same library reads an mp4 back frame by frame. imageio-ffmpeg also
+bundles an encoder, but as a whole ffmpeg binary (a 68 MB wheel) fed through a pipe that carries one
+raw stream: a video's audio would first go to a temporary file for the binary to read.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
+import wave
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -90,14 +103,10 @@ class MetricsLogger:
         samples = self.output_dir / "samples"
         samples.mkdir(exist_ok=True)
         Image.fromarray(grid).save(samples / f"step_{step:06d}.png")
-        if captions is not None:
-            (samples / f"step_{step:06d}.txt").write_text(
-                "".join(c.replace("\n", " ") + "\n" for c in captions)
-            )
         if self._tb is not None:
             self._tb.add_image(tag, grid, step, dataformats="HWC")
-            if captions is not None:
-                self._tb.add_text(tag, "\n".join(f"{i}. {c}" for i, c in enumerate(captions, 1)), step)
+        self._log_captions(step, tag, captions)
+        if self._tb is not None:
             self._tb.flush()
 
     def log_texts(self, step: int, tag: str, texts: list[str]) -> None:
@@ -111,6 +120,139 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.add_text(tag, "\n\n".join(texts), step)
             self._tb.flush()
+
+    def log_videos(
+        self,
+        step: int,
+        tag: str,
+        videos: list[torch.Tensor],
+        fps: float,
+        captions: list[str] | None = None,
+        audios: list[torch.Tensor] | None = None,
+        sample_rate: int | None = None,
+    ) -> None:
+        """Videos [F, 3, H, W] in [0, 1], played at `fps`: samples/step_{step:06d}_{i}.mp4 each and a
+        tensorboard animated GIF under `{tag}/{i}`. `audios` are the videos' own sound tracks, one
+        [C, T] in [-1, 1] at `sample_rate` per video: muxed into its mp4 as AAC and logged as tensorboard
+        audio (mono) under `{tag}/{i}/audio`, since a GIF has no sound. Captions as in `log_images`.
+
+        One GIF per video rather than a grid of them: videos of one step may differ in length and size,
+        and each GIF frame has one 256-colour palette, which a grid would share between all its cells."""
+        if not self.enabled:
+            return
+        if not videos:
+            raise ValueError("log_videos: no videos")
+        for i, video in enumerate(videos):
+            if video.dim() != 4 or video.shape[1] != 3 or 0 in video.shape:
+                raise ValueError(f"video {i}: expected [F, 3, H, W], got {tuple(video.shape)}")
+        if not fps > 0:
+            raise ValueError(f"log_videos: fps must be positive, got {fps}")
+        _check_captions(captions, len(videos))
+        import av  # loads the libav libraries (~0.1 s): only runs that log videos pay for it
+
+        if audios is not None:
+            _check_audios(audios, sample_rate)
+            if len(audios) != len(videos):
+                raise ValueError(f"log_videos: {len(audios)} audio tracks for {len(videos)} videos")
+            aac_rates = av.Codec("aac", "w").audio_rates
+            if sample_rate not in aac_rates:  # ffmpeg's own error would only say "Invalid argument"
+                raise ValueError(f"log_videos: AAC takes the sample rates {aac_rates}, got {sample_rate}")
+        elif sample_rate is not None:
+            raise ValueError("log_videos: sample_rate without audios")
+        samples = self.output_dir / "samples"
+        samples.mkdir(exist_ok=True)
+        # A float rate as a fraction a time base can hold: 30000/1001 (NTSC's 29.97) stays exact.
+        rate = Fraction(fps).limit_denominator(1001)
+        for i, video in enumerate(videos):
+            frames = (video.detach().float().cpu().clamp(0, 1) * 255).round().to(torch.uint8)
+            frames = frames.permute(0, 2, 3, 1).numpy()  # [F, H, W, 3]
+            _, height, width, _ = frames.shape
+            # yuv420p keeps one colour sample per 2x2 pixels, so its sides must be even: an odd side
+            # gets one more row / column, a copy of the last, which keeps the edge's colour true.
+            padded = np.pad(frames, ((0, 0), (0, height % 2), (0, width % 2), (0, 0)), mode="edge")
+            audio = None
+            if audios is not None:
+                audio = audios[i].detach().float().cpu().clamp(-1, 1).contiguous().numpy()  # [C, T]
+            with av.open(str(samples / f"step_{step:06d}_{i}.mp4"), "w") as container:
+                stream = container.add_stream("libx264", rate=rate)
+                stream.width, stream.height = padded.shape[2], padded.shape[1]
+                stream.pix_fmt = "yuv420p"  # 4:2:0, the layout every player decodes
+                stream.options = {"crf": "18"}  # x264's default, 23, smears the detail a sample is read for
+                if audio is not None:
+                    layout = f"{audio.shape[0]}c"  # 1c is mono, 2c stereo
+                    audio_stream = container.add_stream("aac", rate=sample_rate, layout=layout)
+                for t, rgb in enumerate(padded):
+                    frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")  # converted to yuv420p by PyAV
+                    frame.pts = t  # in the stream's time base, 1 / rate
+                    container.mux(stream.encode(frame))
+                container.mux(stream.encode(None))  # the frames x264 still holds for its B-frames
+                if audio is not None:
+                    # One frame for the whole track: PyAV cuts it into AAC's 1024-sample frames.
+                    track = av.AudioFrame.from_ndarray(audio, format="fltp", layout=layout)
+                    track.sample_rate, track.pts = sample_rate, 0
+                    container.mux(audio_stream.encode(track))
+                    container.mux(audio_stream.encode(None))
+            if self._tb is not None:
+                from tensorboard.compat.proto.summary_pb2 import Summary
+
+                gif = io.BytesIO()
+                first, *rest = (Image.fromarray(rgb) for rgb in frames)
+                # GIF delays are whole hundredths of a second: at 8 fps a frame shows for 120 ms, not 125.
+                first.save(gif, format="GIF", save_all=True, append_images=rest, duration=1000 / fps, loop=0)
+                # The summary SummaryWriter.add_video makes, without the moviepy it needs for the GIF.
+                image = Summary.Image(
+                    height=height, width=width, colorspace=3, encoded_image_string=gif.getvalue()
+                )
+                self._tb.file_writer.add_summary(
+                    Summary(value=[Summary.Value(tag=f"{tag}/{i}", image=image)]), step
+                )
+                if audio is not None:
+                    self._tb.add_audio(f"{tag}/{i}/audio", audio.mean(0), step, sample_rate=sample_rate)
+        self._log_captions(step, tag, captions)
+        if self._tb is not None:
+            self._tb.flush()
+
+    def log_audios(
+        self,
+        step: int,
+        tag: str,
+        audios: list[torch.Tensor],
+        sample_rate: int,
+        captions: list[str] | None = None,
+    ) -> None:
+        """Audio samples [C, T] in [-1, 1] at `sample_rate`: samples/step_{step:06d}_{i}.wav each (16-bit
+        PCM, all channels) and tensorboard audio under `{tag}/{i}`, downmixed to mono, the one channel
+        SummaryWriter.add_audio takes. Captions as in `log_images`."""
+        if not self.enabled:
+            return
+        _check_audios(audios, sample_rate)
+        _check_captions(captions, len(audios))
+        samples = self.output_dir / "samples"
+        samples.mkdir(exist_ok=True)
+        for i, audio in enumerate(audios):
+            audio = audio.detach().float().cpu().clamp(-1, 1)  # [C, T]
+            # Scaled by 32767, not 32768, so that -1 and 1 are both in range.
+            pcm = (audio * 32767).round().to(torch.int16).T.contiguous().numpy()  # [T, C], interleaved
+            with wave.open(str(samples / f"step_{step:06d}_{i}.wav"), "wb") as f:
+                f.setnchannels(audio.shape[0])
+                f.setsampwidth(2)
+                f.setframerate(sample_rate)
+                f.writeframes(pcm.astype("<i2").tobytes())  # WAV is little-endian
+            if self._tb is not None:
+                self._tb.add_audio(f"{tag}/{i}", audio.mean(0), step, sample_rate=sample_rate)
+        self._log_captions(step, tag, captions)
+        if self._tb is not None:
+            self._tb.flush()
+
+    def _log_captions(self, step: int, tag: str, captions: list[str] | None) -> None:
+        """Captions of step `step`'s samples, in order: samples/step_{step:06d}.txt and tensorboard text."""
+        if captions is None:
+            return
+        (self.output_dir / "samples" / f"step_{step:06d}.txt").write_text(
+            "".join(c.replace("\n", " ") + "\n" for c in captions)
+        )
+        if self._tb is not None:
+            self._tb.add_text(tag, "\n".join(f"{i}. {c}" for i, c in enumerate(captions, 1)), step)
 
     def progress(self, total: int, initial: int = 0) -> None:
         """Start the progress bar over `total` steps, `initial` of them already done (a resumed run)."""
@@ -153,6 +295,21 @@ def make_grid(images: list[torch.Tensor]) -> np.ndarray:
         y, x = (i // cols) * cell_h + GRID_PAD, (i % cols) * cell_w + GRID_PAD
         grid[:, y : y + img.shape[1], x : x + img.shape[2]] = img.detach().float().cpu()
     return (grid.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+
+
+def _check_captions(captions: list[str] | None, n: int) -> None:
+    if captions is not None and len(captions) != n:
+        raise ValueError(f"{len(captions)} captions for {n} samples")
+
+
+def _check_audios(audios: list[torch.Tensor], sample_rate: int | None) -> None:
+    if not audios:
+        raise ValueError("no audio tracks")
+    for i, audio in enumerate(audios):
+        if audio.dim() != 2 or 0 in audio.shape:
+            raise ValueError(f"audio {i}: expected [C, T], got {tuple(audio.shape)}")
+    if sample_rate is None or sample_rate <= 0:
+        raise ValueError(f"audio needs a positive sample_rate, got {sample_rate}")
 
 
 def read_metrics(path: str | Path) -> list[dict]:
