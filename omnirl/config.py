@@ -324,9 +324,19 @@ def config_class(adapter: str) -> type[Config]:
     """`Config` with its `family` section typed as the `Settings` of `adapter` (an unknown adapter is a
     ConfigError naming the known ones), so the recipe's `family:` keys and `--family.x` overrides are
     checked like any other section's. Imports the adapter's module, which loads no weights."""
+    # The families' modules import diffusers / transformers, whose import warns that the optional
+    # torchvision is missing (a fallback omnirl does not need): quiet while the recipe is checked, so
+    # that an error in it is its one line.
+    import transformers
+
     from omnirl.models import get_adapter  # omnirl.models imports this module
 
-    settings = get_adapter(adapter).Settings
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        settings = get_adapter(adapter).Settings
+    finally:
+        transformers.logging.set_verbosity(verbosity)
     return dataclasses.make_dataclass(
         "Config",
         [("family", settings, field(default_factory=settings))],

@@ -272,3 +272,25 @@ def test_bad_sample_inputs(tmp_path):
         logger.log_audios(0, "a", [], sample_rate=16000)
     logger.close()
     assert not (tmp_path / "samples").exists()  # nothing was written before the check
+
+
+def test_samples_are_logged_by_their_modality(tmp_path):
+    """The trainer's sample logging picks the writer from what the outputs hold."""
+    from omnirl.models.base import Output
+    from omnirl.ops.diffusion import log_outputs
+
+    logger = MetricsLogger(str(tmp_path), enabled=True, tensorboard=False)
+    image, video, audio = torch.rand(3, 8, 8), torch.rand(3, 3, 16, 16), torch.rand(1, 1600) * 2 - 1
+    log_outputs(logger, 0, [Output(image=image)] * 2, ["a", "b"])
+    log_outputs(logger, 1, [Output(video=video, fps=8.0, audio=audio, sample_rate=16000)], ["c"])
+    log_outputs(logger, 2, [Output(audio=audio, sample_rate=16000)], ["d"])
+    logger.close()
+    names = sorted(p.name for p in (tmp_path / "samples").iterdir())
+    assert names == [
+        "step_000000.png", "step_000000.txt", "step_000001.txt", "step_000001_0.mp4",
+        "step_000002.txt", "step_000002_0.wav",
+    ]  # fmt: skip
+    import av
+
+    with av.open(str(tmp_path / "samples/step_000001_0.mp4")) as f:
+        assert len(f.streams.video) == 1 and len(f.streams.audio) == 1

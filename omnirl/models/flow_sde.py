@@ -22,6 +22,7 @@ This is our own code because no library provides a flow-matching step with a log
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -97,6 +98,18 @@ def flow_step(
     return StepOut(prev_sample, logprob, mean, std.reshape(batch))
 
 
+def phase(name: str):
+    """A labelled range of a rollout (`omnirl/<name>`) for the torch profiler: the rollout benchmark's time
+    breakdown (benchmarks/breakdown.py) sums the host and device time of each label. Free when no profiler
+    runs. Labels: encode, noise, transformer, sde_step, vae_decode, to_host."""
+    return torch.profiler.record_function(f"omnirl/{name}")
+
+
+# One worker thread draws every sampler's step noise ahead of its denoising loop (`WindowedSampler`). Torch's
+# CPU kernels release the GIL, so the draws run while the main thread launches the transformer's kernels.
+_NOISE_WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omnirl-noise")
+
+
 class WindowedSampler:
     """The per-request randomness of a packed denoising loop, and the SDE window of each row.
 
@@ -107,6 +120,13 @@ class WindowedSampler:
     take `flow_step` with the request's SDE type and noise level and record (latents in, latents out, step,
     log-prob); rows outside take the ODE step and record nothing. Noise is drawn on the host, so samples
     do not depend on the device either.
+
+    What this adds to a stock denoising loop must cost the device nothing: the step noise is drawn ahead on
+    a worker thread (in each generator's own order, so the values are those of drawing it step by step)
+    into pinned memory and copied without blocking; which rows a step trains is known from the window
+    starts, so its row indices are copied to the device once, at the start; the records stay on the
+    device in [B, K, ...] buffers and come to the host in one copy per buffer (`record`). No step waits for
+    the device.
     """
 
     def __init__(self, requests: list, latent_shape: tuple[int, ...], sigmas: torch.Tensor, device):
@@ -119,11 +139,12 @@ class WindowedSampler:
                 f"sde_window_size {p.sde_window_size} must be in [0, num_steps={num_steps}] and "
                 f"sde_window_range {p.sde_window_range} a non-empty range [lo, hi) with lo >= 0"
             )
-        self.params, self.shape, self.device = p, latent_shape, device
+        self.params, self.shape, self.device = p, latent_shape, torch.device(device)
+        pin = self.device.type != "cpu"  # pinned host memory: copies that do not block the host
         self.generators = [torch.Generator("cpu").manual_seed(r.seed) for r in requests]
-        self.initial_latents = torch.stack(
-            [torch.randn(latent_shape, generator=g) for g in self.generators]
-        ).to(device)  # [B, *latent]
+        with phase("noise"):
+            initial = torch.stack([torch.randn(latent_shape, generator=g) for g in self.generators])
+            self.initial_latents = _to_device(initial, self.device, pin)  # [B, *latent]
         self.starts = [0] * len(requests)
         if p.sde_window_size:
             self.starts = [
@@ -132,7 +153,29 @@ class WindowedSampler:
             ]
         self.sigmas = sigmas.to(device)  # [T + 1]
         self.sigma_max = float(sigmas[1])
-        self.records: list[list[tuple]] = [[] for _ in requests]
+        batch = len(requests)
+        # rows[i]: the rows step i trains (in row order), and each one's position k in its window.
+        self.rows = [
+            [b for b, s in enumerate(self.starts) if s <= i < s + self.size] for i in range(num_steps)
+        ]
+        flat = [(b, i - self.starts[b]) for i in range(num_steps) for b in self.rows[i]]
+        index = _to_device(torch.tensor(flat, dtype=torch.int64).reshape(-1, 2), self.device, pin)  # [N, 2]
+        offsets = [0]
+        for rows in self.rows:
+            offsets.append(offsets[-1] + len(rows))
+        self.index = [index[offsets[i] : offsets[i + 1]] for i in range(num_steps)]  # [R_i, 2] views
+        self.noise = [
+            _NOISE_WORKER.submit(self._draw, rows, pin) if rows else None for rows in self.rows
+        ]  # the jobs run in step order, so every generator draws in the order of the window's steps
+        self.step_indices = torch.tensor([[s + k for k in range(self.size)] for s in self.starts])  # [B, K]
+        self.x_in = torch.empty((batch, self.size, *latent_shape), device=device)  # [B, K, *latent]
+        self.x_out = torch.empty((batch, self.size, *latent_shape), device=device)
+        self.logprobs = torch.zeros((batch, self.size), device=device)  # [B, K]
+        self._host: tuple[torch.Tensor, ...] | None = None
+
+    def _draw(self, rows: list[int], pin: bool) -> torch.Tensor:
+        noise = torch.stack([torch.randn(self.shape, generator=self.generators[b]) for b in rows])
+        return noise.pin_memory() if pin else noise  # [R, *latent]
 
     def sigma(self, i: int) -> torch.Tensor:
         """The sigma of step i for every row: [B]."""
@@ -140,29 +183,57 @@ class WindowedSampler:
 
     def step(self, i: int, velocity: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
         """Step i of the whole batch: velocity, latents [B, *latent] -> the next latents [B, *latent]."""
+        with phase("sde_step"):
+            return self._step(i, velocity, latents)
+
+    def _step(self, i: int, velocity: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
         p = self.params
         sigma, sigma_next = self.sigma(i), self.sigmas[i + 1].expand(len(self.starts))
         next_latents = flow_step(velocity, latents, sigma, sigma_next, self.sigma_max, 0.0, "ode").prev_sample
-        rows = [b for b, s in enumerate(self.starts) if s <= i < s + self.size]
-        if rows:
-            noise = torch.stack([torch.randn(self.shape, generator=self.generators[b]) for b in rows])
-            idx = torch.tensor(rows, device=self.device)
+        if self.noise[i] is not None:
+            with phase("noise"):  # a wait only if the worker fell behind
+                noise = self.noise[i].result().to(self.device, non_blocking=True)  # [R, *latent]
+            idx, k = self.index[i][:, 0], self.index[i][:, 1]  # [R] rows, [R] their window positions
             out = flow_step(
                 velocity[idx], latents[idx], sigma[idx], sigma_next[idx], self.sigma_max, p.noise_level,
-                p.sde_type, noise=noise.to(self.device),  # [R, *latent]
+                p.sde_type, noise=noise,
             )  # fmt: skip
             next_latents[idx] = out.prev_sample
-            logprobs = out.logprob if p.record_logprobs else torch.zeros_like(out.logprob)
-            for j, b in enumerate(rows):
-                self.records[b].append((latents[b], out.prev_sample[j], i, logprobs[j]))
+            self.x_in[idx, k] = latents[idx].float()
+            self.x_out[idx, k] = out.prev_sample
+            if p.record_logprobs:
+                self.logprobs[idx, k] = out.logprob
         return next_latents
 
     def record(self, b: int) -> dict[str, torch.Tensor]:
-        """Row b's trained steps, on the host, as `Trajectory` fields."""
-        x_in, x_out, steps, logprobs = zip(*self.records[b])
+        """Row b's trained steps, on the host, as `Trajectory` fields (views of the batch's records, which
+        come to the host in one copy per buffer at the first call)."""
+        if self._host is None:
+            with phase("to_host"):
+                self._host = (self.x_in.cpu(), self.x_out.cpu(), self.logprobs.float().cpu())
+        x_in, x_out, logprobs = self._host
         return {
-            "latents": torch.stack(x_in).cpu(),  # [K, *latent]
-            "next_latents": torch.stack(x_out).cpu(),  # [K, *latent]
-            "step_indices": torch.tensor(steps, dtype=torch.int64),  # [K]
-            "logprobs": torch.stack(logprobs).float().cpu(),  # [K]
+            "latents": x_in[b],  # [K, *latent]
+            "next_latents": x_out[b],  # [K, *latent]
+            "step_indices": self.step_indices[b],  # [K] int64
+            "logprobs": logprobs[b],  # [K]
         }
+
+
+def _to_device(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
+    """A host tensor on `device`, through pinned memory (a copy that does not wait for the device)."""
+    return t.pin_memory().to(device, non_blocking=True) if pin else t.to(device)
+
+
+def host_rows(rows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Device tensors (one per sample, shapes may differ in dim 0) on the host in one copy: the batch's
+    trajectories then cost one transfer, not one per sample and field."""
+    if not rows or rows[0].device.type == "cpu":
+        return list(rows)
+    with phase("to_host"):
+        flat = torch.cat([r.reshape(-1) for r in rows]).cpu()
+    out, at = [], 0
+    for r in rows:
+        out.append(flat[at : at + r.numel()].view(r.shape))
+        at += r.numel()
+    return out

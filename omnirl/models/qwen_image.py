@@ -39,7 +39,7 @@ from omnirl.config import Config, ConfigError
 from omnirl.distributed import DTYPES, compute_dtype, load_pretrained
 from omnirl.models.base import Output, Request, Trajectory
 from omnirl.models.diffusers_setup import check_checkpoint, make_trainable, save_lora
-from omnirl.models.flow_sde import WindowedSampler
+from omnirl.models.flow_sde import WindowedSampler, host_rows, phase
 from omnirl.models.peft_lora import lora_disabled
 
 # QwenImagePipeline.check_inputs rejects a longer max_sequence_length.
@@ -346,29 +346,34 @@ class QwenImageAdapter:
         latents = sampler.initial_latents  # [B, C, h, w]
         guided = p.guidance_scale > 1
         texts = [r.prompt for r in requests] + ([r.negative_prompt for r in requests] if guided else [])
-        rows = self.encode(texts)  # [L_i, D] each: the prompts, then the negative prompts
-        embeds = text_embeds(rows, batch, self.buckets, self.fused_cfg)
+        with phase("encode"):
+            rows = self.encode(texts)  # [L_i, D] each: the prompts, then the negative prompts
+            embeds = text_embeds(rows, batch, self.buckets, self.fused_cfg)
 
         for i in range(num_steps):
-            # [B, C, h, w]
-            v = self.velocity(latents, sampler.sigma(i), embeds, p.guidance_scale, self.fused_cfg)
+            with phase("transformer"):  # [B, C, h, w]
+                v = self.velocity(latents, sampler.sigma(i), embeds, p.guidance_scale, self.fused_cfg)
             latents = sampler.step(i, v, latents)
 
-        images = decode(self.vae, latents)  # [B, 3, H, W] in [0, 1]
+        with phase("vae_decode"):
+            images = decode(self.vae, latents)  # [B, 3, H, W] in [0, 1]
 
+        rows = host_rows(rows)  # one copy for the batch, not one per sample
+        with phase("to_host"):
+            images, latents = images.cpu(), latents.cpu()
         trajectories = []
         for b, req in enumerate(requests):
-            sample_embeds = {"prompt_embeds": rows[b].cpu()}  # [L_b, D], unpadded: batch_embeds pads
+            sample_embeds = {"prompt_embeds": rows[b]}  # [L_b, D], unpadded: batch_embeds pads
             if guided:
-                sample_embeds["negative_prompt_embeds"] = rows[batch + b].cpu()
+                sample_embeds["negative_prompt_embeds"] = rows[batch + b]
             trajectories.append(
                 Trajectory(
                     request=req,
                     **sampler.record(b),  # latents, next_latents [K, C, h, w], step_indices, logprobs [K]
                     sigmas=sigmas,
                     embeds=sample_embeds,
-                    output=Output(image=images[b].cpu()),
-                    final_latents=latents[b].cpu(),
+                    output=Output(image=images[b]),
+                    final_latents=latents[b],
                 )
             )
         return trajectories

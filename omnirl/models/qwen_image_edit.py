@@ -51,7 +51,7 @@ from omnirl.config import Config, ConfigError
 from omnirl.distributed import DTYPES, compute_dtype, load_pretrained
 from omnirl.models.base import Output, Request, Trajectory
 from omnirl.models.diffusers_setup import check_checkpoint, make_trainable, save_lora
-from omnirl.models.flow_sde import WindowedSampler
+from omnirl.models.flow_sde import WindowedSampler, host_rows, phase
 from omnirl.models.peft_lora import lora_disabled
 from omnirl.models.qwen_image import (
     bucket,
@@ -338,38 +338,43 @@ class QwenImageEditAdapter:
         resized = {i: self.pipe.image_processor.resize(im, cond_h, cond_w) for i, im in sources.items()}
         conditions = [resized[id(r.inputs["image"])] for r in requests]
         texts = [r.prompt for r in requests] + ([r.negative_prompt for r in requests] if guided else [])
-        rows = self.encode(texts, conditions * (2 if guided else 1))  # [L_i, D]: prompts, then negatives
-        assert [len(r) for r in rows] == [self.prompt_length(t, (cond_h, cond_w)) for t in texts], (
-            "prompt_length (hence the bucket) disagrees with the encoded length"
-        )
-        embeds = {"image_latents": self.encode_images(conditions, cond_h, cond_w)}  # [B, C, h', w']
-        latent_size = list(embeds["image_latents"].shape[2:])
-        embeds["condition_size"] = torch.tensor([latent_size] * batch, device=self.device)  # [B, 2]
-        embeds |= text_embeds(rows, batch, self.buckets, self.fused_cfg)
+        with phase("encode"):
+            rows = self.encode(texts, conditions * (2 if guided else 1))  # [L_i, D]: prompts, then negatives
+            assert [len(r) for r in rows] == [self.prompt_length(t, (cond_h, cond_w)) for t in texts], (
+                "prompt_length (hence the bucket) disagrees with the encoded length"
+            )
+            embeds = {"image_latents": self.encode_images(conditions, cond_h, cond_w)}  # [B, C, h', w']
+            latent_size = list(embeds["image_latents"].shape[2:])
+            embeds["condition_size"] = torch.tensor([latent_size] * batch, device=self.device)  # [B, 2]
+            embeds |= text_embeds(rows, batch, self.buckets, self.fused_cfg)
 
         for i in range(num_steps):
-            # [B, C, h, w]
-            v = self.velocity(latents, sampler.sigma(i), embeds, p.guidance_scale, self.fused_cfg)
+            with phase("transformer"):  # [B, C, h, w]
+                v = self.velocity(latents, sampler.sigma(i), embeds, p.guidance_scale, self.fused_cfg)
             latents = sampler.step(i, v, latents)
 
-        images = decode(self.vae, latents)  # [B, 3, H, W] in [0, 1]
+        with phase("vae_decode"):
+            images = decode(self.vae, latents)  # [B, 3, H, W] in [0, 1]
 
+        rows = host_rows(rows)  # one copy for the batch, not one per sample
+        with phase("to_host"):
+            conditions_host, images, latents = embeds["image_latents"].cpu(), images.cpu(), latents.cpu()
         trajectories = []
         for b, req in enumerate(requests):
             sample_embeds = {
-                "prompt_embeds": rows[b].cpu(),  # [L_b, D], unpadded: batch_embeds pads
-                "image_latents": embeds["image_latents"][b].cpu(),  # [C, h', w']
+                "prompt_embeds": rows[b],  # [L_b, D], unpadded: batch_embeds pads
+                "image_latents": conditions_host[b],  # [C, h', w']
             }
             if guided:
-                sample_embeds["negative_prompt_embeds"] = rows[batch + b].cpu()
+                sample_embeds["negative_prompt_embeds"] = rows[batch + b]
             trajectories.append(
                 Trajectory(
                     request=req,
                     **sampler.record(b),  # latents, next_latents [K, C, h, w], step_indices, logprobs [K]
                     sigmas=sigmas,
                     embeds=sample_embeds,
-                    output=Output(image=images[b].cpu()),
-                    final_latents=latents[b].cpu(),
+                    output=Output(image=images[b]),
+                    final_latents=latents[b],
                 )
             )
         return trajectories

@@ -26,7 +26,7 @@ from omnirl.config import Config, ConfigError
 from omnirl.distributed import DTYPES, compute_dtype, load_pretrained
 from omnirl.models.base import Output, Request, Trajectory
 from omnirl.models.diffusers_setup import check_checkpoint, make_trainable, save_lora
-from omnirl.models.flow_sde import WindowedSampler
+from omnirl.models.flow_sde import WindowedSampler, phase
 from omnirl.models.peft_lora import lora_disabled
 
 # The pipeline's default T5 length; a tokenizer with a smaller limit (the tiny model's) lowers it.
@@ -206,19 +206,25 @@ class SD3Adapter:
         sampler = WindowedSampler(requests, (channels, h, w), sigmas, self.device)
         latents = sampler.initial_latents  # [B, C, h, w]
         guided = p.guidance_scale > 1
-        embeds = self.encode(
-            [r.prompt for r in requests], [r.negative_prompt for r in requests] if guided else None
-        )
+        with phase("encode"):
+            negatives = [r.negative_prompt for r in requests] if guided else None
+            embeds = self.encode([r.prompt for r in requests], negatives)
 
         for i in range(num_steps):
-            # [B, C, h, w]
-            v = self.velocity(latents, sampler.sigma(i), embeds, p.guidance_scale, self.fused_cfg)
+            with phase("transformer"):  # [B, C, h, w]
+                v = self.velocity(latents, sampler.sigma(i), embeds, p.guidance_scale, self.fused_cfg)
             latents = sampler.step(i, v, latents)
 
-        vae_in = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
-        images = self.vae.decode(vae_in.to(self.vae.dtype), return_dict=False)[0]  # [B, 3, H, W] in [-1, 1]
-        images = (images.float() * 0.5 + 0.5).clamp(0, 1)  # as VaeImageProcessor.postprocess
+        with phase("vae_decode"):
+            vae_in = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
+            images = self.vae.decode(vae_in.to(self.vae.dtype), return_dict=False)[
+                0
+            ]  # [B, 3, H, W] in [-1, 1]
+            images = (images.float() * 0.5 + 0.5).clamp(0, 1)  # as VaeImageProcessor.postprocess
 
+        with phase("to_host"):  # one copy per tensor, not per sample
+            host = {k: e.cpu() for k, e in embeds.items()}
+            images, latents = images.cpu(), latents.cpu()
         trajectories = []
         for b, req in enumerate(requests):
             trajectories.append(
@@ -226,9 +232,9 @@ class SD3Adapter:
                     request=req,
                     **sampler.record(b),  # latents, next_latents [K, C, h, w], step_indices, logprobs [K]
                     sigmas=sigmas,
-                    embeds={k: e[b].cpu() for k, e in embeds.items()},
-                    output=Output(image=images[b].cpu()),
-                    final_latents=latents[b].cpu(),
+                    embeds={k: e[b] for k, e in host.items()},
+                    output=Output(image=images[b]),
+                    final_latents=latents[b],
                 )
             )
         return trajectories

@@ -25,7 +25,7 @@ from omnirl.algos.losses import flow_kl, get_loss
 from omnirl.config import Config
 from omnirl.data.prompts import PromptRow
 from omnirl.metrics import MetricsLogger
-from omnirl.models.base import DiffusionAdapter, Request, SamplingParams, Trajectory
+from omnirl.models.base import DiffusionAdapter, Output, Request, SamplingParams, Trajectory
 from omnirl.models.flow_sde import flow_step
 from omnirl.rollout.diffusion import DiffusionEngine
 from omnirl.step import equalise, make_requests
@@ -153,8 +153,21 @@ class DiffusionOps:
         return {}
 
     def log_samples(self, logger: MetricsLogger, step: int, trajs: list[Trajectory]) -> None:
-        images, prompts = [t.output.image for t in trajs[:8]], [t.request.prompt for t in trajs[:8]]
-        logger.log_images(step, "samples", images, prompts)
+        log_outputs(logger, step, [t.output for t in trajs[:8]], [t.request.prompt for t in trajs[:8]])
+
+
+def log_outputs(logger: MetricsLogger, step: int, outputs: list[Output], captions: list[str]) -> None:
+    """Samples by what the family produces: images as one grid, videos as mp4 files (with their own audio
+    track where they have one), audio alone as wav files."""
+    first = outputs[0]
+    if first.image is not None:
+        logger.log_images(step, "samples", [o.image for o in outputs], captions)
+    if first.video is not None:
+        audios = [o.audio for o in outputs] if first.audio is not None else None
+        rate = first.sample_rate if audios else None
+        logger.log_videos(step, "samples", [o.video for o in outputs], first.fps, captions, audios, rate)
+    elif first.audio is not None:
+        logger.log_audios(step, "samples", [o.audio for o in outputs], first.sample_rate, captions)
 
 
 @contextlib.contextmanager
