@@ -1,0 +1,87 @@
+"""Where a rollout's time goes: the host and device time of each labelled phase, from the torch profiler.
+
+omnirl's denoising loops label their phases (`omnirl.models.flow_sde.phase`: encode, noise, transformer,
+sde_step (with noise nested in it), vae_decode, to_host); `label_stock` puts the same labels on a stock
+diffusers pipeline's calls, so both break down into the same rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from omnirl.models.flow_sde import phase
+
+PHASES = ("encode", "noise", "transformer", "sde_step", "vae_decode", "to_host")
+
+
+def breakdown(fn: Callable[[], object], device: torch.device) -> dict:
+    """Run `fn` once under the profiler: {"wall_s", "device_busy_s" (the kernels' time summed), "phases":
+    {label: {"calls", "host_s" (wall time inside the label), "device_s" (its kernels' time)}}}. Profiling
+    slows the host side a little: read the shares, and take the times from unprofiled runs."""
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    synchronize()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        fn()
+        synchronize()
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    phases = {}
+    for e in events:
+        if e.key.startswith("omnirl/"):
+            phases[e.key.removeprefix("omnirl/")] = {
+                "calls": e.count,
+                "host_s": e.cpu_time_total / 1e6,
+                "device_s": e.device_time_total / 1e6,
+            }
+    busy = sum(e.self_device_time_total for e in events if not e.key.startswith("omnirl/")) / 1e6
+    return {"wall_s": wall, "device_busy_s": busy, "phases": phases}
+
+
+@contextlib.contextmanager
+def label_stock(pipe):
+    """The stock pipeline's calls under omnirl's labels while the context is open: encode_prompt (encode),
+    prepare_latents (noise), the transformer's forward (transformer), the scheduler's step (sde_step: the
+    ODE step there), the VAE's decode (vae_decode) and the image post-processing (to_host)."""
+    targets = [
+        (pipe, "encode_prompt", "encode"),
+        (pipe, "prepare_latents", "noise"),
+        (pipe.transformer, "forward", "transformer"),
+        (pipe.scheduler, "step", "sde_step"),
+        (pipe.vae, "decode", "vae_decode"),
+        (pipe.image_processor, "postprocess", "to_host"),
+    ]
+
+    def labelled(fn, name):
+        def call(*args, **kwargs):
+            with phase(name):
+                return fn(*args, **kwargs)
+
+        return call
+
+    for obj, attr, name in targets:
+        setattr(obj, attr, labelled(getattr(obj, attr), name))  # an instance attribute over the method
+    try:
+        yield
+    finally:
+        for obj, attr, _ in targets:
+            delattr(obj, attr)
+
+
+def print_breakdown(name: str, result: dict) -> None:
+    wall = result["wall_s"]
+    print(f"\n{name}: {wall:.2f} s wall (profiled), device busy {result['device_busy_s']:.2f} s")
+    print(f"{'phase':12s} {'calls':>6s} {'host s':>8s} {'device s':>9s} {'device % of wall':>17s}")
+    for label in PHASES:
+        if label in result["phases"]:
+            r = result["phases"][label]
+            share = 100 * r["device_s"] / wall if wall else 0.0
+            print(f"{label:12s} {r['calls']:6d} {r['host_s']:8.3f} {r['device_s']:9.3f} {share:16.1f}%")
