@@ -1,24 +1,5 @@
-"""Generation throughput: omnirl's GenerationEngine vs transformers' plain `generate` vs `generate_batch`.
-
-All three run the same Qwen3-Omni thinker on the same requests (text prompts: `generate_batch` takes token
-ids only) with the same sampling (temperature, no top-p / top-k) and the same stop tokens, and are timed
-end to end (prefill included). tokens/s counts generated tokens up to and including each response's stop
-token; plain `generate` runs the requests in static batches of --max-num-seqs (each batch runs until its
-longest row ends), `generate_batch` is transformers' continuous batching (paged cache), ours is
-`omnirl.rollout.generate.GenerationEngine` with max_num_seqs = --max-num-seqs.
-
-A random-init model almost never samples EOS, so every response would run to --max-new-tokens. RL
-responses end at very different lengths; --stop-frac makes that happen here: that fraction of the
-vocabulary becomes stop tokens (for all three), so lengths are roughly geometric with mean 1 / stop-frac.
-
-    # CPU smoke run on the tiny model (built into a temp dir)
-    python benchmarks/generate_throughput.py --num-requests 16 --max-num-seqs 8 --max-new-tokens 32
-    # H200: a random-init Qwen3-Omni-shaped thinker (the real one: 48 layers, 128 experts)
-    python benchmarks/generate_throughput.py --random-init --layers 8 --hidden 2048 --experts 64 \\
-        --num-requests 256 --max-num-seqs 64 --max-new-tokens 512 --stop-frac 0.004 --dtype bfloat16
-
-Prints a table and writes JSON (--out).
-"""
+"""Generation throughput: omnirl's GenerationEngine vs transformers' plain `generate` vs `generate_batch`, on
+a Qwen3-Omni thinker. Flags and how to run it: benchmarks/README.md."""
 
 from __future__ import annotations
 
@@ -39,58 +20,15 @@ from omnirl.memory import synchronize
 from omnirl.models import get_adapter
 from omnirl.models.base import GenerationParams, Request
 from omnirl.models.lm import pad_responses
+from omnirl.models.random_init import write_random_thinker
 from omnirl.rollout.generate import GenerationEngine
 
+# The arguments that shape --random-init's thinker (omnirl.models.random_init.write_random_thinker).
+THINKER_SHAPE = (
+    "vocab", "hidden", "layers", "heads", "kv_heads", "head_dim", "moe_intermediate", "experts",
+    "experts_per_tok", "dtype", "head_scale",
+)  # fmt: skip
 WORDS = "the of a to in is that for it as with was on be by at this from or have an are which".split()
-
-
-def random_init_checkpoint(args, out_dir: Path, device: torch.device) -> Path:
-    """A random-init Qwen3-Omni thinker of the given text-model shape (vision / audio towers tiny: the
-    prompts are text), saved with the tiny model's tokenizer and processor files. Embedding rows beyond
-    the tokenizer's vocabulary are never in a prompt but can be sampled, as with the real model."""
-    from transformers import Qwen3OmniMoeThinkerConfig, Qwen3OmniMoeThinkerForConditionalGeneration
-
-    from omnirl.models.tiny import make_tiny_qwen3_omni
-
-    tiny = make_tiny_qwen3_omni(out_dir / "tiny")
-    tiny_cfg = json.loads((tiny / "config.json").read_text())["thinker_config"]
-    text = dict(
-        tiny_cfg["text_config"],
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        moe_intermediate_size=args.moe_intermediate,
-        num_experts=args.experts,
-        num_experts_per_tok=args.experts_per_tok,
-        rope_parameters=dict(
-            rope_type="default", rope_theta=1e6, mrope_section=[24, 20, 20], mrope_interleaved=True
-        ),
-        max_position_embeddings=65536,
-    )
-    vision = dict(tiny_cfg["vision_config"], out_hidden_size=args.hidden)
-    audio = dict(tiny_cfg["audio_config"], output_dim=args.hidden)
-    ids = {k: v for k, v in tiny_cfg.items() if k.endswith("token_id")}
-    config = Qwen3OmniMoeThinkerConfig(text_config=text, vision_config=vision, audio_config=audio, **ids)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen3OmniMoeThinkerForConditionalGeneration(config).to(DTYPES[args.dtype])
-    if args.head_scale != 1.0:  # sharpen the near-uniform output of a random model
-        model.lm_head.weight.data *= args.head_scale
-    path = out_dir / "random_thinker"
-    model.save_pretrained(path)
-    for name in (
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "chat_template.jinja",
-        "preprocessor_config.json",
-    ):
-        (path / name).write_bytes((tiny / name).read_bytes())
-    (path / "generation_config.json").write_bytes((tiny / "generation_config.json").read_bytes())
-    del model
-    return path
 
 
 def make_requests(args, stops: tuple[int, ...]) -> list[Request]:
@@ -252,7 +190,8 @@ def main() -> None:
     device = torch.device(device_type())
     with tempfile.TemporaryDirectory() as tmp:
         if args.random_init:
-            path = random_init_checkpoint(args, Path(args.keep_model or tmp), device)
+            shape = {k: getattr(args, k) for k in THINKER_SHAPE}
+            path = write_random_thinker(Path(args.keep_model or tmp), device, **shape)
         elif args.model:
             path = Path(args.model)
         else:

@@ -1,10 +1,5 @@
-"""The packed configurations ("cells") of benchmarks/rollout_packing.py and its `--forward-only` timing.
-
-A `Cell` is what `rollout.*` a recipe would set (max_num_seqs, fused CFG, prompt buckets, compile);
-`forward_cell` times the transformer forward of one denoising step of every batch a cell's packer makes,
-per timing variant (the engine's shapes, masks dropped, texts padded only to the batch's longest, a
-forced SDPA kernel), and reports MFU over the unpadded rows' counted FLOPs and over all computed FLOPs.
-"""
+"""The packed configurations ("cells") of benchmarks.rollout_packing, and its `--forward-only` timing of the
+transformer forward of every batch a cell's packer makes."""
 
 from __future__ import annotations
 
@@ -15,8 +10,8 @@ import json
 import traceback
 
 import torch
-from measure import batch_lengths, peak_gib, real_flops, reset_peak, time_calls  # benchmarks/measure.py
 
+from benchmarks.measure import batch_lengths, peak_gib, real_flops, reset_peak, time_calls
 from omnirl import distributed as D
 from omnirl.memory import empty_cache
 from omnirl.models.base import Request

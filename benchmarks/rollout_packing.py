@@ -1,65 +1,5 @@
-"""Packed vs serial diffusion rollout: the VeRL-Omni Qwen-Image reference experiment, and SD3.5-Medium.
-
-    python benchmarks/rollout_packing.py --model qwen_image --random-init --images 128 --out qwen.json
-    python benchmarks/rollout_packing.py --model sd35 --random-init --images 256 --max-num-seqs 32 64 128 256
-    python benchmarks/rollout_packing.py --model qwen_image --random-init --images 64 --forward-only \
-        --max-num-seqs 32 --unfused-max-num-seqs 32 --single-bucket 32 --compiled-max-num-seqs
-    python benchmarks/rollout_packing.py --model sd35 --random-init --dry-run
-    torchrun --nproc_per_node 2 benchmarks/rollout_packing.py --random-init --images 32 --serial-requests 2 \
-        --max-num-seqs 32 --compiled-max-num-seqs --stock-batch --logprob-check 0
-
-The reference (VeRL-Omni v0.2.0, Qwen-Image LoRA OCR recipe, 512 px, True-CFG 4.0, 10 steps, 128 images
-per GPU): 226 s serial (max_num_seqs 1) -> 108 s packed (max_num_seqs 32) per training step.
-
-Under torchrun (one process per GPU) every rank builds the models on its own GPU (LOCAL_RANK), the LoRA is
-sharded over all ranks as the trainer shards it, and each rank generates its own `--images` (rank r takes
-prompts r * images .. (r + 1) * images - 1 of one prompt list, seeds from their global index), starting
-each cell together (a barrier). A cell's generation time is the slowest rank's (the step waits for it),
-gathered from all ranks, as are the peak memory (the largest) and the FLOPs of the MFU (all ranks' over all
-GPUs' ceiling); rows also list every rank's time and peak (`rank_generation_s`, `rank_peak_gib`), `img/s`
-stays per GPU, and rank 0 prints and writes the results. `--forward-only` is single-process only.
-
-Generation time runs from requests in to decoded images and trajectories on the host, through omnirl's
-DiffusionEngine (the trainer's rollout path: packer, per-request generators, SDE window, log-probs), with
-the recipe's settings (`qwen_image_flowgrpo_ocr` / `sd35_flowgrpo_ocr`). The cells, each a list of
-max_num_seqs values:
-- serial: one request at a time, its CFG as two batch-1 forwards per step, eager (what the reference's
-  serial meant); timed on `--serial-requests` requests and scaled linearly to `--images`; with
-  `--serial-compiled` also with compiled blocks.
-- `--max-num-seqs`: packed, CFG rows fused into one forward, the recipe's prompt-length buckets.
-- `--unfused-max-num-seqs`: packed, the conditional and the unconditional rows as two forwards, each text
-  padded only to its own bucket (`rollout.fused_cfg false`).
-- `--single-bucket` (Qwen-Image): fused, one prompt-length bucket, the smallest of the recipe's that holds
-  every prompt: more padding, fewer batches.
-- `--negative-bucket` (Qwen-Image): unfused, the negative prompt's own length added as a bucket, so the
-  unconditional forward is unpadded and unmasked (SDPA keeps its flash kernel), as in the stock pipeline.
-- `--compiled-max-num-seqs`: fused, per-block torch.compile with batches padded to a few sizes (compile time
-  reported apart).
-- stock: diffusers' own pipeline (QwenImagePipeline / StableDiffusion3Pipeline) around the same modules,
-  batches of `--stock-batch` prompts per call, eager and with compiled blocks.
-`--repeats N` times each cell N times after its warm-up and reports the median (every run listed in
-`generation_s_runs`): the same cell measured minutes apart varied by ~3% on the H200.
-MFU: transformer FLOPs of the real (unpadded) rows, counted with torch's FlopCounterMode at each row's own
-text length, over the bf16 matmul rate measured in the same run (8192^3).
-
-`--forward-only` times, instead of whole generations, the transformer forward of one denoising step
-(`adapter.velocity`: the CFG forward(s), nothing else) for every batch each cell's packer makes, with CUDA
-events: ms per denoising step over all batches, the transformer seconds of the whole rollout (x steps), MFU
-over the unpadded rows' FLOPs and over all computed FLOPs (padding included). Timing-only variants (their
-outputs are not used): fused cells with the text masks dropped (padding attended to, so SDPA keeps its
-flash kernel: what a mask-free attention would give at these shapes), and with SDPA forced to cuDNN or
-memory-efficient attention (masks kept); unfused cells with each text padded only to its batch's longest
-(the stock pipeline's shapes). Serial, stock and the log-prob check are not run.
-
-`--random-init` builds the full-size models from their public configs with random weights (no download):
-a config-only checkpoint is written and the adapter's loader builds each model from its config. Its
-Qwen-Image tokenizer is byte-level (a token per byte, ~5x the real count: this benchmark's prompts are 9-68
-real tokens, median 38, but ~200 bytes) unless `--qwen-bpe` names Qwen's BPE ranks, which the `dashscope`
-wheel ships: `pip download --no-deps dashscope==2.0.2 -d /tmp/ds && unzip -j /tmp/ds/dashscope-*.whl
-dashscope/resources/qwen.tiktoken -d /tmp/ds` (`random_init.qwen_bpe_tokenizer` builds the tokenizer).
-`--dry-run` builds every model on the meta device (no memory, no accelerator), prints parameter counts and
-the counted transformer FLOPs, and exits: a check of the configs.
-"""
+"""Packed vs serial diffusion rollout (Qwen-Image, SD3.5-Medium) through omnirl's DiffusionEngine, against
+the stock diffusers pipeline. Flags, cells and how to run it: benchmarks/README.md."""
 
 from __future__ import annotations
 
@@ -75,7 +15,9 @@ from pathlib import Path
 import diffusers
 import torch
 import transformers
-from measure import (  # benchmarks/measure.py
+from torch import nn
+
+from benchmarks.measure import (
     batch_lengths,
     make_requests,
     matmul_tflops,
@@ -87,7 +29,7 @@ from measure import (  # benchmarks/measure.py
     timed_repeats,
     transformer_flops,
 )
-from packing_cells import (  # benchmarks/packing_cells.py
+from benchmarks.packing_cells import (
     Cell,
     forward_cell,
     guarded,
@@ -95,13 +37,11 @@ from packing_cells import (  # benchmarks/packing_cells.py
     print_forward,
     prompt_buckets,
 )
-from random_init import random_init_loader, write_random_checkpoint  # benchmarks/random_init.py
-from torch import nn
-
 from omnirl import distributed as D
 from omnirl.config import load_config
 from omnirl.models import get_adapter
 from omnirl.models.base import Request, SamplingParams
+from omnirl.models.random_init import random_init_loader, write_random_checkpoint
 from omnirl.models.sd3 import SD3Adapter
 from omnirl.rollout.diffusion import DiffusionEngine
 

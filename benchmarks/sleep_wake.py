@@ -1,20 +1,5 @@
-"""Sleep/wake of AdamW state: omnirl's `memory.Sleeper` against naive per-tensor copies.
-
-    python benchmarks/sleep_wake.py                        # 10 GiB of state on the accelerator
-    python benchmarks/sleep_wake.py --gib 0.25 --repeats 2 # a smoke run (on CPU too)
-
-Two workloads, each a real `torch.optim.AdamW` after one step (fp32 exp_avg + exp_avg_sq per parameter;
-the `step` counters stay on the host and are not moved):
-- full: a full fine-tune, the matrices, biases and norms of Qwen-Image-sized blocks (hidden 3072);
-- lora: a rank-64 LoRA, thousands of A / B matrices of 0.75 MiB each.
-Methods:
-- sleeper: the trainer's path, `phase()` transitions through a `Sleeper` (pinned host chunks allocated at
-  the first sleep, timed apart as `first_sleep_s`, then reused); for several `--pack-mib` thresholds;
-- naive: each state tensor `.to("cpu")` into fresh pageable memory and `.to(device)` back, as offloading
-  code often does.
-Target on one H200 (DESIGN.md 4c): >= 40 GiB/s per transition. Prints a table and writes JSON (--out).
-On CPU device and host are the same memory: the numbers there only show that the path runs.
-"""
+"""Sleep/wake of AdamW state: omnirl's `memory.Sleeper` against naive per-tensor copies, in GiB/s per
+transition. Flags and how to run it: benchmarks/README.md."""
 
 from __future__ import annotations
 

@@ -1,18 +1,14 @@
 """Run scripts/train.py's main with extra test rewards registered (REWARDS is the one extension dict),
 and, when OMNIRL_TEST_HOLD_COMMIT is set, rank 0 held before committing that checkpoint.
 
-[torchrun ...] python tests/_train_entry.py --recipe PATH [overrides]
+[torchrun ...] python -m tests._train_entry --recipe PATH [overrides]   (from the repository root)
 """
 
 import os
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
-
-from omnirl.rewards import REWARDS  # noqa: E402
+from omnirl.rewards import REWARDS
 
 REWARDS["constant_on_flagged_rows"] = "tests.support_rewards:ConstantOnFlaggedRows"
 REWARDS["mmk12_zero_on_flagged_rows"] = "tests.support_rewards:Mmk12ZeroOnFlaggedRows"
@@ -34,7 +30,7 @@ if hold := os.environ.get("OMNIRL_TEST_HOLD_COMMIT"):
 
     checkpoint.commit = held_commit
 
-from train import exit_now, main  # noqa: E402
+from scripts.train import exit_now, main  # noqa: E402  (after the patches above)
 
 if __name__ == "__main__":
     exit_now(main(sys.argv[1:]))

@@ -18,7 +18,7 @@ def run(cmd: list[str], timeout: int = 300) -> None:
 
 @pytest.mark.slow
 def test_rollout_packing_on_two_ranks_reports_the_slowest_rank(tiny_qwen_image, tmp_path):
-    """benchmarks/rollout_packing.py under torchrun: every rank generates its own --images, rank 0 writes
+    """benchmarks.rollout_packing under torchrun: every rank generates its own --images, rank 0 writes
     each cell's time as the slowest rank's. Rank 0's share is the first --images prompts, seeded by their
     global index: the same trajectories as a single process, hence the same log-prob check."""
     args = [
@@ -26,10 +26,9 @@ def test_rollout_packing_on_two_ranks_reports_the_slowest_rank(tiny_qwen_image, 
         *("--compiled-max-num-seqs", "--stock-batch", "2", "--logprob-check", "4", "--size", "64"),
         *("--steps", "2"),
     ]
-    script = "benchmarks/rollout_packing.py"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    run([*torchrun, script, *args, "--out", str(tmp_path / "two.json")])
-    run([sys.executable, script, *args, "--out", str(tmp_path / "one.json")])
+    run([*torchrun, "-m", "benchmarks.rollout_packing", *args, "--out", str(tmp_path / "two.json")])
+    run([sys.executable, "-m", "benchmarks.rollout_packing", *args, "--out", str(tmp_path / "one.json")])
     two, one = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("two", "one"))
 
     assert (two["world_size"], one["world_size"]) == (2, 1)
@@ -44,8 +43,24 @@ def test_rollout_packing_on_two_ranks_reports_the_slowest_rank(tiny_qwen_image, 
         assert two["logprob_check"][key] == pytest.approx(one["logprob_check"][key], rel=1e-6)
 
 
+ENTRIES = sorted(
+    f"benchmarks.{p.stem}" for p in (ROOT / "benchmarks").glob("*.py") if "__main__" in p.read_text()
+) + ["scripts.gpu.phase_memory", "scripts.gpu.two_gpu_runs"]
+
+
+@pytest.mark.parametrize("module", ENTRIES)
+def test_entry_runs_as_a_module_from_the_repo_root(module):
+    """Every benchmark (and GPU script) runs as `python -m NAME` from the repository root, with nothing on
+    PYTHONPATH: the packages import each other by name, no path is patched in."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run(
+        [sys.executable, "-m", module, "--help"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert r.returncode == 0 and "usage:" in r.stdout, r.stderr[-3000:]
+
+
 def test_two_gpu_report_of_a_gpu_run(tmp_path):
-    """scripts/gpu/two_gpu_runs.py mmk12 on the keys a 2-GPU run logs (per-rank peaks exist only on an
+    """scripts.gpu.two_gpu_runs mmk12 on the keys a 2-GPU run logs (per-rank peaks exist only on an
     accelerator, so the CPU rehearsal never shows them): every rank's peak and generation time, the time
     split, the consistency."""
     row = {
@@ -59,7 +74,7 @@ def test_two_gpu_report_of_a_gpu_run(tmp_path):
         "train/updates": 8.0, "reward/mmk12": 0.0,
     }  # fmt: skip
     (tmp_path / "metrics.jsonl").write_text(json.dumps(row) + "\n")
-    cmd = [sys.executable, "scripts/gpu/two_gpu_runs.py", "mmk12", str(tmp_path / "metrics.jsonl")]
+    cmd = [sys.executable, "-m", "scripts.gpu.two_gpu_runs", "mmk12", str(tmp_path / "metrics.jsonl")]
     r = subprocess.run([*cmd, "--json", str(tmp_path / "s.json")], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     line = next(x for x in r.stdout.splitlines() if x.startswith("| 1 |"))
@@ -78,8 +93,8 @@ def test_rollout_packing_cells_option(tiny_qwen_image, tmp_path):
         *("--compiled-max-num-seqs", "--stock-batch", "--logprob-check", "0", "--size", "64", "--steps", "2"),
         *("--cells", "4:split", "4:split:single", "--repeats", "3"),
     ]
-    script = "benchmarks/rollout_packing.py"
-    run([sys.executable, script, *args, "--out", str(tmp_path / "cells.json")])
+    script = ["-m", "benchmarks.rollout_packing"]
+    run([sys.executable, *script, *args, "--out", str(tmp_path / "cells.json")])
     rows = json.loads((tmp_path / "cells.json").read_text())["rows"]
     assert [r["name"] for r in rows] == [
         "packed max_num_seqs 4, CFG 2 forwards, eager",
@@ -89,7 +104,7 @@ def test_rollout_packing_cells_option(tiny_qwen_image, tmp_path):
         assert len(r["generation_s_runs"]) == 3 and all(t > 0 for t in r["generation_s_runs"])
         assert r["generation_s"] == statistics.median(r["generation_s_runs"])
     bad = subprocess.run(
-        [sys.executable, script, "--path", str(tiny_qwen_image), "--cells", "4:twice"],
+        [sys.executable, *script, "--path", str(tiny_qwen_image), "--cells", "4:twice"],
         cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
     assert bad.returncode == 2 and "unknown option 'twice'" in bad.stderr
@@ -108,16 +123,16 @@ def _tiktoken_bpe(piece: bytes, ranks: dict[bytes, int]) -> list[int]:
 
 
 def test_qwen_bpe_tokenizer_from_tiktoken_ranks(tmp_path):
-    """benchmarks/random_init.py builds the real Qwen2 tokenizer from Qwen's qwen.tiktoken ranks (checked
+    """omnirl/models/random_init.py builds the real Qwen2 tokenizer from Qwen's qwen.tiktoken ranks (checked
     on the real file against tiktoken itself; here on a small ranks file against tiktoken's algorithm):
     same ids, the special tokens at the real checkpoint's ids (vocabulary size + 0..13), a file that is not
     byte-level BPE ranks refused by name."""
     import base64
     import random
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from random_init import QWEN2_SPECIALS, qwen_bpe_tokenizer, write_random_checkpoint
     from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from omnirl.models.random_init import QWEN2_SPECIALS, qwen_bpe_tokenizer, write_random_checkpoint
 
     singles = list(range(256))
     random.Random(0).shuffle(singles)  # ranks need not follow byte order

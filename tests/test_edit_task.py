@@ -17,10 +17,8 @@ from omnirl.data.prompts import DataError
 from omnirl.ops.diffusion import sampling_params
 from omnirl.rewards.text_edit import TextEditReward
 from omnirl.step import make_requests
+from scripts import make_edit_data
 from tests.test_train import read_jsonl, torchrun
-
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
-import make_edit_data  # noqa: E402
 
 TINY_DATA = REPO_ROOT / "data" / "edit_tiny"
 

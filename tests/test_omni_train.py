@@ -302,18 +302,14 @@ def test_zero_spread_rank_matches_single_rank(tiny_qwen3_omni_k12, tmp_path):
 def test_omni_checkpoint_exports_peft_and_merged(tiny_qwen3_omni, tmp_path):
     """scripts/export.py on an omni checkpoint: the peft LoRA equals the adapter's own export, and the merged
     transformers directory loads back as a model whose logits equal the LoRA model's."""
-    import sys
-
     from safetensors.torch import load_file
 
     from omnirl import checkpoint
     from omnirl import distributed as D
     from omnirl.config import config_for
     from omnirl.models import get_adapter
+    from scripts.export import main as export_main
     from tests.test_omni import ATTENTION, requests
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from export import main as export_main
 
     cfg = config_for("qwen3_omni_thinker")
     cfg.model.path, cfg.model.adapter, cfg.run.output_dir = (

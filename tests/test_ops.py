@@ -222,7 +222,7 @@ def run_two_ranks(tiny_sd3, tmp_path, reward: str, *overrides: str, timeout: flo
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    cmd += ["--master_port", str(free_port()), "tests/_train_entry.py", "--recipe", str(path), *overrides]
+    cmd += ["--master_port", str(free_port()), "-m", "tests._train_entry", "--recipe", str(path), *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     start = time.monotonic()
     proc = subprocess.Popen(

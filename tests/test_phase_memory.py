@@ -1,7 +1,6 @@
-"""scripts/gpu/phase_memory.py: its dry mode (--tiny) end to end on CPU, its plan of a real recipe (--check,
+"""scripts.gpu.phase_memory: its dry mode (--tiny) end to end on CPU, its plan of a real recipe (--check,
 full-size models on the meta device), and its table of a GPU run's metrics row (CPU runs log no peaks)."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -9,21 +8,19 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts/gpu/phase_memory.py"
+MODULE = "scripts.gpu.phase_memory"
 
 
 def phase_memory():
-    spec = importlib.util.spec_from_file_location("phase_memory", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
+    from scripts.gpu import phase_memory
+
+    return phase_memory
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     r = subprocess.run(
-        [sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
+        [sys.executable, "-m", MODULE, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     return r

@@ -182,3 +182,18 @@ def test_pool_timeout_names_the_reward():
     finally:
         release.set()  # let the abandoned worker thread finish
         pool.close()
+
+
+def test_uniform_noise_draws_per_rank_and_reads_any_output(monkeypatch):
+    """`uniform_noise` (the measuring runs' spread): one draw in [0, 1) per sample, images or texts alike,
+    the same draws for the same rank and different ones for another."""
+    from omnirl.rewards.noise import UniformNoise
+
+    assert get_reward("uniform_noise") is UniformNoise
+    monkeypatch.setenv("RANK", "0")
+    images = flat_and_noise()
+    first = UniformNoise()(images, ["a", "b"], [{}, {}])
+    assert len(first) == 2 and all(0.0 <= x < 1.0 for x in first) and first[0] != first[1]
+    assert UniformNoise()(["a response", "another"], ["a", "b"], [{}, {}]) == first
+    monkeypatch.setenv("RANK", "1")
+    assert UniformNoise()(images, ["a", "b"], [{}, {}]) != first

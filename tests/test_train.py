@@ -76,10 +76,10 @@ def torchrun(nproc: int, recipe: Path, *overrides: str, timeout=600) -> subproce
 
 
 def torchrun_cmd(nproc: int, recipe: Path, *overrides: str) -> tuple[list[str], dict[str, str]]:
-    """The command and environment of a tests/_train_entry.py run on `nproc` ranks (1: no torchrun)."""
+    """The command and environment of a tests._train_entry run on `nproc` ranks (1: no torchrun)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     if nproc == 1:
-        cmd = [sys.executable, "tests/_train_entry.py"]
+        cmd = [sys.executable, "-m", "tests._train_entry"]
     else:
         port = str(29600 + os.getpid() % 300)
         cmd = [
@@ -90,7 +90,8 @@ def torchrun_cmd(nproc: int, recipe: Path, *overrides: str) -> tuple[list[str], 
             str(nproc),
             "--master_port",
             port,
-            "tests/_train_entry.py",
+            "-m",
+            "tests._train_entry",
         ]
     return [*cmd, "--recipe", str(recipe), *overrides], env
 

@@ -29,6 +29,7 @@ REWARDS = {
     "ocr": "omnirl.rewards.ocr:OcrReward",
     "text_edit": "omnirl.rewards.text_edit:TextEditReward",
     "mmk12": "omnirl.rewards.mmk12:Mmk12Reward",
+    "uniform_noise": "omnirl.rewards.noise:UniformNoise",
 }
 
 

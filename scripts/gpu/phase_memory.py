@@ -1,65 +1,6 @@
-"""Per-phase device memory of a real diffusion recipe: a few RL steps of the recipe on its full-size models
-with random weights, and per step a table of each phase's peak device memory and sleep/wake traffic.
-
-    python scripts/gpu/phase_memory.py --recipe qwen_image_flowgrpo_ocr --out OUT [--steps 3] [overrides]
-    python scripts/gpu/phase_memory.py --recipe qwen_image_edit_flowgrpo --out OUT --budget-s 560
-    python scripts/gpu/phase_memory.py --recipe sd35_flowgrpo_ocr --out OUT --gpus 2   # 2 ranks
-    python scripts/gpu/phase_memory.py --recipe sd35_flowgrpo_ocr --out OUT --tiny     # CPU rehearsal
-    python scripts/gpu/phase_memory.py --recipe qwen_image_edit_flowgrpo --out OUT --check   # no run
-
-`--recipe` is one of RECIPES (`yaml/NAME` and `yaml/NAME.yaml` are accepted too). Every flag that is not
-one of this script's is a recipe override (`--section.field value`, as scripts/train.py takes them) and
-wins over what this script sets.
-
-What runs. A temporary folder gets (1) a config-only checkpoint of the recipe's models from their public
-configs (benchmarks/random_init.py `write_random_checkpoint`: no weights are written), (2) the recipe's
-data from the repo's generators (scripts/make_ocr_prompts.py, scripts/make_edit_data.py) and (3) a copy
-of the recipe with the changes below. Then `torchrun --standalone --nproc_per_node GPUS` runs this file as
-a worker per rank, which replaces the adapter modules' `load_pretrained` by `random_init_loader` (each
-model built from its config directly on the rank's device; torch seeded the same way on every rank before
-each model, so all ranks build the same weights) and calls scripts/train.py's `main`, the entry of every
-training run: the real trainer, with its process group and FSDP2 mixed precision even on one GPU.
-
-What changes against the recipe, and why. Kept: what decides a peak: the models and their dtype, the
-resolution, rollout.max_num_seqs and the rest of rollout.* (CFG fusion, compile, prompt buckets),
-optim.micro_batch_size, memory.sleep, the LoRA, gradient checkpointing and the sampling / SDE window.
-Changed:
-- 2 prompts per rank per step, rollout.group_size = max_num_seqs / 2: each rank's rollout is exactly one
-  full packed batch of max_num_seqs requests (`--check` shows the packing), so its peak is the recipe's
-  (the recipe's 32 x 16 images on 4 GPUs are four such batches one after another, each one's
-  trajectories moved to the host when it ends), and a step takes about a minute, not several. Two groups
-  rather than one keep the step's advantages a real GRPO step's. The update then trains max_num_seqs x
-  (trained steps per image) rows in micro-batches of optim.micro_batch_size: the train peak is one
-  micro-batch's, however many there are (gradients accumulate in place).
-- run.steps = --steps (default 3): the optimizer state exists only after step 0's update, so step 0's
-  rollout has nothing to put to sleep, and step 0's train phase pins the host chunks of the text encoders
-  and VAE. Step 1's rollout puts the optimizer state to sleep for the first time and pins its chunks (a
-  phase sleeps before it wakes, so the encoders' chunks are still taken). Step 2 is the steady state:
-  every transition reuses its chunks.
-- Validation, checkpoints, LoRA export, tensorboard and image samples off: none is part of a step.
-- Reward: the recipe's plus `uniform_noise` of weight --noise-weight (a uniform draw in [0, 1) per image):
-  a random-init model draws no readable text, so the OCR reward leaves groups without spread, and those
-  are dropped, which would leave no update to measure. A reward whose packages are missing (rapidocr,
-  rapidfuzz, onnxruntime: the GPU image has none unless carried) is left out, and the JSON says so; the
-  rewards run on host threads, so device memory does not depend on them.
-
-What it reports. The trainer logs per step and phase (omnirl/memory.py `phase`): `mem/{phase}_peak_gib`
-(peak device memory allocated, the largest rank's, with `/rankR` for each rank), `mem/{phase}_sleep_gib`
-and `time/{phase}_sleep_s` (what the phase put to sleep on entry: moved to pinned host memory, freed on
-the device), `mem/{phase}_wake_gib` and `time/{phase}_wake_s` (what it moved back), `time/{phase}_s` (its
-work) and `mem/host_gib` (the host chunks). The rollout phase sleeps the optimizer state (and a full
-fine-tune's reference copy) and wakes the text encoders and VAE; the train phase the reverse. The tables
-show every phase logged (rollout, train; validate when on). OUT gets NAME.md (the tables) and NAME.json
-(settings, device, model build times, per-step phases, the tables, the raw metrics rows), NAME being the
-recipe's (`NAME_tiny` with --tiny).
-
-`--budget-s S` ends the script within S seconds: the run (the whole torchrun process group) is stopped when
-only the time to write the report is left, and the report holds what the finished steps logged. `--tiny`
-runs the recipe's tiny counterpart (RECIPES) on CPU: the tiny checkpoint's configs (omnirl/models/tiny.py,
-built into the temporary folder unless `--model.path` names one), the tiny recipe's sizes, and the same
-data generators, prompt counts, loader and trainer: a rehearsal of the plumbing (CPU logs no peaks;
-sleep/wake still moves bytes). `--check` runs nothing: it prepares as for a run, builds the models on the
-meta device and prints their sizes and how rank 0's rollout packs each step's requests.
+"""Per-phase device memory of a real diffusion recipe: a few RL steps of the recipe through the trainer on its
+full-size models with random weights, and per step a table of each phase's peak device memory and
+sleep/wake traffic. What runs, what changes against the recipe, and its flags: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -84,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @dataclass(frozen=True)
 class Recipe:
-    model: str  # benchmarks/random_init.py write_random_checkpoint's name for the models
+    model: str  # omnirl.models.random_init.write_random_checkpoint's name for the models
     tiny: str  # the tiny recipe of --tiny
     family: str  # omnirl.models.tiny.TINY_MODELS key of the tiny checkpoint
     data: str  # "ocr" or "edit": which generator writes the data
@@ -110,19 +51,6 @@ GIB = 2**30
 STOP_S = 10  # seconds a stopped run has to end before it is killed
 REPORT_S = STOP_S + 5  # what --budget-s keeps back for stopping the run and writing the report
 VERSIONS = ("torch", "diffusers", "transformers", "peft")
-
-
-class UniformNoise:
-    """Reward `uniform_noise`: a uniform draw in [0, 1) per image from a generator seeded by the rank: spread
-    in every group, no signal (scripts/gpu/train_entry.py has the same one for the omni recipe)."""
-
-    def __init__(self):
-        import random
-
-        self.rng = random.Random(int(os.environ.get("RANK", "0")))
-
-    def __call__(self, images, prompts, metadata) -> list[float]:
-        return [self.rng.random() for _ in images]
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -330,7 +258,7 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--qwen-bpe",
         help="Qwen's qwen.tiktoken (the dashscope wheel's): the Qwen-Image recipes' random-init checkpoint "
-        "gets the real Qwen2 tokenizer, so prompts have their real lengths (benchmarks/random_init.py)",
+        "gets the real Qwen2 tokenizer, so prompts have their real lengths (omnirl/models/random_init.py)",
     )
     p.add_argument(
         "--check",
@@ -338,7 +266,6 @@ def main(argv: list[str]) -> int:
         help="no run: build the models on the meta device and print rank 0's packed rollout batches",
     )
     a, overrides = p.parse_known_args(argv)
-    sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "benchmarks")]
     from omnirl.config import ConfigError
 
     name = recipe_name(a.recipe)
@@ -364,9 +291,9 @@ def drive(
     a, name: str, spec: Recipe, tag: str, overrides: list[str], out: Path, work: Path, start: float
 ) -> int:
     import yaml
-    from train import parse  # scripts/train.py: load_config, a bad override made a one-line ConfigError
 
     from omnirl.config import resolve_recipe
+    from scripts.train import parse  # load_config, a bad override made a one-line ConfigError
 
     source = resolve_recipe(spec.tiny if a.tiny else name)
     recipe = yaml.safe_load(source.read_text())
@@ -381,7 +308,7 @@ def drive(
 
             TINY_MODELS[spec.family](Path(ckpt))
         else:
-            from random_init import write_random_checkpoint  # benchmarks/random_init.py
+            from omnirl.models.random_init import write_random_checkpoint
 
             write_random_checkpoint(spec.model, Path(ckpt), a.qwen_bpe)
     ckpt_s = time.perf_counter() - t0
@@ -415,7 +342,7 @@ def drive(
     if a.tiny:
         env["CUDA_VISIBLE_DEVICES"] = ""  # CPU, also on a machine with GPUs
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.gpus}"]
-    cmd = [*torchrun, str(Path(__file__).resolve()), "--worker", str(derived), str(info), *overrides]
+    cmd = [*torchrun, "-m", "scripts.gpu.phase_memory", "--worker", str(derived), str(info), *overrides]
     print(f"phase_memory: {tag}: {a.steps} steps, {prompts} prompts x {cfg.rollout.group_size} images per "
           f"step on {a.gpus} rank(s), max_num_seqs {cfg.rollout.max_num_seqs}, micro-batch "
           f"{cfg.optim.micro_batch_size}, sleep {cfg.memory.sleep}", flush=True)  # fmt: skip
@@ -455,7 +382,7 @@ def drive(
     summary = {
         "recipe": name, "tiny": a.tiny, "source_recipe": str(source.relative_to(ROOT)), "steps": a.steps,
         "world_size": a.gpus, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "command": ["python", "scripts/gpu/phase_memory.py", *sys.argv[1:]],
+        "command": ["python", "-m", "scripts.gpu.phase_memory", *sys.argv[1:]],
         "settings": settings(cfg), "reward_left_out": dropped, "device": device,
         "rc": rc, "timed_out": timed_out, "problems": problems, "checkpoint_write_s": ckpt_s,
         "run_s": run_s, "wall_s": time.perf_counter() - start, "per_step": summarise_steps(rows),
@@ -494,12 +421,12 @@ def check_plan(cfg, world: int) -> dict:
     import importlib
 
     import torch
-    from random_init import random_init_loader  # benchmarks/random_init.py
     from torch import nn
 
     from omnirl import distributed as D
     from omnirl.data import LOADERS
     from omnirl.models import get_adapter
+    from omnirl.models.random_init import random_init_loader
     from omnirl.ops.diffusion import sampling_params
     from omnirl.rollout.diffusion import DiffusionEngine
     from omnirl.step import make_requests
@@ -543,17 +470,14 @@ def check_plan(cfg, world: int) -> dict:
 
 def worker(recipe: str, info: str, overrides: list[str]) -> None:
     """One rank: random-init loaders in place of `load_pretrained`, then scripts/train.py's `main`."""
-    sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "benchmarks")]
     import importlib
 
     import torch
-    import train  # scripts/train.py
-    from random_init import random_init_loader  # benchmarks/random_init.py
 
     from omnirl.memory import synchronize
-    from omnirl.rewards import REWARDS
+    from omnirl.models.random_init import random_init_loader
+    from scripts import train
 
-    REWARDS["uniform_noise"] = "__main__:UniformNoise"
     rank, local = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local) if cuda else torch.device("cpu")

@@ -8,7 +8,7 @@
 #   ours:   omnirl packed, max_num_seqs 32: fused CFG eager, CFG as two forwards eager, two forwards compiled
 #   stock:  the stock QwenImagePipeline with 32 prompts per call, eager, then with its blocks compiled
 #   single: omnirl packed, two forwards, one prompt bucket, compiled
-# Full-size random-init Qwen-Image, 512 px, 10 steps, True-CFG 4.0, LoRA r64 (benchmarks/rollout_packing.py);
+# Full-size random-init Qwen-Image, 512 px, 10 steps, True-CFG 4.0, LoRA r64 (benchmarks.rollout_packing);
 # QWEN_BPE=path/to/qwen.tiktoken gives it the real Qwen2 tokenizer (--qwen-bpe: real prompt lengths).
 # Writes OUT_DIR/cells_JOB.{json,log}; each JSON is rewritten after every cell; CAP_S stops a job.
 set -uo pipefail
@@ -33,7 +33,7 @@ for gpu in "${!jobs[@]}"; do
     esac
     # Each process opens its own 1-rank process group: one port each.
     CUDA_VISIBLE_DEVICES=$gpu MASTER_PORT=$((29555 + gpu)) timeout -k 10 "$cap" \
-        python benchmarks/rollout_packing.py "${common[@]}" "${args[@]}" \
+        python -m benchmarks.rollout_packing "${common[@]}" "${args[@]}" \
         --out "$out/cells_$job.json" >"$out/cells_$job.log" 2>&1 &
 done
 wait

@@ -1,19 +1,9 @@
-"""Helpers of scripts/gpu/two_gpu_runs.sh (issue 6 on two GPUs): the random-init thinker checkpoint, and
-the tables and JSON of what the two runs measured.
+"""Helpers of scripts/gpu/two_gpu_runs.sh: the random-init thinker checkpoint, and the tables and JSON of
+what its two runs measured (benchmarks/README.md).
 
-    python scripts/gpu/two_gpu_runs.py checkpoint --out DIR [--tiny] [--device cpu]
-    python scripts/gpu/two_gpu_runs.py mmk12 RUN_DIR/metrics.jsonl --json OUT.json
-    python scripts/gpu/two_gpu_runs.py packing rollout_packing.json --json OUT.json
-
-`checkpoint` writes DIR/random_thinker: a random-init Qwen3-Omni thinker of the shape of the omni throughput
-benchmark (8 MoE layers, hidden 2048, 32 q / 4 kv heads of 128, 32 experts top 8, moe_intermediate 768,
-vocab 151936, bf16, lm_head x4 so the actor-rollout probability Pearson has peaked distributions to
-compare), with the tiny model's offline tokenizer and processor files: a transformers directory that the
-Qwen3-Omni adapter loads as `model.path`. It is `benchmarks/generate_throughput.py`'s
-`random_init_checkpoint`, imported. `--tiny` builds a CPU-sized one of the same code path (2 layers,
-hidden 128, 4 experts, vocab 512, float32) for a rehearsal.
-
-`mmk12` and `packing` print a markdown table of a run and write its numbers as JSON.
+    python -m scripts.gpu.two_gpu_runs checkpoint --out DIR [--tiny] [--device cpu]
+    python -m scripts.gpu.two_gpu_runs mmk12 RUN_DIR/metrics.jsonl --json OUT.json
+    python -m scripts.gpu.two_gpu_runs packing rollout_packing.json --json OUT.json
 """
 
 from __future__ import annotations
@@ -21,18 +11,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
-import types
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-# generate_throughput.py's arguments that random_init_checkpoint reads.
+# The shape of the omni throughput benchmark's thinker (omnirl.models.random_init.write_random_thinker):
+# lm_head x4 so that the actor-rollout probability Pearson has peaked distributions to compare.
 THINKER = dict(
     vocab=151936, hidden=2048, layers=8, heads=32, kv_heads=4, head_dim=128, moe_intermediate=768,
     experts=32, experts_per_tok=8, dtype="bfloat16", head_scale=4.0,
 )  # fmt: skip
-# head_dim stays 128: random_init_checkpoint's M-RoPE sections (24, 20, 20) cover 64 = 128 / 2 pairs.
+# A CPU-sized one of the same code path, for a rehearsal. head_dim stays 128: write_random_thinker's
+# M-RoPE sections (24, 20, 20) cover 64 = 128 / 2 pairs.
 TINY_THINKER = dict(
     THINKER, vocab=512, hidden=128, layers=2, heads=2, kv_heads=1, moe_intermediate=64, experts=4,
     experts_per_tok=2, dtype="float32",
@@ -42,14 +30,12 @@ TINY_THINKER = dict(
 def checkpoint(a) -> None:
     import torch
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from generate_throughput import random_init_checkpoint  # benchmarks/generate_throughput.py
-
     from omnirl.distributed import device_type
+    from omnirl.models.random_init import write_random_thinker
 
     shape = TINY_THINKER if a.tiny else THINKER
     device = torch.device(a.device or device_type())
-    path = random_init_checkpoint(types.SimpleNamespace(**shape), Path(a.out), device)
+    path = write_random_thinker(Path(a.out), device, **shape)
     print(f"{path}: random-init thinker {shape} built on {device}")
 
 
@@ -73,7 +59,6 @@ def per_rank(row: dict, key: str) -> list[float]:
 
 def mmk12(a) -> None:
     """Per step: time split, peak memory per GPU, actor-vs-rollout consistency."""
-    sys.path.insert(0, str(ROOT))
     from omnirl.metrics import read_metrics
 
     out = []
@@ -200,7 +185,7 @@ def main() -> None:
     m = sub.add_parser("mmk12", help="table + JSON of a training run's metrics.jsonl")
     m.add_argument("metrics")
     m.add_argument("--json", required=True)
-    k = sub.add_parser("packing", help="table + JSON of a rollout_packing.py result")
+    k = sub.add_parser("packing", help="table + JSON of a benchmarks.rollout_packing result")
     k.add_argument("results")
     k.add_argument("--json", required=True)
     a = p.parse_args()

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 6 on two GPUs (nvidia-h200-x2), in one command of ~5-6 minutes (it stops itself by ~9 minutes):
+# Rollout packing and the mmk12 recipe on two GPUs, in one command of ~5-6 minutes (it stops itself within
+# OMNIRL_BUDGET_S, default 540 s):
 #
 #   bash scripts/gpu/two_gpu_runs.sh OUT_DIR
 #   OMNIRL_DRY=1 bash scripts/gpu/two_gpu_runs.sh OUT_DIR   # rehearsal on CPU: tiny sizes, gloo, < 1 minute
@@ -7,14 +8,14 @@
 #   OMNIRL_NPROC=1 ...                                       # on one GPU
 #
 # 1. Rollout packing, Qwen-Image (full size, random init, 512 px, 10 steps, True-CFG 4.0) on 2 GPUs:
-#    `torchrun --nproc_per_node 2 benchmarks/rollout_packing.py`, 32 images per GPU, serial (timed on 2
+#    `torchrun --nproc_per_node 2 -m benchmarks.rollout_packing`, 32 images per GPU, serial (timed on 2
 #    requests per GPU, scaled) against packed (max_num_seqs 32); generation time per step = the slowest
 #    GPU's. The counterpart of VeRL-Omni's 226 s serial -> 108 s packed (32 prompts x 16 images, 4 GPUs,
 #    128 images per GPU); the summary also scales ours to 128 images per GPU.
 # 2. The mmk12 recipe for 3 steps on 2 GPUs (`torchrun --nproc_per_node 2 scripts/train.py --recipe mmk12`
-#    through scripts/gpu/train_entry.py, which adds a 1e-3 uniform-noise reward: a random-init model earns
+#    through scripts.gpu.train_entry, which adds the uniform_noise reward at 1e-3: a random-init model earns
 #    no mmk12 reward, and groups without spread would be dropped, leaving no update to time), on a
-#    random-init Qwen3-Omni-shaped thinker (scripts/gpu/two_gpu_runs.py checkpoint: 8 MoE layers, hidden
+#    random-init Qwen3-Omni-shaped thinker (scripts.gpu.two_gpu_runs checkpoint: 8 MoE layers, hidden
 #    2048, 32 experts top 8, vocab 151936, bf16, lm_head x4) loaded through model.path, with K12 data from
 #    scripts/make_k12_data.py; the recipe's settings except 8 prompts (x 16 responses: 64 per GPU) per step,
 #    up to 256 new tokens, and no validation, checkpoint, LoRA export or tensorboard. Per step: time split
@@ -34,7 +35,7 @@ mkdir -p "$out" && out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/../.." || exit 1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 dry=${OMNIRL_DRY:-0}
-budget=${OMNIRL_BUDGET_S:-540}  # seconds for the whole script: the device tool stops a command at 600
+budget=${OMNIRL_BUDGET_S:-540}  # seconds for the whole script (540: it ends inside a 10-minute job limit)
 parts=${OMNIRL_PARTS:-packing,mmk12}  # which of the two runs
 nproc=${OMNIRL_NPROC:-2}        # ranks (GPUs) of both runs
 packing_cap=280                 # the packing run's most; the training run gets what is left
@@ -76,7 +77,7 @@ else
     make_data=(echo "pyarrow missing: K12 data from $data (written by scripts/make_k12_data.py)")
 fi
 (
-    OMP_NUM_THREADS=4 nice -n 10 python scripts/gpu/two_gpu_runs.py checkpoint --out "$work/thinker" \
+    OMP_NUM_THREADS=4 nice -n 10 python -m scripts.gpu.two_gpu_runs checkpoint --out "$work/thinker" \
         "${ckpt_args[@]}" && "${make_data[@]}"
 ) >>"$out/prepare.log" 2>&1 &  # appended to, as the dry run's tiny Qwen-Image build is
 prepare=$!
@@ -92,14 +93,14 @@ fi
 if [[ ,$parts, == *,packing,* ]]; then
     log "1. rollout packing (at most $packing_cap s)"
     OMP_NUM_THREADS=$threads timeout -k 20 "$packing_cap" \
-        torchrun --standalone --nproc_per_node "$nproc" benchmarks/rollout_packing.py "${packing_args[@]}" \
+        torchrun --standalone --nproc_per_node "$nproc" -m benchmarks.rollout_packing "${packing_args[@]}" \
         --compiled-max-num-seqs --stock-batch --logprob-check 0 \
         --out "$out/rollout_packing.json" >"$out/rollout_packing.log" 2>&1
     log "rollout packing exit status $? (124: stopped at its time limit); last lines of its log:"
     grep -v -i -E "warn|torchvision|^[WI][0-9]{4} " "$out/rollout_packing.log" | tail -8
 fi
 if [[ -f $out/rollout_packing.json ]]; then
-    python scripts/gpu/two_gpu_runs.py packing "$out/rollout_packing.json" \
+    python -m scripts.gpu.two_gpu_runs packing "$out/rollout_packing.json" \
         --json "$out/rollout_packing_summary.json" >"$work/packing.md" 2>&1
     cat "$work/packing.md"
 fi
@@ -122,7 +123,7 @@ if [[ ,$parts, != *,mmk12,* ]]; then
 elif [[ $prepared == 0 && $train_cap -gt 60 ]]; then
     log "2. mmk12 training (at most $train_cap s)"
     OMP_NUM_THREADS=$threads timeout -k 20 "$train_cap" \
-        torchrun --standalone --nproc_per_node "$nproc" scripts/gpu/train_entry.py --noise-weight 0.001 \
+        torchrun --standalone --nproc_per_node "$nproc" -m scripts.gpu.train_entry --noise-weight 0.001 \
         --recipe mmk12 --model.path "$work/thinker/random_thinker" \
         --data.train_path "$data/train.jsonl" --data.val_path "$data/val.jsonl" \
         --run.output_dir "$out/mmk12" --validation.every 0 --checkpoint.every 0 --export.no-lora-at-end \
@@ -134,15 +135,15 @@ else
     log "2. mmk12 training skipped: prepare exit status $prepared, $train_cap s left"
 fi
 if [[ -s $out/mmk12/metrics.jsonl ]]; then
-    python scripts/gpu/two_gpu_runs.py mmk12 "$out/mmk12/metrics.jsonl" --json "$out/mmk12_summary.json" \
+    python -m scripts.gpu.two_gpu_runs mmk12 "$out/mmk12/metrics.jsonl" --json "$out/mmk12_summary.json" \
         >"$work/mmk12.md" 2>&1
     cat "$work/mmk12.md"
 fi
 
 {
-    echo "# issue 6 on 2 GPUs ($(date -u +%F), dry=$dry)"
+    echo "# rollout packing and mmk12 on $nproc GPUs ($(date -u +%F), dry=$dry)"
     echo
-    echo "## 1. Rollout packing (benchmarks/rollout_packing.py ${packing_args[*]})"
+    echo "## 1. Rollout packing (python -m benchmarks.rollout_packing ${packing_args[*]})"
     echo
     cat "$work/packing.md" 2>/dev/null || echo "(no result)"
     echo

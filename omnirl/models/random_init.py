@@ -1,9 +1,10 @@
-"""Full-size models with random weights, for benchmarks that must run without downloads.
+"""Full-size models with random weights, for measurements that must run without downloads.
 
 `write_random_checkpoint` writes a config-only checkpoint of the public configs (with the tiny byte-level
 tokenizers of omnirl.models.tiny, or `edit_tokenizer` for Qwen-Image-Edit; for the Qwen-Image families the
 real Qwen2 BPE when its ranks are given: `qwen_bpe_tokenizer`); `random_init_loader` replaces an adapter's
 `load_pretrained` so each model is built from its config directly on the device, random weights.
+`write_random_thinker` saves a random-init Qwen3-Omni thinker of a given text-model shape.
 """
 
 from __future__ import annotations
@@ -269,3 +270,58 @@ def random_init_loader(device: torch.device):
         return model.to(torch_dtype or dtype or torch.float32).eval()
 
     return load
+
+
+def write_random_thinker(
+    out_dir: Path, device: torch.device, *, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int,
+    head_dim: int, moe_intermediate: int, experts: int, experts_per_tok: int, dtype: str, head_scale: float,
+) -> Path:  # fmt: skip
+    """A random-init Qwen3-Omni thinker of the given text-model shape (vision / audio towers tiny: the
+    prompts are text), saved as OUT_DIR/random_thinker with the tiny model's tokenizer and processor files:
+    a transformers directory that the Qwen3-Omni adapter loads as `model.path`. Embedding rows beyond the
+    tokenizer's vocabulary are never in a prompt but can be sampled, as with the real model. `head_scale`
+    multiplies the random lm_head (a random model's output is near uniform: this sharpens it)."""
+    from transformers import Qwen3OmniMoeThinkerConfig, Qwen3OmniMoeThinkerForConditionalGeneration
+
+    from omnirl.distributed import DTYPES
+    from omnirl.models.tiny import make_tiny_qwen3_omni
+
+    tiny = make_tiny_qwen3_omni(out_dir / "tiny")
+    tiny_cfg = json.loads((tiny / "config.json").read_text())["thinker_config"]
+    text = dict(
+        tiny_cfg["text_config"],
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        moe_intermediate_size=moe_intermediate,
+        num_experts=experts,
+        num_experts_per_tok=experts_per_tok,
+        rope_parameters=dict(
+            rope_type="default", rope_theta=1e6, mrope_section=[24, 20, 20], mrope_interleaved=True
+        ),
+        max_position_embeddings=65536,
+    )
+    vision = dict(tiny_cfg["vision_config"], out_hidden_size=hidden)
+    audio = dict(tiny_cfg["audio_config"], output_dim=hidden)
+    ids = {k: v for k, v in tiny_cfg.items() if k.endswith("token_id")}
+    config = Qwen3OmniMoeThinkerConfig(text_config=text, vision_config=vision, audio_config=audio, **ids)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3OmniMoeThinkerForConditionalGeneration(config).to(DTYPES[dtype])
+    if head_scale != 1.0:
+        model.lm_head.weight.data *= head_scale
+    path = out_dir / "random_thinker"
+    model.save_pretrained(path)
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "preprocessor_config.json",
+    ):
+        (path / name).write_bytes((tiny / name).read_bytes())
+    (path / "generation_config.json").write_bytes((tiny / "generation_config.json").read_bytes())
+    del model
+    return path
