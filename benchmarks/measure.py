@@ -114,7 +114,7 @@ def timed(fn) -> tuple[float, object]:
 def timed_repeats(fn, repeats: int, before=lambda: None) -> tuple[float, list[float], object]:
     """(median seconds, every run's seconds, the last output) of `repeats` timed calls of `fn`, each after
     `before()` (a barrier, so ranks start together). One generation is a long run, but two calls of the
-    same cell minutes apart differed by ~3% on the H200: a comparison that close needs the median."""
+    same cell minutes apart differ by a few % (benchmarks/RESULTS.md): a close comparison needs the median."""
     import statistics
 
     runs, out = [], None

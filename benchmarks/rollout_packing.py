@@ -139,7 +139,7 @@ def parse_args() -> argparse.Namespace:
         "--qwen-bpe",
         help="Qwen's qwen.tiktoken (in the dashscope wheel: dashscope/resources/qwen.tiktoken): with "
         "--random-init, Qwen-Image gets the real Qwen2 tokenizer, so prompts have their real token counts "
-        "(without it a byte-level tokenizer spends ~5x as many)",
+        "(without it a byte-level tokenizer spends several times as many)",
     )
     p.add_argument("--images", type=int, default=128, help="images per GPU (the reference: 128)")
     p.add_argument("--serial-requests", type=int, default=16, help="0 skips the serial run")

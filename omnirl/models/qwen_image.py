@@ -13,9 +13,9 @@ text RoPE positions of a row do not depend on how far it is padded, so a padded 
 computes alone. A batch pads its texts to the smallest bucket (`family.prompt_length_buckets`) that holds
 its longest, so a compiled transformer sees few shapes. The bucket is a property of the batch, not of a
 request (it is not in the compatibility key): the packer sorts requests by their bucketed length and fills
-full batches across bucket boundaries. Measured on an H200 with the real tokenizer (benchmarks/RESULTS.md),
-a per-request bucket split 128 prompts into six batches, three of them 8-13-row tails, and lost to the stock
-pipeline's full batches; text is a small part of a 512 px row (1,024 image tokens), a tail batch a large one.
+full batches across bucket boundaries. With a per-request bucket, the tail batches of each bucket lost to
+the stock pipeline's full batches (benchmarks/RESULTS.md): text is a small part of a 512 px row (1,024
+image tokens), a tail batch a large one.
 """
 
 from __future__ import annotations
@@ -248,8 +248,8 @@ class QwenImageAdapter:
     def compat_key(self, request: Request) -> tuple:
         """The sampling settings and, when CFG runs as two forwards, the negative prompt's exact length: a
         recipe's negative prompt is usually one string for all requests, so its own forward then needs
-        neither padding nor a mask (measured on the H200: a 6-token negative padded to a 64-token bucket
-        costs 4% of the transformer time of a rollout). Prompt lengths are not in the key (see the module
+        neither padding nor a mask (padding a 6-token negative to a 64-token bucket costs transformer time:
+        benchmarks/RESULTS.md). Prompt lengths are not in the key (see the module
         docstring): a batch pads to its longest prompt's bucket."""
         guided = request.params.guidance_scale > 1
         split = guided and not self.fused_cfg

@@ -123,13 +123,13 @@ def qwen_bpe_tokenizer(ranks_file: str | Path):
     """The real Qwen2 tokenizer (Qwen2.5-VL's, the one Qwen-Image's pipelines use), built offline from the
     byte-level BPE ranks of Qwen's `qwen.tiktoken` (151,643 tokens; Qwen2 kept Qwen's vocabulary), which the
     `dashscope` wheel ships in `dashscope/resources/`. Prompt lengths then are the real ones: the tiny
-    byte-level tokenizers spend a token per byte, ~5x the real count for English prompts, which inflates
-    every text row and misleads the choice of prompt-length buckets.
+    byte-level tokenizers spend a token per byte, several times the real count for English prompts, which
+    inflates every text row and misleads the choice of prompt-length buckets.
 
     The merges are derived from the ranks as transformers' `TikTokenConverter` derives them (every split of
-    a token into two tokens, in rank order). Checked once against `tiktoken` itself with the Qwen2
-    pre-tokenizer pattern on this machine: equal ids for 1,014 texts (the benchmark's prompts, the OCR
-    prompt set, digits, punctuation, non-Latin scripts)."""
+    a token into two tokens, in rank order). Checked against `tiktoken` itself with the Qwen2 pre-tokenizer
+    pattern on the benchmark's prompts, the OCR prompt set, digits, punctuation and non-Latin scripts: equal
+    ids (benchmarks/RESULTS.md)."""
     import base64
 
     from transformers import Qwen2Tokenizer

@@ -8,7 +8,7 @@ tiny K12 training prompts (data/mmk12_tiny, the real prompt template and images)
 multiple-choice rows, a gold answer of a random free-form row otherwise. It learns the format and not the
 answers, so its sampled responses (temperature 1) are mostly well formed, sometimes broken, now and then
 correct: the real mmk12 reward (math-verify included) then has spread within groups, which is what RL
-needs to start. Measured: 100 steps (~10 s on one CPU thread) -> 25 of 32 groups of 4 with spread.
+needs to start (benchmarks/RESULTS.md: how many groups have spread after the steps, and their cost).
 
 The checkpoint keeps the full Qwen3-Omni layout (thinker.* / talker.* / code2wav.*), like the real one.
 """
@@ -71,7 +71,7 @@ def _teach_format(path: Path, data: str | Path):
 
     optimizer = torch.optim.Adam(adapter.trainable_parameters(), lr=LR)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # hidden-64 matmuls gain nothing from threads: 2 were ~10x slower on 2 cores
+    torch.set_num_threads(1)  # hidden-64 matmuls gain nothing from threads (2 were slower: RESULTS.md)
     for _ in range(STEPS):
         picked = rng.sample(range(len(rows)), min(BATCH, len(rows)))
         targets = [target(rows[i].metadata) for i in picked]

@@ -16,9 +16,9 @@ response texts there. metadata[i]["answer"] is the gold answer (omnirl.data.mmk1
 
 math-verify and threads: its default timeouts use signal.alarm, which fails outside the main thread
 (the reward pool's workers), and with them off a single pathological answer such as 9^{9^{9^9}} hangs
-sympy inside a C big-integer power that no thread can interrupt (measured: verify(1, 9^{9^{9^9}}) had
-not returned after 2 minutes). So math-verify runs in a child process (`python -m
-omnirl.rewards.mmk12`, started at the first free-form answer, ~2 s) whose main thread runs it with its
+sympy inside a C big-integer power that no thread can interrupt (benchmarks/RESULTS.md). So math-verify
+runs in a child process (`python -m omnirl.rewards.mmk12`, started at the first free-form answer) whose
+main thread runs it with its
 own timeouts; an answer it has not judged within `timeout_s` counts as wrong, and the child is killed
 and restarted. One child per reward instance; the pool never calls an instance from two threads.
 """

@@ -54,7 +54,7 @@ class OcrReward:
     modality = "image"
 
     def __init__(self) -> None:
-        self._engine = None  # created at the first call: ~2 s to load the ONNX models
+        self._engine = None  # created at the first call: loading the ONNX models takes a while
 
     def recognise(self, image: Image.Image) -> str:
         if self._engine is None:

@@ -32,7 +32,7 @@ from omnirl.models.base import DiffusionAdapter, Request, Trajectory
 from omnirl.rollout.packer import RequestPacker
 
 # The torch.compile backend of `compile`. Tests use "eager": dynamo decides (re)compiles from its
-# guards before any backend runs, and inductor's CPU code generation takes ~80 s per batch size here.
+# guards before any backend runs, and inductor's CPU code generation is slow (benchmarks/RESULTS.md).
 COMPILE_BACKEND = "inductor"
 # Compiled entries all sit on the one `forward` code object of a block class: one per (block variant,
 # batch bucket, latent / text shape). SD3.5 has three variants (dual attention, plain, last block

@@ -63,7 +63,7 @@ if [[ $dry == 1 ]]; then
     k12_args=(--train 16 --val 4)
     threads=1
 else
-    ckpt_args=(--device cpu)  # on the host, beside the packing run (~35 s on 2 cores); GPUs stay its own
+    ckpt_args=(--device cpu)  # on the host, beside the packing run, whose GPUs stay its own
     k12_args=(--train 64 --val 8)
     threads=8  # per rank (torchrun's default is 1): host-side work of the rollouts
 fi
