@@ -136,7 +136,7 @@ def run_generate_batch(adapter, requests, args, stops) -> int:
         pad_token_id=adapter.pad_token_id,
     )
     ids = [adapter.prepare(r)["input_ids"].tolist() for r in requests]
-    # No switch to flash attention: that would fetch a kernel from the hub, which this machine cannot reach.
+    # No switch to flash attention: that would fetch a kernel from the hub, out of an offline machine's reach.
     cb = ContinuousBatchingConfig(max_requests_per_batch=args.max_num_seqs, auto_switch_to_flash=False)
     out = adapter.thinker.generate_batch(ids, generation_config=config, continuous_batching_config=cb)
     return sum(response_length(o.generated_tokens, stops) for o in out.values())

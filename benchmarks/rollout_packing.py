@@ -249,7 +249,7 @@ def dry_run(a) -> None:
 def main() -> None:
     a = parse_args()
     # The pipelines warn on every prompt truncated to CLIP's 77 / T5's max_sequence_length tokens: that
-    # would flood the log a remote run returns.
+    # would flood the log.
     diffusers.utils.logging.set_verbosity_error()
     transformers.utils.logging.set_verbosity_error()
     if a.dry_run:
