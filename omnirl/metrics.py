@@ -148,7 +148,7 @@ class MetricsLogger:
         if not fps > 0:
             raise ValueError(f"log_videos: fps must be positive, got {fps}")
         _check_captions(captions, len(videos))
-        import av  # loads the libav libraries (~0.1 s): only runs that log videos pay for it
+        import av  # loads the libav libraries: only runs that log videos pay for it
 
         if audios is not None:
             _check_audios(audios, sample_rate)

@@ -36,7 +36,7 @@ def render(text):
 def test_registry_resolves_every_name_and_rejects_unknown():
     for name in REWARDS:
         assert callable(get_reward(name)())
-        assert get_reward(name).modality in MODALITIES, name
+        assert get_reward(name).modality in (*MODALITIES, None), name  # None: reads no output
     with pytest.raises(ValueError, match="unknown reward 'clip'; known: .*jpeg_compressibility"):
         get_reward("clip")
 
@@ -185,15 +185,18 @@ def test_pool_timeout_names_the_reward():
 
 
 def test_uniform_noise_draws_per_rank_and_reads_any_output(monkeypatch):
-    """`uniform_noise` (the measuring runs' spread): one draw in [0, 1) per sample, images or texts alike,
-    the same draws for the same rank and different ones for another."""
+    """`uniform_noise` (the measuring runs' spread): it reads no output, so it fits any model (images or
+    texts alike); one draw in [0, 1) per sample, the same draws for the same rank and others for another."""
     from omnirl.rewards.noise import UniformNoise
 
-    assert get_reward("uniform_noise") is UniformNoise
+    assert get_reward("uniform_noise") is UniformNoise and UniformNoise.modality is None
+    check_modalities(["uniform_noise"], frozenset({"text"}), "qwen3_omni_thinker")
+    images = [Output(image=torch.rand(3, 8, 8)) for _ in range(2)]
+    texts = [Output(text="a response"), Output(text="another")]
+    assert reward_inputs(images, UniformNoise.modality) == images
     monkeypatch.setenv("RANK", "0")
-    images = flat_and_noise()
     first = UniformNoise()(images, ["a", "b"], [{}, {}])
     assert len(first) == 2 and all(0.0 <= x < 1.0 for x in first) and first[0] != first[1]
-    assert UniformNoise()(["a response", "another"], ["a", "b"], [{}, {}]) == first
+    assert UniformNoise()(texts, ["a", "b"], [{}, {}]) == first
     monkeypatch.setenv("RANK", "1")
     assert UniformNoise()(images, ["a", "b"], [{}, {}]) != first

@@ -13,15 +13,19 @@ import os
 import random
 from typing import Any
 
+from omnirl.models.base import Output
+
 
 class UniformNoise:
     """One uniform draw per sample from a generator seeded by the rank (`RANK`, 0 without torchrun), so
     ranks draw different numbers and a rerun draws the same ones."""
 
-    modalities = ("image", "video", "audio", "text")  # it reads none of them: any output will do
+    modality = None  # it reads no output: it is called with the Output records, of any model
 
     def __init__(self):
         self.rng = random.Random(int(os.environ.get("RANK", "0")))
 
-    def __call__(self, outputs: list[Any], prompts: list[str], metadata: list[dict[str, Any]]) -> list[float]:
-        return [self.rng.random() for _ in outputs]
+    def __call__(
+        self, samples: list[Output], prompts: list[str], metadata: list[dict[str, Any]]
+    ) -> list[float]:
+        return [self.rng.random() for _ in samples]
