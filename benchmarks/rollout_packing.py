@@ -17,6 +17,7 @@ import torch
 import transformers
 from torch import nn
 
+from benchmarks.breakdown import breakdown, label_stock, print_breakdown
 from benchmarks.measure import (
     batch_lengths,
     make_requests,
@@ -167,6 +168,19 @@ def parse_args() -> argparse.Namespace:
         help="also the stock pipeline compiled (else only with compiled cells)",
     )
     p.add_argument("--stock-batch", type=int, nargs="*", default=[16, 32])
+    p.add_argument(
+        "--stock-images",
+        type=int,
+        default=0,
+        help="prompts the stock pipeline is timed on, its time scaled to --images (0: all --images, the "
+        "same prompts as the packed cells)",
+    )
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="after each cell's timed runs, profile one batch of it: host and device time per phase "
+        "(benchmarks/breakdown.py), for ours and the stock pipeline alike",
+    )
     p.add_argument(
         "--no-stock-eager", action="store_true", help="the stock pipeline only compiled (with compiled cells)"
     )
@@ -331,6 +345,8 @@ def main() -> None:
             # Ranks start each run together (a barrier): a step's generation ends with its slowest rank.
             secs, runs, trajs = timed_repeats(lambda: engine.generate(reqs), a.repeats, D.barrier)
             shapes = batch_shapes(adapter, engine, reqs)
+            batch = reqs[: cell.max_num_seqs]
+            split = breakdown(lambda: engine.generate(batch), adapter.device) if a.breakdown else None
         gens, peaks = over_ranks(secs * scale), over_ranks(peak_gib())
         gen = max(gens)
         row = {
@@ -340,6 +356,8 @@ def main() -> None:
             "generation_s_runs": [r * scale for r in runs],  # this rank's (rank 0's in the JSON)
             **rank_columns({"generation_s": gens, "peak_gib": peaks}),
         }  # fmt: skip
+        if split is not None:
+            row["breakdown"] = {"requests": len(batch), **split}
         rows.append(row)
         D.print0(json.dumps(row))
         save()
@@ -374,6 +392,9 @@ def main() -> None:
     save()
     if dist.is_main:
         print_generation(rows)
+        for r in rows:
+            if "breakdown" in r:
+                print_breakdown(f"{r['name']}, one batch of {r['breakdown']['requests']}", r["breakdown"])
         print(f"wrote {a.out}")
 
 
@@ -412,7 +433,7 @@ def stock(adapter, texts, negative, params, a, rows, flop_seconds, save, compile
         for block in adapter.fsdp_units():
             block.compile(fullgraph=True)
     for b in a.stock_batch:
-        n = max(b, min(len(texts), 2 * b))
+        n = min(a.stock_images or len(texts), len(texts))
         name = f"stock {type(pipe).__name__} {b} prompts/call, {'compiled' if compiled else 'eager'}"
 
         def call(k=n, b=b):
@@ -429,6 +450,9 @@ def stock(adapter, texts, negative, params, a, rows, flop_seconds, save, compile
                 call(2, 2) if not compiled else None  # warm-up (kernels, allocator)
                 reset_peak()
                 secs, runs, _ = timed_repeats(call, a.repeats, D.barrier)
+                if a.breakdown:
+                    with label_stock(pipe):
+                        split = breakdown(lambda: call(b, b), adapter.device)
             gens, peaks = over_ranks(secs * a.images / n), over_ranks(peak_gib())
             gen = max(gens)
             row = {
@@ -438,6 +462,8 @@ def stock(adapter, texts, negative, params, a, rows, flop_seconds, save, compile
                 "generation_s_runs": [r * a.images / n for r in runs],  # this rank's
                 **rank_columns({"generation_s": gens, "peak_gib": peaks}),
             }  # fmt: skip
+            if a.breakdown:
+                row["breakdown"] = {"requests": b, **split}
             rows.append(row)
             D.print0(json.dumps(row))
 

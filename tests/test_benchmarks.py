@@ -28,7 +28,8 @@ def test_rollout_packing_on_two_ranks_reports_the_slowest_rank(tiny_qwen_image, 
     ]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     run([*torchrun, "-m", "benchmarks.rollout_packing", *args, "--out", str(tmp_path / "two.json")])
-    run([sys.executable, "-m", "benchmarks.rollout_packing", *args, "--out", str(tmp_path / "one.json")])
+    one_args = [*args, "--breakdown", "--out", str(tmp_path / "one.json")]
+    run([sys.executable, "-m", "benchmarks.rollout_packing", *one_args])
     two, one = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("two", "one"))
 
     assert (two["world_size"], one["world_size"]) == (2, 1)
@@ -39,6 +40,10 @@ def test_rollout_packing_on_two_ranks_reports_the_slowest_rank(tiny_qwen_image, 
         assert len(r["rank_generation_s"]) == len(r["rank_peak_gib"]) == 2
         assert r["generation_s"] == max(r["rank_generation_s"]) > 0
     assert all("rank_generation_s" not in r for r in one["rows"])  # a single process writes what it did
+    # --breakdown: one profiled batch of every cell, ours and the stock pipeline's, in the same phases.
+    for r in one["rows"]:
+        phases = r["breakdown"]["phases"]
+        assert phases["transformer"]["calls"] >= 2 and phases["vae_decode"]["calls"] >= 1, r["name"]
     for key in ("mean_abs", "max_abs"):
         assert two["logprob_check"][key] == pytest.approx(one["logprob_check"][key], rel=1e-6)
 
