@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from omnirl.models.flow_sde import phase
@@ -33,16 +34,19 @@ def breakdown(fn: Callable[[], object], device: torch.device) -> dict:
         fn()
         synchronize()
         wall = time.perf_counter() - start
-    events = prof.key_averages()
-    phases = {}
-    for e in events:
-        if e.key.startswith("omnirl/"):
-            phases[e.key.removeprefix("omnirl/")] = {
-                "calls": e.count,
-                "host_s": e.cpu_time_total / 1e6,
-                "device_s": e.device_time_total / 1e6,
-            }
-    busy = sum(e.self_device_time_total for e in events if not e.key.startswith("omnirl/")) / 1e6
+    phases: dict[str, dict] = {}
+    busy = 0.0
+    for e in prof.events():
+        if e.name.startswith("omnirl/"):
+            row = phases.setdefault(
+                e.name.removeprefix("omnirl/"), {"calls": 0, "host_s": 0.0, "device_s": 0.0}
+            )
+            if e.device_type == DeviceType.CPU:  # the host-side range and the kernels launched inside it
+                row["calls"] += 1
+                row["host_s"] += e.cpu_time_total / 1e6
+                row["device_s"] += e.device_time_total / 1e6
+        elif e.device_type != DeviceType.CPU:  # a kernel or copy on the device's timeline
+            busy += e.device_time_total / 1e6
     return {"wall_s": wall, "device_busy_s": busy, "phases": phases}
 
 

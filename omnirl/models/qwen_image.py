@@ -39,7 +39,7 @@ from omnirl.config import Config, ConfigError
 from omnirl.distributed import DTYPES, compute_dtype, load_pretrained
 from omnirl.models.base import Output, Request, Trajectory
 from omnirl.models.diffusers_setup import check_checkpoint, make_trainable, save_lora
-from omnirl.models.flow_sde import WindowedSampler, host_rows, phase
+from omnirl.models.flow_sde import WindowedSampler, host_rows, phase, to_host
 from omnirl.models.peft_lora import lora_disabled
 
 # QwenImagePipeline.check_inputs rejects a longer max_sequence_length.
@@ -359,8 +359,7 @@ class QwenImageAdapter:
             images = decode(self.vae, latents)  # [B, 3, H, W] in [0, 1]
 
         rows = host_rows(rows)  # one copy for the batch, not one per sample
-        with phase("to_host"):
-            images, latents = images.cpu(), latents.cpu()
+        images, latents = to_host([images, latents])
         trajectories = []
         for b, req in enumerate(requests):
             sample_embeds = {"prompt_embeds": rows[b]}  # [L_b, D], unpadded: batch_embeds pads

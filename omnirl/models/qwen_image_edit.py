@@ -51,7 +51,7 @@ from omnirl.config import Config, ConfigError
 from omnirl.distributed import DTYPES, compute_dtype, load_pretrained
 from omnirl.models.base import Output, Request, Trajectory
 from omnirl.models.diffusers_setup import check_checkpoint, make_trainable, save_lora
-from omnirl.models.flow_sde import WindowedSampler, host_rows, phase
+from omnirl.models.flow_sde import WindowedSampler, host_rows, phase, to_host
 from omnirl.models.peft_lora import lora_disabled
 from omnirl.models.qwen_image import (
     bucket,
@@ -357,8 +357,7 @@ class QwenImageEditAdapter:
             images = decode(self.vae, latents)  # [B, 3, H, W] in [0, 1]
 
         rows = host_rows(rows)  # one copy for the batch, not one per sample
-        with phase("to_host"):
-            conditions_host, images, latents = embeds["image_latents"].cpu(), images.cpu(), latents.cpu()
+        conditions_host, images, latents = to_host([embeds["image_latents"], images, latents])
         trajectories = []
         for b, req in enumerate(requests):
             sample_embeds = {

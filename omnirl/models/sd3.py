@@ -26,7 +26,7 @@ from omnirl.config import Config, ConfigError
 from omnirl.distributed import DTYPES, compute_dtype, load_pretrained
 from omnirl.models.base import Output, Request, Trajectory
 from omnirl.models.diffusers_setup import check_checkpoint, make_trainable, save_lora
-from omnirl.models.flow_sde import WindowedSampler, phase
+from omnirl.models.flow_sde import WindowedSampler, phase, to_host
 from omnirl.models.peft_lora import lora_disabled
 
 # The pipeline's default T5 length; a tokenizer with a smaller limit (the tiny model's) lowers it.
@@ -222,9 +222,9 @@ class SD3Adapter:
             ]  # [B, 3, H, W] in [-1, 1]
             images = (images.float() * 0.5 + 0.5).clamp(0, 1)  # as VaeImageProcessor.postprocess
 
-        with phase("to_host"):  # one copy per tensor, not per sample
-            host = {k: e.cpu() for k, e in embeds.items()}
-            images, latents = images.cpu(), latents.cpu()
+        keys = list(embeds)  # one copy per tensor, not per sample
+        images, latents, *values = to_host([images, latents, *embeds.values()])
+        host = dict(zip(keys, values))
         trajectories = []
         for b, req in enumerate(requests):
             trajectories.append(
