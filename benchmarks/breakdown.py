@@ -21,9 +21,10 @@ PHASES = ("encode", "noise", "transformer", "sde_step", "vae_decode", "to_host")
 
 
 def breakdown(fn: Callable[[], object], device: torch.device) -> dict:
-    """Run `fn` once under the profiler: {"wall_s", "device_busy_s" (the kernels' time summed), "phases":
-    {label: {"calls", "host_s" (wall time inside the label), "device_s" (its kernels' time)}}}. Profiling
-    slows the host side a little: read the shares, and take the times from unprofiled runs."""
+    """Run `fn` once under the profiler: {"wall_s", "device_busy_s" (the kernels' and copies' time summed),
+    "phases": {label: {"calls", "host_s" (wall time inside the label on the host), "device_s" (the label's
+    span on the device's timeline)}}}. Profiling slows the host side a little: read the shares, and take
+    the times from unprofiled runs."""
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
@@ -41,10 +42,11 @@ def breakdown(fn: Callable[[], object], device: torch.device) -> dict:
             row = phases.setdefault(
                 e.name.removeprefix("omnirl/"), {"calls": 0, "host_s": 0.0, "device_s": 0.0}
             )
-            if e.device_type == DeviceType.CPU:  # the host-side range and the kernels launched inside it
+            if e.device_type == DeviceType.CPU:  # the range on the host
                 row["calls"] += 1
                 row["host_s"] += e.cpu_time_total / 1e6
-                row["device_s"] += e.device_time_total / 1e6
+            else:  # the same range on the device's timeline: from its first kernel's start to its last's end
+                row["device_s"] += e.time_range.elapsed_us() / 1e6
         elif e.device_type != DeviceType.CPU:  # a kernel or copy on the device's timeline
             busy += e.device_time_total / 1e6
     return {"wall_s": wall, "device_busy_s": busy, "phases": phases}
