@@ -11,6 +11,7 @@ from diffusers.training_utils import cast_training_params
 from torch import nn
 
 from omnirl.config import Config, ConfigError
+from omnirl.models.peft_lora import sorted_sets
 
 
 def check_checkpoint(path: str, pipeline_cls) -> None:
@@ -59,5 +60,5 @@ def save_lora(pipeline_cls, transformer: nn.Module, out_dir, state_dict: dict | 
         out_dir,
         transformer_lora_layers=layers,
         # Without it a loader assumes lora_alpha == rank and scales the update wrongly.
-        transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict(),
+        transformer_lora_adapter_metadata=sorted_sets(transformer.peft_config["default"]).to_dict(),
     )
