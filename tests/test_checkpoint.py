@@ -7,8 +7,10 @@ checkpoint, or while one is being written) and resumed must end bit-identical to
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,9 +18,10 @@ import numpy as np
 import peft
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
 from PIL import Image
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from omnirl import checkpoint
 from omnirl import distributed as D
@@ -198,8 +201,20 @@ def adapter(tiny_sd3):
 def save_checkpoint(adapter, tiny_sd3, out: Path, *extra) -> Path:
     cfg = tiny_cfg(tiny_sd3, out, "--lora.rank", "4", "--lora.alpha", "8", *extra)
     cfg.run.output_dir = str(out)
+    for p in adapter.trainable_parameters():
+        p.grad = None  # left by an earlier test, a gradient keeps DCP from initialising the optimizer state
     opt = torch.optim.AdamW(adapter.trainable_parameters(), lr=1e-2)
     return checkpoint.save(cfg, 3, adapter.policy, opt, D.init_distributed())
+
+
+def reseal(path: Path) -> None:
+    """Rewrite a checkpoint's manifest to the files as they are now: the checkpoint a run (or anyone who
+    can write the directory) could have written this way."""
+    manifest = json.loads((path / checkpoint.MANIFEST).read_text())
+    for rel in manifest["files"]:
+        f = path / rel
+        manifest["files"][rel] = {"size": f.stat().st_size, "xxh3_128": checkpoint.file_hash(f)}
+    (path / checkpoint.MANIFEST).write_text(json.dumps(manifest))
 
 
 def test_checkpoint_of_another_model_fails_before_loading(adapter, tiny_sd3, tmp_path):
@@ -230,6 +245,7 @@ def test_checkpoint_of_another_model_fails_before_loading(adapter, tiny_sd3, tmp
     assert all(torch.equal(v, before[k]) for k, v in other.policy.state_dict().items())
     assert not opt.state
 
+    reseal(path)  # as if it had been written so: only its identity is wrong now
     other_model = tiny_cfg(
         tiny_sd3, tmp_path / "x", "--model.path", str(tmp_path), "--checkpoint.resume", str(path)
     )
@@ -359,3 +375,167 @@ def test_export_merges_a_full_finetune(tiny_sd3, tmp_path):
     merged = SD3Transformer2DModel.from_pretrained(tmp_path / "merged", subfolder="transformer")
     trained = adapter.policy.state_dict()
     assert all(torch.equal(v, trained[k].bfloat16().float()) for k, v in merged.state_dict().items())
+
+
+def export_status(*args: str) -> int:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("export_script", ROOT / "scripts/export.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main([str(a) for a in args])
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.replace("\r", "\n").splitlines() if line.startswith("error: ")]
+
+
+def resume_cfg(tiny_sd3, path: Path, out: Path):
+    return tiny_cfg(tiny_sd3, out, "--lora.rank", "4", "--lora.alpha", "8", "--checkpoint.resume", str(path))
+
+
+def test_flipped_byte_in_a_shard_is_found_before_loading(adapter, tiny_sd3, tmp_path, capsys):
+    path = save_checkpoint(adapter, tiny_sd3, tmp_path / "out")
+    manifest = json.loads((path / checkpoint.MANIFEST).read_text())["files"]
+    assert {"meta.json", "metrics.jsonl", "model_optim/.metadata", "rng/rank_00000.pt"} <= manifest.keys()
+    (shard,) = [k for k in manifest if k.endswith(".distcp")]
+    checkpoint.find_resume(resume_cfg(tiny_sd3, path, tmp_path / "run"))  # intact: accepted
+    f = path / shard
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+    with pytest.raises(
+        CheckpointError, match=rf"is damaged.*{shard}: its content changed after it was written"
+    ):
+        checkpoint.find_resume(resume_cfg(tiny_sd3, path, tmp_path / "run"))
+    f.write_bytes(bytes(data[:-10]))  # truncated
+    with pytest.raises(
+        CheckpointError, match=rf"{shard}: {len(data) - 10} bytes, the manifest says {len(data)}"
+    ):
+        checkpoint.find_resume(resume_cfg(tiny_sd3, path, tmp_path / "run"))
+    assert export_status(path, tmp_path / "lora") == 2
+    err = capsys.readouterr().err
+    assert error_lines(err) == [err.strip()] and shard in err
+    assert not (tmp_path / "lora").exists()
+    (path / checkpoint.MANIFEST).unlink()
+    with pytest.raises(CheckpointError, match="not a complete checkpoint .no manifest.json"):
+        checkpoint.find_resume(resume_cfg(tiny_sd3, path, tmp_path / "run"))
+
+
+def test_nan_bytes_in_a_tensor_are_refused_on_resume_and_export(adapter, tiny_sd3, tmp_path, capsys):
+    """64 NaN bytes over one LoRA tensor's data: the manifest catches it; with a manifest written over the
+    damaged files (the damage came first), the finite check after loading names the tensor."""
+    path = save_checkpoint(adapter, tiny_sd3, tmp_path / "out")
+    name, tensor = next((n, p) for n, p in adapter.transformer.named_parameters() if "lora_B" in n)
+    (shard,) = (path / "model_optim").glob("*.distcp")
+    data = shard.read_bytes()
+    at = data.find(tensor.detach().numpy().tobytes())  # DCP stores each tensor's bytes as they are
+    assert at > 0
+    nan = np.full(16, np.nan, dtype=np.float32).tobytes()  # 64 bytes
+    shard.write_bytes(data[:at] + nan + data[at + len(nan) :])
+    with pytest.raises(CheckpointError, match="is damaged"):
+        checkpoint.find_resume(resume_cfg(tiny_sd3, path, tmp_path / "run"))
+    reseal(path)
+    cfg = resume_cfg(tiny_sd3, path, tmp_path / "run")
+    assert checkpoint.find_resume(cfg) == path
+    other = get_adapter("sd3")(cfg, torch.device("cpu"))
+    opt = torch.optim.AdamW(other.trainable_parameters(), lr=1e-2)
+    with pytest.raises(
+        CheckpointError, match=rf"1 trained tensors hold NaN or infinity, e.g. model\.{re.escape(name)}"
+    ):
+        checkpoint.load(path, cfg, other.transformer, opt, D.init_distributed())
+    assert export_status(path, tmp_path / "lora") == 2
+    (err,) = error_lines(capsys.readouterr().err)  # after the progress bars of loading the base model
+    assert "hold NaN or infinity" in err and name in err
+    assert not (tmp_path / "lora").exists()
+    # A LoRA directory with NaNs in it is refused as well.
+    lora = tmp_path / "nan_lora"
+    adapter.export_lora(lora)
+    weights = load_file(lora / checkpoint.LORA_FILE)
+    key = sorted(weights)[0]
+    weights[key][0] = float("nan")
+    save_file(weights, lora / checkpoint.LORA_FILE)
+    assert export_status(lora, tmp_path / "peft", "--format", "peft") == 2
+    assert key in capsys.readouterr().err and not (tmp_path / "peft").exists()
+
+
+class RunsCommand:
+    """Unpickling this runs a shell command (touch a file), as a crafted checkpoint would."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_crafted_metadata_fails_to_load_and_runs_nothing(adapter, tiny_sd3, tmp_path, capsys):
+    """DCP's .metadata is a pickle: one whose reduce calls os.system, with a matching manifest (whoever
+    crafts a checkpoint can write its manifest too), fails to load and the command never runs: on resume,
+    on loading and on export. A non-tensor item of a shard (read by torch.load) is held to plain data."""
+    import pickle
+
+    path = save_checkpoint(adapter, tiny_sd3, tmp_path / "out")
+    marker = tmp_path / "ran"
+    metadata = path / "model_optim/.metadata"
+    genuine = metadata.read_bytes()
+    metadata.write_bytes(pickle.dumps(RunsCommand(marker)))
+    reseal(path)
+    cfg = resume_cfg(tiny_sd3, path, tmp_path / "run")
+    expected = r"\.metadata: not checkpoint metadata, so nothing was loaded \(posix\.system is not a class of"
+    with pytest.raises(CheckpointError, match=expected):
+        checkpoint.find_resume(cfg)
+    opt = torch.optim.AdamW(adapter.trainable_parameters(), lr=1e-2)
+    with pytest.raises(CheckpointError, match=expected):
+        checkpoint.load(path, cfg, adapter.transformer, opt, D.init_distributed())
+    assert export_status(path, tmp_path / "lora") == 2
+    assert "not checkpoint metadata" in capsys.readouterr().err
+    assert not marker.exists() and not (tmp_path / "lora").exists()
+    # A genuine Metadata object that carries a payload elsewhere in its pickle is refused too.
+    metadata.write_bytes(genuine.replace(b"Metadata", b"Metadatx", 1))
+    with pytest.raises(CheckpointError, match="not checkpoint metadata"):
+        checkpoint.SafeReader(path / "model_optim").read_metadata()
+
+    # The byte items of a shard (an optimizer's param groups) go through torch.load(weights_only=True).
+    evil = tmp_path / "evil"
+    dcp.save({"w": torch.ones(2), "extra": RunsCommand(marker)}, checkpoint_id=evil / "model_optim")
+    with pytest.raises(CheckpointError, match=r"extra: not plain data.*GLOBAL posix\.system"):
+        checkpoint.read_state(evil, {"w": torch.zeros(2), "extra": None})
+    assert not marker.exists()
+
+
+def test_broken_meta_json_is_a_checkpoint_error(adapter, tiny_sd3, tmp_path):
+    path = save_checkpoint(adapter, tiny_sd3, tmp_path / "out")
+    (path / "meta.json").write_text('{"format": 2, "step": ')
+    reseal(path)
+    with pytest.raises(CheckpointError, match=r"meta\.json: not valid JSON"):
+        checkpoint.find_resume(resume_cfg(tiny_sd3, path, tmp_path / "run"))
+    (path / "meta.json").write_text(json.dumps({"format": 2, "step": 3, "world_size": 0}))
+    reseal(path)
+    with pytest.raises(CheckpointError, match=r"meta\.json: 'run_name' must be a str"):
+        checkpoint.find_resume(resume_cfg(tiny_sd3, path, tmp_path / "run"))
+
+
+@pytest.mark.slow
+def test_exported_lora_bytes_do_not_depend_on_the_hash_seed(adapter, tiny_sd3, tmp_path):
+    """peft keeps target_modules as a set, whose order changes with PYTHONHASHSEED; the exported files are
+    written with it sorted, so identical runs give identical bytes (and checksums)."""
+    path = save_checkpoint(adapter, tiny_sd3, tmp_path / "out")
+    # One process per hash seed, exporting both formats (peft's from the diffusers file, as a user would).
+    script = (
+        "import sys; sys.path.insert(0, 'scripts'); from export import main; a, b, c = sys.argv[1:]; "
+        "assert main([a, b]) == 0 and main([b, c, '--format', 'peft']) == 0"
+    )
+    files = {}
+    for seed in ("1", "2"):
+        out = [tmp_path / f"diffusers{seed}", tmp_path / f"peft{seed}"]
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        cmd = [sys.executable, "-c", script, str(path), *map(str, out)]
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        for fmt, d in zip(("diffusers", "peft"), out):
+            files[fmt, seed] = {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+    for fmt in ("diffusers", "peft"):
+        assert files[fmt, "1"] == files[fmt, "2"], fmt
+    config = json.loads(files["peft", "1"]["adapter_config.json"])
+    assert config["target_modules"] == sorted(config["target_modules"])
