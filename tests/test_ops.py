@@ -2,6 +2,7 @@
 command lines, a rank that raises, dies or hangs ends a 2-rank job promptly with the cause in the log, and
 bad input is one clear line with exit status 2 and nothing written to run.output_dir."""
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -285,6 +286,87 @@ def test_hung_rank_ends_the_job_after_the_collective_timeout(tiny_sd3, tmp_path)
     cause = root_cause(out)
     assert re.search(r"rank\s*: 0 \(local_rank: 0\)", cause), cause
     assert "Timed out waiting 15000ms" in cause
+
+
+def children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting for init to reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+def test_second_run_on_a_held_directory_and_a_killed_launcher(tiny_sd3, tmp_path):
+    """A run holds its output directory: a second torchrun on it fails at once with one error line naming
+    the holder (and writes nothing there). SIGKILL of the first run's torchrun (not of its ranks) then
+    ends its ranks within seconds, which releases the directory."""
+    import fcntl
+
+    recipe = yaml.safe_load((ROOT / "yaml/sd3_tiny_flowgrpo.yaml").read_text())
+    recipe["model"]["path"] = str(tiny_sd3)
+    recipe["run"].update(steps=10_000, output_dir=str(tmp_path / "out"))
+    recipe["rollout"].update(prompts_per_step=2, group_size=4)
+    recipe["sampling"]["num_steps"] = 4
+    recipe["log"].update(image_every=0, tensorboard=False)
+    recipe["checkpoint"] = {"every": 2}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+    def launch(log):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
+        cmd += [str(free_port()), "tests/_train_entry.py", "--recipe", str(path)]
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)  # fmt: skip
+
+    metrics, lock = tmp_path / "out/metrics.jsonl", tmp_path / "out/.lock"
+    with open(tmp_path / "first.log", "w") as log:
+        first = launch(log)
+    workers: list[int] = []
+    try:
+        end = time.monotonic() + 300
+        while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+            assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+            assert time.monotonic() < end, "the first run made no progress"
+            time.sleep(0.2)
+        workers = children(first.pid)
+        assert len(workers) == 2
+        holder = lock.read_text().strip()
+        assert re.fullmatch(rf"pid ({'|'.join(map(str, workers))}) on \S+, since [-\d]+ [:\d]+", holder), (
+            holder
+        )
+
+        start = time.monotonic()
+        second = launch(subprocess.PIPE)
+        out, _ = second.communicate(timeout=120)
+        print(f"second run: exit {second.returncode} after {time.monotonic() - start:.1f} s")
+        assert second.returncode != 0
+        lines = [line for line in out.splitlines() if line.startswith("error: ")]
+        assert lines == [
+            f"error: run.output_dir '{tmp_path / 'out'}' is in use by another run ({holder}): wait for it to "
+            "end, stop it, or choose another run.output_dir"
+        ], out[-3000:]
+        assert f"traceback : {lines[0]}" in root_cause(out)  # torchrun's summary names it too
+        assert f'File "{ROOT}' not in out  # no traceback through omnirl's code (torchrun prints its own)
+
+        os.kill(first.pid, signal.SIGKILL)  # the launcher only, as a node agent's OOM kill would
+        killed = time.monotonic()
+        while any(alive(w) for w in workers):
+            assert time.monotonic() - killed < 10, "the ranks outlived their launcher by 10 s"
+            time.sleep(0.05)
+        print(f"ranks gone {time.monotonic() - killed:.2f} s after the launcher was killed")
+        with open(lock) as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released with them
+    finally:  # the ranks run in sessions of their own: a failed test kills them one by one
+        for pid in [first.pid, *workers]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        first.wait()
 
 
 # --- bad input: one line, exit status 2, nothing written ----------------------------------------------
