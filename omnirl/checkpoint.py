@@ -57,7 +57,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from omnirl import distributed as D
-from omnirl.config import Config, config_for
+from omnirl.config import Config, ConfigError, config_for
 
 STEP_DIR = re.compile(r"step_(\d{6,})")
 FORMAT = 2  # 2: manifest.json
@@ -69,8 +69,9 @@ OPTIONS = StateDictOptions(ignore_frozen_params=True)
 LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed by this run; the message names the directory and what differs."""
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be resumed by this run (another model, damaged, unsafe); the message names the
+    directory and what differs. A ConfigError: the entry points report it as one line."""
 
 
 def identity(cfg: Config) -> dict:

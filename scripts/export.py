@@ -28,7 +28,6 @@ from safetensors.torch import load_file
 
 from omnirl.checkpoint import (
     LORA_FILE,
-    CheckpointError,
     adapter_from_checkpoint,
     check_finite,
     lora_to_peft,
@@ -56,7 +55,7 @@ def main(argv: list[str]) -> int:
         parser.error(f"{args.source}: neither a checkpoint (meta.json) nor a LoRA directory ({LORA_FILE})")
     try:
         return export(parser, args)
-    except (CheckpointError, ConfigError) as e:
+    except ConfigError as e:  # CheckpointError included
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -25,11 +25,10 @@ import time
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from omnirl.checkpoint import CheckpointError
 from omnirl.config import Config, ConfigError, load_config
 from omnirl.data.prompts import DataError
 
-USER_ERRORS = (ConfigError, DataError, CheckpointError)
+USER_ERRORS = (ConfigError, DataError)  # omnirl.checkpoint.CheckpointError is a ConfigError
 # Under torchrun, how long a rank other than 0 waits, after a user error, for the launcher to end it (rank 0
 # found the same error and exited); a rank still running then reports the error itself.
 REPORT_WAIT_S = 5.0
