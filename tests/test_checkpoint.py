@@ -6,6 +6,7 @@ checkpoint, or while one is being written) and resumed must end bit-identical to
 
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -29,6 +30,7 @@ from omnirl.checkpoint import CheckpointError
 from omnirl.data.prompts import load_prompts
 from omnirl.metrics import GRID_PAD, read_metrics
 from omnirl.models import get_adapter
+from omnirl.models.base import Request
 from omnirl.ops.diffusion import DiffusionOps, sampling_params
 from omnirl.step import NonFiniteError, make_requests, update
 from tests.support_compare import max_diff
@@ -277,7 +279,7 @@ def test_nonfinite_loss_is_skipped_or_stops(adapter, tiny_sd3, tmp_path):
     requests, _ = make_requests(cfg, load_prompts(cfg.data.train_path), 0, dist, sampling_params(cfg))
     trajs = adapter.rollout(requests)
     for t, a in zip(trajs, (1.0, -1.0)):
-        t.advantage = a
+        t.reward, t.advantage = a, a  # scored (an unscored sample is a non-finite one)
     keep = torch.tensor([True, True])
     good = float(trajs[0].logprobs[0])
     trajs[0].logprobs[0] = float("nan")  # a NaN behaviour log-prob: NaN ratio, loss and gradients
@@ -300,6 +302,115 @@ def test_nonfinite_loss_is_skipped_or_stops(adapter, tiny_sd3, tmp_path):
     logs = update(cfg, ops, opt, trajs, keep, 7)
     assert logs["train/skipped_nonfinite"] == 0 and logs["train/updates"] == 1
     assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+class CountingReward:
+    """JPEG compressibility, counting the images it was asked to score."""
+
+    modality = "image"
+
+    def __init__(self):
+        from omnirl.rewards.jpeg import JpegCompressibility
+
+        self.jpeg, self.seen = JpegCompressibility(), 0
+
+    def __call__(self, images, prompts, metadata):
+        self.seen += len(images)
+        return self.jpeg(images, prompts, metadata)
+
+
+def test_nonfinite_samples_are_never_scored_and_skip_or_stop(tiny_sd3, tmp_path):
+    """A policy with a NaN weight makes NaN latents and images: they are not scored (a NaN image would be
+    scored as a black one), the step's update is skipped and counted (train.on_nonfinite skip), or the run
+    stops naming the step (stop)."""
+    from omnirl.ops import nonfinite_parts, rollout_and_score
+    from omnirl.rewards.pool import RewardPool
+    from omnirl.step import assign_advantages
+
+    cfg = tiny_cfg(
+        tiny_sd3, tmp_path, "--rollout.prompts_per_step", "1", "--rollout.group_size", "2",
+        "--sampling.num_steps", "2",
+    )  # fmt: skip
+    D.seed_everything(0)
+    adapter = get_adapter("sd3")(cfg, torch.device("cpu"))
+    ops = DiffusionOps(cfg, adapter)
+    requests, _ = make_requests(cfg, load_prompts(cfg.data.train_path), 0, D.init_distributed(), ops.params)
+    counting = CountingReward()
+    pool = RewardPool.from_instances({"counting": (counting, 1.0)}, 1, 60)
+    trajs, _ = rollout_and_score(ops, pool, requests)
+    assert counting.seen == 2 and not any(nonfinite_parts(t) for t in trajs)
+
+    name, param = next((n, p) for n, p in adapter.policy.named_parameters() if "lora_B" in n)
+    with torch.no_grad():
+        param[0, 0] = float("nan")
+    stats: dict[str, float] = {}
+    trajs, per_reward = rollout_and_score(ops, pool, requests, stats)
+    pool.close()
+    assert counting.seen == 2, "a NaN sample was scored"
+    assert all(math.isnan(t.reward) for t in trajs) and per_reward == {"counting": pytest.approx([])}
+    assert {"latents", "next_latents", "final_latents", "output.image"} <= set(nonfinite_parts(trajs[0]))
+    keep, metrics = assign_advantages(cfg, trajs)
+    assert not keep.any() and math.isnan(metrics["reward/mean"]) and metrics["adv/groups"] == 0
+    before = {k: v.clone() for k, v in adapter.policy.state_dict().items()}
+    opt = torch.optim.AdamW(adapter.trainable_parameters(), lr=1e-2)
+    logs = update(cfg, ops, opt, trajs, keep, 4)
+    assert logs["train/skipped_nonfinite"] == 1 and logs["rollout/nonfinite_samples"] == 2
+    assert "train/updates" not in logs and not opt.state
+    for k, v in adapter.policy.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0, equal_nan=True)  # not updated
+    cfg.train.on_nonfinite = "stop"
+    expected = r"step 4: 2 samples hold NaN or infinity, so none of them was scored; on this rank request 0: "
+    with pytest.raises(NonFiniteError, match=expected + r".*output\.image.*train\.on_nonfinite: stop"):
+        update(cfg, ops, opt, trajs, keep, 4)
+
+
+def test_nonfinite_parts_of_every_kind_of_sample():
+    """Token log-probs (an omni model's logits), video and audio outputs are checked like latents."""
+    from omnirl.models.base import GenerationParams, OmniTrajectory, Output, Trajectory
+    from omnirl.ops import nonfinite_parts
+
+    request = Request("p", 0, 0, 0, GenerationParams(max_new_tokens=4))
+    ids = torch.tensor([1, 2])
+    omni = OmniTrajectory(request, ids, ids, torch.tensor([-0.5, float("nan")]), {}, "stop", "text")
+    assert nonfinite_parts(omni) == ["logprobs"]
+    omni.logprobs[1] = -1.0
+    assert nonfinite_parts(omni) == []
+    z = torch.zeros(1, 4)
+    video = torch.zeros(2, 3, 4, 4)
+    video[1, 0, 0, 0] = float("inf")
+    audio = torch.zeros(1, 8)
+    audio[0, 3] = float("nan")
+    output = Output(video=video, fps=8.0, audio=audio, sample_rate=16000)
+    traj = Trajectory(
+        request, z, z, torch.zeros(1, dtype=torch.long), torch.zeros(1), torch.ones(2), {}, output, z[0]
+    )
+    assert nonfinite_parts(traj) == ["output.video", "output.audio"]
+
+
+@pytest.mark.parametrize("on_nonfinite", ["skip", "stop"])
+def test_a_policy_blown_up_by_its_lr_is_caught(on_nonfinite, tiny_sd3, tmp_path):
+    """lr 1e30: the first update makes the policy's samples NaN from step 1 on."""
+    from omnirl.trainer import train
+
+    out = tmp_path / "run"
+    cfg = tiny_cfg(
+        tiny_sd3, tmp_path, "--run.output_dir", str(out), "--run.steps", "3", "--optim.lr", "1e30",
+        "--rollout.prompts_per_step", "2", "--rollout.group_size", "4", "--sampling.num_steps", "4",
+        "--log.image_every", "0", "--log.no-tensorboard", "--checkpoint.every", "0",
+        "--train.on_nonfinite", on_nonfinite,
+    )  # fmt: skip
+    if on_nonfinite == "stop":
+        with pytest.raises(NonFiniteError, match="step 1: 8 samples hold NaN or infinity"):
+            train(cfg)
+        D.unlock_output_dir(str(out))
+        assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0]
+        return
+    train(cfg)
+    rows = read_metrics(out / "metrics.jsonl")
+    assert rows[0]["train/updates"] == 1 and rows[0]["rollout/nonfinite_samples"] == 0
+    for row in rows[1:]:
+        assert row["train/skipped_nonfinite"] == 1 and row["rollout/nonfinite_samples"] == 8
+        assert math.isnan(row["reward/mean"]) and "train/updates" not in row
 
 
 def run_export(*args: str) -> None:
