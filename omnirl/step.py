@@ -109,7 +109,9 @@ def update(cfg: Config, ops: KindOps, optimizer, trajs: list, keep: torch.Tensor
 
     `keep` [N] bool marks the samples of groups with reward spread. Losses are divided by the global count
     of the mini-batch (`ops.count` all-reduced), so the gradients summed over micro-batches and ranks are
-    the mini-batch mean."""
+    the mini-batch mean. Mini-batches are cut from one shuffle of every rank's rows (`global_positions`):
+    they hold the same rows on any number of ranks, only the order of the sums differs; where groups were
+    dropped they hold unequal numbers of rows (each divided by its own count)."""
     gen = torch.Generator().manual_seed(derive_seed(cfg.run.seed, step, -1))
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if nonfinite := nonfinite_samples(cfg, trajs, step):  # the step's update is skipped, or the run stops
@@ -127,8 +129,7 @@ def update(cfg: Config, ops: KindOps, optimizer, trajs: list, keep: torch.Tensor
             sums.update(ops.recompute_old(rows_all, trajs[0]))
     first = True
     for _ in range(cfg.optim.epochs):
-        for chunk in np.array_split(np.arange(len(rows_all)), cfg.optim.mini_batches):
-            rows = [rows_all[i] for i in chunk]
+        for rows in split_mini_batches(rows_all, cfg.optim.mini_batches):
             measure, first = first, False
             total = D.all_reduce(torch.tensor([float(ops.count(rows))], dtype=torch.float64))
             if total.item() == 0:
@@ -154,6 +155,26 @@ def update(cfg: Config, ops: KindOps, optimizer, trajs: list, keep: torch.Tensor
             sums["train/grad_norm_sum"] = sums.get("train/grad_norm_sum", 0.0) + grad_norm
             sums["train/updates"] = sums.get("train/updates", 0.0) + 1
     return {**summarise(reduce_metrics(sums), world), **ops.measured(), "rollout/nonfinite_samples": 0.0}
+
+
+def split_mini_batches(rows: list, count: int) -> list[list]:
+    """Mini-batch m holds the rows whose place in the step's shuffle (`position`) is in [m / count,
+    (m + 1) / count), on every rank: so the mini-batches hold the same rows on any number of ranks."""
+    out: list[list] = [[] for _ in range(count)]
+    for r in rows:
+        out[int(r.position * count)].append(r)
+    return out
+
+
+def global_positions(gen: torch.Generator, total: int) -> list[float]:
+    """The update's shuffle: for each of the step's `total` rows over all ranks (numbered by global request
+    index, and trained step), its place in a random permutation drawn from `gen`, as a fraction in [0, 1).
+    `gen` is seeded from (seed, step) alone, so every rank, on any number of ranks, draws the same places:
+    a row's mini-batch does not depend on the rank it is on."""
+    perm = torch.randperm(total, generator=gen)
+    where = torch.empty(total, dtype=torch.float64)
+    where[perm] = torch.arange(total, dtype=torch.float64) / total
+    return where.tolist()
 
 
 def sync_grads(cfg: Config, model: nn.Module) -> None:

@@ -63,7 +63,8 @@ class KindOps(Protocol):
         done (a packed batch, or one response), so rewards are scored while the rest generates."""
 
     def update_rows(self, trajs: list, keep: torch.Tensor, gen: torch.Generator) -> list:
-        """This rank's rows of the kept samples, shuffled with `gen`."""
+        """This rank's rows of the kept samples, each with its `position` in the step's shuffle of every
+        rank's rows (`step.global_positions` with `gen`), in that order."""
 
     def recompute_old(self, rows: list, pad_traj: Any) -> dict[str, float]:
         """Record the behaviour policy's log-probs on every row (old_logprob recompute), under no_grad,
