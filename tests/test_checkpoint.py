@@ -168,24 +168,31 @@ def grid_cells(path: Path, n: int, size: int = 32) -> np.ndarray:
 
 @pytest.mark.slow
 def test_resume_on_fewer_ranks_draws_the_same_samples(tiny_sd3, data, reference, tmp_path):
-    """2 ranks -> 1: step 2 after resuming draws the samples the 2-rank run drew (request seeds come from
-    the global request index), from the same (resharded) weights."""
+    """2 ranks -> 1: the steps after resuming draw the samples the 2-rank run drew (request seeds come
+    from the global request index) and update on the same mini-batches, from the same (resharded) weights.
+    What differs is the order of the gradient sums (one rank instead of two), so the weights drift apart by
+    the rounding of that order, amplified by Adam (lr 1e-2 here): measured and bounded, not zero."""
     out = tmp_path / "one_rank"
     resume = reference / "checkpoints/step_000002"
-    torchrun(
-        1, RECIPE, *overrides(tiny_sd3, data, out, "--checkpoint.resume", str(resume), "--run.steps", "3")
-    )
+    torchrun(1, RECIPE, *overrides(tiny_sd3, data, out, "--checkpoint.resume", str(resume)))
     # Rank 0 of the 2-rank run logged its 4 samples (global requests 0-3); the 1-rank run all 8.
     ref_cells = grid_cells(reference / "samples/step_000002.png", 4)
     cells = grid_cells(out / "samples/step_000002.png", 4)
     step1 = grid_cells(reference / "samples/step_000000.png", 4)
     assert np.abs(ref_cells - step1).max() > 20  # other steps draw other samples
     assert np.abs(cells - ref_cells).max() <= 1  # equal up to uint8 rounding
-    ref_row, row = read_metrics(reference / "metrics.jsonl")[2], read_metrics(out / "metrics.jsonl")[2]
-    assert row["reward/mean"] == pytest.approx(ref_row["reward/mean"], rel=1e-3)
-    assert steady(read_metrics(out / "metrics.jsonl")[:2]) == steady(
-        read_metrics(reference / "metrics.jsonl")[:2]
-    )
+    ref_rows, rows = read_metrics(reference / "metrics.jsonl"), read_metrics(out / "metrics.jsonl")
+    assert steady(rows[:2]) == steady(ref_rows[:2])  # the 2-rank run's own rows, kept
+    drift = {f"reward step {s}": abs(rows[s]["reward/mean"] - ref_rows[s]["reward/mean"]) for s in (2, 3)}
+    ref, got = load_file(reference / LORA), load_file(out / LORA)
+    scale = max(v.abs().max().item() for v in ref.values())
+    drift["lora max |diff|"] = max((ref[k] - got[k]).abs().max().item() for k in ref)
+    print(f"2 -> 1 ranks: {drift}; largest LoRA weight {scale:.3g}")
+    # Step 2 runs on the checkpoint's weights (resharded, not recomputed): the same samples and reward.
+    assert drift["reward step 2"] == 0
+    # Two updates later the weights differ at the level of float32 rounding (measured 1.4e-7); over 25
+    # steps the difference grows (benchmarks/resume_drift.py, README).
+    assert drift["reward step 3"] <= 1e-4 and drift["lora max |diff|"] <= 1e-5
 
 
 @pytest.fixture(scope="module")

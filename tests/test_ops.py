@@ -419,6 +419,10 @@ def bad_inputs(tiny_sd3, tmp_path) -> dict[str, tuple[list[str], str]]:
             ],
             f"prompt file not found: {tmp_path / 'nope.jsonl'}",
         ),
+        "resume from no checkpoint": (
+            ["sd3_tiny_flowgrpo", "--model.path", str(tiny_sd3), "--checkpoint.resume", str(tmp_path)],
+            f"checkpoint.resume '{tmp_path}': not a checkpoint directory (no meta.json)",
+        ),
         "malformed data row": (
             ["sd3_tiny_flowgrpo", "--model.path", str(tiny_sd3), "--data.train_path", str(bad_rows)],
             f"{bad_rows}:2: not valid JSON",
@@ -433,6 +437,7 @@ CASES = [
     "unknown adapter",
     "bad override",
     "missing data file",
+    "resume from no checkpoint",
     "malformed data row",
 ]
 
