@@ -300,13 +300,22 @@ def alive(pid: int) -> bool:
         return False
 
 
+def free(lock_file) -> bool:
+    """Whether an exclusive flock on the open `lock_file` can be taken now (it is kept if so)."""
+    import fcntl
+
+    try:
+        fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
 @pytest.mark.slow
 def test_second_run_on_a_held_directory_and_a_killed_launcher(tiny_sd3, tmp_path):
     """A run holds its output directory: a second torchrun on it fails at once with one error line naming
     the holder (and writes nothing there). SIGKILL of the first run's torchrun (not of its ranks) then
     ends its ranks within seconds, which releases the directory."""
-    import fcntl
-
     recipe = yaml.safe_load((ROOT / "yaml/sd3_tiny_flowgrpo.yaml").read_text())
     recipe["model"]["path"] = str(tiny_sd3)
     recipe["run"].update(steps=10_000, output_dir=str(tmp_path / "out"))
@@ -356,12 +365,12 @@ def test_second_run_on_a_held_directory_and_a_killed_launcher(tiny_sd3, tmp_path
 
         os.kill(first.pid, signal.SIGKILL)  # the launcher only, as a node agent's OOM kill would
         killed = time.monotonic()
-        while any(alive(w) for w in workers):
-            assert time.monotonic() - killed < 10, "the ranks outlived their launcher by 10 s"
-            time.sleep(0.05)
-        print(f"ranks gone {time.monotonic() - killed:.2f} s after the launcher was killed")
         with open(lock) as f:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released with them
+            # Gone: every rank's main thread exited, and the lock released (by the last of its threads).
+            while any(alive(w) for w in workers) or not free(f):
+                assert time.monotonic() - killed < 10, "the ranks outlived their launcher by 10 s"
+                time.sleep(0.05)
+        print(f"ranks gone {time.monotonic() - killed:.2f} s after the launcher was killed")
     finally:  # the ranks run in sessions of their own: a failed test kills them one by one
         for pid in [first.pid, *workers]:
             with contextlib.suppress(ProcessLookupError):
