@@ -21,6 +21,7 @@ setup(
         "numpy>=1.26",
         "tqdm>=4.66",
         "rapidfuzz>=3",
+        "xxhash>=3",  # checkpoint manifests
     ],
     extras_require={
         "ocr": ["rapidocr>=3.4", "onnxruntime>=1.18"],

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -490,10 +492,186 @@ def load_config(recipe: str, overrides: list[str]) -> Config:
     import tyro
 
     cfg, path = load_recipe(recipe, override_adapter(overrides))
-    cfg = tyro.cli(type(cfg), default=cfg, args=overrides, description=f"omnirl recipe {path}")
+    args = bool_values(type(cfg), overrides)
+    cfg = tyro.cli(type(cfg), default=cfg, args=args, description=f"omnirl recipe {path}")
     check_required(cfg, str(path))
+    check_values(cfg)
     return cfg
 
 
 def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def bool_values(config_cls: type[Config], overrides: list[str]) -> list[str]:
+    """`--section.flag true|false` (or `=true|false`, any case) as tyro's `--section.flag` /
+    `--section.no-flag`, so a boolean field of `config_cls` takes a value like every other field; other
+    arguments pass as they are."""
+    hints = typing.get_type_hints(config_cls)
+    flags = set()
+    for section in dataclasses.fields(config_cls):
+        if dataclasses.is_dataclass(hints[section.name]):
+            fields = typing.get_type_hints(hints[section.name]).items()
+            flags |= {f"{section.name}.{name}" for name, tp in fields if tp is bool}
+    out, i = [], 0
+    while i < len(overrides):
+        arg, value = overrides[i], None
+        name = arg[2:].replace("-", "_") if arg.startswith("--") else ""
+        if "=" in name:
+            name, value = name.split("=", 1)
+        elif name in flags and i + 1 < len(overrides) and overrides[i + 1].lower() in ("true", "false"):
+            value, i = overrides[i + 1], i + 1
+        if name in flags and value is not None and value.lower() in ("true", "false"):
+            section, field_name = name.split(".")
+            arg = f"--{section}.{field_name}" if value.lower() == "true" else f"--{section}.no-{field_name}"
+        out.append(arg)
+        i += 1
+    return out
+
+
+def _at_least(n: int) -> tuple:
+    return (lambda v: v >= n), f"an integer >= {n}"
+
+
+POSITIVE = (lambda v: math.isfinite(v) and v > 0), "a finite number > 0"
+NON_NEGATIVE = (lambda v: math.isfinite(v) and v >= 0), "a finite number >= 0"
+FRACTION = (lambda v: math.isfinite(v) and 0 < v <= 1), "a number in (0, 1]"
+
+# Field -> (predicate, what is allowed). The family-specific settings (rollout.prompt_length_buckets,
+# sampling.condition_area, model.stage) are checked by their adapters.
+RANGES = {
+    "run.steps": _at_least(1),
+    "lora.rank": _at_least(1),
+    "lora.alpha": POSITIVE,
+    "lora.dropout": ((lambda v: math.isfinite(v) and 0 <= v < 1), "a number in [0, 1)"),
+    "sampling.height": _at_least(1),
+    "sampling.width": _at_least(1),
+    "sampling.num_steps": _at_least(1),
+    "sampling.guidance_scale": (
+        (lambda v: math.isfinite(v) and v >= 1),
+        "a finite number >= 1 (1 = no guidance)",
+    ),
+    "sampling.noise_level": NON_NEGATIVE,
+    "sampling.sde_window_size": _at_least(0),
+    "generation.temperature": POSITIVE,
+    "generation.top_p": FRACTION,
+    "generation.top_k": _at_least(0),
+    "generation.max_new_tokens": _at_least(1),
+    "generation.kv_cache_gib": POSITIVE,
+    "rollout.prompts_per_step": _at_least(1),
+    "rollout.group_size": _at_least(2),  # a group of one sample never has reward spread
+    "rollout.max_num_seqs": _at_least(1),
+    "rollout.max_num_batched_tokens": _at_least(0),
+    "reward.num_workers": _at_least(1),
+    "reward.timeout_s": POSITIVE,
+    "algo.clip_range": POSITIVE,
+    "algo.kl_beta": NON_NEGATIVE,
+    "algo.adv_clip": POSITIVE,
+    "algo.correction_threshold": ((lambda v: math.isfinite(v) and v > 1), "a finite number > 1"),
+    "optim.lr": POSITIVE,
+    "optim.weight_decay": NON_NEGATIVE,
+    "optim.eps": POSITIVE,
+    "optim.grad_clip": NON_NEGATIVE,
+    "optim.micro_batch_size": _at_least(1),
+    "optim.micro_batch_tokens": _at_least(0),
+    "optim.mini_batches": _at_least(1),
+    "optim.epochs": _at_least(1),
+    "distributed.timeout_s": _at_least(1),
+    "log.image_every": _at_least(0),
+    "validation.every": _at_least(0),
+    "validation.num_steps": _at_least(1),
+    "validation.num_samples": _at_least(1),
+    "validation.temperature": POSITIVE,
+    "validation.top_p": FRACTION,
+    "checkpoint.every": _at_least(0),
+    "checkpoint.keep": _at_least(1),
+}
+
+
+def check_values(cfg: Config) -> None:
+    """Every value a run cannot use, found when the recipe loads (before anything is loaded or written):
+    a ConfigError naming the field, the value and what is allowed. Ranges come from `RANGES`; below them
+    the settings that must agree with each other, with the number of ranks (WORLD_SIZE, set by torchrun)
+    and with the adapter's class (`omnirl.models.get_adapter` imports its module, loads no weights)."""
+
+    def bad(key: str, value: Any, allowed: str) -> ConfigError:
+        return ConfigError(f"{key} must be {allowed}, got {value!r}")
+
+    for key, (ok, allowed) in RANGES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if not ok(value):
+            raise bad(key, value, allowed)
+    for i, beta in enumerate(cfg.optim.betas):
+        if not (math.isfinite(beta) and 0 <= beta < 1):
+            raise bad(f"optim.betas[{i}]", beta, "a finite number in [0, 1)")
+    high = cfg.algo.clip_range_high
+    if high is not None and not (math.isfinite(high) and high > 0):
+        raise bad("algo.clip_range_high", high, "a finite number > 0, or null (= algo.clip_range)")
+    if cfg.algo.global_std and not cfg.algo.std_normalise:
+        raise ConfigError("algo.global_std true needs algo.std_normalise true: without it no std is taken")
+    if not cfg.reward.weights:
+        raise ConfigError(
+            "reward.weights is empty: name at least one reward, e.g. {jpeg_compressibility: 1.0}"
+        )
+    for name, weight in cfg.reward.weights.items():
+        if not math.isfinite(weight):
+            raise bad(f"reward.weights.{name}", weight, "a finite number")
+    if not cfg.lora.target_modules:
+        raise ConfigError("lora.target_modules is empty: name the modules that receive LoRA")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.rollout.prompts_per_step % world:
+        raise ConfigError(
+            f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must divide by the number of ranks "
+            f"({world}): each rank takes an equal share of the step's prompts"
+        )
+    path = cfg.model.path
+    if not os.path.exists(path) and _looks_local(path):
+        raise ConfigError(
+            f"model.path {path!r} does not exist (a local path: it is not looked up on the hub)"
+        )
+    from omnirl.models import get_adapter
+
+    adapter = get_adapter(cfg.model.adapter)
+    if adapter.kind == "diffusion":
+        _check_sampling(cfg.sampling, adapter, cfg.model.adapter)
+
+
+def _looks_local(path: str) -> bool:
+    """A path no hub id looks like (hub ids are `name` or `org/name`): absolute, relative to `.`, `..` or
+    `~`, more than one `/`, or under a local directory that exists."""
+    parts = path.split("/")
+    return (
+        path.startswith(("/", ".", "~"))
+        or len(parts) > 2
+        or path.endswith("/")
+        or (len(parts) == 2 and os.path.isdir(parts[0]))
+    )
+
+
+def _check_sampling(s: SamplingConfig, adapter: type, name: str) -> None:
+    """The diffusion rollout's settings against each other and the family's latent grid."""
+    multiple = adapter.pixel_multiple
+    for key, value in (("sampling.height", s.height), ("sampling.width", s.width)):
+        if value % multiple:
+            raise ConfigError(
+                f"{key} must be a multiple of {multiple} for model.adapter {name!r} (one latent "
+                f"token per {multiple}x{multiple} pixels), got {value}"
+            )
+    if s.sde_type == "ode" or s.noise_level == 0:
+        raise ConfigError(
+            f"sampling.sde_type {s.sde_type!r} with sampling.noise_level {s.noise_level}: a training rollout "
+            "needs a stochastic step (sde or cps, noise_level > 0); the ODE step has no log-prob to train"
+        )
+    if s.sde_type == "cps" and s.noise_level > 1:
+        raise ConfigError(f"sampling.noise_level must be in (0, 1] with sde_type 'cps', got {s.noise_level}")
+    if s.sde_window_size > s.num_steps:
+        raise ConfigError(
+            f"sampling.sde_window_size must be at most sampling.num_steps ({s.num_steps}), got "
+            f"{s.sde_window_size}"
+        )
+    lo, hi = s.sde_window_range
+    if s.sde_window_size and not 0 <= lo < hi:
+        raise ConfigError(
+            f"sampling.sde_window_range must be a non-empty range [lo, hi) with lo >= 0, got {[lo, hi]}"
+        )

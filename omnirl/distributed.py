@@ -1,4 +1,5 @@
-"""Devices, the process group, the DeviceMesh, FSDP2 wrapping and rank-0 loading.
+"""Devices, the process group, the DeviceMesh, FSDP2 wrapping and rank-0 loading; the run's hold on its
+output directory, and ranks that end with their launcher.
 
 Only this module and `memory.py` touch `torch.cuda` / `torch.npu`; everything else asks for the device.
 One process per accelerator, started by torchrun (or run as a single process without it).
@@ -7,9 +8,15 @@ One process per accelerator, started by torchrun (or run as a single process wit
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
+import fcntl
 import os
 import random
+import signal
+import socket
+import sys
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +26,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import PreTrainedModel
+
+from omnirl.config import ConfigError
 
 
 @dataclass
@@ -62,6 +71,7 @@ def init_distributed(timeout_s: int = 600) -> DistInfo:
     device = torch.device(kind, local_rank) if kind != "cpu" else torch.device("cpu")
     if "RANK" not in os.environ:
         return DistInfo(0, 1, 0, device, None)
+    exit_with_parent()
     if not dist.is_initialized():
         dist.init_process_group(
             BACKENDS[kind],
@@ -70,6 +80,73 @@ def init_distributed(timeout_s: int = 600) -> DistInfo:
         )
     mesh = init_device_mesh(kind, (world,), mesh_dim_names=("dp",))
     return DistInfo(rank, world, local_rank, device, mesh)
+
+
+def exit_with_parent() -> None:
+    """End this rank with SIGKILL when its parent (torchrun) dies, however it dies (Linux's parent-death
+    signal). torchrun stops its workers when it is told to stop (SIGTERM, SIGINT) or a worker fails, but
+    a SIGKILL of torchrun itself would leave them training and writing checkpoints into a directory that
+    the next run of the same command then shares. A parent that died before this call has already
+    handed this process to another (init or a subreaper): then exit at once."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    if libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() == 1:
+        os._exit(1)
+
+
+LOCK_FILE = ".lock"
+_locks: dict[str, int | None] = {}  # output_dir (real path) -> the open lock file on rank 0, None elsewhere
+
+
+def lock_output_dir(output_dir: str, create: bool = True) -> None:
+    """Hold `output_dir`/.lock (an exclusive flock, taken by rank 0) until `unlock_output_dir` or the end of
+    the process (the kernel releases it however the process ends, SIGKILL included), so that a second run
+    on the same directory fails at once with a ConfigError naming the holder instead of writing over this
+    run's files. With `create` False a directory that does not exist yet is left alone: nothing is written
+    before the run's inputs are checked, and a directory nobody made holds no run. Collective."""
+    key = os.path.realpath(output_dir)
+    if key in _locks:
+        return
+    rank, world = rank_and_world()
+    status: list = [None, False]  # [error, locked]
+    if rank == 0 and (create or os.path.isdir(key)):
+        os.makedirs(key, exist_ok=True)
+        fd = os.open(os.path.join(key, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = (
+                os.read(fd, 4096).decode(errors="replace").strip()
+                or "a process that has not named itself yet"
+            )
+            os.close(fd)
+            status[0] = (
+                f"run.output_dir {output_dir!r} is in use by another run ({holder}): wait for it to end, "
+                "stop it, or choose another run.output_dir"
+            )
+        else:
+            os.ftruncate(fd, 0)
+            since = time.strftime("%Y-%m-%d %H:%M:%S")
+            os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {since}\n".encode())
+            _locks[key] = fd
+            status[1] = True
+    if world > 1:
+        dist.broadcast_object_list(status, src=0)
+    if status[0]:
+        raise ConfigError(status[0])
+    if status[1] and rank != 0:
+        _locks[key] = None
+
+
+def unlock_output_dir(output_dir: str) -> None:
+    """Release what `lock_output_dir` took (a no-op where nothing is held)."""
+    fd = _locks.pop(os.path.realpath(output_dir), None)
+    if fd is not None:
+        os.close(fd)
 
 
 def destroy() -> None:
@@ -120,6 +197,22 @@ def barrier() -> None:
     """Wait for every rank; a no-op without a process group."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) of the process group, (0, 1) without one."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_gather_object(obj) -> list:
+    """Every rank's `obj` (picklable), in rank order; [obj] without a process group."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:

@@ -82,7 +82,7 @@ def collect_scores(
     `reward` and return the per-reward scores in submission order. Writes into `stats`, when given,
     `time/generate_s` (the generation, scoring overlapped) and `time/score_wait_s` (the scoring still
     left after it)."""
-    per: dict[str, list[np.ndarray]] = {}
+    per: dict[str, list[np.ndarray]] = {name: [] for name in rewards.weights}  # a rank may score nothing
     for trajs, pending in scored:
         result = rewards.result(pending)
         for t, r in zip(trajs, result.total.tolist()):
@@ -92,7 +92,7 @@ def collect_scores(
     if stats is not None:
         stats["time/generate_s"] = generated - start
         stats["time/score_wait_s"] = time.perf_counter() - generated
-    return {k: np.concatenate(v) for k, v in per.items()}
+    return {k: np.concatenate(v) if v else np.zeros(0) for k, v in per.items()}
 
 
 def equalise(micro_batches: list[list], pad_row: Any) -> list[list]:
@@ -109,8 +109,18 @@ def update(cfg: Config, ops: KindOps, optimizer, trajs: list, keep: torch.Tensor
 
     `keep` [N] bool marks the samples of groups with reward spread. Losses are divided by the global count
     of the mini-batch (`ops.count` all-reduced), so the gradients summed over micro-batches and ranks are
-    the mini-batch mean."""
+    the mini-batch mean. Mini-batches are cut from one shuffle of every rank's rows (`global_positions`):
+    they hold the same rows on any number of ranks, only the order of the sums differs; where groups were
+    dropped they hold unequal numbers of rows (each divided by its own count)."""
     gen = torch.Generator().manual_seed(derive_seed(cfg.run.seed, step, -1))
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if nonfinite := nonfinite_samples(cfg, trajs, step):  # the step's update is skipped, or the run stops
+        sums = {"train/skipped_nonfinite": 1.0}  # one skipped update, on every rank
+        return {
+            **summarise(reduce_metrics(sums), world),
+            **ops.measured(),
+            "rollout/nonfinite_samples": nonfinite,
+        }
     # Every rank must hold the same keys: reduce_metrics all-reduces them as one tensor.
     sums: dict[str, float] = {"train/skipped_nonfinite": 0.0}
     rows_all = ops.update_rows(trajs, keep, gen)
@@ -119,8 +129,7 @@ def update(cfg: Config, ops: KindOps, optimizer, trajs: list, keep: torch.Tensor
             sums.update(ops.recompute_old(rows_all, trajs[0]))
     first = True
     for _ in range(cfg.optim.epochs):
-        for chunk in np.array_split(np.arange(len(rows_all)), cfg.optim.mini_batches):
-            rows = [rows_all[i] for i in chunk]
+        for rows in split_mini_batches(rows_all, cfg.optim.mini_batches):
             measure, first = first, False
             total = D.all_reduce(torch.tensor([float(ops.count(rows))], dtype=torch.float64))
             if total.item() == 0:
@@ -145,8 +154,27 @@ def update(cfg: Config, ops: KindOps, optimizer, trajs: list, keep: torch.Tensor
                 sums[k] = sums.get(k, 0.0) + v
             sums["train/grad_norm_sum"] = sums.get("train/grad_norm_sum", 0.0) + grad_norm
             sums["train/updates"] = sums.get("train/updates", 0.0) + 1
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    return {**summarise(reduce_metrics(sums), world), **ops.measured()}
+    return {**summarise(reduce_metrics(sums), world), **ops.measured(), "rollout/nonfinite_samples": 0.0}
+
+
+def split_mini_batches(rows: list, count: int) -> list[list]:
+    """Mini-batch m holds the rows whose place in the step's shuffle (`position`) is in [m / count,
+    (m + 1) / count), on every rank: so the mini-batches hold the same rows on any number of ranks."""
+    out: list[list] = [[] for _ in range(count)]
+    for r in rows:
+        out[int(r.position * count)].append(r)
+    return out
+
+
+def global_positions(gen: torch.Generator, total: int) -> list[float]:
+    """The update's shuffle: for each of the step's `total` rows over all ranks (numbered by global request
+    index, and trained step), its place in a random permutation drawn from `gen`, as a fraction in [0, 1).
+    `gen` is seeded from (seed, step) alone, so every rank, on any number of ranks, draws the same places:
+    a row's mini-batch does not depend on the rank it is on."""
+    perm = torch.randperm(total, generator=gen)
+    where = torch.empty(total, dtype=torch.float64)
+    where[perm] = torch.arange(total, dtype=torch.float64) / total
+    return where.tolist()
 
 
 def sync_grads(cfg: Config, model: nn.Module) -> None:
@@ -159,7 +187,30 @@ def sync_grads(cfg: Config, model: nn.Module) -> None:
 
 
 class NonFiniteError(RuntimeError):
-    """A non-finite loss or gradient norm with train.on_nonfinite 'stop'; the message names the step."""
+    """A non-finite sample, loss or gradient norm with train.on_nonfinite 'stop'; the message names the
+    step."""
+
+
+def nonfinite_samples(cfg: Config, trajs: list, step: int) -> float:
+    """How many samples of the step, over all ranks, held NaN or infinity (`omnirl.ops.nonfinite_parts`:
+    they were not scored, their reward is NaN). Any at all: with train.on_nonfinite 'stop' a
+    NonFiniteError naming the step and this rank's first such request; with 'skip' a warning, and the
+    caller skips the step's update on every rank (a policy that makes NaN samples would only learn NaN
+    from them). Collective."""
+    bad = [t for t in trajs if not math.isfinite(t.reward)]
+    total = int(D.all_reduce(torch.tensor([float(len(bad))], dtype=torch.float64)).item())
+    if not total:
+        return 0.0
+    from omnirl.ops import nonfinite_parts
+
+    where = (
+        f"; on this rank request {bad[0].request.index}: {', '.join(nonfinite_parts(bad[0]))}" if bad else ""
+    )
+    msg = f"step {step}: {total} samples hold NaN or infinity, so none of them was scored{where}"
+    if cfg.train.on_nonfinite == "stop":
+        raise NonFiniteError(f"{msg}; the weights were not updated (train.on_nonfinite: stop)")
+    D.print0(f"warning: {msg}; the update is skipped (train.on_nonfinite: skip)")
+    return float(total)
 
 
 def skip_nonfinite(cfg: Config, step: int, finite_loss: bool, grad_norm: float) -> bool:
@@ -216,12 +267,13 @@ def summarise(sums: dict[str, float], world_size: int) -> dict[str, float]:
 
 
 def reward_stats(per: dict[str, np.ndarray]) -> dict[str, float]:
-    """Global mean of each named reward (the weighted total's mean and std come with the advantages)."""
+    """Global mean of each named reward (the weighted total's mean and std come with the advantages); NaN
+    when no sample of the step was scored (all non-finite)."""
     keys = sorted(per)
     t = D.all_reduce(
         torch.tensor([float(per[k].sum()) for k in keys] + [float(len(per[keys[0]]))], dtype=torch.float64)
     )
-    return {f"reward/{k}": t[i].item() / t[-1].item() for i, k in enumerate(keys)}
+    return {f"reward/{k}": t[i].item() / t[-1].item() if t[-1] else math.nan for i, k in enumerate(keys)}
 
 
 def per_rank(logs: dict[str, float]) -> dict[str, float]:
@@ -244,10 +296,17 @@ def assign_advantages(cfg: Config, trajs: list) -> tuple[torch.Tensor, dict[str,
     reward spread, the advantage metrics)."""
     rewards = torch.tensor([t.reward for t in trajs])
     groups = torch.tensor([t.request.group_id for t in trajs])
+    # A non-finite sample was not scored (reward NaN): the scored ones alone make the statistics, and
+    # `update` skips the step (or stops) because of it.
+    scored = torch.isfinite(rewards)
     a = cfg.algo
-    adv, keep, metrics = group_advantages(
-        rewards, groups, a.adv_clip, a.global_std, std_normalise=a.std_normalise
+    adv, kept, metrics = group_advantages(
+        rewards[scored], groups[scored], a.adv_clip, a.global_std, std_normalise=a.std_normalise
     )
-    for t, value in zip(trajs, adv.tolist()):
+    keep = torch.zeros(len(trajs), dtype=torch.bool)
+    keep[scored] = kept
+    advantages = torch.zeros(len(trajs), dtype=adv.dtype)
+    advantages[scored] = adv
+    for t, value in zip(trajs, advantages.tolist()):
         t.advantage = value
     return keep, metrics

@@ -27,6 +27,7 @@ def train(cfg: Config) -> dict[str, float]:
     """Run the recipe; returns the last step's logged metrics."""
     dist = D.init_distributed(cfg.distributed.timeout_s)
     D.seed_everything(cfg.run.seed)
+    D.lock_output_dir(cfg.run.output_dir, create=False)  # a run already there: fail before reading its files
     resume = checkpoint.find_resume(cfg)  # a checkpoint of another model fails here, before any loading
     rows, val_rows, skipped = load_data(cfg)
     adapter_cls, ops_cls = check_before_loading(cfg)  # a typo should not cost minutes of loading
@@ -36,6 +37,7 @@ def train(cfg: Config) -> dict[str, float]:
     o = cfg.optim
     trained = [p for p in ops.policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    D.lock_output_dir(cfg.run.output_dir)  # the inputs are fine: from here on this run writes output_dir
     start, history = checkpoint.load(resume, cfg, ops.policy, optimizer, dist) if resume else (0, [])
     logger = MetricsLogger(cfg.run.output_dir, dist.is_main, cfg.log.tensorboard, start, history)
     logger.progress(cfg.run.steps, initial=start)
@@ -76,4 +78,5 @@ def train(cfg: Config) -> dict[str, float]:
         checkpoint.export_lora(cfg, ops.adapter, ops.policy, dist)
     rewards.close()
     logger.close()
+    D.unlock_output_dir(cfg.run.output_dir)
     return logs

@@ -9,6 +9,10 @@ SOURCE is a checkpoint directory (output_dir/checkpoints/step_NNNNNN) or a diffu
 directory names none, so --merge needs --model-path there. A fully fine-tuned checkpoint has no LoRA and
 exports only with --merge. Every weight file is safetensors.
 
+A checkpoint is verified against its manifest before anything is read, and trained weights that hold NaN
+or infinity (of a checkpoint or a LoRA directory) are refused: a damaged source is one line `error: ...`
+and exit status 2, and nothing is written.
+
 An omni checkpoint (Qwen3-Omni thinker, Qwen-VL) exports its LoRA in the peft format (`--format peft`, as
 the run's own `lora/` directory) or, with --merge, the model as a transformers directory with the LoRA
 merged into its weights (loadable as `model.path`, or with the model class's `from_pretrained`).
@@ -20,7 +24,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from omnirl.checkpoint import LORA_FILE, adapter_from_checkpoint, lora_to_peft, save_merged
+from safetensors.torch import load_file
+
+from omnirl.checkpoint import (
+    LORA_FILE,
+    adapter_from_checkpoint,
+    check_finite,
+    lora_to_peft,
+    save_merged,
+)
+from omnirl.config import ConfigError
 from omnirl.distributed import DTYPES
 
 
@@ -40,7 +53,18 @@ def main(argv: list[str]) -> int:
     is_checkpoint = (args.source / "meta.json").is_file()
     if not is_checkpoint and not (args.source / LORA_FILE).is_file():
         parser.error(f"{args.source}: neither a checkpoint (meta.json) nor a LoRA directory ({LORA_FILE})")
+    try:
+        return export(parser, args)
+    except ConfigError as e:  # CheckpointError included
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    is_checkpoint = (args.source / "meta.json").is_file()
     lora_only = not args.merge and args.format == "diffusers"
+    if not is_checkpoint:
+        check_finite(args.source / LORA_FILE, load_file(args.source / LORA_FILE))
 
     with tempfile.TemporaryDirectory() as tmp:
         lora_dir, model_path, policy = args.source, args.model_path, None

@@ -5,5 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_env.sh
 python scripts/make_tiny_models.py --out tiny_models --only sd3
-torchrun --nproc_per_node 2 --master_port "${MASTER_PORT:-29517}" scripts/train.py --recipe sd3_tiny_flowgrpo "$@"
+# --standalone: a rendezvous on a free local port, so a second quickstart (or any other job) never collides.
+torchrun --standalone --nproc_per_node 2 scripts/train.py --recipe sd3_tiny_flowgrpo "$@"
 python scripts/summarize_run.py outputs/sd3_tiny_flowgrpo/metrics.jsonl

@@ -5,8 +5,12 @@
 `--recipe NAME` is yaml/NAME.yaml or a path to a YAML file; every other flag overrides one config field
 (`--help` lists them all with their documentation).
 
-A mistake in the input (recipe, override, model path, adapter / reward / loss name, data file or row) is
+A mistake in the input (recipe, override, value out of range, model path, adapter / reward / loss name,
+data file or row, a checkpoint that does not fit or is damaged, an output directory another run holds) is
 one line `error: ...` on stderr and exit status 2, raised before anything is written to run.output_dir.
+Under torchrun rank 0 prints it and writes it to its torchelastic error file, so that the launcher's
+failure summary names it as the cause (torchrun itself exits 1); the other ranks first wait a few seconds
+for the launcher to end them, and report it themselves only where rank 0 did not fail.
 Anything else is a bug and keeps its traceback; under torchrun `@record` also puts it in the launcher's
 failure summary, so the first failing rank's cause is named there.
 """
@@ -14,15 +18,20 @@ failure summary, so the first failing rank's cause is named there.
 import argparse
 import contextlib
 import io
+import json
 import os
 import sys
+import time
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from omnirl.config import Config, ConfigError, load_config
 from omnirl.data.prompts import DataError
 
-USER_ERRORS = (ConfigError, DataError)
+USER_ERRORS = (ConfigError, DataError)  # omnirl.checkpoint.CheckpointError is a ConfigError
+# Under torchrun, how long a rank other than 0 waits, after a user error, for the launcher to end it (rank 0
+# found the same error and exited); a rank still running then reports the error itself.
+REPORT_WAIT_S = 5.0
 
 
 @record
@@ -46,9 +55,20 @@ def main(argv: list[str]) -> int:
         distributed.barrier()  # no rank tears down while another is still in a collective
         distributed.destroy()  # NCCL warns about a process group that is never destroyed
     except USER_ERRORS as e:
-        print("error: " + " ".join(line.strip() for line in str(e).splitlines()), file=sys.stderr)
+        report("error: " + " ".join(line.strip() for line in str(e).splitlines()))
         return 2
     return 0
+
+
+def report(line: str) -> None:
+    """Print a user error's line once per job (see the module docstring)."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        time.sleep(REPORT_WAIT_S)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with open(error_file, "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
+    print(line, file=sys.stderr, flush=True)
 
 
 def parse(recipe: str, overrides: list[str]) -> Config:

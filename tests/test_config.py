@@ -136,10 +136,36 @@ def test_reward_of_another_modality_fails_before_loading(tmp_path):
         "--recipe",
         str(recipe),
         "--model.path",
-        str(tmp_path / "none"),
+        str(tmp_path),  # no model there: loading one would fail, and the check comes first
     ]
     r = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
     assert r.returncode == 2, r.stderr
     line = "error: reward 'mmk12' reads text outputs, but model.adapter 'sd3' produces image"
     assert r.stderr.strip().splitlines()[-1] == line and "Traceback" not in r.stderr
     assert not out.exists()
+
+
+def test_booleans_take_true_and_false_as_well_as_the_no_form():
+    cfg = load_config("sd3_tiny_flowgrpo", ["--log.tensorboard", "false", "--rollout.fused_cfg=False"])
+    assert cfg.log.tensorboard is False and cfg.rollout.fused_cfg is False
+    cfg = load_config("sd3_tiny_flowgrpo", ["--log.no-tensorboard", "--model.gradient-checkpointing", "TRUE"])
+    assert cfg.log.tensorboard is False and cfg.model.gradient_checkpointing is True
+    cfg = load_config("sd3_tiny_flowgrpo", ["--model.gradient_checkpointing", "--run.name", "false"])
+    assert cfg.model.gradient_checkpointing is True and cfg.run.name == "false"  # a string stays a string
+
+
+@pytest.mark.parametrize("path", ["/no/such/model", "./nope", "~/nope", "a/b/c", "tests/no_such_model"])
+def test_missing_local_model_path_fails_without_a_hub_lookup(path, monkeypatch):
+    """A path no hub id looks like fails when the recipe loads; `org/name` (or a name) may be a hub id."""
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)  # tests/ exists: tests/x is local
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(
+        ConfigError, match=rf"model\.path '{path}' does not exist \(a local path: it is not looked"
+    ):
+        load_config("sd3_tiny_flowgrpo", ["--model.path", path])
+    assert load_config("sd3_tiny_flowgrpo", ["--model.path", "org/model"]).model.path == "org/model"
+
+
+def test_quickstart_rendezvous_takes_a_free_port():
+    script = (Path(__file__).resolve().parent.parent / "scripts/quickstart.sh").read_text()
+    assert "torchrun --standalone" in script and "master_port" not in script

@@ -2,6 +2,7 @@
 command lines, a rank that raises, dies or hangs ends a 2-rank job promptly with the cause in the log, and
 bad input is one clear line with exit status 2 and nothing written to run.output_dir."""
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -287,6 +288,96 @@ def test_hung_rank_ends_the_job_after_the_collective_timeout(tiny_sd3, tmp_path)
     assert "Timed out waiting 15000ms" in cause
 
 
+def children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting for init to reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def free(lock_file) -> bool:
+    """Whether an exclusive flock on the open `lock_file` can be taken now (it is kept if so)."""
+    import fcntl
+
+    try:
+        fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+def test_second_run_on_a_held_directory_and_a_killed_launcher(tiny_sd3, tmp_path):
+    """A run holds its output directory: a second torchrun on it fails at once with one error line naming
+    the holder (and writes nothing there). SIGKILL of the first run's torchrun (not of its ranks) then
+    ends its ranks within seconds, which releases the directory."""
+    recipe = yaml.safe_load((ROOT / "yaml/sd3_tiny_flowgrpo.yaml").read_text())
+    recipe["model"]["path"] = str(tiny_sd3)
+    recipe["run"].update(steps=10_000, output_dir=str(tmp_path / "out"))
+    recipe["rollout"].update(prompts_per_step=2, group_size=4)
+    recipe["sampling"]["num_steps"] = 4
+    recipe["log"].update(image_every=0, tensorboard=False)
+    recipe["checkpoint"] = {"every": 2}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+    def launch(log):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
+        cmd += [str(free_port()), "tests/_train_entry.py", "--recipe", str(path)]
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)  # fmt: skip
+
+    metrics, lock = tmp_path / "out/metrics.jsonl", tmp_path / "out/.lock"
+    with open(tmp_path / "first.log", "w") as log:
+        first = launch(log)
+    workers: list[int] = []
+    try:
+        end = time.monotonic() + 300
+        while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+            assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+            assert time.monotonic() < end, "the first run made no progress"
+            time.sleep(0.2)
+        workers = children(first.pid)
+        assert len(workers) == 2
+        holder = lock.read_text().strip()
+        assert re.fullmatch(rf"pid ({'|'.join(map(str, workers))}) on \S+, since [-\d]+ [:\d]+", holder), (
+            holder
+        )
+
+        start = time.monotonic()
+        second = launch(subprocess.PIPE)
+        out, _ = second.communicate(timeout=120)
+        print(f"second run: exit {second.returncode} after {time.monotonic() - start:.1f} s")
+        assert second.returncode != 0
+        lines = [line for line in out.splitlines() if line.startswith("error: ")]
+        assert lines == [
+            f"error: run.output_dir '{tmp_path / 'out'}' is in use by another run ({holder}): wait for it to "
+            "end, stop it, or choose another run.output_dir"
+        ], out[-3000:]
+        assert f"traceback : {lines[0]}" in root_cause(out)  # torchrun's summary names it too
+        assert f'File "{ROOT}' not in out  # no traceback through omnirl's code (torchrun prints its own)
+
+        os.kill(first.pid, signal.SIGKILL)  # the launcher only, as a node agent's OOM kill would
+        killed = time.monotonic()
+        with open(lock) as f:
+            # Gone: every rank's main thread exited, and the lock released (by the last of its threads).
+            while any(alive(w) for w in workers) or not free(f):
+                assert time.monotonic() - killed < 10, "the ranks outlived their launcher by 10 s"
+                time.sleep(0.05)
+        print(f"ranks gone {time.monotonic() - killed:.2f} s after the launcher was killed")
+    finally:  # the ranks run in sessions of their own: a failed test kills them one by one
+        for pid in [first.pid, *workers]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        first.wait()
+
+
 # --- bad input: one line, exit status 2, nothing written ----------------------------------------------
 
 
@@ -309,7 +400,11 @@ def bad_inputs(tiny_sd3, tmp_path) -> dict[str, tuple[list[str], str]]:
     return {
         "missing model path": (
             ["sd3_tiny_flowgrpo", "--model.path", str(missing_model)],
-            f"model.path '{missing_model}' is neither a local diffusers checkpoint",
+            f"model.path '{missing_model}' does not exist (a local path: it is not looked up on the hub)",
+        ),
+        "model path without a pipeline": (
+            ["sd3_tiny_flowgrpo", "--model.path", str(tmp_path)],
+            f"model.path '{tmp_path}' is neither a local diffusers checkpoint",
         ),
         "unknown reward": (
             [str(unknown_reward), "--model.path", str(tiny_sd3)],
@@ -333,6 +428,10 @@ def bad_inputs(tiny_sd3, tmp_path) -> dict[str, tuple[list[str], str]]:
             ],
             f"prompt file not found: {tmp_path / 'nope.jsonl'}",
         ),
+        "resume from no checkpoint": (
+            ["sd3_tiny_flowgrpo", "--model.path", str(tiny_sd3), "--checkpoint.resume", str(tmp_path)],
+            f"checkpoint.resume '{tmp_path}': not a checkpoint directory (no meta.json)",
+        ),
         "malformed data row": (
             ["sd3_tiny_flowgrpo", "--model.path", str(tiny_sd3), "--data.train_path", str(bad_rows)],
             f"{bad_rows}:2: not valid JSON",
@@ -342,10 +441,12 @@ def bad_inputs(tiny_sd3, tmp_path) -> dict[str, tuple[list[str], str]]:
 
 CASES = [
     "missing model path",
+    "model path without a pipeline",
     "unknown reward",
     "unknown adapter",
     "bad override",
     "missing data file",
+    "resume from no checkpoint",
     "malformed data row",
 ]
 
@@ -374,3 +475,132 @@ def test_bad_input_exit_status_from_the_command_line(tmp_path):
     )
     assert r.returncode == 2
     assert r.stderr == "error: Error parsing --optim.lr: could not convert string to float: 'abc'\n"
+
+
+# Impossible values: found when the recipe loads, before the model (or anything else) is loaded.
+IMPOSSIBLE = {
+    "no steps": (["--run.steps", "0"], "run.steps must be an integer >= 1, got 0"),
+    "negative steps": (["--run.steps", "-1"], "run.steps must be an integer >= 1, got -1"),
+    "negative clip range": (
+        ["--algo.clip_range", "-1"],
+        "algo.clip_range must be a finite number > 0, got -1.0",
+    ),
+    "group of 0": (["--rollout.group_size", "0"], "rollout.group_size must be an integer >= 2, got 0"),
+    "group of 1": (["--rollout.group_size", "1"], "rollout.group_size must be an integer >= 2, got 1"),
+    "no prompts": (["--rollout.prompts_per_step", "0"], "rollout.prompts_per_step must be an integer >= 1"),
+    "micro-batch 0": (["--optim.micro_batch_size", "0"], "optim.micro_batch_size must be an integer >= 1"),
+    "mini-batches 0": (["--optim.mini_batches", "0"], "optim.mini_batches must be an integer >= 1, got 0"),
+    "epochs 0": (["--optim.epochs", "0"], "optim.epochs must be an integer >= 1, got 0"),
+    "height off the latent grid": (
+        ["--sampling.height", "33"],
+        "sampling.height must be a multiple of 16 for model.adapter 'sd3' (one latent token per 16x16",
+    ),
+    "width off the latent grid": (["--sampling.width", "40"], "sampling.width must be a multiple of 16"),
+    "no denoising steps": (["--sampling.num_steps", "0"], "sampling.num_steps must be an integer >= 1"),
+    "window past the steps": (
+        ["--sampling.sde_window_size", "9"],
+        "sampling.sde_window_size must be at most sampling.num_steps (8), got 9",
+    ),
+    "empty window range": (
+        ["--sampling.sde_window_size", "2", "--sampling.sde_window_range", "3", "3"],
+        "sampling.sde_window_range must be a non-empty range [lo, hi) with lo >= 0, got [3, 3]",
+    ),
+    "ODE training rollout": (["--sampling.sde_type", "ode"], "a training rollout needs a stochastic step"),
+    "noise level 0": (["--sampling.noise_level", "0"], "a training rollout needs a stochastic step"),
+    "negative noise level": (
+        ["--sampling.noise_level", "-1"],
+        "sampling.noise_level must be a finite number >= 0",
+    ),
+    "guidance below 1": (
+        ["--sampling.guidance_scale", "0.5"],
+        "sampling.guidance_scale must be a finite number >= 1",
+    ),
+    "negative lr": (["--optim.lr", "-1"], "optim.lr must be a finite number > 0, got -1.0"),
+    "NaN lr": (["--optim.lr", "nan"], "optim.lr must be a finite number > 0, got nan"),
+    "infinite lr": (["--optim.lr", "inf"], "optim.lr must be a finite number > 0, got inf"),
+    "beta of 1": (["--optim.betas", "0.9", "1"], "optim.betas[1] must be a finite number in [0, 1), got 1.0"),
+    "eps 0": (["--optim.eps", "0"], "optim.eps must be a finite number > 0, got 0.0"),
+    "negative grad clip": (["--optim.grad_clip", "-1"], "optim.grad_clip must be a finite number >= 0"),
+    "LoRA rank 0": (["--lora.rank", "0"], "lora.rank must be an integer >= 1, got 0"),
+    "LoRA alpha 0": (["--lora.alpha", "0"], "lora.alpha must be a finite number > 0, got 0.0"),
+    "LoRA dropout 1": (["--lora.dropout", "1"], "lora.dropout must be a number in [0, 1), got 1.0"),
+    "max_new_tokens 0": (
+        ["--generation.max_new_tokens", "0"],
+        "generation.max_new_tokens must be an integer >= 1",
+    ),
+    "temperature 0": (
+        ["--generation.temperature", "0"],
+        "generation.temperature must be a finite number > 0",
+    ),
+    "top_p 0": (["--generation.top_p", "0"], "generation.top_p must be a number in (0, 1], got 0.0"),
+    "no KV cache": (
+        ["--generation.kv_cache_gib", "0"],
+        "generation.kv_cache_gib must be a finite number > 0",
+    ),
+    "negative KL": (["--algo.kl_beta", "-0.1"], "algo.kl_beta must be a finite number >= 0, got -0.1"),
+    "adv_clip 0": (["--algo.adv_clip", "0"], "algo.adv_clip must be a finite number > 0, got 0.0"),
+    "correction threshold 1": (["--algo.correction_threshold", "1"], "algo.correction_threshold must be"),
+    "global std without std": (
+        ["--algo.global_std", "true", "--algo.std_normalise", "false"],
+        "algo.global_std true needs algo.std_normalise true",
+    ),
+    "NaN reward weight": (
+        ["--reward.weights.jpeg_compressibility", "nan"],
+        "reward.weights.jpeg_compressibility must be a finite number, got nan",
+    ),
+    "no reward workers": (["--reward.num_workers", "0"], "reward.num_workers must be an integer >= 1, got 0"),
+    "reward timeout 0": (
+        ["--reward.timeout_s", "0"],
+        "reward.timeout_s must be a finite number > 0, got 0.0",
+    ),
+    "keep no checkpoints": (["--checkpoint.keep", "0"], "checkpoint.keep must be an integer >= 1, got 0"),
+    "negative checkpoint interval": (
+        ["--checkpoint.every", "-1"],
+        "checkpoint.every must be an integer >= 0",
+    ),
+    "collective timeout 0": (
+        ["--distributed.timeout_s", "0"],
+        "distributed.timeout_s must be an integer >= 1",
+    ),
+    "no validation samples": (
+        ["--validation.num_samples", "0"],
+        "validation.num_samples must be an integer >= 1",
+    ),
+    "negative image interval": (
+        ["--log.image_every", "-1"],
+        "log.image_every must be an integer >= 0, got -1",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(IMPOSSIBLE))
+def test_impossible_value_is_one_line_exit_2_and_writes_nothing(case, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # nothing may appear in the working directory either
+    overrides, expected = IMPOSSIBLE[case]
+    out_dir = tmp_path / "out"
+    status = load_train_script().main(
+        ["--recipe", "sd3_tiny_flowgrpo", *overrides, "--run.output_dir", str(out_dir)]
+    )
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert expected in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_values_that_depend_on_the_launch(tmp_path, capsys, monkeypatch):
+    """The prompts of a step must split evenly over the ranks (WORLD_SIZE, as torchrun sets it); an empty
+    reward table is refused."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    main = load_train_script().main
+    assert main(["--recipe", "sd3_tiny_flowgrpo", "--run.output_dir", str(tmp_path / "out")]) == 2
+    assert "rollout.prompts_per_step (4) must divide by the number of ranks (3)" in capsys.readouterr().err
+    monkeypatch.delenv("WORLD_SIZE")
+    recipe = yaml.safe_load((ROOT / "yaml/sd3_tiny_flowgrpo.yaml").read_text())
+    recipe["reward"]["weights"] = {}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert main(["--recipe", str(path), "--run.output_dir", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.startswith("error: reward.weights is empty")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]

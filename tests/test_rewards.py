@@ -200,3 +200,31 @@ def test_uniform_noise_draws_per_rank_and_reads_any_output(monkeypatch):
     assert UniformNoise()(texts, ["a", "b"], [{}, {}]) == first
     monkeypatch.setenv("RANK", "1")
     assert UniformNoise()(images, ["a", "b"], [{}, {}]) != first
+
+
+@pytest.mark.parametrize(
+    "name, package, extra",
+    [("ocr", "rapidocr", "ocr"), ("text_edit", "onnxruntime", "ocr"), ("mmk12", "math_verify", "math")],
+)
+def test_reward_without_its_extra_names_the_extra(name, package, extra, monkeypatch):
+    """A reward whose package is not installed fails when it is built (before the model loads), naming the
+    pip extra that brings it."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == package else find_spec(n, *a))
+    with pytest.raises(ConfigError, match=rf"pip install 'omnirl\[{extra}\]'"):
+        get_reward(name)()
+
+
+def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
+    import sys
+
+    from omnirl.data.mmk12 import load_mmk12
+
+    (tmp_path / "train.parquet").write_bytes(b"PAR1")
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # import fails as if not installed
+    with pytest.raises(
+        DataError, match=r"train\.parquet: reading parquet needs pyarrow: pip install 'omnirl\[math\]'"
+    ):
+        load_mmk12(tmp_path / "train.parquet")

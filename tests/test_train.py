@@ -17,6 +17,7 @@ from omnirl.algos.advantages import group_advantages
 from omnirl.config import load_config
 from omnirl.data.prompts import load_prompts, step_prompt_indices
 from omnirl.models import get_adapter
+from omnirl.models.base import derive_seed
 from omnirl.ops import rollout_and_score
 from omnirl.ops.diffusion import DiffusionOps, Pair, pair_logprob, sampling_params
 from omnirl.rewards.pool import RewardPool
@@ -186,3 +187,44 @@ def test_full_finetune_with_kl_under_torchrun_fsdp(tiny_sd3, tmp_path):
     assert all(m["train/updates"] == 1 for m in metrics)
     assert metrics[0]["loss/kl"] == pytest.approx(0.0, abs=1e-12)
     assert metrics[1]["loss/kl"] > 0
+
+
+def test_mini_batches_hold_the_same_rows_on_any_number_of_ranks():
+    """The update's shuffle is drawn over every rank's rows: split over 1, 2 or 4 ranks (each with its
+    own share of the requests, and some groups dropped), mini-batch m holds the same (sample, step) rows."""
+    from types import SimpleNamespace
+
+    from omnirl.config import config_for
+    from omnirl.models.base import Output, Request, SamplingParams, Trajectory
+    from omnirl.ops.omni import OmniOps
+    from omnirl.step import split_mini_batches
+
+    cfg = config_for("sd3")
+    cfg.rollout.prompts_per_step, cfg.rollout.group_size = 4, 4
+    params = SamplingParams(32, 32, 3, 1.0, 0.7, "sde", 0, (0, 1))
+    z = torch.zeros(3, 1)
+    trajs = [
+        Trajectory(
+            Request("p", i // 4, i, 0, params), z, z, torch.arange(3), torch.zeros(3), z, {}, Output(), z
+        )
+        for i in range(16)
+    ]
+    keep = torch.tensor([i // 4 != 2 for i in range(16)])  # group 2 has no spread
+
+    def batches(world: int, ops_cls, key) -> list[set]:
+        out = [set(), set(), set()]
+        for rank in range(world):
+            share = slice(rank * 16 // world, (rank + 1) * 16 // world)
+            gen = torch.Generator().manual_seed(derive_seed(0, 5, -1))
+            rows = ops_cls.update_rows(SimpleNamespace(cfg=cfg), trajs[share], keep[share], gen)
+            for m, mb in enumerate(split_mini_batches(rows, 3)):
+                out[m] |= {key(r) for r in mb}
+        return out
+
+    for ops_cls, key, total in (
+        (DiffusionOps, lambda r: (r.traj.request.index, r.k), 36),
+        (OmniOps, lambda r: r.traj.request.index, 12),
+    ):
+        one = batches(1, ops_cls, key)
+        assert sum(map(len, one)) == total and all(one)
+        assert batches(2, ops_cls, key) == one == batches(4, ops_cls, key)

@@ -87,13 +87,13 @@ def group_advantages(
         ]
     )
     n, s, sq, groups, zero_groups, kept, n_clipped = all_reduce(stats).tolist()
-    mean = s / n
+    mean = s / n if n else float("nan")  # no samples at all: a step whose every sample was non-finite
     metrics = {
         "reward/mean": mean,
-        "reward/std": max(sq / n - mean * mean, 0.0) ** 0.5,
+        "reward/std": max(sq / n - mean * mean, 0.0) ** 0.5 if n else float("nan"),
         "adv/groups": groups,
         "adv/zero_std_groups": zero_groups,
-        "adv/kept_frac": kept / n,
+        "adv/kept_frac": kept / n if n else 0.0,
         "adv/clip_frac": n_clipped / max(kept, 1.0),
     }
     return adv.to(rewards.dtype), keep, metrics

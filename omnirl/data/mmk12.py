@@ -77,7 +77,10 @@ def load_mmk12(path: str | Path, skipped: list[str] | None = None) -> list[Promp
 
 
 def _parquet_records(path: Path) -> Iterator[tuple[str, dict | DataError]]:
-    import pyarrow.parquet as pq
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading parquet needs pyarrow: pip install 'omnirl[math]'") from None
 
     try:
         batches = pq.ParquetFile(path).iter_batches(batch_size=256)

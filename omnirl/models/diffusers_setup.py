@@ -5,12 +5,16 @@ model), and writing its LoRA in the family's diffusers format.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import peft
 import torch
 from diffusers.training_utils import cast_training_params
 from torch import nn
 
 from omnirl.config import Config, ConfigError
+from omnirl.models.peft_lora import sorted_sets
 
 
 def check_checkpoint(path: str, pipeline_cls) -> None:
@@ -59,5 +63,17 @@ def save_lora(pipeline_cls, transformer: nn.Module, out_dir, state_dict: dict | 
         out_dir,
         transformer_lora_layers=layers,
         # Without it a loader assumes lora_alpha == rank and scales the update wrongly.
-        transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict(),
+        transformer_lora_adapter_metadata=sorted_sets(transformer.peft_config["default"]).to_dict(),
     )
+    sort_safetensors_header(Path(out_dir) / "pytorch_lora_weights.safetensors")
+
+
+def sort_safetensors_header(path: Path) -> None:
+    """Rewrite a safetensors file's JSON header with its keys sorted. The writer (Rust) puts the keys of
+    `__metadata__` in hash-map order, which changes from process to process, so two exports of the same
+    weights would differ in their bytes; the tensors' data and offsets stay as they are."""
+    data = path.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = json.dumps(json.loads(data[8 : 8 + size]), sort_keys=True, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # safetensors keeps the data 8-byte aligned
+    path.write_bytes(len(header).to_bytes(8, "little") + header + data[8 + size :])

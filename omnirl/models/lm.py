@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from omnirl.models.peft_lora import lora_disabled
+from omnirl.models.peft_lora import lora_disabled, sorted_sets
 
 # Tokens per lm_head chunk: 1024 x 152k vocab x 4 bytes = 0.6 GB of float32 logits at a time.
 LOGPROB_CHUNK = 1024
@@ -308,6 +308,6 @@ class TransformersLMAdapter:
         layers = peft.get_peft_model_state_dict(self.hf_model, state_dict=state_dict)
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.lora_config.save_pretrained(out_dir)
+        sorted_sets(self.lora_config).save_pretrained(out_dir)
         tensors = {f"base_model.model.{k}": v.detach().cpu().contiguous() for k, v in layers.items()}
         save_file(tensors, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})

@@ -1,10 +1,12 @@
 """The reference policy of a LoRA run: the same module with its peft LoRA layers switched off. Diffusion
 adapters (diffusers transformers, one or several experts) and omni adapters (transformers language models)
-both inject peft layers, so one switch serves every family."""
+both inject peft layers, so one switch serves every family; and the LoRA config as every export writes
+it."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
@@ -26,3 +28,14 @@ def lora_disabled(model: nn.Module):
     finally:
         for layer in layers:
             layer.enable_adapters(True)
+
+
+def sorted_sets(config):
+    """A copy of a peft config with its set fields (target_modules, ...) as sorted lists. peft and diffusers
+    write a set in its iteration order, which changes with the process's hash seed, so an exported LoRA's
+    bytes would differ between identical runs."""
+    out = copy.copy(config)
+    for name, value in vars(out).items():
+        if isinstance(value, set):
+            setattr(out, name, sorted(value))
+    return out

@@ -180,6 +180,9 @@ class QwenImageAdapter:
     modalities = frozenset({"image"})
     fused_cfg = True  # CFG rows in one forward; the rollout engine sets it (rollout.fused_cfg)
     Settings = QwenImageSettings
+    # sampling.height / width must be multiples of this (checked when the recipe loads): the VAE's 8x
+    # downsampling times the 2x2 latent patches the transformer packs. The tiny test model's VAE: 2x.
+    pixel_multiple = 16
 
     def __init__(self, cfg: Config, device: torch.device):
         path = cfg.model.path

@@ -45,6 +45,9 @@ class SD3Adapter:
     modalities = frozenset({"image"})
     fused_cfg = True  # CFG rows in one forward; the rollout engine sets it (rollout.fused_cfg)
     Settings = SD3Settings
+    # sampling.height / width must be multiples of this (checked when the recipe loads): the VAE's 8x
+    # downsampling times the transformer's 2x2 patches. The tiny test model's VAE downsamples 2x.
+    pixel_multiple = 16
 
     def __init__(self, cfg: Config, device: torch.device):
         path = cfg.model.path

@@ -9,7 +9,9 @@ loop and `omnirl.step.update` call. Generation and scoring (`rollout_and_score`)
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import math
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -61,7 +63,8 @@ class KindOps(Protocol):
         done (a packed batch, or one response), so rewards are scored while the rest generates."""
 
     def update_rows(self, trajs: list, keep: torch.Tensor, gen: torch.Generator) -> list:
-        """This rank's rows of the kept samples, shuffled with `gen`."""
+        """This rank's rows of the kept samples, each with its `position` in the step's shuffle of every
+        rank's rows (`step.global_positions` with `gen`), in that order."""
 
     def recompute_old(self, rows: list, pad_traj: Any) -> dict[str, float]:
         """Record the behaviour policy's log-probs on every row (old_logprob recompute), under no_grad,
@@ -107,19 +110,39 @@ def rollout_and_score(
 ) -> tuple[list, dict[str, np.ndarray]]:
     """Generate and score: each finished batch (or response) is scored in the reward pool while the rest
     generates. Sets `reward` on every trajectory; returns them in request order with the per-reward scores
-    (in finishing order, which is all the logged means need). Writes into `stats`, when given,
+    (in finishing order, which is all the logged means need). A sample holding NaN or infinity
+    (`nonfinite_parts`) is never scored: a NaN image would be scored as a black one. Its reward stays NaN,
+    and `omnirl.step.update` handles it as train.on_nonfinite says. Writes into `stats`, when given,
     `time/generate_s` (the generation, scoring overlapped) and `time/score_wait_s` (the scoring still left
     after it)."""
     scored = []
     start = time.perf_counter()
 
     def submit(trajs: list) -> None:
+        trajs = [t for t in trajs if not nonfinite_parts(t)]  # never scored: their reward stays NaN
+        if not trajs:
+            return
         outputs = [t.output for t in trajs]
         prompts, metadata = [t.request.prompt for t in trajs], [t.request.metadata for t in trajs]
         scored.append((trajs, rewards.submit(outputs, prompts, metadata)))
 
     trajs = ops.generate(requests, submit)
     return trajs, collect_scores(rewards, scored, start, time.perf_counter(), stats)
+
+
+def nonfinite_parts(traj) -> list[str]:
+    """The names of a trajectory's floating-point tensors that hold NaN or infinity: its latents and
+    log-probs (an omni model's token log-probs: non-finite logits), its embeddings and inputs, and its
+    output's image, video or audio."""
+    values = {f.name: getattr(traj, f.name) for f in dataclasses.fields(traj)}
+    values |= {f"output.{m}": getattr(traj.output, m) for m in ("image", "video", "audio")}
+    for name in [n for n, v in values.items() if isinstance(v, dict)]:
+        values |= {f"{name}.{k}": v for k, v in values.pop(name).items()}
+    return [
+        name
+        for name, v in values.items()
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())
+    ]
 
 
 def validate(
@@ -149,8 +172,12 @@ def validate(
                 )
             )
     trajs, _ = rollout_and_score(ops, rewards, requests)
-    t = D.all_reduce(torch.tensor([sum(x.reward for x in trajs), float(len(trajs))], dtype=torch.float64))
-    return {"val/reward": (t[0] / t[1]).item()}
+    scored = [x.reward for x in trajs if math.isfinite(x.reward)]  # non-finite samples are not scored
+    t = D.all_reduce(torch.tensor([sum(scored), float(len(scored)), float(len(trajs))], dtype=torch.float64))
+    return {
+        "val/reward": (t[0] / t[1]).item() if t[1] else math.nan,
+        "val/nonfinite_samples": (t[2] - t[1]).item(),
+    }
 
 
 def shard(cfg: Config, ops: KindOps, dist: D.DistInfo) -> None:

@@ -28,7 +28,7 @@ from omnirl.metrics import MetricsLogger
 from omnirl.models.base import DiffusionAdapter, Output, Request, SamplingParams, Trajectory
 from omnirl.models.flow_sde import flow_step
 from omnirl.rollout.diffusion import DiffusionEngine
-from omnirl.step import equalise, make_requests
+from omnirl.step import equalise, global_positions, make_requests
 
 
 def sampling_params(cfg: Config, num_steps: int | None = None, ode: bool = False) -> SamplingParams:
@@ -54,6 +54,7 @@ class Pair:
     k: int
     weight: float  # 1 for real rows, 0 for the padding rows of short ranks
     old: float | None = None  # behaviour log-prob recomputed by the trainer (old_logprob: recompute)
+    position: float = 0.0  # its place in the step's shuffle of all ranks' rows (step.global_positions)
 
 
 def pair_logprob(
@@ -112,11 +113,17 @@ class DiffusionOps:
         return self.engine.generate(requests, on_batch=on_done)
 
     def update_rows(self, trajs: list[Trajectory], keep: torch.Tensor, gen: torch.Generator) -> list[Pair]:
+        k_steps = len(trajs[0].logprobs)  # trained steps per sample: the same for every sample of a step
+        where = global_positions(
+            gen, self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size * k_steps
+        )
         pairs = [
-            Pair(t, k, 1.0) for t, kept in zip(trajs, keep.tolist()) if kept for k in range(len(t.logprobs))
+            Pair(t, k, 1.0, position=where[t.request.index * k_steps + k])
+            for t, kept in zip(trajs, keep.tolist())
+            if kept
+            for k in range(k_steps)
         ]
-        perm = torch.randperm(len(pairs), generator=gen).tolist()
-        return [pairs[i] for i in perm]
+        return sorted(pairs, key=lambda p: p.position)
 
     def recompute_old(self, pairs: list[Pair], pad_traj: Trajectory) -> dict[str, float]:
         for mb in self.micro_batches(pairs, pad_traj):

@@ -34,7 +34,7 @@ from omnirl.metrics import MetricsLogger
 from omnirl.models.base import GenerationParams, OmniModelBase, OmniTrajectory, Request
 from omnirl.models.lm import pad_responses
 from omnirl.rollout.generate import GenerationEngine
-from omnirl.step import equalise, make_requests
+from omnirl.step import equalise, global_positions, make_requests
 
 
 def generation_params(cfg: Config, tokenizer) -> GenerationParams:
@@ -66,6 +66,7 @@ class TokenRow:
     weight: float  # 1 for real rows, 0 for the padding rows of short ranks
     old: torch.Tensor | None = None  # [T] behaviour log-probs recomputed by the trainer (recompute)
     is_weight: torch.Tensor | None = None  # [T] rollout-correction weights (recompute with tis / mis)
+    position: float = 0.0  # its place in the step's shuffle of all ranks' rows (step.global_positions)
 
 
 def _padded(values: list[torch.Tensor], length: int, device: torch.device) -> torch.Tensor:
@@ -126,8 +127,11 @@ class OmniOps:
         return self.engine.generate(requests, on_finish=lambda t: on_done([t]))
 
     def update_rows(self, trajs: list[OmniTrajectory], keep: torch.Tensor, gen: torch.Generator):
-        rows = [TokenRow(t, 1.0) for t, kept in zip(trajs, keep.tolist()) if kept]
-        return [rows[i] for i in torch.randperm(len(rows), generator=gen).tolist()]
+        where = global_positions(gen, self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size)
+        rows = [
+            TokenRow(t, 1.0, position=where[t.request.index]) for t, kept in zip(trajs, keep.tolist()) if kept
+        ]
+        return sorted(rows, key=lambda r: r.position)
 
     def count(self, rows: list[TokenRow]) -> float:
         """Real response tokens (token_mean) or responses (seq_mean, dr_grpo): losses.grpo_loss."""

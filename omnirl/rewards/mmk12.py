@@ -25,6 +25,7 @@ and restarted. One child per reward instance; the pool never calls an instance f
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -85,6 +86,10 @@ class Mmk12Reward:
     """Seconds one math-verify comparison may take before its child process is killed (scored wrong)."""
 
     def __init__(self) -> None:
+        if importlib.util.find_spec("math_verify") is None:
+            from omnirl.config import ConfigError
+
+            raise ConfigError("the mmk12 reward needs math-verify: pip install 'omnirl[math]'")
         self._proc: subprocess.Popen | None = None  # the math-verify child, started at the first use
 
     def __call__(self, images: list[str], prompts: list[str], metadata: list[dict[str, Any]]) -> list[float]:

@@ -11,12 +11,14 @@ network. ~0.6 s per 512x128 image on 2 CPU cores.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from typing import Any
 
 from PIL import Image
 from rapidfuzz.distance import Levenshtein
 
+from omnirl.config import ConfigError
 from omnirl.data.prompts import DataError
 
 _QUOTED = re.compile(r'"([^"]*)"|“([^”]*)”')
@@ -54,6 +56,10 @@ class OcrReward:
     modality = "image"
 
     def __init__(self) -> None:
+        if importlib.util.find_spec("rapidocr") is None or importlib.util.find_spec("onnxruntime") is None:
+            raise ConfigError(
+                "the OCR rewards (ocr, text_edit) need rapidocr and onnxruntime: pip install 'omnirl[ocr]'"
+            )
         self._engine = None  # created at the first call: loading the ONNX models takes a while
 
     def recognise(self, image: Image.Image) -> str:
