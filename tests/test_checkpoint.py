@@ -544,7 +544,7 @@ def test_nan_bytes_in_a_tensor_are_refused_on_resume_and_export(adapter, tiny_sd
     """64 NaN bytes over one LoRA tensor's data: the manifest catches it; with a manifest written over the
     damaged files (the damage came first), the finite check after loading names the tensor."""
     path = save_checkpoint(adapter, tiny_sd3, tmp_path / "out")
-    name, tensor = next((n, p) for n, p in adapter.transformer.named_parameters() if "lora_B" in n)
+    name, tensor = next((n, p) for n, p in adapter.policy.named_parameters() if "lora_B" in n)
     (shard,) = (path / "model_optim").glob("*.distcp")
     data = shard.read_bytes()
     at = data.find(tensor.detach().numpy().tobytes())  # DCP stores each tensor's bytes as they are
@@ -561,7 +561,7 @@ def test_nan_bytes_in_a_tensor_are_refused_on_resume_and_export(adapter, tiny_sd
     with pytest.raises(
         CheckpointError, match=rf"1 trained tensors hold NaN or infinity, e.g. model\.{re.escape(name)}"
     ):
-        checkpoint.load(path, cfg, other.transformer, opt, D.init_distributed())
+        checkpoint.load(path, cfg, other.policy, opt, D.init_distributed())
     assert export_status(path, tmp_path / "lora") == 2
     (err,) = error_lines(capsys.readouterr().err)  # after the progress bars of loading the base model
     assert "hold NaN or infinity" in err and name in err
@@ -605,7 +605,7 @@ def test_crafted_metadata_fails_to_load_and_runs_nothing(adapter, tiny_sd3, tmp_
         checkpoint.find_resume(cfg)
     opt = torch.optim.AdamW(adapter.trainable_parameters(), lr=1e-2)
     with pytest.raises(CheckpointError, match=expected):
-        checkpoint.load(path, cfg, adapter.transformer, opt, D.init_distributed())
+        checkpoint.load(path, cfg, adapter.policy, opt, D.init_distributed())
     assert export_status(path, tmp_path / "lora") == 2
     assert "not checkpoint metadata" in capsys.readouterr().err
     assert not marker.exists() and not (tmp_path / "lora").exists()
