@@ -82,7 +82,7 @@ def logprob_gap(adapter, trajs, clip_range: float) -> dict:
     with torch.no_grad():
         for i in range(0, len(pairs), 8):
             mb = pairs[i : i + 8]
-            lp, _, _ = pair_logprob(adapter, mb, trajs[0].request.params)
+            lp = pair_logprob(adapter, mb, trajs[0].request.params).logprob
             diffs += (lp.cpu() - torch.stack([p.traj.logprobs[p.k] for p in mb])).tolist()
             steps += [int(p.traj.step_indices[p.k]) for p in mb]
     d = torch.tensor(diffs).abs()

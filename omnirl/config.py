@@ -86,9 +86,12 @@ class SamplingConfig:
     sde_type: Literal["sde", "cps", "ode"] = "sde"
     """Stochastic step: 'sde' (Flow-GRPO), 'cps' (coefficient-preserving) or 'ode'."""
     sde_window_size: int = 0
-    """Trained SDE steps per sample (ODE outside the window); 0 trains every step."""
+    """Trained SDE steps per sample W (ODE outside the window); 0 trains every step but the last (as
+    flow_grpo's timestep_fraction 0.99: the last step, to sigma 0, is a very sharply peaked Gaussian)."""
     sde_window_range: tuple[int, int] = (0, 1)
-    """The window start is drawn per request, uniformly from [lo, hi)."""
+    """[lo, hi): the steps a window of W > 0 may cover. Its start is drawn per request, uniformly from
+    lo .. hi - W, so the window stays inside the range (flow_grpo's and VeRL-Omni's draw): [0, 5) with
+    W = 2 trains two consecutive steps among 0-4. Needs lo + W <= hi <= num_steps."""
     negative_prompt: str = ""
     """Negative prompt of the unconditional CFG branch."""
 
@@ -174,6 +177,18 @@ class AlgoConfig:
     """PPO clip range epsilon of the importance ratio."""
     kl_beta: float = 0.0
     """Weight of the KL term to the reference policy (0 = off)."""
+    kl_form: Literal["flow_grpo", "exact"] = "flow_grpo"
+    """Diffusion losses: the KL term per trained step. 'flow_grpo' (flow_grpo's and so its published
+    kl_beta's): mean over latent dims of (mu_theta - mu_ref)^2 / (2 s_t^2), s_t the SDE coefficient
+    a sqrt(sigma / (1 - sigma)) before the sqrt(|dt|) factor. 'exact': the Gaussian KL, divided by the
+    step's variance s_t^2 |dt|, i.e. 1 / |dt| larger (on SD3.5's 10-step shift-3 schedule 4-25x on the
+    first nine steps, ~110x on the last), so the same kl_beta weighs it that much more. Equal for CPS."""
+    dppo_tau: float = 1e-5
+    """flow_dppo: the divergence D_t (the exact KL between the step Gaussians of the policy and of the
+    rollout) from which a row whose ratio moved in its advantage's direction is masked out."""
+    nft_beta: float = 1.0
+    """diffusion_nft: beta, how far the implicit positive / negative policies move from the old
+    velocity: v+ = (1 - beta) v_old + beta v_theta, v- = (1 + beta) v_old - beta v_theta."""
     adv_clip: float = 5.0
     """Advantages are clamped to [-adv_clip, adv_clip]."""
     global_std: bool = False

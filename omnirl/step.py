@@ -142,7 +142,7 @@ def update(cfg: Config, ops: KindOps, optimizer, trajs: list, keep: torch.Tensor
                 loss.backward()
                 finite_loss &= bool(torch.isfinite(loss.detach()))
                 for k, v in m.items():
-                    mb_sums[k] = mb_sums.get(k, 0.0) + float(v)
+                    mb_sums[k] = combine(k, mb_sums.get(k), float(v))
             sync_grads(cfg, ops.policy)
             grad_norm = clip_grads(cfg, ops.policy)
             if skip_nonfinite(cfg, step, finite_loss, grad_norm):
@@ -151,7 +151,7 @@ def update(cfg: Config, ops: KindOps, optimizer, trajs: list, keep: torch.Tensor
                 continue
             optimizer.step()
             for k, v in mb_sums.items():  # a skipped update's (non-finite) loss metrics are not logged
-                sums[k] = sums.get(k, 0.0) + v
+                sums[k] = combine(k, sums.get(k), v)
             sums["train/grad_norm_sum"] = sums.get("train/grad_norm_sum", 0.0) + grad_norm
             sums["train/updates"] = sums.get("train/updates", 0.0) + 1
     return {**summarise(reduce_metrics(sums), world), **ops.measured(), "rollout/nonfinite_samples": 0.0}
@@ -238,22 +238,48 @@ def clip_grads(cfg: Config, model: nn.Module) -> float:
     return float(norm)
 
 
+def combine(key: str, total: float | None, value: float) -> float:
+    """Add a loss metric to its running total: a `*_max` metric keeps the largest value, the rest sum."""
+    if total is None:
+        return value
+    return max(total, value) if key.endswith("_max") else total + value
+
+
+# The namespaces of the losses' metrics: sums and counts over the rows of the "loss/count".
+LOSS_METRICS = ("loss/", "dppo/", "nft/")
+
+
 def reduce_metrics(sums: dict[str, float]) -> dict[str, float]:
-    keys = sorted(sums)
+    """The metrics of all ranks: `*_max` metrics by their maximum, the others summed."""
+    keys = sorted(k for k in sums if not k.endswith("_max"))
+    maxima = sorted(k for k in sums if k.endswith("_max"))
     t = D.all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
-    return dict(zip(keys, t.tolist()))
+    out = dict(zip(keys, t.tolist()))
+    if maxima:
+        m = D.all_reduce(
+            torch.tensor([sums[k] for k in maxima], dtype=torch.float64), op=torch.distributed.ReduceOp.MAX
+        )
+        out.update(zip(maxima, m.tolist()))
+    return out
 
 
 def summarise(sums: dict[str, float], world_size: int) -> dict[str, float]:
-    """Turn all-reduced sums into the means that are logged."""
+    """Turn all-reduced sums into the means that are logged: a loss metric `X_sum` becomes the mean `X` and
+    `X_count` the fraction `X_frac` over the summed "loss/count" (the rows, or tokens, of the losses);
+    `X_max` stays as it is."""
     out = {}
     count = sums.get("loss/count", 0.0)
     if count:
-        out["loss/policy"] = sums["loss/policy_sum"] / count
-        out["loss/clip_frac"] = sums["loss/clip_count"] / count
-        out["loss/ratio"] = sums["loss/ratio_sum"] / count
-        out["loss/approx_kl"] = sums["loss/approx_kl_sum"] / count
-        out["loss/kl"] = sums.get("loss/kl_sum", 0.0) / count
+        for k, v in sums.items():
+            if k == "loss/count" or not k.startswith(LOSS_METRICS):
+                continue
+            if k.endswith("_sum"):
+                out[k.removesuffix("_sum")] = v / count
+            elif k.endswith("_count"):
+                out[k.removesuffix("_count") + "_frac"] = v / count
+            elif k.endswith("_max"):
+                out[k] = v
+        out.setdefault("loss/kl", 0.0)  # logged without a KL term too: 0
     corrected = sums.get("correction/count", 0.0)
     if corrected:
         out["correction/weight_mean"] = sums["correction/weight_sum"] / corrected

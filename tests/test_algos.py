@@ -7,7 +7,10 @@ import pytest
 import torch
 
 from omnirl.algos.advantages import group_advantages
-from omnirl.algos.losses import LOSSES, flow_grpo_loss, flow_kl, get_loss
+from omnirl.algos.losses import LOSSES, diffusion_nft_loss, flow_dppo_loss, flow_grpo_loss, flow_kl, get_loss
+from omnirl.config import config_for
+from omnirl.models.flow_sde import flow_step
+from omnirl.step import combine, summarise
 
 
 def _numpy_advantages(rewards, groups, adv_clip, global_std, eps=1e-4):
@@ -178,8 +181,10 @@ def test_micro_batches_with_global_normaliser_sum_to_one_batch():
 
 def test_get_loss():
     assert get_loss("flow_grpo") is flow_grpo_loss
-    assert {"flow_grpo", "grpo", "gspo"} <= set(LOSSES)
-    with pytest.raises(ValueError, match="unknown algo.loss 'ppo'; known losses: flow_grpo"):
+    assert get_loss("flow_dppo", "diffusion") is flow_dppo_loss
+    assert get_loss("diffusion_nft", "diffusion") is diffusion_nft_loss
+    assert {"flow_grpo", "flow_dppo", "diffusion_nft", "grpo", "gspo"} <= set(LOSSES)
+    with pytest.raises(ValueError, match="unknown algo.loss 'ppo'; known losses: diffusion_nft, flow_dppo"):
         get_loss("ppo")
 
 
@@ -193,3 +198,94 @@ def test_flow_kl_hand_value():
     torch.testing.assert_close(kl, torch.tensor([7.5 / 8, 0.0, 0.125]))
     kl.sum().backward()
     assert torch.isfinite(mean.grad).all() and (mean.grad[1] == 0).all()
+
+
+@pytest.mark.parametrize("sde_type", ["sde", "cps"])
+def test_kl_forms_by_hand(sde_type):
+    """flow_grpo's KL term divides by 2 s_t^2, s_t = a sqrt(sigma / (1 - sigma)) before sqrt(|dt|); the
+    exact Gaussian KL by the step's variance s_t^2 |dt|. One SDE step from sigma 0.5 to 0.25, a = 0.7:
+    s_t = 0.7 sqrt(0.5 / 0.5) = 0.7, std = 0.7 * sqrt(0.25) = 0.35; means 0.1 apart in every dim:
+    flow_grpo 0.01 / (2 * 0.49), exact 0.01 / (2 * 0.1225), 1 / |dt| = 4 times more. CPS: std =
+    0.25 sin(0.35 pi), and both forms are the one Gaussian KL."""
+    x = torch.zeros(2, 3, 2, 2)
+    out = flow_step(x, x, torch.tensor([0.5, 0.5]), torch.tensor([0.25, 0.25]), 0.9, 0.7, sde_type)
+    mean_ref = out.mean - 0.1
+    grpo_form, exact = flow_kl(out.mean, mean_ref, out.std_dev_t), flow_kl(out.mean, mean_ref, out.std)
+    if sde_type == "sde":
+        torch.testing.assert_close(out.std_dev_t, torch.tensor([0.7, 0.7]))
+        torch.testing.assert_close(out.std, torch.tensor([0.35, 0.35]))
+        torch.testing.assert_close(grpo_form, torch.full((2,), 0.01 / 0.98))
+        torch.testing.assert_close(exact, torch.full((2,), 0.01 / 0.245))
+    else:
+        std = 0.25 * math.sin(0.35 * math.pi)
+        torch.testing.assert_close(out.std, torch.full((2,), std))
+        torch.testing.assert_close(grpo_form, exact)
+        torch.testing.assert_close(exact, torch.full((2,), 0.01 / (2 * std**2)))
+    assert config_for("sd3").algo.kl_form == "flow_grpo"  # published kl_beta values mean what they say
+
+
+# DPPO rows: (A, ratio, divergence D) around tau = 1e-5. A row is masked when D >= tau and its ratio moved
+# with its advantage (A > 0, r > 1 or A < 0, r < 1).
+DPPO_ADV = [2.0, 2.0, 2.0, -1.0, -1.0, -1.0, 0.0]
+DPPO_RATIO = [1.5, 1.5, 0.5, 0.5, 0.5, 1.5, 2.0]
+DPPO_D = [2e-5, 1e-6, 2e-5, 1e-5, 5e-6, 3e-5, 1.0]
+DPPO_MASK = [True, False, False, True, False, False, False]
+
+
+def test_flow_dppo_loss_and_mask_by_hand():
+    lp, old, adv = _rows(ratio=DPPO_RATIO, adv=DPPO_ADV)
+    divergence = torch.tensor(DPPO_D, dtype=torch.float64, requires_grad=True)
+    weights = torch.tensor([1.0] * 6 + [0.0], dtype=torch.float64)  # the last row pads
+    loss, m = flow_dppo_loss(lp, old, adv, weights, divergence, 1e-5, normaliser=6)
+    # -A r of the unmasked real rows, summed, over 6: rows 1, 2, 4, 5.
+    unmasked = [-a * r for a, r, msk in zip(DPPO_ADV[:6], DPPO_RATIO[:6], DPPO_MASK[:6]) if not msk]
+    assert unmasked == [-3.0, -1.0, 0.5, 1.5]
+    assert loss.item() == pytest.approx(sum(unmasked) / 6)
+    loss.backward()
+    expected = [0.0 if msk else -a * r / 6 for a, r, msk in zip(DPPO_ADV, DPPO_RATIO, DPPO_MASK)]
+    expected[6] = 0.0
+    torch.testing.assert_close(lp.grad, torch.tensor(expected, dtype=torch.float64))
+    assert divergence.grad is None  # the mask carries no gradient
+    assert m["loss/count"] == 6 and m["loss/clip_count"] == 2 == m["dppo/mask_count"]
+    assert m["dppo/mask_pos_count"] == 1 and m["dppo/mask_neg_count"] == 1
+    assert m["dppo/kl_new_old_sum"] == pytest.approx(sum(DPPO_D[:6]))
+    assert m["dppo/kl_new_old_max"] == pytest.approx(3e-5)  # the padding row's D = 1 does not count
+    assert m["loss/ratio_sum"] == pytest.approx(sum(DPPO_RATIO[:6]))
+    # Over micro-batches and ranks: maxima combine by max, sums add; then the logged means and fractions.
+    assert combine("dppo/kl_new_old_max", 3e-5, 1e-5) == 3e-5 and combine("loss/count", 6.0, 2.0) == 8.0
+    logged = summarise({**m, "train/skipped_nonfinite": 0.0}, 1)
+    assert logged["loss/clip_frac"] == pytest.approx(2 / 6) and logged["dppo/mask_pos_frac"] == pytest.approx(
+        1 / 6
+    )
+    assert logged["dppo/kl_new_old"] == pytest.approx(sum(DPPO_D[:6]) / 6)
+    assert logged["dppo/kl_new_old_max"] == pytest.approx(3e-5) and logged["loss/kl"] == 0.0
+
+
+def test_diffusion_nft_loss_by_hand():
+    """Two rows of 2 latent dims. Row 0: t 0.5, target (1, -1), v_old 0, v (2, 0), beta 0.5, A 2.5 of clip 5:
+    v+ = (1, 0), v- = (-1, 0); x0 errors e+ = 0.5 ((1, -1) - (1, 0)) = (0, -0.5): mean e^2 0.125 over mean|e|
+    0.25 = 0.5; e- = 0.5 ((1, -1) - (-1, 0)) = (1, -0.5): 0.625 / 0.75 = 5/6; r = 2.5 / 10 + 0.5 = 0.75;
+    policy = 5 / 0.5 * (0.75 * 0.5 + 0.25 * 5/6) = 35/6. Row 1: t 1, target (0, 2), v = v_old = (0, 1),
+    A -5: r 0, v+ = v- = v: e = (0, 1): 0.5 / 0.5 = 1, policy = 10 * 1 = 10."""
+    v = torch.tensor([[2.0, 0.0], [0.0, 1.0]], requires_grad=True)
+    v_old = torch.tensor([[0.0, 0.0], [0.0, 1.0]])
+    target = torch.tensor([[1.0, -1.0], [0.0, 2.0]])
+    t, adv, w = torch.tensor([0.5, 1.0]), torch.tensor([2.5, -5.0]), torch.ones(2)
+    loss, m = diffusion_nft_loss(v, v_old, target, t, adv, w, beta=0.5, adv_clip=5.0, normaliser=2)
+    assert loss.item() == pytest.approx((35 / 6 + 10) / 2)
+    assert m["nft/positive_sum"] == pytest.approx(0.5 + 1.0) and m["nft/negative_sum"] == pytest.approx(
+        5 / 6 + 1
+    )
+    assert m["nft/old_deviate_sum"] == pytest.approx((4 + 0) / 2) and m["loss/count"] == 2
+    loss.backward()
+    # Row 1 (r = 0): 10 * mean(e-^2) / 0.5 with e- = t (target - (1 + beta) v_old + beta v), de-/dv = +0.5:
+    # the gradient is 10 * (2 e / 2) * 0.5 / 0.5 = (0, 10), over the normaliser 2.
+    torch.testing.assert_close(v.grad[1], torch.tensor([0.0, 5.0]))
+    # Row 0: de+/dv = -t beta = -0.25, de-/dv = +0.25. Dim 0: e+ = 0 and e- = 1: 10 * 0.25 * (1 * 0.25 / 0.75)
+    # = 5/6; dim 1: e+ = e- = -0.5: 10 * (0.75 * (-0.5 * -0.25 / 0.25) + 0.25 * (-0.5 * 0.25 / 0.75)) = 10/3;
+    # over the normaliser 2. Both push v (2, 0) towards the target (1, -1).
+    torch.testing.assert_close(v.grad[0], torch.tensor([5 / 12, 5 / 3]))
+    # With v_old = v everywhere the loss is the plain regression of v on the target, whatever r.
+    same, _ = diffusion_nft_loss(v_old, v_old, target, t, adv, w, 0.5, 5.0, 2)
+    plain = [(5 / 0.5) * ((0.5**2 * (1 + 1) / 2) / (0.5 * 1)), 10 * ((0.0 + 1.0) / 2) / 0.5]
+    assert same.item() == pytest.approx(sum(plain) / 2)

@@ -169,3 +169,10 @@ def test_missing_local_model_path_fails_without_a_hub_lookup(path, monkeypatch):
 def test_quickstart_rendezvous_takes_a_free_port():
     script = (Path(__file__).resolve().parent.parent / "scripts/quickstart.sh").read_text()
     assert "torchrun --standalone" in script and "master_port" not in script
+
+
+def test_sd35_recipe_uses_flow_grpos_advantages_and_kl():
+    """flow_grpo's SD3 configs normalise advantages by the std of all the step's rewards (global_std) and
+    weigh its KL form (kl_beta 0.04 with s_t before sqrt(|dt|))."""
+    cfg, _ = load_recipe("sd35_flowgrpo_ocr")
+    assert cfg.algo.global_std and cfg.algo.kl_beta == 0.04 and cfg.algo.kl_form == "flow_grpo"

@@ -14,7 +14,7 @@ from omnirl.rollout.diffusion import DiffusionEngine, bucket_size
 
 STEPS = 4
 # Two keys that cannot share a forward: different latent sizes, guidance, SDE type, noise and window.
-KEY_A = SamplingParams(32, 32, STEPS, 4.5, 0.7, "sde", 2, (0, 3))
+KEY_A = SamplingParams(32, 32, STEPS, 4.5, 0.7, "sde", 2, (0, 4))
 KEY_B = SamplingParams(48, 48, STEPS, 3.0, 0.5, "cps", 1, (1, 3))  # CPS records 0 at the last step
 PROMPTS = ["a red cat", "two dogs in the snow", "a lighthouse at night", "OPEN 24 HOURS", "a bowl", "rain"]
 NEGATIVES = ["blurry", "", "low quality", "", "dark", "text"]

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from omnirl.models.flow_sde import flow_step
+from omnirl.models.base import Request, SamplingParams, derive_seed
+from omnirl.models.flow_sde import WindowedSampler, flow_step, window
 
 torch.manual_seed(0)
 B, SHAPE = 3, (4, 6, 6)
@@ -83,3 +84,77 @@ def test_unknown_sde_type():
     v, x, noise, s, sn = inputs()
     with pytest.raises(ValueError, match="sde_type"):
         flow_step(v, x, s, sn, 0.9, 0.7, "euler")
+
+
+def window_requests(n: int, size: int, window_range, steps: int = 10, **params) -> list[Request]:
+    p = SamplingParams(8, 8, steps, 1.0, 0.7, "sde", size, window_range, **params)
+    return [Request("p", i, i, derive_seed(5, 0, i), p) for i in range(n)]
+
+
+def run_sampler(requests, steps: int):
+    """A denoising loop with a made-up velocity (v = 0.3 x + 0.1): the sampler's own rules, no model."""
+    sigmas = torch.linspace(1.0, 0.0, steps + 1)
+    sampler = WindowedSampler(requests, (2, 3), sigmas, "cpu")
+    x = sampler.initial_latents
+    for i in range(steps):
+        v = 0.3 * x + 0.1
+        before = x
+        x = sampler.step(i, v, x)
+    return sampler, [sampler.record(b) for b in range(len(requests))], before, x, sigmas
+
+
+def test_window_zero_trains_every_step_but_the_last():
+    """Size 0: steps 0 .. T-2 (flow_grpo's int(0.99 T) = 9 of 10); the last step, to sigma 0, is the ODE
+    step and records nothing."""
+    sampler, records, before, final, sigmas = run_sampler(window_requests(3, 0, (0, 1)), steps=10)
+    for r in records:
+        assert r["step_indices"].tolist() == list(range(9))
+        assert r["latents"].shape == (9, 2, 3) and (r["logprobs"] != 0).all()
+    # The last step is x + (0 - sigma_9) v exactly.
+    torch.testing.assert_close(final, before + (0.0 - sigmas[9]) * (0.3 * before + 0.1))
+    assert window(10, 0, (0, 1)) == (9, 0, 0)
+    with pytest.raises(ValueError, match="sampling.num_steps 1 leaves none"):
+        window(1, 0, (0, 1))
+
+
+def test_window_stays_inside_its_range():
+    """W = 2 in [0, 5) starts in 0 .. 3, so it never trains step 5 (or 4 as a first step); each request's
+    start is its generator's draw right after its initial latents, randint(lo, hi - W + 1)."""
+    requests = window_requests(64, 2, (0, 5))
+    _, records, _, _, _ = run_sampler(requests, steps=10)
+    starts = [int(r["step_indices"][0]) for r in records]
+    assert set(starts) == {0, 1, 2, 3}
+    assert max(int(r["step_indices"][-1]) for r in records) == 4
+    for req, start in zip(requests[:4], starts):
+        g = torch.Generator().manual_seed(req.seed)
+        torch.randn(2, 3, generator=g)
+        assert start == int(torch.randint(0, 4, (1,), generator=g))
+    assert window(10, 2, (0, 5)) == (2, 0, 3) and window(10, 3, (2, 5)) == (3, 2, 2)
+    for size, rng in ((6, (0, 5)), (2, (4, 11)), (2, (-1, 3))):
+        with pytest.raises(ValueError, match=r"sampling.sde_window_range .* sampling.sde_window_size"):
+            window(10, size, rng)
+
+
+def test_record_mean_and_validation_records():
+    """record_mean keeps each trained step's mean, the Gaussian's centre: x' = mean + std * noise; a rollout
+    recording no log-probs (validation) has no window and records nothing."""
+    requests = window_requests(2, 2, (0, 4), steps=4, record_mean=True)
+    _, records, _, _, sigmas = run_sampler(requests, steps=4)
+    for r in records:
+        k = r["step_indices"]
+        v = 0.3 * r["latents"] + 0.1
+        out = flow_step(
+            v,
+            r["latents"],
+            sigmas[k],
+            sigmas[k + 1],
+            float(sigmas[1]),
+            0.7,
+            "sde",
+            prev_sample=r["next_latents"],
+        )
+        torch.testing.assert_close(r["means"], out.mean)
+        torch.testing.assert_close(r["logprobs"], out.logprob)
+    _, records, _, _, _ = run_sampler(window_requests(2, 2, (0, 9), steps=4, record_logprobs=False), steps=4)
+    assert all(r["latents"].shape[0] == 0 and r["means"] is None for r in records)
+    assert records[0]["step_indices"].dtype == torch.int64

@@ -276,7 +276,8 @@ def test_zero_spread_rank_matches_single_rank(tiny_qwen3_omni_k12, tmp_path):
     recipe["reward"]["weights"] = {"mmk12_zero_on_flagged_rows": 1.0}
     recipe["run"]["steps"] = 1
     recipe["rollout"].update(prompts_per_step=per_step, group_size=8)
-    recipe["algo"]["aggregation"] = "token_mean"  # the global normaliser is a token count
+    # The global normaliser is a token count (GRPO: GSPO is sequence-level and refuses token_mean).
+    recipe["algo"].update(loss="grpo", aggregation="token_mean")
     recipe["optim"].update(micro_batch_size=3, micro_batch_tokens=0)  # several micro-batches to pad
     recipe["validation"]["every"] = 0
     recipe["checkpoint"] = {"every": 0}

@@ -202,7 +202,7 @@ def test_recomputed_logprob_equals_rollout(adapter, sde_type):
     pairs = [Pair(t, k, 1.0) for t in trajs for k in range(len(t.logprobs))]
     recorded = torch.stack([p.traj.logprobs[p.k] for p in pairs])
     with torch.no_grad():
-        trainer_lp, _, _ = pair_logprob(adapter, pairs, params)
+        trainer_lp = pair_logprob(adapter, pairs, params).logprob
     d_trainer = (trainer_lp - recorded).abs()
     print(f"{sde_type} trainer vs rollout log-prob: mean {d_trainer.mean():.2e}, max {d_trainer.max():.2e}")
     assert d_trainer.max() < 1e-5

@@ -155,7 +155,7 @@ def test_recomputed_logprob_equals_rollout(adapter):
     pairs = [Pair(t, k, 1.0) for t in trajs for k in range(len(t.logprobs))]
     recorded = torch.stack([p.traj.logprobs[p.k] for p in pairs])
     with torch.no_grad():
-        recomputed, _, _ = pair_logprob(adapter, pairs, params)
+        recomputed = pair_logprob(adapter, pairs, params).logprob
     diff = (recomputed - recorded).abs()
     print(f"recomputed vs rollout log-prob: mean |diff| {diff.mean():.2e}, max {diff.max():.2e}")
     assert diff.max() < 1e-5

@@ -306,3 +306,42 @@ def test_dr_grpo_advantages_are_not_divided_by_the_std():
     assert keep.all()
     with pytest.raises(ValueError, match="global_std needs algo.std_normalise"):
         group_advantages(rewards, groups, 2.5, global_std=True, std_normalise=False)
+
+
+def test_consistency_pearson_from_centred_values_by_hand():
+    """Probabilities (0.1, 0.2, 0.3) against (0.1, 0.3, 0.2): centred (-0.1, 0, 0.1) and (-0.1, 0.1, 0),
+    covariance 0.01, variances 0.02 each: Pearson 0.5. A side whose values are all equal has no Pearson
+    (nan), where raw moments left a rounding residue: sum(p)^2 - n sum(p^2) of 0.1 three times is 1e-18,
+    not 0, in float64."""
+    mask = torch.ones(3, dtype=torch.bool)
+    actor, rollout = (
+        torch.tensor([0.1, 0.2, 0.3], dtype=F64).log(),
+        torch.tensor([0.1, 0.3, 0.2], dtype=F64).log(),
+    )
+    assert consistency_metrics(actor, rollout, mask)["consistency/prob_pearson"] == pytest.approx(
+        0.5, abs=1e-12
+    )
+    constant = torch.full((3,), 0.1, dtype=F64).log()
+    p = constant.exp()
+    assert 3 * (p * p).sum().item() - p.sum().item() ** 2 != 0  # the residue the raw moments would divide by
+    m = consistency_metrics(constant, rollout, mask)
+    assert math.isnan(m["consistency/prob_pearson"]) and m["consistency/tokens"] == 3
+    assert math.isnan(consistency_metrics(rollout, constant, mask)["consistency/prob_pearson"])
+
+
+def test_gspo_with_a_length_weighted_aggregation_is_refused():
+    from omnirl.config import ConfigError, config_for
+    from omnirl.ops.omni import OmniOps
+
+    cfg = config_for("qwen3_omni_thinker")
+    cfg.algo.loss = "gspo"
+    for aggregation in ("token_mean", "dr_grpo"):
+        cfg.algo.aggregation = aggregation
+        with pytest.raises(
+            ConfigError, match=f"algo.loss 'gspo' is sequence-level: algo.aggregation .*'{aggregation}'"
+        ):
+            OmniOps.check_config(cfg)
+    cfg.algo.aggregation = "seq_mean"
+    OmniOps.check_config(cfg)
+    cfg.algo.loss, cfg.algo.aggregation = "grpo", "token_mean"
+    OmniOps.check_config(cfg)

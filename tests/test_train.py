@@ -21,7 +21,7 @@ from omnirl.models.base import derive_seed
 from omnirl.ops import rollout_and_score
 from omnirl.ops.diffusion import DiffusionOps, Pair, pair_logprob, sampling_params
 from omnirl.rewards.pool import RewardPool
-from omnirl.step import make_requests, update
+from omnirl.step import assign_advantages, make_requests, update
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,7 +47,7 @@ def test_update_moves_lora_only_and_recomputed_logprobs_match(tiny_sd3, tmp_path
     # For the unchanged policy the trainer's recomputed log-prob equals the rollout's (fp32, 1e-5).
     pairs = [Pair(t, k, 1.0) for t in trajs for k in range(len(t.logprobs))]
     with torch.no_grad():
-        lp, _, _ = pair_logprob(adapter, pairs, trajs[0].request.params)
+        lp = pair_logprob(adapter, pairs, trajs[0].request.params).logprob
     rollout_lp = torch.stack([p.traj.logprobs[p.k] for p in pairs])
     diff = (lp - rollout_lp).abs()
     print(f"recompute vs rollout log-prob: mean |diff| {diff.mean():.2e}, max {diff.max():.2e}")
@@ -67,6 +67,49 @@ def test_update_moves_lora_only_and_recomputed_logprobs_match(tiny_sd3, tmp_path
     lora = {n for n, _ in model.named_parameters() if "lora_" in n}
     assert moved and moved <= lora, f"moved non-LoRA parameters: {moved - lora}"
     assert len(moved) >= len(lora) // 2
+
+
+def test_dppo_records_the_rollout_mean_and_logs_per_timestep_consistency(tiny_sd3, tmp_path):
+    """flow_dppo: the rollout records each trained step's mean (mu_old) and it equals the trainer's
+    recomputation for the unchanged policy (fp32, 1e-5), so DPPO needs no old-policy pass; the update logs
+    the divergence, the mask, and the trainer-vs-rollout gap per trained timestep index."""
+    cfg = tiny_cfg(
+        tiny_sd3, tmp_path, "--rollout.prompts_per_step", "2", "--rollout.group_size", "4",
+        "--sampling.num_steps", "4", "--algo.loss", "flow_dppo", "--optim.epochs", "2",
+    )  # fmt: skip
+    dist = D.init_distributed()
+    adapter = get_adapter("sd3")(cfg, dist.device)
+    ops = DiffusionOps(cfg, adapter)
+    assert ops.params.record_mean
+    requests, _ = make_requests(cfg, load_prompts(cfg.data.train_path), 0, dist, ops.params)
+    pool = RewardPool(cfg.reward.weights, 1, 60)
+    trajs, _ = rollout_and_score(ops, pool, requests)
+    pool.close()
+    pairs = [Pair(t, k, 1.0) for t in trajs for k in range(len(t.logprobs))]
+    assert len(pairs) == 8 * 3  # window 0: every step but the last
+    with torch.no_grad():
+        mean = pair_logprob(adapter, pairs, ops.params).mean
+    recorded = torch.stack([p.traj.means[p.k] for p in pairs])
+    diff = (mean - recorded).abs().max().item()
+    print(f"recorded vs recomputed step mean: max |diff| {diff:.2e}")
+    assert diff < 1e-5
+
+    keep, _ = assign_advantages(cfg, trajs)
+    opt = torch.optim.AdamW([p for p in adapter.policy.parameters() if p.requires_grad], lr=1e-2)
+    logs = update(cfg, ops, opt, trajs, keep, 0)
+    print({k: v for k, v in logs.items() if k.startswith(("dppo/", "consistency/"))})
+    assert logs["train/updates"] == 2  # two passes over the rollout
+    assert 0 <= logs["dppo/mask_frac"] == logs["loss/clip_frac"] <= 1
+    assert logs["dppo/mask_frac"] == pytest.approx(logs["dppo/mask_pos_frac"] + logs["dppo/mask_neg_frac"])
+    assert logs["dppo/kl_new_old_max"] >= logs["dppo/kl_new_old"] > 0  # the second pass moved the mean
+    assert logs["consistency/pairs"] == len(pairs) and logs["consistency/logprob_abs_diff_max"] < 1e-5
+    for t in range(3):
+        assert (
+            logs[f"consistency/t{t:02d}/logprob_abs_diff_mean"]
+            <= logs[f"consistency/t{t:02d}/logprob_abs_diff_max"]
+        )
+        assert logs[f"consistency/t{t:02d}/logprob_abs_diff_max"] < 1e-5
+    assert "consistency/t03/logprob_abs_diff_max" not in logs  # the last step is not trained
 
 
 def torchrun(nproc: int, recipe: Path, *overrides: str, timeout=600) -> subprocess.CompletedProcess:

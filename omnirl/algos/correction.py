@@ -93,11 +93,15 @@ def consistency_metrics(
     the actor's log-probs must come from the policy the rollout used (the recomputed old log-probs, or
     in bypass mode the first mini-batch's forward, before its optimizer step).
 
-    Collective: every rank calls it once per step (one SUM and one MAX all-reduce; none without a process
-    group) and gets the same global values:
+    Collective: every rank calls it once per step (two SUM and one MAX all-reduce; none without a
+    process group) and gets the same global values:
     consistency/prob_pearson (Pearson correlation of the token probabilities exp(logprob); nan when
     fewer than two tokens or one side is constant), consistency/logprob_abs_diff_mean and _max,
     consistency/prob_abs_diff_mean and _max, consistency/tokens (nan means and maxima with no tokens).
+
+    The Pearson is computed from values centred on their global means (a second all-reduce), and a side
+    is constant when its global minimum equals its maximum: raw moments (n sum p^2 - (sum p)^2) leave a
+    rounding residue of ~1e-8 where the variance is exactly 0, which gave a meaningless finite value.
     """
     assert actor_logprob.shape == rollout_logprob.shape == mask.shape, (
         actor_logprob.shape,
@@ -110,29 +114,21 @@ def consistency_metrics(
     pa, pr = a.exp(), r.exp()
     dlog, dprob = (a - r).abs(), (pa - pr).abs()
     sums = all_reduce(
-        torch.stack(
-            [
-                a.new_tensor(float(a.numel())),
-                pa.sum(),
-                pr.sum(),
-                (pa * pa).sum(),
-                (pr * pr).sum(),
-                (pa * pr).sum(),
-                dlog.sum(),
-                dprob.sum(),
-            ]
-        )
+        torch.stack([a.new_tensor(float(a.numel())), pa.sum(), pr.sum(), dlog.sum(), dprob.sum()])
     )
-    # -1 stands for "no tokens on this rank": absolute differences are >= 0, so it never wins the MAX.
-    maxima = torch.stack([dlog.max(), dprob.max()]) if a.numel() else a.new_tensor([-1.0, -1.0])
-    maxima = all_reduce(maxima, op=dist.ReduceOp.MAX)
-    n, sa, sr, saa, srr, sar, s_dlog, s_dprob = sums.tolist()
-    max_dlog, max_dprob = (v if v >= 0 else math.nan for v in maxima.tolist())
-    # Pearson from the all-reduced raw moments: in float64 the cancellation in n * sum(p^2) - sum(p)^2
-    # costs a relative ~1e-16 / var(p), negligible next to the 1e-3 gaps we look for.
-    cov = n * sar - sa * sr
-    var = (n * saa - sa * sa) * (n * srr - sr * sr)
-    pearson = cov / math.sqrt(var) if n >= 2 and var > 0 else math.nan
+    n, sa, sr, s_dlog, s_dprob = sums.tolist()
+    ca, cr = pa - sa / max(n, 1.0), pr - sr / max(n, 1.0)  # centred on the global means
+    saa, srr, sar = all_reduce(torch.stack([(ca * ca).sum(), (cr * cr).sum(), (ca * cr).sum()])).tolist()
+    # -inf stands for "no tokens on this rank": it never wins the MAX (minima enter negated).
+    if a.numel():
+        maxima = torch.stack([dlog.max(), dprob.max(), pa.max(), -pa.min(), pr.max(), -pr.min()])
+    else:
+        maxima = a.new_full((6,), -math.inf)
+    maxima = all_reduce(maxima, op=dist.ReduceOp.MAX).tolist()
+    max_dlog, max_dprob = (v if v > -math.inf else math.nan for v in maxima[:2])
+    constant = maxima[2] == -maxima[3] or maxima[4] == -maxima[5]
+    var = saa * srr
+    pearson = sar / math.sqrt(var) if n >= 2 and not constant and var > 0 else math.nan
     return {
         "consistency/prob_pearson": pearson,
         "consistency/logprob_abs_diff_mean": s_dlog / n if n else math.nan,

@@ -32,6 +32,8 @@ from omnirl.config import ConfigError
 # name -> (the kind of model it trains: an adapter's `kind`, "module:function").
 LOSSES = {
     "flow_grpo": ("diffusion", "omnirl.algos.losses:flow_grpo_loss"),
+    "flow_dppo": ("diffusion", "omnirl.algos.losses:flow_dppo_loss"),
+    "diffusion_nft": ("diffusion", "omnirl.algos.losses:diffusion_nft_loss"),
     "grpo": ("omni", "omnirl.algos.losses:grpo_loss"),
     "gspo": ("omni", "omnirl.algos.losses:gspo_loss"),
 }
@@ -104,17 +106,160 @@ def flow_grpo_loss(
 
 
 def flow_kl(mean: torch.Tensor, mean_ref: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """KL per row between the step Gaussians of the policy and the reference: [M].
+    """KL-like divergence per row between the step Gaussians of the policy and another policy: [M].
 
-    mean, mean_ref: [M, *latent] the means of the two Gaussians of one denoising step, std: [M] their
-    shared standard deviation (`StepOut.std`). KL(N(m, s^2) || N(m_ref, s^2)) per dim is
-    (m - m_ref)^2 / (2 s^2); we average it over the latent dims, as the log-prob is averaged.
-    Rows with std 0 (deterministic ODE steps) get 0. The gradient flows through `mean` only.
+    mean, mean_ref: [M, *latent] the means of the two Gaussians of one denoising step, std: [M] the scale
+    it is measured in: mean over latent dims of (m - m_ref)^2 / (2 std^2). With the step's standard
+    deviation (`StepOut.std`) it is the exact KL(N(m, s^2) || N(m_ref, s^2)) averaged over the latent
+    dims, as the log-prob is; with `StepOut.std_dev_t` (the coefficient before sqrt(|dt|)) it is
+    flow_grpo's KL term (algo.kl_form). Rows with std 0 (deterministic ODE steps) get 0. The gradient
+    flows through `mean` only.
     """
     sq = ((mean.float() - mean_ref.detach().float()) ** 2).flatten(1).mean(dim=1)  # [M]
     std = std.float()
     nonzero = std > 0
     return torch.where(nonzero, sq / (2 * torch.where(nonzero, std, 1.0) ** 2), 0.0)
+
+
+def flow_dppo_loss(
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: torch.Tensor,
+    divergence: torch.Tensor,
+    tau: float,
+    normaliser: float,
+    kl: torch.Tensor | None = None,
+    kl_beta: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Flow-DPPO over M rows, each one (sample, trained denoising step) pair: the ratio objective with a
+    divergence mask in place of the ratio clip.
+
+    logprob, old_logprob, advantages, weights, kl: as `flow_grpo_loss`. divergence: [M] D, the exact KL
+    between the step Gaussians of the current and the behaviour policy (`flow_kl` of the two means with
+    the step's std; detached here: the mask carries no gradient); tau: its threshold.
+
+    r_i = exp(logprob_i - old_logprob_i); row i is masked when it has left the trust region (D_i >= tau)
+    and its ratio moved the way its advantage pushes (A_i > 0 and r_i > 1, or A_i < 0 and r_i < 1);
+    loss = (sum_i w_i where(mask_i, 0, -A_i r_i) + kl_beta * sum_i w_i kl_i) / normaliser, with
+    `normaliser` the global number of real pairs of the mini-batch. A is used as it comes (not clamped
+    again).
+
+    Metrics (sums over real rows; divide by the summed "loss/count"): loss/policy_sum, loss/ratio_sum,
+    loss/clip_count (the masked rows), loss/approx_kl_sum, loss/count, dppo/kl_new_old_sum (D),
+    dppo/kl_new_old_max (the largest D of a real row: combined by max, not summed), dppo/mask_count and
+    its split dppo/mask_pos_count (A > 0) / dppo/mask_neg_count (A < 0), loss/kl_sum (with `kl`).
+    """
+    assert logprob.dim() == 1 and old_logprob.shape == advantages.shape == weights.shape == logprob.shape
+    assert divergence.shape == logprob.shape, divergence.shape
+    assert normaliser > 0, normaliser
+    assert kl is not None or kl_beta == 0, "kl_beta > 0 needs the kl term"
+    w = weights.detach().to(logprob.dtype)
+    adv = advantages.detach().to(logprob.dtype)
+    d = divergence.detach().to(logprob.dtype)
+    log_ratio = logprob - old_logprob.detach()
+    ratio = torch.exp(log_ratio)
+    pos = (adv > 0) & (ratio > 1)
+    neg = (adv < 0) & (ratio < 1)
+    outside = d >= tau
+    mask = outside & (pos | neg)  # [M]
+    policy = torch.where(mask, 0.0, -adv * ratio)  # [M]
+    policy_sum = (w * policy).sum()
+    loss = policy_sum
+    real = w > 0
+    sums = {
+        "loss/policy_sum": policy_sum,
+        "loss/ratio_sum": (w * ratio).sum(),
+        "loss/clip_count": (w * mask).sum(),
+        "loss/approx_kl_sum": (w * 0.5 * log_ratio**2).sum(),
+        "loss/count": w.sum(),
+        "dppo/kl_new_old_sum": (w * d).sum(),
+        "dppo/kl_new_old_max": torch.where(real, d, 0.0).max(),
+        "dppo/mask_count": (w * mask).sum(),
+        "dppo/mask_pos_count": (w * (mask & pos)).sum(),
+        "dppo/mask_neg_count": (w * (mask & neg)).sum(),
+    }
+    if kl is not None:
+        kl_sum = (w * kl).sum()
+        loss = loss + kl_beta * kl_sum
+        sums["loss/kl_sum"] = kl_sum
+    values = torch.stack(list(sums.values())).detach().float().tolist()
+    return loss / normaliser, dict(zip(sums, values))
+
+
+def diffusion_nft_loss(
+    velocity: torch.Tensor,
+    old_velocity: torch.Tensor,
+    target: torch.Tensor,
+    t: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: torch.Tensor,
+    beta: float,
+    adv_clip: float,
+    normaliser: float,
+    ref_velocity: torch.Tensor | None = None,
+    kl_beta: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """DiffusionNFT (arXiv 2509.16117) over M rows, each one (clean sample x0, time t, noise eps): the
+    policy is trained on the forward process, by flow matching, with no log-prob and no trajectory.
+
+    velocity: [M, *latent] v_theta(x_t, t) at the forward-noised x_t = (1 - t) x0 + t eps (the only input
+    with gradient); old_velocity: [M, *latent] the old (rollout) policy's at the same x_t; target:
+    [M, *latent] the flow-matching velocity eps - x0; t: [M] in (0, 1]; advantages: [M], already clamped
+    to +-adv_clip (advantages.group_advantages); weights: [M] 1 for real rows, 0 for padding;
+    ref_velocity: [M, *latent] the reference policy's, for the KL term (kl_beta > 0).
+
+    The implicit positive and negative policies mix the old velocity with the current one by beta:
+    v+ = (1 - beta) v_old + beta v, v- = (1 + beta) v_old - beta v; the optimality probability of a
+    sample is its normalised reward r = clamp(A / (2 adv_clip) + 0.5, 0, 1). v+ is regressed on the
+    target with weight r, v- with 1 - r. As in the paper's implementation, each regression is the x0
+    prediction error e = x_t - t v_pm - x0 = t (target - v_pm) with the adaptive weight 1 / mean|e|
+    (detached, at least 1e-5): l_pm = mean(e^2) / sg(mean|e|), means over latent dims; and the sum is
+    scaled by adv_clip / beta, the reference's scale (so its learning rate and gradient clip carry over):
+    policy_i = adv_clip / beta * (r_i l+_i + (1 - r_i) l-_i).
+    loss = (sum_i w_i policy_i + kl_beta * sum_i w_i mean((v_i - v_ref_i)^2)) / normaliser, with
+    `normaliser` the global number of real rows of the mini-batch.
+
+    Metrics (sums over real rows; divide by the summed "loss/count"): loss/policy_sum, loss/count,
+    nft/positive_sum (l+), nft/negative_sum (l-), nft/old_deviate_sum (mean (v - v_old)^2), loss/kl_sum
+    (with ref_velocity).
+    """
+    assert velocity.shape == old_velocity.shape == target.shape and velocity.dim() >= 2, velocity.shape
+    assert t.shape == advantages.shape == weights.shape == velocity.shape[:1], (t.shape, advantages.shape)
+    assert normaliser > 0 and beta > 0 and adv_clip > 0, (normaliser, beta, adv_clip)
+    assert ref_velocity is not None or kl_beta == 0, "kl_beta > 0 needs ref_velocity"
+    v = velocity.float()
+    v_old = old_velocity.detach().float()
+    v_target = target.detach().float()
+    tt = t.detach().float().reshape(-1, *([1] * (v.dim() - 1)))
+    w = weights.detach().float()
+    r = (advantages.detach().float() / (2 * adv_clip) + 0.5).clamp(0, 1)  # [M]
+    dims = tuple(range(1, v.dim()))
+
+    def regression(prediction: torch.Tensor) -> torch.Tensor:
+        err = tt * (v_target - prediction)  # the x0 prediction error
+        scale = err.detach().abs().mean(dim=dims).clamp_min(1e-5)
+        return (err**2).mean(dim=dims) / scale  # [M]
+
+    positive = regression((1 - beta) * v_old + beta * v)
+    negative = regression((1 + beta) * v_old - beta * v)
+    policy = adv_clip / beta * (r * positive + (1 - r) * negative)  # [M]
+    policy_sum = (w * policy).sum()
+    loss = policy_sum
+    sums = {
+        "loss/policy_sum": policy_sum,
+        "loss/count": w.sum(),
+        "nft/positive_sum": (w * positive).sum(),
+        "nft/negative_sum": (w * negative).sum(),
+        "nft/old_deviate_sum": (w * ((v - v_old) ** 2).mean(dim=dims)).sum(),
+    }
+    if ref_velocity is not None:
+        kl = ((v - ref_velocity.detach().float()) ** 2).mean(dim=dims)  # [M]
+        kl_sum = (w * kl).sum()
+        loss = loss + kl_beta * kl_sum
+        sums["loss/kl_sum"] = kl_sum
+    values = torch.stack(list(sums.values())).detach().float().tolist()
+    return loss / normaliser, dict(zip(sums, values))
 
 
 Aggregation = Literal["token_mean", "seq_mean", "dr_grpo"]

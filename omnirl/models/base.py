@@ -37,7 +37,8 @@ class SamplingParams:
     sde_type: str  # "sde" | "cps" | "ode"
     sde_window_size: int  # trained steps per sample; 0 = every step
     sde_window_range: tuple[int, int]  # the window start is drawn per request from [lo, hi)
-    record_logprobs: bool = True
+    record_logprobs: bool = True  # False (validation): nothing is trained from it, so no window
+    record_mean: bool = False  # also record each trained step's mean (losses that compare means: flow_dppo)
     lora: str = "policy"  # which LoRA the forward runs: one adapter per batch
 
     @property
@@ -53,6 +54,7 @@ class SamplingParams:
             self.sde_window_size,
             self.sde_window_range,
             self.record_logprobs,
+            self.record_mean,
             self.lora,
         )
 
@@ -137,6 +139,7 @@ class Trajectory:
     embeds: dict[str, torch.Tensor]  # prompt (and negative) embeddings the transformer was called with
     output: Output  # the decoded sample (an image [3, H, W] for the image families)
     final_latents: torch.Tensor  # [*latent_shape]
+    means: torch.Tensor | None = None  # [K, *latent_shape] each trained step's mean (params.record_mean)
     reward: float = float("nan")
     advantage: float = 0.0
 

@@ -36,6 +36,9 @@ class StepOut:
     logprob: torch.Tensor  # [B] mean over latent dims (0 for the ODE step or noise level 0)
     mean: torch.Tensor  # [B, *latent] the mean of the step's Gaussian
     std: torch.Tensor  # [B] its standard deviation (per element)
+    # [B] the step's noise coefficient before the sqrt(|dt|) factor: SDE std_dev_t, CPS the std itself
+    # (0 for the ODE step). flow_grpo's KL term divides by its square (algos.losses.flow_kl).
+    std_dev_t: torch.Tensor
 
 
 def _expand(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -72,7 +75,7 @@ def flow_step(
     if sde_type == "ode" or noise_level == 0:
         mean = x + dt * v
         out = mean if prev_sample is None else prev_sample.float()
-        return StepOut(out, zero, mean, zero)
+        return StepOut(out, zero, mean, zero, zero)
 
     if sde_type == "sde":
         denom = 1 - torch.where(s == 1, torch.full_like(s, sigma_max), s)
@@ -81,6 +84,7 @@ def flow_step(
         std = std_dev_t * torch.sqrt(-dt)
     else:  # cps
         std = s_next * math.sin(noise_level * math.pi / 2)
+        std_dev_t = std
         x0 = x - s * v
         x1 = x + (1 - s) * v
         mean = (1 - s_next) * x0 + torch.sqrt(s_next**2 - std**2) * x1
@@ -95,7 +99,7 @@ def flow_step(
         ).mean(dim=dims)
     else:
         logprob = -((prev_sample - mean) ** 2).mean(dim=dims)
-    return StepOut(prev_sample, logprob, mean, std.reshape(batch))
+    return StepOut(prev_sample, logprob, mean, std.reshape(batch), std_dev_t.reshape(batch))
 
 
 def phase(name: str):
@@ -110,16 +114,40 @@ def phase(name: str):
 _NOISE_WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omnirl-noise")
 
 
+def window(num_steps: int, size: int, window_range: tuple[int, int]) -> tuple[int, int, int]:
+    """The trained steps of a rollout of `num_steps`: (W, first start, last start). Size 0 is every step
+    but the last (W = num_steps - 1, starting at 0); a size W > 0 starts anywhere in lo .. hi - W of the
+    range [lo, hi), which must hold it within the schedule. A ValueError names the sampling fields."""
+    lo, hi = window_range
+    if size == 0:
+        if num_steps < 2:
+            raise ValueError(
+                f"sampling.sde_window_size 0 trains every step but the last: sampling.num_steps {num_steps} "
+                "leaves none"
+            )
+        return num_steps - 1, 0, 0
+    if not (0 < size and 0 <= lo and lo + size <= hi <= num_steps):
+        raise ValueError(
+            f"sampling.sde_window_range {list(window_range)} must hold a window of sampling.sde_window_size "
+            f"{size} within sampling.num_steps {num_steps}: 0 <= lo, lo + size <= hi <= num_steps"
+        )
+    return size, lo, hi - size
+
+
 class WindowedSampler:
     """The per-request randomness of a packed denoising loop, and the SDE window of each row.
 
-    Every adapter's loop uses it, so the rules live in one place. Each request's own generator (seeded
-    from `request.seed`) draws, in this order: its initial latents, its window start (uniform in
-    `sde_window_range`, clamped so the window fits), then the noise of each step inside its window. So a
+    Every adapter's loop uses it, so the rules live in one place. The window (`window`): size W > 0 starts
+    at a step drawn uniformly from lo .. hi - W of `sde_window_range` [lo, hi), so it stays inside the range
+    (flow_grpo's and VeRL-Omni's draw); size 0 trains every step but the last (flow_grpo's
+    `timestep_fraction` 0.99: the last step, to sigma 0, is a very sharply peaked Gaussian), starting at 0
+    with no draw. Each request's own generator (seeded from `request.seed`) draws, in this order: its
+    initial latents, its window start (only for W > 0), then the noise of each step inside its window. So a
     request's sample does not depend on the batch it runs in (packed == serial). Rows inside their window
     take `flow_step` with the request's SDE type and noise level and record (latents in, latents out, step,
-    log-prob); rows outside take the ODE step and record nothing. Noise is drawn on the host, so samples
-    do not depend on the device either.
+    log-prob and, with `record_mean`, the step's mean); rows outside take the ODE step and record nothing.
+    A rollout that records no log-probs (validation) has no window: the ODE step everywhere. Noise is drawn
+    on the host, so samples do not depend on the device either.
 
     What this adds to a stock denoising loop must cost the device nothing: the step noise is drawn ahead on
     a worker thread (in each generator's own order, so the values are those of drawing it step by step)
@@ -132,13 +160,10 @@ class WindowedSampler:
     def __init__(self, requests: list, latent_shape: tuple[int, ...], sigmas: torch.Tensor, device):
         p = requests[0].params
         num_steps = p.num_steps
-        self.size = p.sde_window_size or num_steps  # 0 = every step is trained
-        lo, hi = p.sde_window_range
-        if not 0 < self.size <= num_steps or (p.sde_window_size and not 0 <= lo < hi):
-            raise ValueError(
-                f"sde_window_size {p.sde_window_size} must be in [0, num_steps={num_steps}] and "
-                f"sde_window_range {p.sde_window_range} a non-empty range [lo, hi) with lo >= 0"
-            )
+        # A rollout nothing is trained from (validation) has no window: no noise, no records.
+        self.size, lo, last = (
+            window(num_steps, p.sde_window_size, p.sde_window_range) if p.record_logprobs else (0, 0, 0)
+        )
         self.params, self.shape, self.device = p, latent_shape, torch.device(device)
         pin = self.device.type != "cpu"  # pinned host memory: copies that do not block the host
         self.generators = [torch.Generator("cpu").manual_seed(r.seed) for r in requests]
@@ -146,11 +171,8 @@ class WindowedSampler:
             initial = torch.stack([torch.randn(latent_shape, generator=g) for g in self.generators])
             self.initial_latents = _to_device(initial, self.device, pin)  # [B, *latent]
         self.starts = [0] * len(requests)
-        if p.sde_window_size:
-            self.starts = [
-                min(int(torch.randint(lo, hi, (1,), generator=g)), num_steps - self.size)
-                for g in self.generators
-            ]
+        if p.sde_window_size and self.size:
+            self.starts = [int(torch.randint(lo, last + 1, (1,), generator=g)) for g in self.generators]
         self.sigmas = sigmas.to(device)  # [T + 1]
         self.sigma_max = float(sigmas[1])
         batch = len(requests)
@@ -167,11 +189,15 @@ class WindowedSampler:
         self.noise = [
             _NOISE_WORKER.submit(self._draw, rows, pin) if rows else None for rows in self.rows
         ]  # the jobs run in step order, so every generator draws in the order of the window's steps
-        self.step_indices = torch.tensor([[s + k for k in range(self.size)] for s in self.starts])  # [B, K]
+        self.step_indices = torch.tensor(
+            [[s + k for k in range(self.size)] for s in self.starts], dtype=torch.int64
+        ).reshape(batch, self.size)  # [B, K]
         self.x_in = torch.empty((batch, self.size, *latent_shape), device=device)  # [B, K, *latent]
         self.x_out = torch.empty((batch, self.size, *latent_shape), device=device)
         self.logprobs = torch.zeros((batch, self.size), device=device)  # [B, K]
-        self._host: tuple[torch.Tensor, ...] | None = None
+        # The step means, for losses that compare the policy's mean with the rollout's (flow_dppo).
+        self.means = torch.empty((batch, self.size, *latent_shape), device=device) if p.record_mean else None
+        self._host: dict[str, torch.Tensor] | None = None
 
     def _draw(self, rows: list[int], pin: bool) -> torch.Tensor:
         noise = torch.stack([torch.randn(self.shape, generator=self.generators[b]) for b in rows])
@@ -201,22 +227,22 @@ class WindowedSampler:
             next_latents[idx] = out.prev_sample
             self.x_in[idx, k] = latents[idx].float()
             self.x_out[idx, k] = out.prev_sample
-            if p.record_logprobs:
-                self.logprobs[idx, k] = out.logprob
+            self.logprobs[idx, k] = out.logprob
+            if self.means is not None:
+                self.means[idx, k] = out.mean
         return next_latents
 
-    def record(self, b: int) -> dict[str, torch.Tensor]:
+    def record(self, b: int) -> dict[str, torch.Tensor | None]:
         """Row b's trained steps, on the host, as `Trajectory` fields (views of the batch's records, which
         come to the host in one copy per buffer at the first call)."""
         if self._host is None:
-            self._host = tuple(to_host([self.x_in, self.x_out, self.logprobs.float()]))
-        x_in, x_out, logprobs = self._host
-        return {
-            "latents": x_in[b],  # [K, *latent]
-            "next_latents": x_out[b],  # [K, *latent]
-            "step_indices": self.step_indices[b],  # [K] int64
-            "logprobs": logprobs[b],  # [K]
-        }
+            buffers = {"latents": self.x_in, "next_latents": self.x_out, "logprobs": self.logprobs.float()}
+            if self.means is not None:
+                buffers["means"] = self.means
+            # [B, K, *latent] latents, next_latents and means, [B, K] logprobs: one copy and one wait
+            self._host = dict(zip(buffers, to_host(list(buffers.values()))))
+        rows = {k: v[b] for k, v in self._host.items()}
+        return {"means": None, **rows, "step_indices": self.step_indices[b]}  # step_indices [K] int64
 
 
 def _to_device(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:

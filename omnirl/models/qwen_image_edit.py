@@ -372,7 +372,9 @@ class QwenImageEditAdapter:
             trajectories.append(
                 Trajectory(
                     request=req,
-                    **sampler.record(b),  # latents, next_latents [K, C, h, w], step_indices, logprobs [K]
+                    **sampler.record(
+                        b
+                    ),  # latents, next_latents, means [K, C, h, w], step_indices, logprobs [K]
                     sigmas=sigmas,
                     embeds=sample_embeds,
                     output=Output(image=images[b]),

@@ -233,7 +233,9 @@ class SD3Adapter:
             trajectories.append(
                 Trajectory(
                     request=req,
-                    **sampler.record(b),  # latents, next_latents [K, C, h, w], step_indices, logprobs [K]
+                    **sampler.record(
+                        b
+                    ),  # latents, next_latents, means [K, C, h, w], step_indices, logprobs [K]
                     sigmas=sigmas,
                     embeds={k: e[b] for k, e in host.items()},
                     output=Output(image=images[b]),

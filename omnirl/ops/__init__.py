@@ -2,9 +2,11 @@
 
 `omnirl.trainer.train` is the loop; what depends on the kind of model (an adapter class's `kind`) lives in
 one ops object per kind: `ops.diffusion.DiffusionOps` (a training row is one (sample, trained denoising
-step) pair) and `ops.omni.OmniOps` (a training row is one response). `KindOps` lists every member the
-loop and `omnirl.step.update` call. Generation and scoring (`rollout_and_score`) and validation
-(`validate`) are written once, here, for both kinds.
+step) pair) and `ops.omni.OmniOps` (a training row is one response). A loss that trains on rows of its
+own names its ops class instead: `ops.nft.NFTOps` (diffusion_nft: a row is a clean sample, a time and a
+noise), which reuses DiffusionOps's rollout. `KindOps` lists every member the loop and
+`omnirl.step.update` call. Generation and scoring (`rollout_and_score`) and validation (`validate`) are
+written once, here, for both kinds.
 """
 
 from __future__ import annotations
@@ -32,8 +34,13 @@ from omnirl.rewards import check_modalities
 from omnirl.rewards.pool import RewardPool
 from omnirl.step import collect_scores
 
-# The ops of each adapter kind (the adapter class's `kind` attribute), resolved when asked for.
-OPS = {"diffusion": "omnirl.ops.diffusion:DiffusionOps", "omni": "omnirl.ops.omni:OmniOps"}
+# The ops of each adapter kind (the adapter class's `kind` attribute), and of the losses whose training
+# rows are not their kind's (keyed by the loss's name), resolved when asked for.
+OPS = {
+    "diffusion": "omnirl.ops.diffusion:DiffusionOps",
+    "omni": "omnirl.ops.omni:OmniOps",
+    "diffusion_nft": "omnirl.ops.nft:NFTOps",
+}
 
 
 class KindOps(Protocol):
@@ -88,8 +95,9 @@ class KindOps(Protocol):
         """Write the step's sample outputs (image grid, videos, audio, texts)."""
 
 
-def ops_class(kind: str) -> type:
-    module, cls = OPS[kind].split(":")
+def ops_class(kind: str, loss: str) -> type:
+    """The ops class of a loss (checked to train this kind by `get_loss`) on an adapter of `kind`."""
+    module, cls = OPS[loss if loss in OPS else kind].split(":")
     return getattr(importlib.import_module(module), cls)
 
 
@@ -99,7 +107,7 @@ def check_before_loading(cfg: Config) -> tuple[type, type]:
     a modality the model produces. Returns (adapter class, ops class)."""
     adapter_cls = get_adapter(cfg.model.adapter)
     get_loss(cfg.algo.loss, adapter_cls.kind)
-    ops_cls = ops_class(adapter_cls.kind)
+    ops_cls = ops_class(adapter_cls.kind, cfg.algo.loss)
     ops_cls.check_config(cfg)
     check_modalities(cfg.reward.weights, adapter_cls.modalities, cfg.model.adapter)
     return adapter_cls, ops_cls

@@ -1,13 +1,20 @@
-"""The diffusion half of an RL step (Flow-GRPO and relatives), for `DiffusionAdapter`s.
+"""The diffusion half of an RL step (Flow-GRPO, Flow-DPPO and relatives), for `DiffusionAdapter`s.
 
 - Rollout: the `DiffusionEngine` packs the step's requests into compatible batches and runs each through
   the adapter's denoising loop on the actor's own module; each finished batch is scored while the next
-  denoises.
+  denoises. The SDE window of a step's requests is drawn per request (`sampling.sde_window_schedule`
+  random) or slides along the schedule as training proceeds (sliding: MixGRPO).
 - Update: a training row is one (sample, trained denoising step) pair (`Pair`). The trainer recomputes
   that step's Gaussian log-prob (`pair_logprob`: the adapter's `velocity` + `flow_sde.flow_step`, the
   math the rollout ran) and the loss is the clipped ratio against the rollout's (or a recomputed) old
-  log-prob, with an optional KL term to the reference policy (the LoRA off, or a full fine-tune's frozen
-  copy).
+  log-prob (flow_grpo), or the ratio masked where the step's mean left the trust region around the
+  rollout's mean (flow_dppo: the rollout records that mean, so no old-policy pass is needed), with an
+  optional KL term to the reference policy (the LoRA off, or a full fine-tune's frozen copy).
+- Every update measures the trainer-vs-rollout log-prob gap per trained timestep index (mean and max over
+  the first mini-batch, whose forwards run the policy the rollout sampled from: no extra forward).
+
+DiffusionNFT trains on other rows (a clean sample, a time, a noise: no transitions) and has its own update
+half, `omnirl.ops.nft.NFTOps`, which reuses this rollout half.
 """
 
 from __future__ import annotations
@@ -22,17 +29,19 @@ from torch import nn
 
 from omnirl import distributed as D
 from omnirl.algos.losses import flow_kl, get_loss
-from omnirl.config import Config
+from omnirl.config import Config, ConfigError
 from omnirl.data.prompts import PromptRow
 from omnirl.metrics import MetricsLogger
 from omnirl.models.base import DiffusionAdapter, Output, Request, SamplingParams, Trajectory
-from omnirl.models.flow_sde import flow_step
+from omnirl.models.flow_sde import StepOut, flow_step, window
 from omnirl.rollout.diffusion import DiffusionEngine
 from omnirl.step import equalise, global_positions, make_requests
 
 
 def sampling_params(cfg: Config, num_steps: int | None = None, ode: bool = False) -> SamplingParams:
-    s = cfg.sampling
+    """The rollout's settings (the ODE sampler with `ode`, validation's). A flow_dppo rollout records each
+    trained step's mean too, unless the old policy is recomputed (then the recompute pass gives it)."""
+    s, a = cfg.sampling, cfg.algo
     return SamplingParams(
         height=s.height,
         width=s.width,
@@ -43,6 +52,7 @@ def sampling_params(cfg: Config, num_steps: int | None = None, ode: bool = False
         sde_window_size=s.sde_window_size,
         sde_window_range=tuple(s.sde_window_range),
         record_logprobs=not ode,
+        record_mean=not ode and a.loss == "flow_dppo" and a.old_logprob == "rollout",
     )
 
 
@@ -55,13 +65,15 @@ class Pair:
     weight: float  # 1 for real rows, 0 for the padding rows of short ranks
     old: float | None = None  # behaviour log-prob recomputed by the trainer (old_logprob: recompute)
     position: float = 0.0  # its place in the step's shuffle of all ranks' rows (step.global_positions)
+    old_mean: torch.Tensor | None = None  # [*latent] and its step mean (flow_dppo with recompute)
 
 
 def pair_logprob(
     adapter: DiffusionAdapter, pairs: list[Pair], params: SamplingParams, policy: nn.Module | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Recompute the log-prob of stored transitions: ([M] logprob, [M, *latent] mean, [M] std). Each row's
-    sigma is its stored step's, so a family of several experts runs it on the expert that sampled it."""
+) -> StepOut:
+    """Recompute stored transitions: the step's `StepOut` ([M] logprob, [M, *latent] mean, [M] std and
+    std_dev_t). Each row's sigma is its stored step's, so a family of several experts runs it on the expert
+    that sampled it."""
     device = next(adapter.policy.parameters()).device
     trajs = [p.traj for p in pairs]
     x = torch.stack([t.latents[p.k] for t, p in zip(trajs, pairs)]).to(device)  # [M, *latent]
@@ -71,10 +83,9 @@ def pair_logprob(
     sigma, sigma_next = sig[steps].to(device), sig[steps + 1].to(device)  # [M]
     embeds = {k: e.to(device) for k, e in adapter.batch_embeds([t.embeds for t in trajs]).items()}
     v = adapter.velocity(x, sigma, embeds, params.guidance_scale, policy=policy)
-    out = flow_step(
+    return flow_step(
         v, x, sigma, sigma_next, float(sig[1]), params.noise_level, params.sde_type, prev_sample=nxt
     )
-    return out.logprob, out.mean, out.std
 
 
 def micro_batches(pairs: list[Pair], size: int, pad_from: Trajectory) -> list[list[Pair]]:
@@ -89,16 +100,25 @@ class DiffusionOps:
         self.cfg, self.adapter = cfg, adapter
         self.policy = adapter.policy
         self.loss_fn = get_loss(cfg.algo.loss, "diffusion")
+        self.dppo = cfg.algo.loss == "flow_dppo"
         self.params = sampling_params(cfg)
         self.ref_model = build_reference(cfg, adapter)
         r = cfg.rollout
         self.engine = DiffusionEngine(
             adapter, r.max_num_seqs, r.max_num_batched_tokens, r.fused_cfg, r.compile
         )
+        self._gap = self._no_gap()
 
     @staticmethod
     def check_config(cfg: Config) -> None:
-        """Settings this kind cannot run, found before the model loads: none beyond the loss's kind."""
+        """Settings this kind cannot run, found before the model loads (a ConfigError naming the field)."""
+        s = cfg.sampling
+        try:
+            window(s.num_steps, s.sde_window_size, tuple(s.sde_window_range))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if cfg.algo.loss == "flow_dppo" and cfg.algo.dppo_tau <= 0:
+            raise ConfigError(f"algo.dppo_tau must be > 0, got {cfg.algo.dppo_tau}")
 
     def offload_modules(self) -> list[nn.Module]:
         return self.adapter.offload_modules()
@@ -127,9 +147,10 @@ class DiffusionOps:
 
     def recompute_old(self, pairs: list[Pair], pad_traj: Trajectory) -> dict[str, float]:
         for mb in self.micro_batches(pairs, pad_traj):
-            lp, _, _ = pair_logprob(self.adapter, mb, self.params)
-            for p, v in zip(mb, lp.tolist()):
-                p.old = v
+            out = pair_logprob(self.adapter, mb, self.params)
+            means = out.mean.cpu() if self.dppo else [None] * len(mb)  # [M, *latent]: one copy
+            for p, v, mean in zip(mb, out.logprob.tolist(), means):
+                p.old, p.old_mean = v, mean
         return {}
 
     def count(self, pairs: list[Pair]) -> float:
@@ -139,25 +160,77 @@ class DiffusionOps:
         return micro_batches(pairs, self.cfg.optim.micro_batch_size, pad_traj)
 
     def loss(self, mb: list[Pair], normaliser: float, measure: bool) -> tuple[torch.Tensor, dict]:
-        cfg = self.cfg
-        logprob, mean, std = pair_logprob(self.adapter, mb, self.params)
-        device = logprob.device
+        a = self.cfg.algo
+        out = pair_logprob(self.adapter, mb, self.params)
+        device = out.logprob.device
+        rollout = torch.tensor([float(p.traj.logprobs[p.k]) for p in mb], device=device)
         old = torch.tensor(
             [float(p.traj.logprobs[p.k]) if p.old is None else p.old for p in mb], device=device
         )
         adv = torch.tensor([p.traj.advantage for p in mb], device=device)
         w = torch.tensor([p.weight for p in mb], device=device)
+        if measure:
+            steps = torch.stack([p.traj.step_indices[p.k] for p in mb]).to(device)
+            self._measure_gap(out.logprob.detach(), rollout, steps, w)
         kl = None
-        if cfg.algo.kl_beta > 0:
+        if a.kl_beta > 0:
             with torch.no_grad(), reference(self.adapter, self.ref_model) as ref:
-                _, mean_ref, _ = pair_logprob(self.adapter, mb, self.params, policy=ref)
-            kl = flow_kl(mean, mean_ref, std)
-        return self.loss_fn(
-            logprob, old, adv, w, cfg.algo.clip_range, normaliser, kl=kl, kl_beta=cfg.algo.kl_beta
-        )
+                mean_ref = pair_logprob(self.adapter, mb, self.params, policy=ref).mean
+            kl = flow_kl(out.mean, mean_ref, out.std_dev_t if a.kl_form == "flow_grpo" else out.std)
+        if self.dppo:
+            divergence = flow_kl(out.mean, self._old_means(mb, out.mean), out.std)  # the exact KL
+            return self.loss_fn(
+                out.logprob, old, adv, w, divergence, a.dppo_tau, normaliser, kl=kl, kl_beta=a.kl_beta
+            )
+        return self.loss_fn(out.logprob, old, adv, w, a.clip_range, normaliser, kl=kl, kl_beta=a.kl_beta)
+
+    @staticmethod
+    def _old_means(mb: list[Pair], mean: torch.Tensor) -> torch.Tensor:
+        """[M, *latent] the behaviour policy's step means: recomputed, or recorded by the rollout; a padding
+        row (weight 0) of a recompute run has neither and takes the current one (it adds nothing)."""
+        rows = []
+        for i, p in enumerate(mb):
+            if p.old_mean is not None:
+                rows.append(p.old_mean.to(mean.device))
+            elif p.traj.means is not None:
+                rows.append(p.traj.means[p.k].to(mean.device))
+            else:
+                assert p.weight == 0, "a real row without the behaviour policy's mean"
+                rows.append(mean[i].detach())
+        return torch.stack(rows)
+
+    def _no_gap(self) -> torch.Tensor:
+        """[3, T]: per timestep index, the sum and the max of |trainer - rollout| log-prob, and the count."""
+        return torch.zeros(3, self.params.num_steps, dtype=torch.float64)
+
+    def _measure_gap(self, logprob, rollout, steps, w) -> None:
+        """Accumulate the trainer-vs-rollout log-prob gap of a micro-batch of the unchanged policy."""
+        real = w > 0
+        diff = (logprob.double() - rollout.double()).abs()[real].cpu()
+        steps = steps[real].cpu()
+        self._gap[0].index_add_(0, steps, diff)
+        self._gap[1].scatter_reduce_(0, steps, diff, "amax")
+        self._gap[2].index_add_(0, steps, torch.ones_like(diff))
 
     def measured(self) -> dict[str, float]:
-        return {}
+        """The trainer-vs-rollout log-prob gap of this update over all ranks, overall and per trained
+        timestep index t (consistency/tXX/logprob_abs_diff_mean and _max): in fp32 on CPU ~1e-6; in bf16 on
+        a GPU the gap guidance amplifies. Collective: every rank calls it once per update."""
+        gap, self._gap = self._gap, self._no_gap()
+        sums = D.all_reduce(gap[[0, 2]].clone())
+        maxima = D.all_reduce(gap[1].clone(), op=torch.distributed.ReduceOp.MAX)
+        total, count = sums.sum(dim=1).tolist()
+        if count == 0:
+            return {}
+        out = {
+            "consistency/logprob_abs_diff_mean": total / count,
+            "consistency/logprob_abs_diff_max": maxima.max().item(),
+            "consistency/pairs": count,
+        }
+        for t in torch.nonzero(sums[1]).flatten().tolist():
+            out[f"consistency/t{t:02d}/logprob_abs_diff_mean"] = (sums[0, t] / sums[1, t]).item()
+            out[f"consistency/t{t:02d}/logprob_abs_diff_max"] = maxima[t].item()
+        return out
 
     def log_samples(self, logger: MetricsLogger, step: int, trajs: list[Trajectory]) -> None:
         log_outputs(logger, step, [t.output for t in trajs[:8]], [t.request.prompt for t in trajs[:8]])

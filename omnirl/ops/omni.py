@@ -104,6 +104,13 @@ class OmniOps:
                 "algo.kl_beta > 0 with model.finetune full: omni models take the KL to the same model with "
                 "the LoRA off; a frozen reference copy for full fine-tuning is not implemented"
             )
+        if a.loss == "gspo" and a.aggregation != "seq_mean":
+            # GSPO's objective weighs every response the same; token_mean (and dr_grpo's token sum) weigh a
+            # response by its length, which is another objective under GSPO's name.
+            raise ConfigError(
+                f"algo.loss 'gspo' is sequence-level: algo.aggregation must be 'seq_mean', got "
+                f"{a.aggregation!r} (which weighs responses by their length)"
+            )
         if cfg.optim.micro_batch_tokens < 0:
             raise ConfigError(f"optim.micro_batch_tokens must be >= 0, got {cfg.optim.micro_batch_tokens}")
         if a.correction != "none" and a.old_logprob == "rollout":
