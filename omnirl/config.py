@@ -92,6 +92,21 @@ class SamplingConfig:
     """[lo, hi): the steps a window of W > 0 may cover. Its start is drawn per request, uniformly from
     lo .. hi - W, so the window stays inside the range (flow_grpo's and VeRL-Omni's draw): [0, 5) with
     W = 2 trains two consecutive steps among 0-4. Needs lo + W <= hi <= num_steps."""
+    sde_window_schedule: Literal["random", "sliding"] = "random"
+    """Where a step's windows lie: 'random' draws each request's start in sde_window_range; 'sliding'
+    (MixGRPO) places one window for every request of a step, at lo first, moving it by sde_window_stride
+    steps every sde_window_shift_interval RL steps and back to lo once it would pass hi (the window always
+    whole inside the range)."""
+    sde_window_shift_interval: int = 25
+    """sliding: RL steps between two moves of the window (MixGRPO's iters_per_group)."""
+    sde_window_stride: int = 1
+    """sliding: steps the window moves at a time (MixGRPO's prog_overlap_step)."""
+    ode_solver: Literal["euler", "dpm2"] = "euler"
+    """The ODE step after a row's window: 'euler' (the diffusers pipelines' flow-matching Euler step) or
+    'dpm2' (DPM-Solver++ 2M multistep on the data prediction x0 = x - sigma v, MixGRPO-Flash's solver
+    after the window: second order from the previous step's x0; its first-order steps, the one to sigma 0
+    included, are exactly Euler). Steps before and inside the window are unchanged, except in a noise-free
+    rollout (noise_level 0 or sde_type ode, validation's included), which takes dpm2 at every step."""
     negative_prompt: str = ""
     """Negative prompt of the unconditional CFG branch."""
 
@@ -236,7 +251,8 @@ class OptimConfig:
     mini_batches: int = 1
     """Optimizer steps per rollout: the step's pairs are split into this many mini-batches."""
     epochs: int = 1
-    """Passes over the rollout's data per RL step."""
+    """Passes over the rollout's data per RL step (flow_dppo is meant for several: its mask keeps every
+    pass inside the trust region around the rollout's policy)."""
 
 
 @dataclass

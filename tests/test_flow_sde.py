@@ -1,12 +1,16 @@
 """The flow-matching step: SDE log-prob is a Gaussian log-density, noise 0 is the ODE step, CPS as defined."""
 
+import dataclasses
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from omnirl.config import config_for
 from omnirl.models.base import Request, SamplingParams, derive_seed
-from omnirl.models.flow_sde import WindowedSampler, flow_step, window
+from omnirl.models.flow_sde import WindowedSampler, dpm2_coefficients, flow_step, sliding_start, window
+from omnirl.ops.diffusion import DiffusionOps, sampling_params
 
 torch.manual_seed(0)
 B, SHAPE = 3, (4, 6, 6)
@@ -158,3 +162,63 @@ def test_record_mean_and_validation_records():
     _, records, _, _, _ = run_sampler(window_requests(2, 2, (0, 9), steps=4, record_logprobs=False), steps=4)
     assert all(r["latents"].shape[0] == 0 and r["means"] is None for r in records)
     assert records[0]["step_indices"].dtype == torch.int64
+
+
+def test_sliding_window_schedule_by_hand():
+    """MixGRPO's progressive window: at lo first, moved by the stride every interval RL steps, back to lo
+    once it would leave the range; the recipe's W 4 in [0, 24) every 25 steps has 21 positions."""
+    starts = [sliding_start(step, 2, (0, 6), 3, 2) for step in range(12)]
+    assert starts == [0, 0, 0, 2, 2, 2, 4, 4, 4, 0, 0, 0]
+    assert [sliding_start(s, 4, (0, 24), 25, 1) for s in (0, 24, 25, 500, 524, 525)] == [0, 0, 1, 20, 20, 0]
+    assert sliding_start(7, 2, (3, 6), 1, 1) == 4  # starts 3, 4 (a window of 2 inside [3, 6)), step 7 -> 4
+    # The step's requests all share that window (the range a window fills exactly: one start).
+    cfg = config_for("sd3")
+    s = cfg.sampling
+    s.num_steps, s.sde_window_size, s.sde_window_range = 6, 2, (0, 6)
+    s.sde_window_schedule, s.sde_window_shift_interval, s.sde_window_stride = "sliding", 3, 2
+    ops = SimpleNamespace(cfg=cfg, params=sampling_params(cfg))
+    params = DiffusionOps.step_params(ops, 4)
+    assert params.sde_window_range == (2, 4)
+    requests = [Request("p", i, i, derive_seed(1, 4, i), params) for i in range(5)]
+    sampler = WindowedSampler(requests, (2, 3), torch.linspace(1, 0, 7), "cpu")
+    assert sampler.step_indices.tolist() == [[2, 3]] * 5
+
+
+def test_dpm2_after_the_window_by_hand():
+    """Sigmas 1, 0.75, 0.5, 0.25, 0 and a window of 1 at step 0. Step 1 follows sigma 1 (lambda = -inf):
+    first order, the Euler step. Step 2, lambdas log(1/3), 0, log(3): h = log 3, r = 1,
+    -alpha' (e^-h - 1) = 0.75 * 2/3 = 0.5, so x' = 0.5 x + 0.5 (1 + 1/2) x0 - 0.5 / 2 x0_prev
+    = 0.5 x + 0.75 x0 - 0.25 x0_prev (exact on a straight path: x0 = x0_prev = c, x = (1 - s) c + s n).
+    Step 3 ends at sigma 0: Euler again."""
+    assert dpm2_coefficients(0.75, 0.5, 0.25) == pytest.approx((0.5, 0.75, -0.25))
+    requests = window_requests(1, 1, (0, 1), steps=4, ode_solver="dpm2")
+    sigmas = torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0])
+    sampler = WindowedSampler(requests, (2, 3), sigmas, "cpu")
+    x = sampler.initial_latents
+    xs = [x]
+    for i in range(4):
+        x = sampler.step(i, 0.3 * x + 0.1, x)
+        xs.append(x)
+    v = [0.3 * y + 0.1 for y in xs]
+    torch.testing.assert_close(xs[2], xs[1] - 0.25 * v[1])  # Euler
+    x0_1, x0_2 = xs[1] - 0.75 * v[1], xs[2] - 0.5 * v[2]
+    torch.testing.assert_close(xs[3], 0.5 * xs[2] + 0.75 * x0_2 - 0.25 * x0_1)
+    torch.testing.assert_close(xs[4], xs[3] - 0.25 * v[3])  # Euler to sigma 0
+    # A noise-free rollout (the deterministic sampler) takes dpm2 at every step, its window's included.
+    requests = window_requests(1, 1, (0, 1), steps=4, ode_solver="dpm2")
+    requests[0].params = dataclasses.replace(requests[0].params, noise_level=0.0, sde_type="ode")
+    sampler = WindowedSampler(requests, (2, 3), sigmas, "cpu")
+    xs = [sampler.initial_latents]
+    for i in range(4):
+        xs.append(sampler.step(i, 0.3 * xs[-1] + 0.1, xs[-1]))
+    v = [0.3 * y + 0.1 for y in xs]
+    x0_1, x0_2 = xs[1] - 0.75 * v[1], xs[2] - 0.5 * v[2]
+    torch.testing.assert_close(xs[1], xs[0] - 0.25 * v[0])
+    torch.testing.assert_close(xs[3], 0.5 * xs[2] + 0.75 * x0_2 - 0.25 * x0_1)
+    # Per row only: a packed batch of rows with their own windows equals each row run alone.
+    requests = window_requests(4, 2, (0, 6), steps=8, ode_solver="dpm2")
+    _, packed, _, final, _ = run_sampler(requests, steps=8)
+    for b, req in enumerate(requests):
+        _, alone, _, final_alone, _ = run_sampler([req], steps=8)
+        torch.testing.assert_close(final[b], final_alone[0])
+        torch.testing.assert_close(packed[b]["next_latents"], alone[0]["next_latents"])

@@ -293,3 +293,24 @@ def test_tiny_recipe_under_torchrun_fsdp(tiny_qwen_image, tmp_path):
     pipe = load_pipeline(tiny_qwen_image)
     pipe.load_lora_weights(out / "lora")
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_tiny_dppo_recipe_under_torchrun_fsdp(tiny_qwen_image, tmp_path):
+    """qwen_image_tiny_flowdppo for 2 steps on 2 ranks: two passes per rollout, the rollout's recorded step
+    means as mu_old (no old-policy pass), the divergence and mask logged, and the per-timestep
+    trainer-vs-rollout gap of the trained window steps."""
+    out = tmp_path / "run"
+    r = torchrun(
+        2, ROOT / "yaml/qwen_image_tiny_flowdppo.yaml", "--model.path", str(tiny_qwen_image),
+        "--run.output_dir", str(out), "--run.steps", "2", "--log.image_every", "0",
+    )  # fmt: skip
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1]
+    for m in metrics:
+        assert m["train/updates"] == 2 and m["train/grad_norm"] > 0
+        assert m["dppo/kl_new_old_max"] >= m["dppo/kl_new_old"] > 0  # the second pass moved the means
+        assert 0 <= m["dppo/mask_frac"] <= 1 and m["consistency/logprob_abs_diff_max"] < 1e-4
+        steps = {k.split("/")[1] for k in m if k.startswith("consistency/t")}
+        assert steps and steps <= {f"t{t:02d}" for t in range(5)}  # a window of 2 inside [0, 5)
+    assert "Traceback" not in r.stderr

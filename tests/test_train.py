@@ -2,6 +2,7 @@
 FSDP2, and a rank whose groups all have zero spread neither hangs nor biases the gradient."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -18,8 +19,9 @@ from omnirl.config import load_config
 from omnirl.data.prompts import load_prompts, step_prompt_indices
 from omnirl.models import get_adapter
 from omnirl.models.base import derive_seed
-from omnirl.ops import rollout_and_score
+from omnirl.ops import check_before_loading, rollout_and_score
 from omnirl.ops.diffusion import DiffusionOps, Pair, pair_logprob, sampling_params
+from omnirl.ops.nft import NFTOps
 from omnirl.rewards.pool import RewardPool
 from omnirl.step import assign_advantages, make_requests, update
 
@@ -110,6 +112,48 @@ def test_dppo_records_the_rollout_mean_and_logs_per_timestep_consistency(tiny_sd
         )
         assert logs[f"consistency/t{t:02d}/logprob_abs_diff_max"] < 1e-5
     assert "consistency/t03/logprob_abs_diff_max" not in logs  # the last step is not trained
+
+
+def test_nft_rows_and_the_old_velocity(tiny_sd3, tmp_path):
+    """NFT rows are (sample, every step's time but the last, a noise of the row's own generator); after an
+    optimizer step the old velocity is the rollout policy's (its parameters swapped in, then restored)."""
+    cfg = tiny_cfg(
+        tiny_sd3, tmp_path, "--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
+        "--sampling.num_steps", "3", "--algo.loss", "diffusion_nft", "--optim.mini_batches", "2",
+    )  # fmt: skip
+    dist = D.init_distributed()
+    adapter_cls, ops_cls = check_before_loading(cfg)
+    assert ops_cls is NFTOps
+    ops = NFTOps(cfg, adapter_cls(cfg, dist.device))
+    requests = ops.requests(load_prompts(cfg.data.train_path), 0, dist)
+    pool = RewardPool(cfg.reward.weights, 1, 60)
+    trajs, _ = rollout_and_score(ops, pool, requests)
+    pool.close()
+    for i, t in enumerate(trajs):
+        t.advantage = [1.0, -1.0][i % 2]
+    rows = ops.update_rows(trajs, torch.ones(4, dtype=torch.bool), torch.Generator().manual_seed(0))
+    assert sorted((r.traj.request.index, r.k) for r in rows) == [(i, k) for i in range(4) for k in range(2)]
+    assert torch.equal(rows[0].noise(), rows[0].noise()) and not torch.equal(rows[0].noise(), rows[1].noise())
+    mb = rows[:4]
+    x0 = torch.stack([r.traj.final_latents for r in mb])
+    t = torch.stack([r.traj.sigmas[r.k] for r in mb])
+    noise = torch.stack([r.noise() for r in mb])
+    x_t = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * noise
+    embeds = ops.adapter.batch_embeds([r.traj.embeds for r in mb])
+    with torch.no_grad():
+        v_rollout = ops.adapter.velocity(x_t, t, embeds, 1.0)
+        for name, p in ops.policy.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.05)  # an optimizer step
+        v_moved = ops.adapter.velocity(x_t, t, embeds, 1.0)
+    moved = [p.detach().clone() for p in ops.trainable()]
+    _, first = ops.loss(mb, 4.0, measure=True)  # before any step the old velocity is v itself
+    _, later = ops.loss(mb, 4.0, measure=False)
+    expected = ((v_moved - v_rollout) ** 2).flatten(1).mean(dim=1).sum().item()
+    assert first["nft/old_deviate_sum"] == 0 and expected > 1e-6
+    assert later["nft/old_deviate_sum"] == pytest.approx(expected, rel=1e-4)
+    assert all(torch.equal(p, q) for p, q in zip(ops.trainable(), moved))  # restored after the swap
+    assert ops.measured() == {} and ops._old is None
 
 
 def torchrun(nproc: int, recipe: Path, *overrides: str, timeout=600) -> subprocess.CompletedProcess:
@@ -271,3 +315,23 @@ def test_mini_batches_hold_the_same_rows_on_any_number_of_ranks():
         one = batches(1, ops_cls, key)
         assert sum(map(len, one)) == total and all(one)
         assert batches(2, ops_cls, key) == one == batches(4, ops_cls, key)
+
+
+@pytest.mark.slow
+def test_tiny_nft_recipe_under_torchrun_fsdp(tiny_sd3, tmp_path):
+    """sd3_tiny_nft for 3 steps on 2 ranks, with two optimizer steps per rollout: the second mini-batch
+    takes the old velocity from the rollout policy's parameters swapped into the FSDP2-sharded LoRA, so it
+    differs from the moved policy's (nft/old_deviate > 0)."""
+    out = tmp_path / "run"
+    r = torchrun(
+        2, ROOT / "yaml/sd3_tiny_nft.yaml", "--model.path", str(tiny_sd3), "--run.output_dir", str(out),
+        "--run.steps", "3", "--optim.mini_batches", "2", "--log.image_every", "0",
+    )  # fmt: skip
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    for m in metrics:
+        assert m["train/updates"] == 2 and math.isfinite(m["loss/policy"]) and m["train/grad_norm"] > 0
+        assert m["nft/positive"] > 0 and m["nft/negative"] > 0 and m["nft/old_deviate"] > 0
+        assert not any(k.startswith(("consistency/", "dppo/")) for k in m)  # no log-probs, no ratio
+    assert (out / "lora/pytorch_lora_weights.safetensors").is_file()
+    assert "Traceback" not in r.stderr

@@ -36,9 +36,12 @@ class SamplingParams:
     noise_level: float
     sde_type: str  # "sde" | "cps" | "ode"
     sde_window_size: int  # trained steps per sample; 0 = every step
-    sde_window_range: tuple[int, int]  # the window start is drawn per request from [lo, hi)
+    sde_window_range: tuple[int, int]  # the window start is drawn per request from lo .. hi - size
     record_logprobs: bool = True  # False (validation): nothing is trained from it, so no window
     record_mean: bool = False  # also record each trained step's mean (losses that compare means: flow_dppo)
+    ode_solver: str = (
+        "euler"  # "euler" | "dpm2": the ODE step after a row's window (flow_sde.WindowedSampler)
+    )
     lora: str = "policy"  # which LoRA the forward runs: one adapter per batch
 
     @property
@@ -55,6 +58,7 @@ class SamplingParams:
             self.sde_window_range,
             self.record_logprobs,
             self.record_mean,
+            self.ode_solver,
             self.lora,
         )
 

@@ -134,6 +134,28 @@ def window(num_steps: int, size: int, window_range: tuple[int, int]) -> tuple[in
     return size, lo, hi - size
 
 
+def sliding_start(step: int, size: int, window_range: tuple[int, int], interval: int, stride: int) -> int:
+    """MixGRPO's window at RL step `step`: it starts at lo, moves by `stride` every `interval` steps, and
+    goes back to lo once its start would pass hi - size (so the window is always whole inside
+    [lo, hi)). E.g. size 2 in [0, 6), interval 3, stride 2: steps 0-2 start at 0, 3-5 at 2, 6-8 at 4,
+    9-11 at 0 again."""
+    lo, hi = window_range
+    positions = (hi - size - lo) // stride + 1  # the starts lo, lo + stride, ... up to hi - size
+    return lo + stride * ((step // interval) % positions)
+
+
+def dpm2_coefficients(sigma_prev: float, sigma: float, sigma_next: float) -> tuple[float, float, float]:
+    """(c_x, c_0, c_1): DPM-Solver++ 2M's step from sigma to sigma_next for flow matching (alpha = 1 -
+    sigma, lambda = log(alpha / sigma)) as x' = c_x x + c_0 x0 + c_1 x0_prev, with x0 = x - sigma v the
+    data prediction at sigma and x0_prev the previous step's (at sigma_prev), the midpoint form:
+    x' = (sigma' / sigma) x - alpha' (e^-h - 1) (D0 + D1 / 2), D0 = x0, D1 = (x0 - x0_prev) / r,
+    h = lambda' - lambda, r = (lambda - lambda_prev) / h. Needs 0 < sigma_next and sigma_prev < 1."""
+    lam = [math.log((1 - s) / s) for s in (sigma_prev, sigma, sigma_next)]
+    h, r = lam[2] - lam[1], (lam[1] - lam[0]) / (lam[2] - lam[1])
+    a = -(1 - sigma_next) * math.expm1(-h)  # -alpha' (e^-h - 1)
+    return sigma_next / sigma, a * (1 + 0.5 / r), -a * 0.5 / r
+
+
 class WindowedSampler:
     """The per-request randomness of a packed denoising loop, and the SDE window of each row.
 
@@ -145,7 +167,8 @@ class WindowedSampler:
     initial latents, its window start (only for W > 0), then the noise of each step inside its window. So a
     request's sample does not depend on the batch it runs in (packed == serial). Rows inside their window
     take `flow_step` with the request's SDE type and noise level and record (latents in, latents out, step,
-    log-prob and, with `record_mean`, the step's mean); rows outside take the ODE step and record nothing.
+    log-prob and, with `record_mean`, the step's mean); rows outside take the ODE step and record nothing:
+    the Euler step, or after the window with `ode_solver` dpm2 DPM-Solver++ 2M (`dpm2_coefficients`).
     A rollout that records no log-probs (validation) has no window: the ODE step everywhere. Noise is drawn
     on the host, so samples do not depend on the device either.
 
@@ -189,6 +212,19 @@ class WindowedSampler:
         self.noise = [
             _NOISE_WORKER.submit(self._draw, rows, pin) if rows else None for rows in self.rows
         ]  # the jobs run in step order, so every generator draws in the order of the window's steps
+        # dpm2: the rows past their window at step i (every row of a noise-free rollout), where its
+        # second-order step applies (both neighbouring sigmas strictly inside (0, 1); elsewhere
+        # DPM-Solver++ is the Euler step).
+        s = [float(x) for x in sigmas]
+        self.post = [None] * num_steps
+        if p.ode_solver == "dpm2":
+            noise_free = p.noise_level == 0 or p.sde_type == "ode"
+            for i in range(1, num_steps):
+                rows = [b for b, st in enumerate(self.starts) if noise_free or i >= st + self.size]
+                if rows and s[i - 1] < 1 and s[i + 1] > 0:
+                    idx = _to_device(torch.tensor(rows, dtype=torch.int64), self.device, pin)
+                    self.post[i] = (idx, dpm2_coefficients(s[i - 1], s[i], s[i + 1]))
+        self.prev_x0: torch.Tensor | None = None  # [B, *latent] the previous step's data prediction
         self.step_indices = torch.tensor(
             [[s + k for k in range(self.size)] for s in self.starts], dtype=torch.int64
         ).reshape(batch, self.size)  # [B, K]
@@ -226,10 +262,17 @@ class WindowedSampler:
             )  # fmt: skip
             next_latents[idx] = out.prev_sample
             self.x_in[idx, k] = latents[idx].float()
-            self.x_out[idx, k] = out.prev_sample
             self.logprobs[idx, k] = out.logprob
             if self.means is not None:
                 self.means[idx, k] = out.mean
+        if p.ode_solver == "dpm2":
+            x0 = latents.float() - self.sigmas[i] * velocity.float()  # [B, *latent]
+            if self.post[i] is not None:
+                rows, (c_x, c_0, c_1) = self.post[i]
+                next_latents[rows] = c_x * latents[rows].float() + c_0 * x0[rows] + c_1 * self.prev_x0[rows]
+            self.prev_x0 = x0
+        if self.noise[i] is not None:
+            self.x_out[idx, k] = next_latents[idx]  # (a noise-free dpm2 step included)
         return next_latents
 
     def record(self, b: int) -> dict[str, torch.Tensor | None]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,7 +34,7 @@ from omnirl.config import Config, ConfigError
 from omnirl.data.prompts import PromptRow
 from omnirl.metrics import MetricsLogger
 from omnirl.models.base import DiffusionAdapter, Output, Request, SamplingParams, Trajectory
-from omnirl.models.flow_sde import StepOut, flow_step, window
+from omnirl.models.flow_sde import StepOut, flow_step, sliding_start, window
 from omnirl.rollout.diffusion import DiffusionEngine
 from omnirl.step import equalise, global_positions, make_requests
 
@@ -53,6 +54,7 @@ def sampling_params(cfg: Config, num_steps: int | None = None, ode: bool = False
         sde_window_range=tuple(s.sde_window_range),
         record_logprobs=not ode,
         record_mean=not ode and a.loss == "flow_dppo" and a.old_logprob == "rollout",
+        ode_solver=s.ode_solver,
     )
 
 
@@ -117,6 +119,14 @@ class DiffusionOps:
             window(s.num_steps, s.sde_window_size, tuple(s.sde_window_range))
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if s.sde_window_schedule == "sliding":
+            if s.sde_window_size == 0:
+                raise ConfigError("sampling.sde_window_schedule sliding needs sampling.sde_window_size > 0")
+            if s.sde_window_shift_interval < 1 or s.sde_window_stride < 1:
+                raise ConfigError(
+                    "sampling.sde_window_shift_interval and sampling.sde_window_stride must be >= 1, got "
+                    f"{s.sde_window_shift_interval} and {s.sde_window_stride}"
+                )
         if cfg.algo.loss == "flow_dppo" and cfg.algo.dppo_tau <= 0:
             raise ConfigError(f"algo.dppo_tau must be > 0, got {cfg.algo.dppo_tau}")
 
@@ -124,7 +134,21 @@ class DiffusionOps:
         return self.adapter.offload_modules()
 
     def requests(self, rows: list[PromptRow], step: int, dist: D.DistInfo) -> list[Request]:
-        return make_requests(self.cfg, rows, step, dist, self.params, self.cfg.sampling.negative_prompt)[0]
+        return make_requests(
+            self.cfg, rows, step, dist, self.step_params(step), self.cfg.sampling.negative_prompt
+        )[0]
+
+    def step_params(self, step: int) -> SamplingParams:
+        """The sampling parameters of RL step `step`: with the sliding schedule the window range is the
+        step's window (sliding_start), the same for every request."""
+        s = self.cfg.sampling
+        if s.sde_window_schedule == "random":
+            return self.params
+        size = s.sde_window_size
+        start = sliding_start(
+            step, size, tuple(s.sde_window_range), s.sde_window_shift_interval, s.sde_window_stride
+        )
+        return dataclasses.replace(self.params, sde_window_range=(start, start + size))
 
     def validation_params(self) -> SamplingParams:
         return sampling_params(self.cfg, num_steps=self.cfg.validation.num_steps, ode=True)

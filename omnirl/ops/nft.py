@@ -71,8 +71,11 @@ class NFTOps(DiffusionOps):
 
     def __init__(self, cfg: Config, adapter: DiffusionAdapter):
         super().__init__(cfg, adapter)
-        self.trainable = [p for p in self.policy.parameters() if p.requires_grad]
         self._old: list[torch.Tensor] | None = None  # the rollout policy's parameters, while updating
+
+    def trainable(self) -> list[nn.Parameter]:
+        """The trained parameters as they are now (FSDP2 replaces them with sharded ones after __init__)."""
+        return [p for p in self.policy.parameters() if p.requires_grad]
 
     @staticmethod
     def check_config(cfg: Config) -> None:
@@ -86,7 +89,7 @@ class NFTOps(DiffusionOps):
     def update_rows(self, trajs: list[Trajectory], keep: torch.Tensor, gen: torch.Generator) -> list[NFTRow]:
         o = self.cfg.optim
         if o.mini_batches * o.epochs > 1:  # later mini-batches need the rollout policy's velocity
-            self._old = [p.detach().clone() for p in self.trainable]
+            self._old = [p.detach().clone() for p in self.trainable()]
         steps = self.params.num_steps - 1
         rows = [NFTRow(t, k, 1.0) for t, kept in zip(trajs, keep.tolist()) if kept for k in range(steps)]
         return [rows[i] for i in torch.randperm(len(rows), generator=gen).tolist()]
@@ -111,7 +114,7 @@ class NFTOps(DiffusionOps):
         if measure or self._old is None:  # no optimizer step yet: the policy is the rollout's
             v_old = v.detach()
         else:
-            with torch.no_grad(), swapped(self.trainable, self._old):
+            with torch.no_grad(), swapped(self.trainable(), self._old):
                 v_old = adapter.velocity(x_t, t, embeds, 1.0)
         v_ref = None
         if a.kl_beta > 0:
