@@ -114,6 +114,28 @@ def test_dppo_records_the_rollout_mean_and_logs_per_timestep_consistency(tiny_sd
     assert "consistency/t03/logprob_abs_diff_max" not in logs  # the last step is not trained
 
 
+def test_dppo_with_recomputed_old_policy(tiny_sd3, tmp_path):
+    """With old_logprob recompute the rollout records no means: the recompute pass gives DPPO's mu_old."""
+    cfg = tiny_cfg(
+        tiny_sd3, tmp_path, "--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
+        "--sampling.num_steps", "3", "--algo.loss", "flow_dppo", "--algo.old_logprob", "recompute",
+        "--optim.mini_batches", "2",
+    )  # fmt: skip
+    dist = D.init_distributed()
+    ops = DiffusionOps(cfg, get_adapter("sd3")(cfg, dist.device))
+    assert not ops.params.record_mean
+    pool = RewardPool(cfg.reward.weights, 1, 60)
+    trajs, _ = rollout_and_score(ops, pool, ops.requests(load_prompts(cfg.data.train_path), 0, dist))
+    pool.close()
+    assert all(t.means is None for t in trajs)
+    for i, t in enumerate(trajs):
+        t.advantage = [1.0, -1.0][i % 2]
+    opt = torch.optim.AdamW([p for p in ops.policy.parameters() if p.requires_grad], lr=1e-2)
+    logs = update(cfg, ops, opt, trajs, torch.ones(4, dtype=torch.bool), 0)
+    assert logs["train/updates"] == 2 and logs["dppo/kl_new_old_max"] > 0  # the second mini-batch moved
+    assert logs["consistency/logprob_abs_diff_max"] < 1e-5
+
+
 def test_nft_rows_and_the_old_velocity(tiny_sd3, tmp_path):
     """NFT rows are (sample, every step's time but the last, a noise of the row's own generator); after an
     optimizer step the old velocity is the rollout policy's (its parameters swapped in, then restored)."""
