@@ -296,9 +296,11 @@ def main() -> None:
     dc = cfg.distributed  # as the trainer shards it
     D.apply_fsdp(adapter.policy, adapter.fsdp_units(), mesh, dc.param_dtype, dc.reduce_dtype, frozen)
     s = cfg.sampling
+    # The recipe's SDE window, cut to --steps: a window lies inside the schedule (flow_sde.window).
+    lo, hi = s.sde_window_range[0], min(s.sde_window_range[1], a.steps)
+    size = min(s.sde_window_size, hi - lo)
     params = SamplingParams(
-        s.height, s.width, a.steps, s.guidance_scale, s.noise_level, s.sde_type, s.sde_window_size,
-        tuple(s.sde_window_range),
+        s.height, s.width, a.steps, s.guidance_scale, s.noise_level, s.sde_type, size, (lo, hi)
     )  # fmt: skip
     # This rank's share of one prompt list (all of it in a single process); seeds from the global index.
     mine = slice(dist.rank * a.images, (dist.rank + 1) * a.images)

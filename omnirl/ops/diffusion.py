@@ -210,18 +210,16 @@ class DiffusionOps:
 
     @staticmethod
     def _old_means(mb: list[Pair], mean: torch.Tensor) -> torch.Tensor:
-        """[M, *latent] the behaviour policy's step means: recomputed, or recorded by the rollout; a padding
-        row (weight 0) of a recompute run has neither and takes the current one (it adds nothing)."""
+        """[M, *latent] the behaviour policy's step means, recomputed or recorded by the rollout, in one copy
+        to the device. A padding row (weight 0) of a recompute run has neither: zeros (it adds nothing)."""
         rows = []
-        for i, p in enumerate(mb):
-            if p.old_mean is not None:
-                rows.append(p.old_mean.to(mean.device))
-            elif p.traj.means is not None:
-                rows.append(p.traj.means[p.k].to(mean.device))
-            else:
-                assert p.weight == 0, "a real row without the behaviour policy's mean"
-                rows.append(mean[i].detach())
-        return torch.stack(rows)
+        for p in mb:
+            row = (
+                p.old_mean if p.old_mean is not None else None if p.traj.means is None else p.traj.means[p.k]
+            )
+            assert row is not None or p.weight == 0, "a real row without the behaviour policy's mean"
+            rows.append(torch.zeros(mean.shape[1:]) if row is None else row)
+        return torch.stack(rows).to(mean.device)
 
     def _no_gap(self) -> torch.Tensor:
         """[3, T]: per timestep index, the sum and the max of |trainer - rollout| log-prob, and the count."""

@@ -447,7 +447,7 @@ def check_plan(cfg, world: int) -> dict:
     rows = LOADERS[cfg.data.format](cfg.data.train_path, None)
     dist = D.DistInfo(0, world, 0, meta, None)
     sp = sampling_params(cfg)
-    trained = cfg.sampling.sde_window_size or cfg.sampling.num_steps  # trained steps per image
+    trained = cfg.sampling.sde_window_size or cfg.sampling.num_steps - 1  # trained steps per image
     steps = []
     for step in range(cfg.run.steps):
         requests = make_requests(cfg, rows, step, dist, sp, cfg.sampling.negative_prompt)[0]
