@@ -23,6 +23,8 @@ CHANGED = {
     "sde_window_size": 3,
     "sde_window_range": (1, 4),
     "record_logprobs": False,
+    "record_mean": True,
+    "ode_solver": "dpm2",
     "lora": "reference",
 }
 VARIANTS = [BASE] + [dataclasses.replace(BASE, **{k: v}) for k, v in CHANGED.items()]
