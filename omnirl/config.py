@@ -584,6 +584,8 @@ RANGES = {
     ),
     "sampling.noise_level": NON_NEGATIVE,
     "sampling.sde_window_size": _at_least(0),
+    "sampling.sde_window_shift_interval": _at_least(1),
+    "sampling.sde_window_stride": _at_least(1),
     "generation.temperature": POSITIVE,
     "generation.top_p": FRACTION,
     "generation.top_k": _at_least(0),
@@ -598,6 +600,8 @@ RANGES = {
     "algo.clip_range": POSITIVE,
     "algo.kl_beta": NON_NEGATIVE,
     "algo.adv_clip": POSITIVE,
+    "algo.dppo_tau": POSITIVE,
+    "algo.nft_beta": POSITIVE,
     "algo.correction_threshold": ((lambda v: math.isfinite(v) and v > 1), "a finite number > 1"),
     "optim.lr": POSITIVE,
     "optim.weight_decay": NON_NEGATIVE,
@@ -665,7 +669,9 @@ def check_values(cfg: Config) -> None:
 
     adapter = get_adapter(cfg.model.adapter)
     if adapter.kind == "diffusion":
-        _check_sampling(cfg.sampling, adapter, cfg.model.adapter)
+        _check_sampling(cfg.sampling, adapter, cfg.model.adapter, cfg.algo.loss)
+    if cfg.algo.loss == "diffusion_nft" and cfg.algo.old_logprob == "recompute":
+        raise ConfigError("algo.old_logprob recompute: algo.loss diffusion_nft uses no log-probs")
 
 
 def _looks_local(path: str) -> bool:
@@ -680,8 +686,8 @@ def _looks_local(path: str) -> bool:
     )
 
 
-def _check_sampling(s: SamplingConfig, adapter: type, name: str) -> None:
-    """The diffusion rollout's settings against each other and the family's latent grid."""
+def _check_sampling(s: SamplingConfig, adapter: type, name: str, loss: str) -> None:
+    """The diffusion rollout's settings against each other, the family's latent grid and the loss."""
     multiple = adapter.pixel_multiple
     for key, value in (("sampling.height", s.height), ("sampling.width", s.width)):
         if value % multiple:
@@ -689,7 +695,7 @@ def _check_sampling(s: SamplingConfig, adapter: type, name: str) -> None:
                 f"{key} must be a multiple of {multiple} for model.adapter {name!r} (one latent "
                 f"token per {multiple}x{multiple} pixels), got {value}"
             )
-    if s.sde_type == "ode" or s.noise_level == 0:
+    if (s.sde_type == "ode" or s.noise_level == 0) and loss != "diffusion_nft":  # NFT takes any sampler
         raise ConfigError(
             f"sampling.sde_type {s.sde_type!r} with sampling.noise_level {s.noise_level}: a training rollout "
             "needs a stochastic step (sde or cps, noise_level > 0); the ODE step has no log-prob to train"
@@ -706,3 +712,11 @@ def _check_sampling(s: SamplingConfig, adapter: type, name: str) -> None:
         raise ConfigError(
             f"sampling.sde_window_range must be a non-empty range [lo, hi) with lo >= 0, got {[lo, hi]}"
         )
+    from omnirl.models.flow_sde import window  # the sampler's own rule: the window inside its range
+
+    try:
+        window(s.num_steps, s.sde_window_size, tuple(s.sde_window_range))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if s.sde_window_schedule == "sliding" and s.sde_window_size == 0:
+        raise ConfigError("sampling.sde_window_schedule sliding needs sampling.sde_window_size > 0")

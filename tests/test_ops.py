@@ -510,6 +510,29 @@ IMPOSSIBLE = {
         ["--sampling.sde_window_size", "2", "--sampling.sde_window_range", "3", "3"],
         "sampling.sde_window_range must be a non-empty range [lo, hi) with lo >= 0, got [3, 3]",
     ),
+    "window outside its range": (
+        ["--sampling.sde_window_size", "2", "--sampling.sde_window_range", "0", "9"],
+        "sampling.sde_window_range [0, 9] must hold a window of sampling.sde_window_size 2 within "
+        "sampling.num_steps 8",
+    ),
+    "range narrower than the window": (
+        ["--sampling.sde_window_size", "3", "--sampling.sde_window_range", "0", "2"],
+        "sampling.sde_window_range [0, 2] must hold a window of sampling.sde_window_size 3",
+    ),
+    "sliding without a window": (
+        ["--sampling.sde_window_schedule", "sliding"],
+        "sampling.sde_window_schedule sliding needs sampling.sde_window_size > 0",
+    ),
+    "shift interval 0": (
+        ["--sampling.sde_window_shift_interval", "0"],
+        "sampling.sde_window_shift_interval must be an integer >= 1, got 0",
+    ),
+    "DPPO tau 0": (["--algo.dppo_tau", "0"], "algo.dppo_tau must be a finite number > 0, got 0.0"),
+    "NFT beta 0": (["--algo.nft_beta", "0"], "algo.nft_beta must be a finite number > 0, got 0.0"),
+    "NFT with recomputed log-probs": (
+        ["--algo.loss", "diffusion_nft", "--algo.old_logprob", "recompute"],
+        "algo.old_logprob recompute: algo.loss diffusion_nft uses no log-probs",
+    ),
     "ODE training rollout": (["--sampling.sde_type", "ode"], "a training rollout needs a stochastic step"),
     "noise level 0": (["--sampling.noise_level", "0"], "a training rollout needs a stochastic step"),
     "negative noise level": (

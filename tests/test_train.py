@@ -325,14 +325,17 @@ def test_mini_batches_hold_the_same_rows_on_any_number_of_ranks():
         for rank in range(world):
             share = slice(rank * 16 // world, (rank + 1) * 16 // world)
             gen = torch.Generator().manual_seed(derive_seed(0, 5, -1))
-            rows = ops_cls.update_rows(SimpleNamespace(cfg=cfg), trajs[share], keep[share], gen)
+            ops = nft if ops_cls is NFTOps else SimpleNamespace(cfg=cfg)
+            rows = ops_cls.update_rows(ops, trajs[share], keep[share], gen)
             for m, mb in enumerate(split_mini_batches(rows, 3)):
                 out[m] |= {key(r) for r in mb}
         return out
 
+    nft = SimpleNamespace(cfg=cfg, params=SimpleNamespace(num_steps=3))  # NFT rows: every step but the last
     for ops_cls, key, total in (
         (DiffusionOps, lambda r: (r.traj.request.index, r.k), 36),
         (OmniOps, lambda r: r.traj.request.index, 12),
+        (NFTOps, lambda r: (r.traj.request.index, r.k), 24),
     ):
         one = batches(1, ops_cls, key)
         assert sum(map(len, one)) == total and all(one)

@@ -30,11 +30,11 @@ from torch import nn
 
 from omnirl import distributed as D
 from omnirl.algos.losses import flow_kl, get_loss
-from omnirl.config import Config, ConfigError
+from omnirl.config import Config
 from omnirl.data.prompts import PromptRow
 from omnirl.metrics import MetricsLogger
 from omnirl.models.base import DiffusionAdapter, Output, Request, SamplingParams, Trajectory
-from omnirl.models.flow_sde import StepOut, flow_step, sliding_start, window
+from omnirl.models.flow_sde import StepOut, flow_step, sliding_start
 from omnirl.rollout.diffusion import DiffusionEngine
 from omnirl.step import equalise, global_positions, make_requests
 
@@ -113,22 +113,8 @@ class DiffusionOps:
 
     @staticmethod
     def check_config(cfg: Config) -> None:
-        """Settings this kind cannot run, found before the model loads (a ConfigError naming the field)."""
-        s = cfg.sampling
-        try:
-            window(s.num_steps, s.sde_window_size, tuple(s.sde_window_range))
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        if s.sde_window_schedule == "sliding":
-            if s.sde_window_size == 0:
-                raise ConfigError("sampling.sde_window_schedule sliding needs sampling.sde_window_size > 0")
-            if s.sde_window_shift_interval < 1 or s.sde_window_stride < 1:
-                raise ConfigError(
-                    "sampling.sde_window_shift_interval and sampling.sde_window_stride must be >= 1, got "
-                    f"{s.sde_window_shift_interval} and {s.sde_window_stride}"
-                )
-        if cfg.algo.loss == "flow_dppo" and cfg.algo.dppo_tau <= 0:
-            raise ConfigError(f"algo.dppo_tau must be > 0, got {cfg.algo.dppo_tau}")
+        """Settings this kind cannot run, found before the model loads: none beyond the loss's kind and
+        what the recipe's values are checked for when it loads (`config.check_values`)."""
 
     def offload_modules(self) -> list[nn.Module]:
         return self.adapter.offload_modules()

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from omnirl.config import Config, ConfigError
+from omnirl.config import Config
 from omnirl.models.base import DiffusionAdapter, Trajectory, derive_seed
 from omnirl.ops.diffusion import DiffusionOps, reference
-from omnirl.step import equalise
+from omnirl.step import equalise, global_positions
 
 
 @dataclass
@@ -43,6 +43,7 @@ class NFTRow:
     traj: Trajectory
     k: int
     weight: float  # 1 for real rows, 0 for the padding rows of short ranks
+    position: float = 0.0  # its place in the step's shuffle of all ranks' rows (step.global_positions)
 
     def noise(self) -> torch.Tensor:
         """[*latent] the row's forward-process noise, from its own generator (stream -2 of the request)."""
@@ -77,22 +78,20 @@ class NFTOps(DiffusionOps):
         """The trained parameters as they are now (FSDP2 replaces them with sharded ones after __init__)."""
         return [p for p in self.policy.parameters() if p.requires_grad]
 
-    @staticmethod
-    def check_config(cfg: Config) -> None:
-        DiffusionOps.check_config(cfg)
-        a = cfg.algo
-        if a.old_logprob == "recompute":
-            raise ConfigError("algo.old_logprob recompute: algo.loss diffusion_nft uses no log-probs")
-        if a.nft_beta <= 0:
-            raise ConfigError(f"algo.nft_beta must be > 0, got {a.nft_beta}")
-
     def update_rows(self, trajs: list[Trajectory], keep: torch.Tensor, gen: torch.Generator) -> list[NFTRow]:
         o = self.cfg.optim
         if o.mini_batches * o.epochs > 1:  # later mini-batches need the rollout policy's velocity
             self._old = [p.detach().clone() for p in self.trainable()]
         steps = self.params.num_steps - 1
-        rows = [NFTRow(t, k, 1.0) for t, kept in zip(trajs, keep.tolist()) if kept for k in range(steps)]
-        return [rows[i] for i in torch.randperm(len(rows), generator=gen).tolist()]
+        r = self.cfg.rollout
+        where = global_positions(gen, r.prompts_per_step * r.group_size * steps)
+        rows = [
+            NFTRow(t, k, 1.0, position=where[t.request.index * steps + k])
+            for t, kept in zip(trajs, keep.tolist())
+            if kept
+            for k in range(steps)
+        ]
+        return sorted(rows, key=lambda row: row.position)
 
     def recompute_old(self, rows: list[NFTRow], pad_traj: Trajectory) -> dict[str, float]:
         raise AssertionError("diffusion_nft has no old log-probs (check_config refuses recompute)")
