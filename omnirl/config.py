@@ -83,12 +83,19 @@ class SamplingConfig:
     """Classifier-free guidance scale (1 = no guidance)."""
     noise_level: float = 0.7
     """SDE noise level a (0 = the deterministic ODE sampler)."""
-    sde_type: Literal["sde", "cps", "ode"] = "sde"
-    """Stochastic step: 'sde' (Flow-GRPO), 'cps' (coefficient-preserving) or 'ode'."""
+    sde_type: Literal["sde", "cps", "dance_sde", "ode"] = "sde"
+    """Stochastic step: 'sde' (Flow-GRPO), 'cps' (coefficient-preserving), 'dance_sde' (DanceGRPO) or
+    'ode'."""
     sde_window_size: int = 0
     """Trained SDE steps per sample (ODE outside the window); 0 trains every step."""
     sde_window_range: tuple[int, int] = (0, 1)
     """The window start is drawn per request, uniformly from [lo, hi)."""
+    sde_window_random: bool = False
+    """Train sde_window_size steps drawn per request without replacement from sde_window_range (the
+    original DanceGRPO's timestep subset) instead of a contiguous window."""
+    shared_initial_noise: bool = False
+    """All samples of a prompt start from the same initial latents, drawn from the group's own seed
+    (DanceGRPO); the SDE noise stays per sample."""
     negative_prompt: str = ""
     """Negative prompt of the unconditional CFG branch."""
 

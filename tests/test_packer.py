@@ -24,6 +24,8 @@ CHANGED = {
     "sde_window_range": (1, 4),
     "record_logprobs": False,
     "lora": "reference",
+    "shared_initial_noise": True,
+    "sde_window_random": True,
 }
 VARIANTS = [BASE] + [dataclasses.replace(BASE, **{k: v}) for k, v in CHANGED.items()]
 

@@ -2,6 +2,8 @@
 per-token timesteps; T2V-A14B: two experts switched at boundary_ratio), against diffusers' own WanPipeline.
 fp32 on CPU: everything must agree to 1e-5 (docs/design.md section 4)."""
 
+import dataclasses
+
 import pytest
 import torch
 from diffusers import WanPipeline
@@ -205,3 +207,41 @@ def test_registered_and_bad_frames(tiny_wan_ti2v):
     cfg.family.num_frames = 8
     with pytest.raises(ValueError, match="num_frames"):
         WanAdapter(cfg, torch.device("cpu"))
+
+
+def test_group_shared_initial_noise_and_random_step_subsets(ti2v):
+    """DanceGRPO's sampling: a group's samples start from the same latents (its own seed) and part after
+    the first SDE step; trained steps a random subset; packed still equals serial."""
+    params = SamplingParams(
+        HEIGHT, WIDTH, STEPS, GUIDANCE, 1.2, "dance_sde", 3, (0, 5), shared_initial_noise=True,
+        sde_window_random=True,
+    )  # fmt: skip
+    # Two groups of two; the group seed is the group's, the sample seed the sample's.
+    requests = [
+        Request(PROMPTS[0], g, i, derive_seed(7, 0, i), params, group_seed=derive_seed(7, 0, -1 - g))
+        for i, g in enumerate([0, 0, 1, 1])
+    ]
+    packed = ti2v.rollout(requests)
+    serial = [ti2v.rollout([r])[0] for r in requests]
+    subsets = [t.step_indices.tolist() for t in packed]
+    assert all(len(s) == 3 and s == sorted(s) and max(s) < 5 for s in subsets)
+    assert any(s != list(range(s[0], s[0] + 3)) for s in subsets), subsets  # not all contiguous
+    d = max(max_diff(a.next_latents, b.next_latents) for a, b in zip(packed, serial))
+    d_lp = max(max_diff(a.logprobs, b.logprobs) for a, b in zip(packed, serial))
+    assert d < 1e-5 and d_lp < 1e-5, (d, d_lp)
+    assert all(torch.isfinite(t.logprobs).all() and torch.all(t.logprobs != 0) for t in packed)
+    # Step 0 is deterministic (ODE) unless trained: compare where both rows enter their first SDE step.
+    from omnirl.models.flow_sde import WindowedSampler
+
+    sampler = WindowedSampler(requests, ti2v.latent_shape(HEIGHT, WIDTH), ti2v.sigmas(STEPS), "cpu")
+    x0 = sampler.initial_latents
+    assert torch.equal(x0[0], x0[1]) and torch.equal(x0[2], x0[3]) and not torch.equal(x0[0], x0[2])
+    assert max_diff(packed[0].final_latents, packed[1].final_latents) > 1e-3
+    # A window fixed at step 1: the group's rows enter their first SDE step equal and leave it apart.
+    fixed = SamplingParams(
+        HEIGHT, WIDTH, STEPS, GUIDANCE, 1.2, "dance_sde", 2, (1, 2), shared_initial_noise=True
+    )  # fmt: skip
+    a, b = ti2v.rollout([dataclasses.replace(r, params=fixed) for r in requests[:2]])
+    assert a.step_indices.tolist() == b.step_indices.tolist() == [1, 2]
+    assert torch.equal(a.latents[0], b.latents[0])
+    assert max_diff(a.next_latents[0], b.next_latents[0]) > 1e-3

@@ -34,11 +34,13 @@ class SamplingParams:
     num_steps: int
     guidance_scale: float
     noise_level: float
-    sde_type: str  # "sde" | "cps" | "ode"
+    sde_type: str  # "sde" | "cps" | "dance_sde" | "ode"
     sde_window_size: int  # trained steps per sample; 0 = every step
     sde_window_range: tuple[int, int]  # the window start is drawn per request from [lo, hi)
     record_logprobs: bool = True
     lora: str = "policy"  # which LoRA the forward runs: one adapter per batch
+    shared_initial_noise: bool = False  # a group's samples start from one draw (its group_seed)
+    sde_window_random: bool = False  # trained steps: a random subset of sde_window_range, not a window
 
     @property
     def key(self) -> tuple:
@@ -54,6 +56,8 @@ class SamplingParams:
             self.sde_window_range,
             self.record_logprobs,
             self.lora,
+            self.shared_initial_noise,
+            self.sde_window_random,
         )
 
 
@@ -84,6 +88,7 @@ class Request:
     seed: int  # derive_seed(base_seed, step, index)
     params: SamplingParams | GenerationParams  # diffusion | omni (autoregressive) requests
     negative_prompt: str = ""
+    group_seed: int = 0  # derive_seed of the group alone: its shared initial noise (never the batch's)
     metadata: dict[str, Any] = field(default_factory=dict)  # the data row (e.g. the OCR target text)
     inputs: dict[str, Any] = field(default_factory=dict)  # multimodal inputs, e.g. {"image": PIL.Image}
 

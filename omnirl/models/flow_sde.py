@@ -14,6 +14,10 @@ sigma running from 1 (noise) to 0 (data) and the model predicting the velocity v
 - CPS (coefficient-preserving): std = sigma_next * sin(a * pi / 2); x0 = x - sigma * v;
   x1 = x + (1 - sigma) * v; mean = (1 - sigma_next) * x0 + sqrt(sigma_next^2 - std^2) * x1;
   x' = mean + std * noise; its "log-prob" is -mean((x' - mean)^2) over latent dims (no normaliser).
+- DanceGRPO (`dance_sde`): x0_hat = x - sigma * v; score = -(x - (1 - sigma) * x0_hat) / sigma^2;
+  dsigma = sigma_next - sigma; mean = x + dsigma * v - 0.5 * eta^2 * score * dsigma;
+  std = eta * sqrt(sigma - sigma_next); the log-prob is the Gaussian log-density averaged over latent dims
+  (as the SDE's). Its std has no 1 / (1 - sigma), so it is stable at sigma = 1.
 - Noise level a = 0 gives the ODE step exactly, and a log-prob of 0.
 
 This is our own code because no library provides a flow-matching step with a log-density.
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-SDE_TYPES = ("ode", "sde", "cps")
+SDE_TYPES = ("ode", "sde", "cps", "dance_sde")
 
 
 @dataclass
@@ -79,6 +83,11 @@ def flow_step(
         std_dev_t = noise_level * torch.sqrt(s / denom)
         mean = x * (1 + std_dev_t**2 / (2 * s) * dt) + v * (1 + std_dev_t**2 * (1 - s) / (2 * s)) * dt
         std = std_dev_t * torch.sqrt(-dt)
+    elif sde_type == "dance_sde":
+        x0_hat = x - s * v
+        score = -(x - (1 - s) * x0_hat) / s**2
+        mean = x + dt * v - 0.5 * noise_level**2 * score * dt
+        std = noise_level * torch.sqrt(-dt)
     else:  # cps
         std = s_next * math.sin(noise_level * math.pi / 2)
         x0 = x - s * v
@@ -89,7 +98,7 @@ def flow_step(
         prev_sample = mean if noise is None else mean + std * noise.float()
     prev_sample = prev_sample.float()
     dims = tuple(range(1, x.dim()))
-    if sde_type == "sde":
+    if sde_type in ("sde", "dance_sde"):
         logprob = (
             -((prev_sample - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
         ).mean(dim=dims)
@@ -115,7 +124,12 @@ class WindowedSampler:
 
     Every adapter's loop uses it, so the rules live in one place. Each request's own generator (seeded
     from `request.seed`) draws, in this order: its initial latents, its window start (uniform in
-    `sde_window_range`, clamped so the window fits), then the noise of each step inside its window. So a
+    `sde_window_range`, clamped so the window fits), then the noise of each step inside its window. With
+    `shared_initial_noise` the initial latents come from a generator seeded by `request.group_seed`
+    instead (every sample of a group starts from the same latents, DanceGRPO's rule), and the request's
+    own generator draws the rest. With `sde_window_random` the trained steps are `sde_window_size` steps
+    drawn without replacement from `sde_window_range` (the original DanceGRPO's timestep subset) instead
+    of a contiguous window. So a
     request's sample does not depend on the batch it runs in (packed == serial). Rows inside their window
     take `flow_step` with the request's SDE type and noise level and record (latents in, latents out, step,
     log-prob); rows outside take the ODE step and record nothing. Noise is drawn on the host, so samples
@@ -143,22 +157,36 @@ class WindowedSampler:
         pin = self.device.type != "cpu"  # pinned host memory: copies that do not block the host
         self.generators = [torch.Generator("cpu").manual_seed(r.seed) for r in requests]
         with phase("noise"):
-            initial = torch.stack([torch.randn(latent_shape, generator=g) for g in self.generators])
+            first = self.generators
+            if p.shared_initial_noise:
+                first = [torch.Generator("cpu").manual_seed(r.group_seed) for r in requests]
+            initial = torch.stack([torch.randn(latent_shape, generator=g) for g in first])
             self.initial_latents = _to_device(initial, self.device, pin)  # [B, *latent]
-        self.starts = [0] * len(requests)
-        if p.sde_window_size:
-            self.starts = [
-                min(int(torch.randint(lo, hi, (1,), generator=g)), num_steps - self.size)
+        if p.sde_window_random:
+            if not (p.sde_window_size and hi - lo >= self.size and hi <= num_steps):
+                raise ValueError(
+                    f"sde_window_random draws sde_window_size {p.sde_window_size} steps from "
+                    f"sde_window_range {p.sde_window_range}"
+                    f": it must hold that many, all below num_steps {num_steps}"
+                )
+            self.trained = [
+                sorted(lo + int(j) for j in torch.randperm(hi - lo, generator=g)[: self.size])
                 for g in self.generators
             ]
+        else:
+            starts = [0] * len(requests)
+            if p.sde_window_size:
+                starts = [
+                    min(int(torch.randint(lo, hi, (1,), generator=g)), num_steps - self.size)
+                    for g in self.generators
+                ]
+            self.trained = [list(range(s, s + self.size)) for s in starts]
         self.sigmas = sigmas.to(device)  # [T + 1]
         self.sigma_max = float(sigmas[1])
         batch = len(requests)
         # rows[i]: the rows step i trains (in row order), and each one's position k in its window.
-        self.rows = [
-            [b for b, s in enumerate(self.starts) if s <= i < s + self.size] for i in range(num_steps)
-        ]
-        flat = [(b, i - self.starts[b]) for i in range(num_steps) for b in self.rows[i]]
+        self.rows = [[b for b, t in enumerate(self.trained) if i in t] for i in range(num_steps)]
+        flat = [(b, self.trained[b].index(i)) for i in range(num_steps) for b in self.rows[i]]
         index = _to_device(torch.tensor(flat, dtype=torch.int64).reshape(-1, 2), self.device, pin)  # [N, 2]
         offsets = [0]
         for rows in self.rows:
@@ -167,7 +195,7 @@ class WindowedSampler:
         self.noise = [
             _NOISE_WORKER.submit(self._draw, rows, pin) if rows else None for rows in self.rows
         ]  # the jobs run in step order, so every generator draws in the order of the window's steps
-        self.step_indices = torch.tensor([[s + k for k in range(self.size)] for s in self.starts])  # [B, K]
+        self.step_indices = torch.tensor(self.trained)  # [B, K]
         self.x_in = torch.empty((batch, self.size, *latent_shape), device=device)  # [B, K, *latent]
         self.x_out = torch.empty((batch, self.size, *latent_shape), device=device)
         self.logprobs = torch.zeros((batch, self.size), device=device)  # [B, K]
@@ -179,7 +207,7 @@ class WindowedSampler:
 
     def sigma(self, i: int) -> torch.Tensor:
         """The sigma of step i for every row: [B]."""
-        return self.sigmas[i].expand(len(self.starts))
+        return self.sigmas[i].expand(len(self.trained))
 
     def step(self, i: int, velocity: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
         """Step i of the whole batch: velocity, latents [B, *latent] -> the next latents [B, *latent]."""
@@ -188,7 +216,7 @@ class WindowedSampler:
 
     def _step(self, i: int, velocity: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
         p = self.params
-        sigma, sigma_next = self.sigma(i), self.sigmas[i + 1].expand(len(self.starts))
+        sigma, sigma_next = self.sigma(i), self.sigmas[i + 1].expand(len(self.trained))
         next_latents = flow_step(velocity, latents, sigma, sigma_next, self.sigma_max, 0.0, "ode").prev_sample
         if self.noise[i] is not None:
             with phase("noise"):  # a wait only if the worker fell behind
