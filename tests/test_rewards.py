@@ -228,3 +228,14 @@ def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
         DataError, match=r"train\.parquet: reading parquet needs pyarrow: pip install 'omnirl\[math\]'"
     ):
         load_mmk12(tmp_path / "train.parquet")
+
+
+def test_video_rewards_on_known_videos():
+    from omnirl.rewards.video import VideoBrightness, VideoTemporalSmoothness
+
+    dark, bright = torch.full((5, 3, 8, 8), 0.2), torch.full((5, 3, 8, 8), 0.8)
+    flicker = torch.stack([torch.full((3, 8, 8), float(i % 2)) for i in range(5)])  # [5, 3, 8, 8]
+    videos = reward_inputs([Output(video=v, fps=16.0) for v in (dark, bright, flicker)], "video")
+    assert VideoBrightness()(videos, [""] * 3, [{}] * 3) == pytest.approx([0.2, 0.8, 0.4])
+    assert VideoTemporalSmoothness()(videos, [""] * 3, [{}] * 3) == pytest.approx([0.0, 0.0, -100.0])
+    assert get_reward("video_brightness").modality == "video"

@@ -22,6 +22,7 @@ scheduler: same initial latents, same video.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +50,15 @@ from omnirl.models.peft_lora import lora_disabled, sorted_sets
 LORA_FILE = "pytorch_lora_weights.safetensors"
 LORA_FILE_2 = "pytorch_lora_weights_transformer_2.safetensors"
 EXPERTS = ("transformer", "transformer_2")
+
+
+class Experts(nn.ModuleDict):
+    """The two experts as one module: `experts(name, **inputs)` runs expert `name`. FSDP2 shards only
+    modules with a forward (a plain ModuleDict has none), and calling the root lets it gather its own
+    parameters (each expert's embeddings and output layers) before the expert runs."""
+
+    def forward(self, name: str, **inputs):
+        return self[name](**inputs)
 
 
 @dataclass
@@ -122,21 +132,19 @@ class WanAdapter:
         for expert in experts.values():
             make_trainable(expert, cfg, device)
         self.experts = experts
-        self._policy = experts["transformer"] if len(experts) == 1 else nn.ModuleDict(experts)
+        self._policy = experts["transformer"] if len(experts) == 1 else Experts(experts)
         self.config = experts["transformer"].config
 
     @property
     def policy(self) -> nn.Module:
-        """The trained module: the one transformer, or a ModuleDict of the two experts."""
+        """The trained module: the one transformer, or the two experts (`Experts`, a ModuleDict)."""
         return self._policy
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self._policy.parameters() if p.requires_grad]
 
     def fsdp_units(self) -> list[nn.Module]:
-        # Each expert is a unit too: the ModuleDict root is never called, its experts are.
-        units = [b for e in self.experts.values() for b in e.blocks]
-        return units + (list(self.experts.values()) if len(self.experts) > 1 else [])
+        return [b for e in self.experts.values() for b in e.blocks]
 
     def offload_modules(self) -> list[nn.Module]:
         return [self.vae, self.text_encoder]
@@ -201,12 +209,12 @@ class WanAdapter:
             ("transformer_2", ~high, self.guidance_2(guidance_scale)),
         ):
             idx = rows.nonzero().squeeze(1)  # one host sync per forward: small next to a transformer
-            expert = root[name]
+            expert = functools.partial(root, name)
             if len(idx):
                 sub = {k: e[idx] for k, e in embeds.items()}
                 out = out.index_put((idx,), self._guided(expert, latents[idx], timestep[idx], sub, scale,
                                                          fused_cfg, dtype))  # fmt: skip
-            elif balance and isinstance(expert, FSDPModule):
+            elif balance and isinstance(root, FSDPModule):
                 # Every rank must run every sharded expert forward and backward the same number of times
                 # (FSDP's collectives), whatever its rows' sigmas: a one-row pass contributing zero.
                 sub = {k: e[:1] for k, e in embeds.items()}

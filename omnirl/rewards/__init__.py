@@ -30,6 +30,8 @@ REWARDS = {
     "text_edit": "omnirl.rewards.text_edit:TextEditReward",
     "mmk12": "omnirl.rewards.mmk12:Mmk12Reward",
     "uniform_noise": "omnirl.rewards.noise:UniformNoise",
+    "video_brightness": "omnirl.rewards.video:VideoBrightness",
+    "video_temporal_smoothness": "omnirl.rewards.video:VideoTemporalSmoothness",
 }
 
 
