@@ -167,6 +167,9 @@ class DataConfig:
 class RewardConfig:
     weights: dict[str, float] = field(default_factory=lambda: {"jpeg_compressibility": 1.0})
     """Reward name -> weight; the reward is the weighted sum (see omnirl.rewards.REWARDS)."""
+    paths: dict[str, str] = field(default_factory=dict)
+    """Reward name -> the local checkpoint directory of a reward whose weights live on a hub (clip_video,
+    hpsv3); the reward is built with it (`Reward(path)`)."""
     num_workers: int = 2
     """Threads that score finished samples."""
     timeout_s: float = 300.0

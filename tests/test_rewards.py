@@ -35,7 +35,8 @@ def render(text):
 
 def test_registry_resolves_every_name_and_rejects_unknown():
     for name in REWARDS:
-        assert callable(get_reward(name)())
+        if name != "clip_video":  # built with its local checkpoint (test_clip_video_reward_averages_frames)
+            assert callable(get_reward(name)())
         assert get_reward(name).modality in (*MODALITIES, None), name  # None: reads no output
     with pytest.raises(ValueError, match="unknown reward 'clip'; known: .*jpeg_compressibility"):
         get_reward("clip")
@@ -239,3 +240,39 @@ def test_video_rewards_on_known_videos():
     assert VideoBrightness()(videos, [""] * 3, [{}] * 3) == pytest.approx([0.2, 0.8, 0.4])
     assert VideoTemporalSmoothness()(videos, [""] * 3, [{}] * 3) == pytest.approx([0.0, 0.0, -100.0])
     assert get_reward("video_brightness").modality == "video"
+
+
+def test_clip_video_reward_averages_frames(tmp_path):
+    """A tiny random CLIP of the real classes, saved and loaded from its local path: the score is the mean
+    over frames of the per-frame cosine similarity, computed here frame by frame."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    from omnirl.models.tiny import _clip_tokenizer
+    from omnirl.rewards.clip_video import ClipVideoAlignment
+
+    tok = _clip_tokenizer()
+    torch.manual_seed(0)
+    text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=77, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  image_size=32, patch_size=8)  # fmt: skip
+    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).save_pretrained(tmp_path)
+    images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    CLIPProcessor(image_processor=images, tokenizer=tok).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="reward.paths.clip_video"):
+        ClipVideoAlignment()
+    reward = ClipVideoAlignment(str(tmp_path))
+    g = torch.Generator().manual_seed(0)
+    videos = [torch.rand(3, 3, 48, 40, generator=g), torch.rand(2, 3, 48, 40, generator=g)]
+    prompts = ["a red cat", "waves at night"]
+    scores = reward(reward_inputs([Output(video=v, fps=8.0) for v in videos], "video"), prompts, [{}, {}])
+    for video, prompt, score in zip(videos, prompts, scores):
+        per_frame = [reward([(frame[None], 8.0)], [prompt], [{}])[0] for frame in video]
+        assert score == pytest.approx(sum(per_frame) / len(per_frame), abs=1e-5)
+        assert -1 <= score <= 1
+    assert len(set(scores)) == 2
+    pool = RewardPool({"clip_video": 1.0}, 1, 60, paths={"clip_video": str(tmp_path)})
+    pool.close()
+    with pytest.raises(ConfigError, match="'hpsv3', which reward.weights does not use"):
+        RewardPool({"clip_video": 1.0}, 1, 60, paths={"clip_video": str(tmp_path), "hpsv3": "x"})

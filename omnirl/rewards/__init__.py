@@ -31,6 +31,7 @@ REWARDS = {
     "mmk12": "omnirl.rewards.mmk12:Mmk12Reward",
     "uniform_noise": "omnirl.rewards.noise:UniformNoise",
     "video_brightness": "omnirl.rewards.video:VideoBrightness",
+    "clip_video": "omnirl.rewards.clip_video:ClipVideoAlignment",
     "video_temporal_smoothness": "omnirl.rewards.video:VideoTemporalSmoothness",
 }
 
