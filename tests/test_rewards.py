@@ -35,7 +35,10 @@ def render(text):
 
 def test_registry_resolves_every_name_and_rejects_unknown():
     for name in REWARDS:
-        if name != "clip_video":  # built with its local checkpoint (test_clip_video_reward_averages_frames)
+        if name not in (
+            "clip_video",
+            "hpsv3",
+        ):  # built with its local checkpoint (test_clip_video_reward_averages_frames)
             assert callable(get_reward(name)())
         assert get_reward(name).modality in (*MODALITIES, None), name  # None: reads no output
     with pytest.raises(ValueError, match="unknown reward 'clip'; known: .*jpeg_compressibility"):
@@ -276,3 +279,64 @@ def test_clip_video_reward_averages_frames(tmp_path):
     pool.close()
     with pytest.raises(ConfigError, match="'hpsv3', which reward.weights does not use"):
         RewardPool({"clip_video": 1.0}, 1, 60, paths={"clip_video": str(tmp_path), "hpsv3": "x"})
+
+
+def make_tiny_hpsv3(out_dir):
+    """A tiny HPSv3 in the published layout: a tiny Qwen2-VL checkpoint (real classes, tokenizer with chat
+    template, image processor) with HPSv3.safetensors (the model grown by <|Reward|> + rm_head.*) beside."""
+    from safetensors.torch import save_file
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from omnirl.models.tiny_omni import (
+        _qwen_omni_tokenizer,
+        _save_qwen_processor_parts,
+        _tiny_qwen_text_config,
+    )
+    from omnirl.rewards.hpsv3 import REWARD_TOKEN, reward_head
+
+    tok = _qwen_omni_tokenizer()
+    ids = {s: tok.convert_tokens_to_ids(s) for s in tok.all_special_tokens}
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=14)
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(
+        Qwen2VLConfig(
+            text_config=_tiny_qwen_text_config(tok),
+            vision_config=vision,
+            image_token_id=ids["<|image_pad|>"],
+            video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"],
+            vision_end_token_id=ids["<|vision_end|>"],
+        )
+    )
+    model.eval().save_pretrained(out_dir)
+    _save_qwen_processor_parts(out_dir, tok, Qwen2VLImageProcessorPil(patch_size=14, merge_size=2))
+    tok.add_special_tokens({"additional_special_tokens": [REWARD_TOKEN]})
+    model.resize_token_embeddings(len(tok))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)  # HPSv3's weights differ from the base model's
+    head = reward_head(64)
+    state = {**model.state_dict(), **{f"rm_head.{k}": v for k, v in head.state_dict().items()}}
+    save_file({k: v.contiguous() for k, v in state.items()}, out_dir / "HPSv3.safetensors")
+    return model, head, tok
+
+
+def test_hpsv3_scores_frames_and_averages_them(tmp_path, monkeypatch):
+    import omnirl.rewards.hpsv3 as H
+
+    model, head, tok = make_tiny_hpsv3(tmp_path)
+    monkeypatch.setattr(H, "PIXELS", 56 * 56)  # 4 merged image tokens a frame instead of 256
+    with pytest.raises(ConfigError, match="reward.paths.hpsv3"):
+        H.HPSv3Reward(str(tmp_path / "missing"))
+    reward = H.HPSv3Reward(str(tmp_path))
+    assert torch.equal(reward.vlm.lm_head.weight, model.lm_head.weight)  # HPSv3's weights, not the base's
+    g = torch.Generator().manual_seed(0)
+    videos = [torch.rand(3, 3, 56, 56, generator=g), torch.rand(2, 3, 56, 56, generator=g)]
+    prompts = ["a red cat", "waves at night under the moon"]
+    scores = reward(reward_inputs([Output(video=v, fps=8.0) for v in videos], "video"), prompts, [{}, {}])
+    # Each frame alone through the model's own forward (with the reward token's hidden state): the same.
+    for video, prompt, score in zip(videos, prompts, scores):
+        alone = [float(reward.score_images([to_pil(f)], [prompt])[0]) for f in video]
+        assert score == pytest.approx(sum(alone) / len(alone), abs=1e-4)
+    assert len(set(scores)) == 2 and all(np.isfinite(scores))

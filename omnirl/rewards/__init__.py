@@ -32,6 +32,7 @@ REWARDS = {
     "uniform_noise": "omnirl.rewards.noise:UniformNoise",
     "video_brightness": "omnirl.rewards.video:VideoBrightness",
     "clip_video": "omnirl.rewards.clip_video:ClipVideoAlignment",
+    "hpsv3": "omnirl.rewards.hpsv3:HPSv3Reward",
     "video_temporal_smoothness": "omnirl.rewards.video:VideoTemporalSmoothness",
 }
 
