@@ -86,7 +86,8 @@ class WanAdapter:
     modalities = frozenset({"video"})
     fused_cfg = True  # CFG rows in one forward; the rollout engine sets it (rollout.fused_cfg)
     Settings = WanSettings
-    # sampling.height / width must be multiples of this: the VAE's 8x times the transformer's 2x2 patches.
+    # sampling.height / width must be multiples of this (checked when the recipe loads): an 8x VAE times the
+    # 2x2 patches; the rollout checks the checkpoint's own multiple (32 for TI2V-5B's 16x VAE).
     pixel_multiple = 16
 
     def __init__(self, cfg: Config, device: torch.device):
@@ -255,10 +256,11 @@ class WanAdapter:
         """Generate a packed batch: one forward per denoising step (of the expert owning that step)."""
         p = requests[0].params
         assert all(r.params.key == p.key for r in requests), "a packed batch must share one params.key"
-        if p.height % self.pixel_multiple or p.width % self.pixel_multiple:
+        # The checkpoint's own multiple: its VAE's factor (8, or 16 for the TI2V-5B VAE) x the 2x2 patches.
+        multiple = self.vae_scale_factor * self.config.patch_size[1]
+        if p.height % multiple or p.width % multiple:
             raise ValueError(
-                f"sampling height and width must be multiples of {self.pixel_multiple}, "
-                f"got {p.height}x{p.width}"
+                f"sampling height and width must be multiples of {multiple}, got {p.height}x{p.width}"
             )
         sigmas = self.sigmas(p.num_steps)
         sampler = WindowedSampler(requests, self.latent_shape(p.height, p.width), sigmas, self.device)
