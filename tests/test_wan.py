@@ -286,3 +286,20 @@ def test_tiny_recipes_under_torchrun_fsdp(recipe, layout, request, tmp_path):
     assert all((out / "lora" / f).is_file() for f in lora)
     assert (out / "samples/step_000001_0.mp4").is_file()
     assert "Traceback" not in r.stderr
+
+
+def test_experts_under_fsdp_with_rows_of_one_expert_per_rank(tiny_wan_a14b):
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_train import ROOT
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    r = subprocess.run(
+        [*cmd, "tests/_wan_experts_fsdp.py", str(tiny_wan_a14b)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert r.stdout.count("experts OK") == 2
