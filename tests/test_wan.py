@@ -303,3 +303,35 @@ def test_experts_under_fsdp_with_rows_of_one_expert_per_rank(tiny_wan_a14b):
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     assert r.stdout.count("experts OK") == 2
+
+
+def test_group_seeds_come_from_the_group_alone():
+    """A group's samples share its seed, which depends on (run seed, step, the prompt's place in the step)
+    only: not on the rank that runs it; validation draws its initial noise per sample."""
+    from omnirl import distributed as D
+    from omnirl.data.prompts import PromptRow
+    from omnirl.ops.diffusion import sampling_params
+    from omnirl.step import make_requests as step_requests
+
+    cfg = config_for("wan")
+    cfg.rollout.prompts_per_step, cfg.rollout.group_size = 4, 3
+    cfg.sampling.shared_initial_noise = True
+    rows = [PromptRow(f"prompt {i}") for i in range(8)]
+    params = sampling_params(cfg)
+    assert params.shared_initial_noise and not sampling_params(cfg, ode=True).shared_initial_noise
+
+    def seeds(step, world):
+        out = []
+        for rank in range(world):
+            dist = D.DistInfo(rank, world, rank, torch.device("cpu"), None)
+            out += step_requests(cfg, rows, step, dist, params)[0]
+        return out
+
+    one, two = seeds(0, 1), seeds(0, 2)
+    assert [(r.group_seed, r.seed) for r in one] == [(r.group_seed, r.seed) for r in two]
+    by_group = {}
+    for r in one:
+        by_group.setdefault(r.group_id, set()).add(r.group_seed)
+    assert all(len(s) == 1 for s in by_group.values()) and len({s.pop() for s in by_group.values()}) == 4
+    assert {r.group_seed for r in one}.isdisjoint({r.seed for r in one})
+    assert {r.group_seed for r in one}.isdisjoint({r.group_seed for r in seeds(1, 1)})

@@ -80,7 +80,8 @@ class GenerationParams:
 
 @dataclass
 class Request:
-    """One sample to generate. Its noise depends only on `seed`, never on which batch it lands in."""
+    """One sample to generate. Its noise depends only on `seed` (and, for initial noise shared by a group,
+    on `group_seed`), never on which batch it lands in."""
 
     prompt: str
     group_id: int  # the prompt this sample belongs to (advantages are computed within a group)
@@ -88,9 +89,9 @@ class Request:
     seed: int  # derive_seed(base_seed, step, index)
     params: SamplingParams | GenerationParams  # diffusion | omni (autoregressive) requests
     negative_prompt: str = ""
-    group_seed: int = 0  # derive_seed of the group alone: its shared initial noise (never the batch's)
     metadata: dict[str, Any] = field(default_factory=dict)  # the data row (e.g. the OCR target text)
     inputs: dict[str, Any] = field(default_factory=dict)  # multimodal inputs, e.g. {"image": PIL.Image}
+    group_seed: int = 0  # derive_seed of the group alone: its shared initial noise (never the batch's)
 
 
 def derive_seed(base_seed: int, step: int, index: int) -> int:

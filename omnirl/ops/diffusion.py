@@ -43,7 +43,7 @@ def sampling_params(cfg: Config, num_steps: int | None = None, ode: bool = False
         sde_window_size=s.sde_window_size,
         sde_window_range=tuple(s.sde_window_range),
         record_logprobs=not ode,
-        shared_initial_noise=s.shared_initial_noise,
+        shared_initial_noise=s.shared_initial_noise and not ode,  # validation draws per sample
         sde_window_random=s.sde_window_random,
     )
 
