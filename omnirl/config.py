@@ -83,8 +83,9 @@ class SamplingConfig:
     """Classifier-free guidance scale (1 = no guidance)."""
     noise_level: float = 0.7
     """SDE noise level a (0 = the deterministic ODE sampler)."""
-    sde_type: Literal["sde", "cps", "ode"] = "sde"
-    """Stochastic step: 'sde' (Flow-GRPO), 'cps' (coefficient-preserving) or 'ode'."""
+    sde_type: Literal["sde", "cps", "dance_sde", "ode"] = "sde"
+    """Stochastic step: 'sde' (Flow-GRPO), 'cps' (coefficient-preserving), 'dance_sde' (DanceGRPO) or
+    'ode'."""
     sde_window_size: int = 0
     """Trained SDE steps per sample W (ODE outside the window); 0 trains every step but the last (as
     flow_grpo's timestep_fraction 0.99: the last step, to sigma 0, is a very sharply peaked Gaussian)."""
@@ -107,6 +108,12 @@ class SamplingConfig:
     after the window: second order from the previous step's x0; its first-order steps, the one to sigma 0
     included, are exactly Euler). Steps before and inside the window are unchanged, except in a noise-free
     rollout (noise_level 0 or sde_type ode, validation's included), which takes dpm2 at every step."""
+    sde_window_random: bool = False
+    """Train sde_window_size steps drawn per request without replacement from sde_window_range (the
+    original DanceGRPO's timestep subset) instead of a contiguous window."""
+    shared_initial_noise: bool = False
+    """All samples of a prompt start from the same initial latents, drawn from the group's own seed
+    (DanceGRPO); the SDE noise stays per sample."""
     negative_prompt: str = ""
     """Negative prompt of the unconditional CFG branch."""
 
@@ -178,6 +185,9 @@ class DataConfig:
 class RewardConfig:
     weights: dict[str, float] = field(default_factory=lambda: {"jpeg_compressibility": 1.0})
     """Reward name -> weight; the reward is the weighted sum (see omnirl.rewards.REWARDS)."""
+    paths: dict[str, str] = field(default_factory=dict)
+    """Reward name -> the local checkpoint directory of a reward whose weights live on a hub (clip_video,
+    hpsv3); the reward is built with it (`Reward(path)`)."""
     num_workers: int = 2
     """Threads that score finished samples."""
     timeout_s: float = 300.0

@@ -66,6 +66,8 @@ def make_requests(
                     seed=derive_seed(cfg.run.seed, step, index),
                     params=params,
                     negative_prompt=negative_prompt,
+                    # Negative indices are no request's: the group's seed is its own, never a sample's.
+                    group_seed=derive_seed(cfg.run.seed, step, -1 - pos),
                     metadata=row.metadata,
                     inputs=inputs,
                 )

@@ -31,7 +31,7 @@ def train(cfg: Config) -> dict[str, float]:
     resume = checkpoint.find_resume(cfg)  # a checkpoint of another model fails here, before any loading
     rows, val_rows, skipped = load_data(cfg)
     adapter_cls, ops_cls = check_before_loading(cfg)  # a typo should not cost minutes of loading
-    rewards = RewardPool(cfg.reward.weights, cfg.reward.num_workers, cfg.reward.timeout_s)
+    rewards = RewardPool(cfg.reward.weights, cfg.reward.num_workers, cfg.reward.timeout_s, cfg.reward.paths)
     ops = ops_cls(cfg, adapter_cls(cfg, dist.device))
     shard(cfg, ops, dist)
     o = cfg.optim

@@ -63,3 +63,21 @@ def tiny_qwen3_omni_k12(tmp_path_factory) -> Path:
     from omnirl.models.tiny_k12 import make_tiny_qwen3_omni_k12
 
     return make_tiny_qwen3_omni_k12(tmp_path_factory.mktemp("tiny") / "qwen3_omni_k12")
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_ti2v(tmp_path_factory) -> Path:
+    """The tiny random-init Wan2.2 in the TI2V-5B layout (one transformer, expand_timesteps), built once."""
+    from omnirl.models.tiny import make_tiny_wan
+
+    torch.set_num_threads(2)  # the CI machine has 2 cores, shared
+    return make_tiny_wan(tmp_path_factory.mktemp("tiny") / "wan_ti2v", "ti2v")
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_a14b(tmp_path_factory) -> Path:
+    """The tiny random-init Wan2.2 in the T2V-A14B layout (two experts switched at boundary_ratio)."""
+    from omnirl.models.tiny import make_tiny_wan
+
+    torch.set_num_threads(2)  # the CI machine has 2 cores, shared
+    return make_tiny_wan(tmp_path_factory.mktemp("tiny") / "wan_a14b", "a14b")

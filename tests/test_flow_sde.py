@@ -222,3 +222,25 @@ def test_dpm2_after_the_window_by_hand():
         _, alone, _, final_alone, _ = run_sampler([req], steps=8)
         torch.testing.assert_close(final[b], final_alone[0])
         torch.testing.assert_close(packed[b]["next_latents"], alone[0]["next_latents"])
+
+
+def test_dance_sde_logprob_is_independent_gaussian_density():
+    v, x, noise, s, sn = inputs()
+    eta = 1.2
+    out = flow_step(v, x, s, sn, float(SIGMAS[1]), eta, "dance_sde", noise=noise)
+    for i in range(B):
+        si, sni = s[i].item(), sn[i].item()
+        x0_hat = x[i] - si * v[i]
+        score = -(x[i] - (1 - si) * x0_hat) / si**2
+        mean = x[i] + (sni - si) * v[i] - 0.5 * eta**2 * score * (sni - si)
+        std = eta * math.sqrt(si - sni)
+        ref = torch.distributions.Normal(mean.double(), std).log_prob(out.prev_sample[i].double()).mean()
+        assert torch.allclose(out.prev_sample[i], mean + std * noise[i], atol=1e-5)
+        assert abs(out.logprob[i].item() - ref.item()) < 1e-5
+        assert abs(out.std[i].item() - std) < 1e-6
+    assert torch.isfinite(out.logprob).all()  # row 0 sits at sigma == 1
+    # Scoring the stored sample gives the same log-prob; noise level 0 is the ODE step.
+    again = flow_step(v, x, s, sn, float(SIGMAS[1]), eta, "dance_sde", prev_sample=out.prev_sample)
+    assert torch.allclose(again.logprob, out.logprob, atol=1e-6)
+    ode = flow_step(v, x, s, sn, float(SIGMAS[1]), 0.0, "dance_sde", noise=noise)
+    assert torch.equal(ode.prev_sample, x + (sn - s).reshape(-1, 1, 1, 1) * v)

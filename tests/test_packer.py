@@ -26,6 +26,8 @@ CHANGED = {
     "record_mean": True,
     "ode_solver": "dpm2",
     "lora": "reference",
+    "shared_initial_noise": True,
+    "sde_window_random": True,
 }
 VARIANTS = [BASE] + [dataclasses.replace(BASE, **{k: v}) for k, v in CHANGED.items()]
 

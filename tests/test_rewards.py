@@ -35,7 +35,11 @@ def render(text):
 
 def test_registry_resolves_every_name_and_rejects_unknown():
     for name in REWARDS:
-        assert callable(get_reward(name)())
+        if name not in (
+            "clip_video",
+            "hpsv3",
+        ):  # built with its local checkpoint (test_clip_video_reward_averages_frames)
+            assert callable(get_reward(name)())
         assert get_reward(name).modality in (*MODALITIES, None), name  # None: reads no output
     with pytest.raises(ValueError, match="unknown reward 'clip'; known: .*jpeg_compressibility"):
         get_reward("clip")
@@ -228,3 +232,111 @@ def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
         DataError, match=r"train\.parquet: reading parquet needs pyarrow: pip install 'omnirl\[math\]'"
     ):
         load_mmk12(tmp_path / "train.parquet")
+
+
+def test_video_rewards_on_known_videos():
+    from omnirl.rewards.video import VideoBrightness, VideoTemporalSmoothness
+
+    dark, bright = torch.full((5, 3, 8, 8), 0.2), torch.full((5, 3, 8, 8), 0.8)
+    flicker = torch.stack([torch.full((3, 8, 8), float(i % 2)) for i in range(5)])  # [5, 3, 8, 8]
+    videos = reward_inputs([Output(video=v, fps=16.0) for v in (dark, bright, flicker)], "video")
+    assert VideoBrightness()(videos, [""] * 3, [{}] * 3) == pytest.approx([0.2, 0.8, 0.4])
+    assert VideoTemporalSmoothness()(videos, [""] * 3, [{}] * 3) == pytest.approx([0.0, 0.0, -100.0])
+    assert get_reward("video_brightness").modality == "video"
+
+
+def test_clip_video_reward_averages_frames(tmp_path):
+    """A tiny random CLIP of the real classes, saved and loaded from its local path: the score is the mean
+    over frames of the per-frame cosine similarity, computed here frame by frame."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    from omnirl.models.tiny import _clip_tokenizer
+    from omnirl.rewards.clip_video import ClipVideoAlignment
+
+    tok = _clip_tokenizer()
+    torch.manual_seed(0)
+    text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=77, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  image_size=32, patch_size=8)  # fmt: skip
+    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).save_pretrained(tmp_path)
+    images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    CLIPProcessor(image_processor=images, tokenizer=tok).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="reward.paths.clip_video"):
+        ClipVideoAlignment()
+    reward = ClipVideoAlignment(str(tmp_path))
+    g = torch.Generator().manual_seed(0)
+    videos = [torch.rand(3, 3, 48, 40, generator=g), torch.rand(2, 3, 48, 40, generator=g)]
+    prompts = ["a red cat", "waves at night"]
+    scores = reward(reward_inputs([Output(video=v, fps=8.0) for v in videos], "video"), prompts, [{}, {}])
+    for video, prompt, score in zip(videos, prompts, scores):
+        per_frame = [reward([(frame[None], 8.0)], [prompt], [{}])[0] for frame in video]
+        assert score == pytest.approx(sum(per_frame) / len(per_frame), abs=1e-5)
+        assert -1 <= score <= 1
+    assert len(set(scores)) == 2
+    pool = RewardPool({"clip_video": 1.0}, 1, 60, paths={"clip_video": str(tmp_path)})
+    pool.close()
+    with pytest.raises(ConfigError, match="'hpsv3', which reward.weights does not use"):
+        RewardPool({"clip_video": 1.0}, 1, 60, paths={"clip_video": str(tmp_path), "hpsv3": "x"})
+
+
+def make_tiny_hpsv3(out_dir):
+    """A tiny HPSv3 in the published layout: a tiny Qwen2-VL checkpoint (real classes, tokenizer with chat
+    template, image processor) with HPSv3.safetensors (the model grown by <|Reward|> + rm_head.*) beside."""
+    from safetensors.torch import save_file
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from omnirl.models.tiny_omni import (
+        _qwen_omni_tokenizer,
+        _save_qwen_processor_parts,
+        _tiny_qwen_text_config,
+    )
+    from omnirl.rewards.hpsv3 import REWARD_TOKEN, reward_head
+
+    tok = _qwen_omni_tokenizer()
+    ids = {s: tok.convert_tokens_to_ids(s) for s in tok.all_special_tokens}
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=14)
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(
+        Qwen2VLConfig(
+            text_config=_tiny_qwen_text_config(tok),
+            vision_config=vision,
+            image_token_id=ids["<|image_pad|>"],
+            video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"],
+            vision_end_token_id=ids["<|vision_end|>"],
+        )
+    )
+    model.eval().save_pretrained(out_dir)
+    _save_qwen_processor_parts(out_dir, tok, Qwen2VLImageProcessorPil(patch_size=14, merge_size=2))
+    tok.add_special_tokens({"additional_special_tokens": [REWARD_TOKEN]})
+    model.resize_token_embeddings(len(tok))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)  # HPSv3's weights differ from the base model's
+    head = reward_head(64)
+    state = {**model.state_dict(), **{f"rm_head.{k}": v for k, v in head.state_dict().items()}}
+    save_file({k: v.contiguous() for k, v in state.items()}, out_dir / "HPSv3.safetensors")
+    return model, head, tok
+
+
+def test_hpsv3_scores_frames_and_averages_them(tmp_path, monkeypatch):
+    import omnirl.rewards.hpsv3 as H
+
+    model, head, tok = make_tiny_hpsv3(tmp_path)
+    monkeypatch.setattr(H, "PIXELS", 56 * 56)  # 4 merged image tokens a frame instead of 256
+    with pytest.raises(ConfigError, match="reward.paths.hpsv3"):
+        H.HPSv3Reward(str(tmp_path / "missing"))
+    reward = H.HPSv3Reward(str(tmp_path))
+    assert torch.equal(reward.vlm.lm_head.weight, model.lm_head.weight)  # HPSv3's weights, not the base's
+    g = torch.Generator().manual_seed(0)
+    videos = [torch.rand(3, 3, 56, 56, generator=g), torch.rand(2, 3, 56, 56, generator=g)]
+    prompts = ["a red cat", "waves at night under the moon"]
+    scores = reward(reward_inputs([Output(video=v, fps=8.0) for v in videos], "video"), prompts, [{}, {}])
+    # Each frame alone through the model's own forward (with the reward token's hidden state): the same.
+    for video, prompt, score in zip(videos, prompts, scores):
+        alone = [float(reward.score_images([to_pil(f)], [prompt])[0]) for f in video]
+        assert score == pytest.approx(sum(alone) / len(alone), abs=1e-4)
+    assert len(set(scores)) == 2 and all(np.isfinite(scores))

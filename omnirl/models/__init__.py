@@ -13,6 +13,7 @@ ADAPTERS = {
     "qwen3_omni_thinker": "omnirl.models.qwen3_omni:Qwen3OmniThinkerAdapter",
     "qwen_vl": "omnirl.models.qwen_vl:QwenVLAdapter",
     "qwen_image_edit": "omnirl.models.qwen_image_edit:QwenImageEditAdapter",
+    "wan": "omnirl.models.wan:WanAdapter",
 }
 
 

@@ -34,7 +34,7 @@ class SamplingParams:
     num_steps: int
     guidance_scale: float
     noise_level: float
-    sde_type: str  # "sde" | "cps" | "ode"
+    sde_type: str  # "sde" | "cps" | "dance_sde" | "ode"
     sde_window_size: int  # trained steps per sample; 0 = every step
     sde_window_range: tuple[int, int]  # the window start is drawn per request from lo .. hi - size
     record_logprobs: bool = True  # False (validation): nothing is trained from it, so no window
@@ -43,6 +43,8 @@ class SamplingParams:
         "euler"  # "euler" | "dpm2": the ODE step after a row's window (flow_sde.WindowedSampler)
     )
     lora: str = "policy"  # which LoRA the forward runs: one adapter per batch
+    shared_initial_noise: bool = False  # a group's samples start from one draw (its group_seed)
+    sde_window_random: bool = False  # trained steps: a random subset of sde_window_range, not a window
 
     @property
     def key(self) -> tuple:
@@ -60,6 +62,8 @@ class SamplingParams:
             self.record_mean,
             self.ode_solver,
             self.lora,
+            self.shared_initial_noise,
+            self.sde_window_random,
         )
 
 
@@ -82,7 +86,8 @@ class GenerationParams:
 
 @dataclass
 class Request:
-    """One sample to generate. Its noise depends only on `seed`, never on which batch it lands in."""
+    """One sample to generate. Its noise depends only on `seed` (and, for initial noise shared by a group,
+    on `group_seed`), never on which batch it lands in."""
 
     prompt: str
     group_id: int  # the prompt this sample belongs to (advantages are computed within a group)
@@ -92,6 +97,7 @@ class Request:
     negative_prompt: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)  # the data row (e.g. the OCR target text)
     inputs: dict[str, Any] = field(default_factory=dict)  # multimodal inputs, e.g. {"image": PIL.Image}
+    group_seed: int = 0  # derive_seed of the group alone: its shared initial noise (never the batch's)
 
 
 def derive_seed(base_seed: int, step: int, index: int) -> int:

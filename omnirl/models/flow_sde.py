@@ -14,6 +14,10 @@ sigma running from 1 (noise) to 0 (data) and the model predicting the velocity v
 - CPS (coefficient-preserving): std = sigma_next * sin(a * pi / 2); x0 = x - sigma * v;
   x1 = x + (1 - sigma) * v; mean = (1 - sigma_next) * x0 + sqrt(sigma_next^2 - std^2) * x1;
   x' = mean + std * noise; its "log-prob" is -mean((x' - mean)^2) over latent dims (no normaliser).
+- DanceGRPO (`dance_sde`): x0_hat = x - sigma * v; score = -(x - (1 - sigma) * x0_hat) / sigma^2;
+  dsigma = sigma_next - sigma; mean = x + dsigma * v - 0.5 * eta^2 * score * dsigma;
+  std = eta * sqrt(sigma - sigma_next); the log-prob is the Gaussian log-density averaged over latent dims
+  (as the SDE's). Its std has no 1 / (1 - sigma), so it is stable at sigma = 1.
 - Noise level a = 0 gives the ODE step exactly, and a log-prob of 0.
 
 This is our own code because no library provides a flow-matching step with a log-density.
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-SDE_TYPES = ("ode", "sde", "cps")
+SDE_TYPES = ("ode", "sde", "cps", "dance_sde")
 
 
 @dataclass
@@ -82,6 +86,12 @@ def flow_step(
         std_dev_t = noise_level * torch.sqrt(s / denom)
         mean = x * (1 + std_dev_t**2 / (2 * s) * dt) + v * (1 + std_dev_t**2 * (1 - s) / (2 * s)) * dt
         std = std_dev_t * torch.sqrt(-dt)
+    elif sde_type == "dance_sde":
+        x0_hat = x - s * v
+        score = -(x - (1 - s) * x0_hat) / s**2
+        mean = x + dt * v - 0.5 * noise_level**2 * score * dt
+        std_dev_t = torch.full_like(s, noise_level)  # the coefficient before sqrt(|dt|)
+        std = std_dev_t * torch.sqrt(-dt)
     else:  # cps
         std = s_next * math.sin(noise_level * math.pi / 2)
         std_dev_t = std
@@ -93,7 +103,7 @@ def flow_step(
         prev_sample = mean if noise is None else mean + std * noise.float()
     prev_sample = prev_sample.float()
     dims = tuple(range(1, x.dim()))
-    if sde_type == "sde":
+    if sde_type in ("sde", "dance_sde"):
         logprob = (
             -((prev_sample - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
         ).mean(dim=dims)
@@ -163,8 +173,12 @@ class WindowedSampler:
     at a step drawn uniformly from lo .. hi - W of `sde_window_range` [lo, hi), so it stays inside the range
     (flow_grpo's and VeRL-Omni's draw); size 0 trains every step but the last (flow_grpo's
     `timestep_fraction` 0.99: the last step, to sigma 0, is a very sharply peaked Gaussian), starting at 0
-    with no draw. Each request's own generator (seeded from `request.seed`) draws, in this order: its
-    initial latents, its window start (only for W > 0), then the noise of each step inside its window. So a
+    with no draw. With `sde_window_random` the trained steps are W steps drawn without replacement from
+    [lo, hi) (the original DanceGRPO's timestep subset) instead of a contiguous window. Each request's own
+    generator (seeded from `request.seed`) draws, in this order: its initial latents, its window start or
+    subset (only for W > 0), then the noise of each step inside its window. With `shared_initial_noise` the
+    initial latents come from a generator seeded by `request.group_seed` instead (every sample of a group
+    starts from the same latents, DanceGRPO's rule), and the request's own generator draws the rest. So a
     request's sample does not depend on the batch it runs in (packed == serial). Rows inside their window
     take `flow_step` with the request's SDE type and noise level and record (latents in, latents out, step,
     log-prob and, with `record_mean`, the step's mean); rows outside take the ODE step and record nothing:
@@ -191,19 +205,28 @@ class WindowedSampler:
         pin = self.device.type != "cpu"  # pinned host memory: copies that do not block the host
         self.generators = [torch.Generator("cpu").manual_seed(r.seed) for r in requests]
         with phase("noise"):
-            initial = torch.stack([torch.randn(latent_shape, generator=g) for g in self.generators])
+            first = self.generators
+            if p.shared_initial_noise:
+                first = [torch.Generator("cpu").manual_seed(r.group_seed) for r in requests]
+            initial = torch.stack([torch.randn(latent_shape, generator=g) for g in first])
             self.initial_latents = _to_device(initial, self.device, pin)  # [B, *latent]
-        self.starts = [0] * len(requests)
-        if p.sde_window_size and self.size:
-            self.starts = [int(torch.randint(lo, last + 1, (1,), generator=g)) for g in self.generators]
+        if p.sde_window_random and self.size:
+            hi = last + self.size
+            self.trained = [
+                sorted(lo + int(j) for j in torch.randperm(hi - lo, generator=g)[: self.size])
+                for g in self.generators
+            ]
+        else:
+            starts = [0] * len(requests)
+            if p.sde_window_size and self.size:
+                starts = [int(torch.randint(lo, last + 1, (1,), generator=g)) for g in self.generators]
+            self.trained = [list(range(s, s + self.size)) for s in starts]
         self.sigmas = sigmas.to(device)  # [T + 1]
         self.sigma_max = float(sigmas[1])
         batch = len(requests)
         # rows[i]: the rows step i trains (in row order), and each one's position k in its window.
-        self.rows = [
-            [b for b, s in enumerate(self.starts) if s <= i < s + self.size] for i in range(num_steps)
-        ]
-        flat = [(b, i - self.starts[b]) for i in range(num_steps) for b in self.rows[i]]
+        self.rows = [[b for b, t in enumerate(self.trained) if i in t] for i in range(num_steps)]
+        flat = [(b, self.trained[b].index(i)) for i in range(num_steps) for b in self.rows[i]]
         index = _to_device(torch.tensor(flat, dtype=torch.int64).reshape(-1, 2), self.device, pin)  # [N, 2]
         offsets = [0]
         for rows in self.rows:
@@ -220,14 +243,12 @@ class WindowedSampler:
         if p.ode_solver == "dpm2":
             noise_free = p.noise_level == 0 or p.sde_type == "ode"
             for i in range(1, num_steps):
-                rows = [b for b, st in enumerate(self.starts) if noise_free or i >= st + self.size]
+                rows = [b for b, t in enumerate(self.trained) if noise_free or not t or i > t[-1]]
                 if rows and s[i - 1] < 1 and s[i + 1] > 0:
                     idx = _to_device(torch.tensor(rows, dtype=torch.int64), self.device, pin)
                     self.post[i] = (idx, dpm2_coefficients(s[i - 1], s[i], s[i + 1]))
         self.prev_x0: torch.Tensor | None = None  # [B, *latent] the previous step's data prediction
-        self.step_indices = torch.tensor(
-            [[s + k for k in range(self.size)] for s in self.starts], dtype=torch.int64
-        ).reshape(batch, self.size)  # [B, K]
+        self.step_indices = torch.tensor(self.trained, dtype=torch.int64).reshape(batch, self.size)  # [B, K]
         self.x_in = torch.empty((batch, self.size, *latent_shape), device=device)  # [B, K, *latent]
         self.x_out = torch.empty((batch, self.size, *latent_shape), device=device)
         self.logprobs = torch.zeros((batch, self.size), device=device)  # [B, K]
@@ -241,7 +262,7 @@ class WindowedSampler:
 
     def sigma(self, i: int) -> torch.Tensor:
         """The sigma of step i for every row: [B]."""
-        return self.sigmas[i].expand(len(self.starts))
+        return self.sigmas[i].expand(len(self.trained))
 
     def step(self, i: int, velocity: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
         """Step i of the whole batch: velocity, latents [B, *latent] -> the next latents [B, *latent]."""
@@ -250,7 +271,7 @@ class WindowedSampler:
 
     def _step(self, i: int, velocity: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
         p = self.params
-        sigma, sigma_next = self.sigma(i), self.sigmas[i + 1].expand(len(self.starts))
+        sigma, sigma_next = self.sigma(i), self.sigmas[i + 1].expand(len(self.trained))
         next_latents = flow_step(velocity, latents, sigma, sigma_next, self.sigma_max, 0.0, "ode").prev_sample
         if self.noise[i] is not None:
             with phase("noise"):  # a wait only if the worker fell behind

@@ -55,6 +55,8 @@ def sampling_params(cfg: Config, num_steps: int | None = None, ode: bool = False
         record_logprobs=not ode,
         record_mean=not ode and a.loss == "flow_dppo" and a.old_logprob == "rollout",
         ode_solver=s.ode_solver,
+        shared_initial_noise=s.shared_initial_noise and not ode,  # validation draws per sample
+        sde_window_random=s.sde_window_random,
     )
 
 

@@ -30,6 +30,10 @@ REWARDS = {
     "text_edit": "omnirl.rewards.text_edit:TextEditReward",
     "mmk12": "omnirl.rewards.mmk12:Mmk12Reward",
     "uniform_noise": "omnirl.rewards.noise:UniformNoise",
+    "video_brightness": "omnirl.rewards.video:VideoBrightness",
+    "clip_video": "omnirl.rewards.clip_video:ClipVideoAlignment",
+    "hpsv3": "omnirl.rewards.hpsv3:HPSv3Reward",
+    "video_temporal_smoothness": "omnirl.rewards.video:VideoTemporalSmoothness",
 }
 
 

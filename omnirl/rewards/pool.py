@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from omnirl.config import ConfigError
 from omnirl.models.base import Output
 from omnirl.rewards import Reward, get_reward, reward_inputs
 
@@ -56,11 +57,23 @@ class PendingScores:
 
 
 class RewardPool:
-    def __init__(self, weights: dict[str, float], num_workers: int, timeout_s: float):
-        """`weights`: reward name (omnirl.rewards.REWARDS) -> weight; each reward is built once, here."""
+    def __init__(
+        self,
+        weights: dict[str, float],
+        num_workers: int,
+        timeout_s: float,
+        paths: dict[str, str] | None = None,
+    ):
+        """`weights`: reward name (omnirl.rewards.REWARDS) -> weight; each reward is built once, here, with
+        its local checkpoint from `paths` when it has one there."""
+        paths = paths or {}
         for name in weights:
             get_reward(name)  # every unknown name fails before any reward is built
-        self._start({name: (get_reward(name)(), w) for name, w in weights.items()}, num_workers, timeout_s)
+        for name in paths:
+            if name not in weights:
+                raise ConfigError(f"reward.paths names {name!r}, which reward.weights does not use")
+        built = {n: (get_reward(n)(*([paths[n]] if n in paths else [])), w) for n, w in weights.items()}
+        self._start(built, num_workers, timeout_s)
 
     @classmethod
     def from_instances(

@@ -1,0 +1,343 @@
+"""Wan2.1 / Wan2.2 text-to-video: the diffusion adapter (packed denoising loop, per-row SDE windows,
+log-probs), for both layouts of `WanPipeline` checkpoints:
+
+- one transformer (Wan2.1, Wan2.2 TI2V-5B, which also sets `expand_timesteps`: the timestep is given per
+  latent token, [B, tokens], instead of per row);
+- two experts (Wan2.2 T2V-A14B): `transformer` denoises while the timestep is at or above
+  `boundary_ratio * num_train_timesteps`, `transformer_2` below it, each with its own guidance scale
+  (`guidance_scale` above, `guidance_scale_2` below), as in `WanPipeline.__call__`.
+
+The components, the prompt encoding (`WanPipeline.encode_prompt`: UMT5, zero-padded to
+max_sequence_length) and the latent normalisation are diffusers' own. The denoising loop is written out
+here, as in sd3.py, because RL needs what the pipeline does not do: one generator per request, a per-row
+SDE window and the log-prob of every trained step (`flow_sde.flow_step`).
+
+The policy of a two-expert checkpoint is an `nn.ModuleDict` of both; `velocity` routes each row to the
+expert that owns its sigma, so one training micro-batch may hold rows of both experts. The real
+checkpoints ship a UniPC multistep scheduler, which has no per-step density; the rollout samples with the
+flow-matching Euler step (the one Flow-GRPO and DanceGRPO train) on `FlowMatchEulerDiscreteScheduler`'s
+schedule with the family's `flow_shift`. With noise level 0 it equals `WanPipeline` run with that
+scheduler: same initial latents, same video.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import peft
+import torch
+from diffusers import (
+    AutoencoderKLWan,
+    FlowMatchEulerDiscreteScheduler,
+    WanPipeline,
+    WanTransformer3DModel,
+)
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from transformers import AutoTokenizer, UMT5EncoderModel
+
+from omnirl.config import Config, ConfigError
+from omnirl.distributed import DTYPES, compute_dtype, load_pretrained
+from omnirl.models.base import Output, Request, Trajectory
+from omnirl.models.diffusers_setup import check_checkpoint, make_trainable, sort_safetensors_header
+from omnirl.models.flow_sde import WindowedSampler, phase, to_host
+from omnirl.models.peft_lora import lora_disabled, sorted_sets
+
+# The LoRA file of the low-noise expert; `WanPipeline.load_lora_weights(dir, weight_name=...,
+# load_into_transformer_2=True)` loads it (diffusers names both experts' LoRA keys "transformer.").
+LORA_FILE = "pytorch_lora_weights.safetensors"
+LORA_FILE_2 = "pytorch_lora_weights_transformer_2.safetensors"
+EXPERTS = ("transformer", "transformer_2")
+
+
+class Experts(nn.ModuleDict):
+    """The two experts as one module: `experts(name, **inputs)` runs expert `name`. FSDP2 shards only
+    modules with a forward (a plain ModuleDict has none), and calling the root lets it gather its own
+    parameters (each expert's embeddings and output layers) before the expert runs."""
+
+    def forward(self, name: str, **inputs):
+        return self[name](**inputs)
+
+
+@dataclass
+class WanSettings:
+    num_frames: int = 81
+    """Frames per video; num_frames - 1 must divide by the VAE's temporal factor (4), as WanPipeline
+    requires (it rounds other counts; here they are an error)."""
+    fps: float = 16.0
+    """Frame rate of the videos written as samples and handed to video rewards (Wan2.2 TI2V-5B: 24)."""
+    flow_shift: float = 5.0
+    """Shift of the flow-matching sigma schedule (Wan's `flow_shift`; 5.0 at 720p, 3.0 at 480p)."""
+    guidance_scale_2: float | None = None
+    """Guidance of the low-noise expert `transformer_2` (None: sampling.guidance_scale, as WanPipeline).
+    Only for two-expert checkpoints."""
+    max_sequence_length: int = 512
+    """UMT5 prompt length (WanPipeline's default 512); the tokenizer's own limit lowers it."""
+    decode_rows: int = 2
+    """Videos the VAE decodes at once: bounds the decode's peak memory (it grows with frames x pixels)."""
+
+
+class WanAdapter:
+    """The `DiffusionAdapter` for `WanPipeline` checkpoints (one transformer or two experts)."""
+
+    kind = "diffusion"
+    modalities = frozenset({"video"})
+    fused_cfg = True  # CFG rows in one forward; the rollout engine sets it (rollout.fused_cfg)
+    Settings = WanSettings
+    # sampling.height / width must be multiples of this (checked when the recipe loads): an 8x VAE times the
+    # 2x2 patches; the rollout checks the checkpoint's own multiple (32 for TI2V-5B's 16x VAE).
+    pixel_multiple = 16
+
+    def __init__(self, cfg: Config, device: torch.device):
+        path = cfg.model.path
+        check_checkpoint(path, WanPipeline)
+        self.settings: WanSettings = cfg.family
+        self.device = device
+        dtype = DTYPES[cfg.model.dtype]
+        self.lora = cfg.model.finetune == "lora"
+        self.transformer_dtype = dtype if self.lora else torch.float32
+        index = WanPipeline.load_config(path)
+        self.expand_timesteps = bool(index.get("expand_timesteps", False))
+        self.boundary_ratio = index.get("boundary_ratio")
+        names = [n for n in EXPERTS if (index.get(n) or [None])[0] is not None]
+        if (self.boundary_ratio is None) != (names == ["transformer"]):
+            raise ConfigError(
+                f"model.path {path!r}: boundary_ratio {self.boundary_ratio} with experts {names}; expected "
+                "one transformer without a boundary or transformer + transformer_2 with one"
+            )
+        if self.boundary_ratio is None and self.settings.guidance_scale_2 is not None:
+            raise ConfigError("family.guidance_scale_2 needs a two-expert checkpoint (transformer_2)")
+        experts = {
+            n: load_pretrained(WanTransformer3DModel, path, subfolder=n, torch_dtype=self.transformer_dtype)
+            for n in names
+        }
+        self.vae = load_pretrained(AutoencoderKLWan, path, subfolder="vae", torch_dtype=dtype)
+        self.text_encoder = load_pretrained(UMT5EncoderModel, path, subfolder="text_encoder", dtype=dtype)
+        for module in self.offload_modules():
+            module.requires_grad_(False).to(device)
+        tokenizer = AutoTokenizer.from_pretrained(path, subfolder="tokenizer")
+        self.max_sequence_length = min(self.settings.max_sequence_length, tokenizer.model_max_length)
+        self.text_pipe = WanPipeline(
+            tokenizer=tokenizer, text_encoder=self.text_encoder, vae=None, scheduler=None
+        )
+        self.scheduler = FlowMatchEulerDiscreteScheduler(shift=self.settings.flow_shift)
+        self.num_train_timesteps = self.scheduler.config.num_train_timesteps
+        self.scale_temporal = self.vae.config.scale_factor_temporal
+        self.vae_scale_factor = self.vae.config.scale_factor_spatial
+        if (self.settings.num_frames - 1) % self.scale_temporal:
+            raise ConfigError(
+                f"family.num_frames - 1 must divide by {self.scale_temporal}, got {self.settings.num_frames}"
+            )
+        for expert in experts.values():
+            make_trainable(expert, cfg, device)
+        self.experts = experts
+        self._policy = experts["transformer"] if len(experts) == 1 else Experts(experts)
+        self.config = experts["transformer"].config
+
+    @property
+    def policy(self) -> nn.Module:
+        """The trained module: the one transformer, or the two experts (`Experts`, a ModuleDict)."""
+        return self._policy
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self._policy.parameters() if p.requires_grad]
+
+    def fsdp_units(self) -> list[nn.Module]:
+        return [b for e in self.experts.values() for b in e.blocks]
+
+    def offload_modules(self) -> list[nn.Module]:
+        return [self.vae, self.text_encoder]
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """The flow-matching schedule (shifted by family.flow_shift): [num_steps + 1] float32, last 0."""
+        self.scheduler.set_timesteps(num_steps)
+        return self.scheduler.sigmas.float().cpu()
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, int, int, int]:
+        frames = (self.settings.num_frames - 1) // self.scale_temporal + 1
+        return (
+            self.config.in_channels,
+            frames,
+            height // self.vae_scale_factor,
+            width // self.vae_scale_factor,
+        )
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str], negative_prompts: list[str] | None) -> dict[str, torch.Tensor]:
+        """UMT5 embeddings [B, max_sequence_length, D], zero-padded past each prompt (diffusers' own)."""
+        guided = negative_prompts is not None
+        embeds, negative = self.text_pipe.encode_prompt(
+            prompt=prompts,
+            negative_prompt=negative_prompts,
+            do_classifier_free_guidance=guided,
+            max_sequence_length=self.max_sequence_length,
+            device=self.device,
+        )
+        out = {"prompt_embeds": embeds}
+        if guided:
+            out["negative_prompt_embeds"] = negative
+        return out
+
+    def guidance_2(self, guidance_scale: float) -> float:
+        g = self.settings.guidance_scale_2
+        return guidance_scale if g is None else g
+
+    def velocity(
+        self,
+        latents: torch.Tensor,
+        sigmas: torch.Tensor,
+        embeds: dict[str, torch.Tensor],
+        guidance_scale: float,
+        fused_cfg: bool = True,
+        policy: nn.Module | None = None,
+    ) -> torch.Tensor:
+        """The guided velocity [B, C, f, h, w] float32 at per-row sigmas [B], each row on its expert."""
+        return self._velocity(latents, sigmas, embeds, guidance_scale, fused_cfg, policy, balance=True)
+
+    def _velocity(self, latents, sigmas, embeds, guidance_scale, fused_cfg, policy, balance):
+        root = policy if policy is not None else self._policy
+        dtype = compute_dtype(root, self.transformer_dtype)
+        timestep = sigmas.float() * self.num_train_timesteps  # [B], the pipeline's scheduler timesteps
+        if self.boundary_ratio is None:
+            return self._guided(root, latents, timestep, embeds, guidance_scale, fused_cfg, dtype)
+        # The pipeline's rule: the high-noise expert at t >= boundary, compared in float32 as it does.
+        high = timestep >= self.boundary_ratio * self.num_train_timesteps  # [B]
+        out = torch.zeros(latents.shape, dtype=torch.float32, device=latents.device)
+        for name, rows, scale in (
+            ("transformer", high, guidance_scale),
+            ("transformer_2", ~high, self.guidance_2(guidance_scale)),
+        ):
+            idx = rows.nonzero().squeeze(1)  # one host sync per forward: small next to a transformer
+            expert = functools.partial(root, name)
+            if len(idx):
+                sub = {k: e[idx] for k, e in embeds.items()}
+                out = out.index_put((idx,), self._guided(expert, latents[idx], timestep[idx], sub, scale,
+                                                         fused_cfg, dtype))  # fmt: skip
+            elif balance and isinstance(root, FSDPModule):
+                # Every rank must run every sharded expert forward and backward the same number of times
+                # (FSDP's collectives), whatever its rows' sigmas: a one-row pass contributing zero.
+                sub = {k: e[:1] for k, e in embeds.items()}
+                v = self._guided(expert, latents[:1], timestep[:1], sub, scale, fused_cfg, dtype)
+                out = out + 0.0 * v.sum()
+        return out
+
+    def _guided(self, model, latents, timestep, embeds, guidance_scale, fused_cfg, dtype):
+        x = latents.to(dtype)
+        if self.expand_timesteps:  # TI2V: one timestep per latent token, [B, f * h/2 * w/2]
+            p_t, p_h, p_w = self.config.patch_size
+            _, _, f, h, w = latents.shape
+            timestep = timestep[:, None].expand(-1, (f // p_t) * (h // p_h) * (w // p_w))
+
+        def forward(x, t, text):
+            out = model(hidden_states=x, timestep=t, encoder_hidden_states=text.to(dtype), return_dict=False)
+            return out[0].float()
+
+        cond = embeds["prompt_embeds"]
+        if guidance_scale <= 1:
+            return forward(x, timestep, cond)
+        uncond = embeds["negative_prompt_embeds"]
+        if fused_cfg:
+            v_uncond, v_cond = forward(
+                torch.cat([x, x]), torch.cat([timestep, timestep]), torch.cat([uncond, cond])
+            ).chunk(2)
+        else:
+            v_cond = forward(x, timestep, cond)
+            v_uncond = forward(x, timestep, uncond)
+        return v_uncond + guidance_scale * (v_cond - v_uncond)
+
+    def guided(self, guidance_scale: float) -> bool:
+        """Whether any expert guides: the negative prompts are encoded then."""
+        return guidance_scale > 1 or (self.boundary_ratio is not None and self.guidance_2(guidance_scale) > 1)
+
+    @torch.no_grad()
+    def rollout(self, requests: list[Request]) -> list[Trajectory]:
+        """Generate a packed batch: one forward per denoising step (of the expert owning that step)."""
+        p = requests[0].params
+        assert all(r.params.key == p.key for r in requests), "a packed batch must share one params.key"
+        # The checkpoint's own multiple: its VAE's factor (8, or 16 for the TI2V-5B VAE) x the 2x2 patches.
+        multiple = self.vae_scale_factor * self.config.patch_size[1]
+        if p.height % multiple or p.width % multiple:
+            raise ValueError(
+                f"sampling height and width must be multiples of {multiple}, got {p.height}x{p.width}"
+            )
+        sigmas = self.sigmas(p.num_steps)
+        sampler = WindowedSampler(requests, self.latent_shape(p.height, p.width), sigmas, self.device)
+        latents = sampler.initial_latents  # [B, C, f, h, w]
+        with phase("encode"):
+            negatives = [r.negative_prompt for r in requests] if self.guided(p.guidance_scale) else None
+            embeds = self.encode([r.prompt for r in requests], negatives)
+        for i in range(p.num_steps):
+            with phase("transformer"):
+                v = self._velocity(
+                    latents, sampler.sigma(i), embeds, p.guidance_scale, self.fused_cfg, None, balance=False
+                )
+            latents = sampler.step(i, v, latents)
+
+        with phase("vae_decode"):
+            videos = torch.cat([self.decode(c) for c in latents.split(self.settings.decode_rows)])
+        keys = list(embeds)
+        videos, latents, *values = to_host([videos, latents, *embeds.values()])
+        host = dict(zip(keys, values))
+        return [
+            Trajectory(
+                request=req,
+                **sampler.record(b),
+                sigmas=sigmas,
+                embeds={k: e[b] for k, e in host.items()},
+                output=Output(video=videos[b], fps=self.settings.fps),
+                final_latents=latents[b],
+            )
+            for b, req in enumerate(requests)
+        ]
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents [B, C, f, h, w] -> videos [B, F, 3, H, W] in [0, 1], as WanPipeline decodes them."""
+        c = self.vae.config
+        mean = torch.tensor(c.latents_mean).view(1, c.z_dim, 1, 1, 1).to(latents.device, self.vae.dtype)
+        std = torch.tensor(c.latents_std).view(1, c.z_dim, 1, 1, 1).to(latents.device, self.vae.dtype)
+        video = self.vae.decode(latents.to(self.vae.dtype) * std + mean, return_dict=False)[
+            0
+        ]  # [B, 3, F, H, W]
+        return (video.float() * 0.5 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)  # as postprocess_video
+
+    def compat_key(self, request: Request) -> tuple:
+        # The frame count and resolution shape the latents; guidance_scale_2 the low-noise forwards.
+        return request.params.key + (self.settings.num_frames, self.settings.guidance_scale_2)
+
+    def num_tokens(self, request: Request) -> int:
+        """Latent tokens after patching (frames x height x width): the self-attention's sequence. The text
+        enters by cross-attention only, whose cost grows with the same count."""
+        _, f, h, w = self.latent_shape(request.params.height, request.params.width)
+        p_t, p_h, p_w = self.config.patch_size
+        return (f // p_t) * (h // p_h) * (w // p_w)
+
+    def batch_embeds(self, embeds: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return {k: torch.stack([e[k] for e in embeds]) for k in embeds[0]}
+
+    def lora_disabled(self):
+        if not self.lora:
+            raise ValueError("the reference policy with the LoRA off needs model.finetune 'lora'")
+        return lora_disabled(self._policy)
+
+    def export_lora(self, out_dir: str | Path, state_dict: dict | None = None) -> None:
+        """Write each expert's LoRA in diffusers' Wan format: `pytorch_lora_weights.safetensors` (the one
+        transformer, or the high-noise expert) and, for two experts, `pytorch_lora_weights_transformer_2
+        .safetensors`, loaded by `WanPipeline.load_lora_weights(out_dir, weight_name=LORA_FILE_2,
+        load_into_transformer_2=True)`. An FSDP run passes the gathered full state dict of `policy`."""
+        if not self.lora:
+            raise ValueError("export_lora needs model.finetune 'lora'")
+        two = len(self.experts) > 1
+        for name, expert in self.experts.items():
+            sub = state_dict
+            if state_dict is not None and two:
+                sub = {k[len(name) + 1 :]: v for k, v in state_dict.items() if k.startswith(name + ".")}
+            weight_name = LORA_FILE if name == "transformer" else LORA_FILE_2
+            WanPipeline.save_lora_weights(
+                out_dir,
+                transformer_lora_layers=peft.get_peft_model_state_dict(expert, state_dict=sub),
+                weight_name=weight_name,
+                transformer_lora_adapter_metadata=sorted_sets(expert.peft_config["default"]).to_dict(),
+            )
+            sort_safetensors_header(Path(out_dir) / weight_name)

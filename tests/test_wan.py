@@ -1,0 +1,337 @@
+"""The Wan adapter on tiny random-init Wan2.2 checkpoints of both layouts (TI2V-5B: one transformer with
+per-token timesteps; T2V-A14B: two experts switched at boundary_ratio), against diffusers' own WanPipeline.
+fp32 on CPU: everything must agree to 1e-5 (docs/design.md section 4)."""
+
+import dataclasses
+
+import pytest
+import torch
+from diffusers import WanPipeline
+from safetensors.torch import load_file
+
+from omnirl.config import config_for
+from omnirl.models import get_adapter
+from omnirl.models.base import Request, SamplingParams, derive_seed
+from omnirl.models.flow_sde import flow_step
+from omnirl.models.wan import LORA_FILE, LORA_FILE_2, WanAdapter
+from tests.support_compare import max_diff
+
+PROMPTS = ["a red cat", "two dogs in the snow", "a lighthouse at night", "waves"]
+NEGATIVES = ["blurry", "", "low quality", ""]
+GUIDANCE, GUIDANCE_2 = 4.0, 3.0
+STEPS = 6  # with shift 5: sigmas 1, .96, .91 (transformer), .83, .71, .5 (transformer_2)
+HEIGHT, WIDTH, FRAMES = 32, 48, 9  # latents [4, 3, 4, 6]
+
+
+def make_adapter(path, guidance_2=None, **lora) -> WanAdapter:
+    cfg = config_for("wan")
+    cfg.model.path = str(path)
+    cfg.family.num_frames = FRAMES
+    cfg.family.guidance_scale_2 = guidance_2
+    for key, value in lora.items():
+        setattr(cfg.lora, key, value)
+    return WanAdapter(cfg, torch.device("cpu"))
+
+
+def make_requests(params: SamplingParams, n: int = len(PROMPTS)) -> list[Request]:
+    return [
+        Request(PROMPTS[i], i, i, derive_seed(7, 0, i), params, negative_prompt=NEGATIVES[i])
+        for i in range(n)
+    ]
+
+
+def noise_free(guidance: float = GUIDANCE) -> SamplingParams:
+    return SamplingParams(HEIGHT, WIDTH, STEPS, guidance, 0.0, "sde", 0, (0, 1))
+
+
+def run_pipeline(pipe, adapter, requests, output_type, guidance_2=None):
+    """The reference: WanPipeline from the same initial latents the adapter draws per request."""
+    shape = adapter.latent_shape(HEIGHT, WIDTH)
+    latents = torch.stack(
+        [torch.randn(shape, generator=torch.Generator().manual_seed(r.seed)) for r in requests]
+    )
+    extra = {"guidance_scale_2": guidance_2} if guidance_2 is not None else {}
+    return pipe(
+        prompt=[r.prompt for r in requests],
+        negative_prompt=[r.negative_prompt for r in requests],
+        guidance_scale=requests[0].params.guidance_scale,
+        num_inference_steps=requests[0].params.num_steps,
+        height=HEIGHT,
+        width=WIDTH,
+        num_frames=FRAMES,
+        latents=latents,
+        max_sequence_length=adapter.max_sequence_length,
+        output_type=output_type,
+        **extra,
+    ).frames
+
+
+def load_pipeline(path):
+    pipe = WanPipeline.from_pretrained(path)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def ti2v(tiny_wan_ti2v):
+    return make_adapter(tiny_wan_ti2v)
+
+
+@pytest.fixture(scope="module")
+def a14b(tiny_wan_a14b):
+    return make_adapter(tiny_wan_a14b, guidance_2=GUIDANCE_2)
+
+
+@pytest.mark.parametrize("layout", ["ti2v", "a14b"])
+def test_noise_free_rollout_is_the_pipeline_sampler(layout, request):
+    adapter = request.getfixturevalue(layout)
+    path = request.getfixturevalue(f"tiny_wan_{layout}")
+    if layout == "a14b":  # the schedule crosses the boundary: both experts run
+        sig = adapter.sigmas(STEPS)[:-1]
+        assert (sig >= 0.875).any() and (sig < 0.875).any()
+    pipe = load_pipeline(path)
+    requests = make_requests(noise_free(), n=2)
+    trajs = adapter.rollout(requests)
+    g2 = GUIDANCE_2 if layout == "a14b" else None
+    ref_latents = run_pipeline(pipe, adapter, requests, "latent", g2)
+    ref_videos = run_pipeline(pipe, adapter, requests, "pt", g2)
+    d_latents = max_diff(torch.stack([t.final_latents for t in trajs]), ref_latents)
+    d_videos = max_diff(torch.stack([t.output.video for t in trajs]), ref_videos)
+    print(f"{layout}: pipeline vs rollout: latents {d_latents:.2e}, videos {d_videos:.2e}")
+    assert trajs[0].output.video.shape == (FRAMES, 3, HEIGHT, WIDTH)
+    assert d_latents < 1e-5 and d_videos < 1e-5
+
+
+@pytest.mark.parametrize("layout", ["ti2v", "a14b"])
+def test_packed_rollout_equals_serial(layout, request):
+    adapter = request.getfixturevalue(layout)
+    params = SamplingParams(HEIGHT, WIDTH, STEPS, GUIDANCE, 0.7, "sde", 2, (0, 5))
+    requests = make_requests(params)
+    packed = adapter.rollout(requests)
+    serial = [adapter.rollout([r])[0] for r in requests]
+    starts = [int(t.step_indices[0]) for t in packed]
+    assert len(set(starts)) > 1, f"rows should sit at different window positions, got starts {starts}"
+    d_latents = d_logprobs = 0.0
+    for a, b in zip(packed, serial):
+        assert a.step_indices.tolist() == b.step_indices.tolist() and torch.all(a.logprobs != 0)
+        d_latents = max(
+            d_latents, max_diff(a.final_latents, b.final_latents), max_diff(a.next_latents, b.next_latents)
+        )
+        d_logprobs = max(d_logprobs, max_diff(a.logprobs, b.logprobs))
+    print(f"{layout} packed vs serial: starts {starts}, latents {d_latents:.2e}, logprobs {d_logprobs:.2e}")
+    assert d_latents < 1e-5 and d_logprobs < 1e-5
+
+
+@pytest.mark.parametrize("layout", ["ti2v", "a14b"])
+def test_recomputed_logprob_equals_rollout(layout, request):
+    adapter = request.getfixturevalue(layout)
+    params = SamplingParams(HEIGHT, WIDTH, STEPS, GUIDANCE, 0.7, "sde", 3, (0, 4))
+    trajs = adapter.rollout(make_requests(params))
+    # Every (sample, trained step) pair in one batch, as the trainer stacks them: rows at different sigmas,
+    # for A14B rows of both experts in one call.
+    k = len(trajs[0].step_indices)
+    steps = torch.cat([t.step_indices for t in trajs])
+    sigmas = trajs[0].sigmas
+    if layout == "a14b":
+        high = sigmas[steps] >= 0.875
+        assert high.any() and (~high).any(), f"the micro-batch should hold rows of both experts: {steps}"
+    x = torch.cat([t.latents for t in trajs])
+    x_next = torch.cat([t.next_latents for t in trajs])
+    embeds = {key: torch.stack([t.embeds[key] for t in trajs for _ in range(k)]) for key in trajs[0].embeds}
+    recorded = torch.cat([t.logprobs for t in trajs])
+    with torch.no_grad():
+        for fused in (True, False):
+            v = adapter.velocity(x, sigmas[steps], embeds, GUIDANCE, fused_cfg=fused)
+            out = flow_step(
+                v, x, sigmas[steps], sigmas[steps + 1], float(sigmas[1]), 0.7, "sde", prev_sample=x_next
+            )
+            diff = max_diff(out.logprob, recorded)
+            print(f"{layout} recomputed vs rollout log-prob (fused_cfg={fused}): max {diff:.2e}")
+            assert diff < 1e-5
+
+
+def test_policy_and_lora_cover_both_experts(a14b, ti2v):
+    assert isinstance(a14b.policy, torch.nn.ModuleDict) and set(a14b.policy) == {
+        "transformer",
+        "transformer_2",
+    }
+    names = [n for n, _ in a14b.policy.named_parameters() if "lora_" in n]
+    assert any(n.startswith("transformer.") for n in names) and any(
+        n.startswith("transformer_2.") for n in names
+    )
+    assert len(a14b.trainable_parameters()) == 2 * len(ti2v.trainable_parameters())
+    assert a14b.modalities == frozenset({"video"})
+    # Latent tokens after patching: 3 frames x 2 x 3.
+    req = make_requests(noise_free(), 1)[0]
+    assert ti2v.num_tokens(req) == 3 * 2 * 3
+    assert FRAMES in a14b.compat_key(req)
+
+
+@pytest.mark.parametrize("layout", ["ti2v", "a14b"])
+def test_exported_lora_loads_into_the_pipeline(layout, request, tmp_path):
+    path = request.getfixturevalue(f"tiny_wan_{layout}")
+    g2 = GUIDANCE_2 if layout == "a14b" else None
+    adapter = make_adapter(path, guidance_2=g2, rank=4, alpha=8.0)  # alpha != rank: the scale must travel
+    torch.manual_seed(0)
+    for name, p in adapter.policy.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0.0, 0.05)
+    adapter.export_lora(tmp_path)
+    adapter.export_lora(tmp_path / "from_state_dict", adapter.policy.state_dict())
+    files = [LORA_FILE] + ([LORA_FILE_2] if layout == "a14b" else [])
+    total = 0
+    for f in files:
+        exported, again = load_file(tmp_path / f), load_file(tmp_path / "from_state_dict" / f)
+        assert exported.keys() == again.keys() and all(torch.equal(v, again[k]) for k, v in exported.items())
+        total += len(exported)
+    assert total == len(adapter.trainable_parameters())
+
+    pipe = load_pipeline(path)
+    requests = make_requests(noise_free(), n=2)
+    base = run_pipeline(pipe, adapter, requests, "latent", g2)
+    pipe.load_lora_weights(tmp_path)
+    if layout == "a14b":
+        pipe.load_lora_weights(tmp_path, weight_name=LORA_FILE_2, load_into_transformer_2=True)
+    ref_latents = run_pipeline(pipe, adapter, requests, "latent", g2)
+    trajs = adapter.rollout(requests)
+    d_latents = max_diff(torch.stack([t.final_latents for t in trajs]), ref_latents)
+    change = max_diff(ref_latents, base)
+    print(f"{layout}: LoRA changes pipeline by {change:.2e}; vs rollout: latents {d_latents:.2e}")
+    assert change > 1e-2 and d_latents < 1e-5
+
+
+def test_registered_and_bad_frames(tiny_wan_ti2v):
+    assert get_adapter("wan") is WanAdapter
+    cfg = config_for("wan")
+    cfg.model.path = str(tiny_wan_ti2v)
+    cfg.family.num_frames = 8
+    with pytest.raises(ValueError, match="num_frames"):
+        WanAdapter(cfg, torch.device("cpu"))
+
+
+def test_group_shared_initial_noise_and_random_step_subsets(ti2v):
+    """DanceGRPO's sampling: a group's samples start from the same latents (its own seed) and part after
+    the first SDE step; trained steps a random subset; packed still equals serial."""
+    params = SamplingParams(
+        HEIGHT, WIDTH, STEPS, GUIDANCE, 1.2, "dance_sde", 3, (0, 5), shared_initial_noise=True,
+        sde_window_random=True,
+    )  # fmt: skip
+    # Two groups of two; the group seed is the group's, the sample seed the sample's.
+    requests = [
+        Request(PROMPTS[0], g, i, derive_seed(7, 0, i), params, group_seed=derive_seed(7, 0, -1 - g))
+        for i, g in enumerate([0, 0, 1, 1])
+    ]
+    packed = ti2v.rollout(requests)
+    serial = [ti2v.rollout([r])[0] for r in requests]
+    subsets = [t.step_indices.tolist() for t in packed]
+    assert all(len(s) == 3 and s == sorted(s) and max(s) < 5 for s in subsets)
+    assert any(s != list(range(s[0], s[0] + 3)) for s in subsets), subsets  # not all contiguous
+    d = max(max_diff(a.next_latents, b.next_latents) for a, b in zip(packed, serial))
+    d_lp = max(max_diff(a.logprobs, b.logprobs) for a, b in zip(packed, serial))
+    assert d < 1e-5 and d_lp < 1e-5, (d, d_lp)
+    assert all(torch.isfinite(t.logprobs).all() and torch.all(t.logprobs != 0) for t in packed)
+    # Step 0 is deterministic (ODE) unless trained: compare where both rows enter their first SDE step.
+    from omnirl.models.flow_sde import WindowedSampler
+
+    sampler = WindowedSampler(requests, ti2v.latent_shape(HEIGHT, WIDTH), ti2v.sigmas(STEPS), "cpu")
+    x0 = sampler.initial_latents
+    assert torch.equal(x0[0], x0[1]) and torch.equal(x0[2], x0[3]) and not torch.equal(x0[0], x0[2])
+    assert max_diff(packed[0].final_latents, packed[1].final_latents) > 1e-3
+    # A window fixed at step 1: the group's rows enter their first SDE step equal and leave it apart.
+    fixed = SamplingParams(
+        HEIGHT, WIDTH, STEPS, GUIDANCE, 1.2, "dance_sde", 2, (1, 3), shared_initial_noise=True
+    )  # fmt: skip
+    a, b = ti2v.rollout([dataclasses.replace(r, params=fixed) for r in requests[:2]])
+    assert a.step_indices.tolist() == b.step_indices.tolist() == [1, 2]
+    assert torch.equal(a.latents[0], b.latents[0])
+    assert max_diff(a.next_latents[0], b.next_latents[0]) > 1e-3
+
+
+def test_trainer_logprob_of_a_micro_batch_of_both_experts(a14b):
+    """The trainer's recomputation (`ops.diffusion.pair_logprob`) of one micro-batch holding rows of both
+    experts equals the rollout's log-probs."""
+    from omnirl.ops.diffusion import Pair, pair_logprob
+
+    params = SamplingParams(HEIGHT, WIDTH, STEPS, GUIDANCE, 0.7, "sde", 0, (0, 1))
+    trajs = a14b.rollout(make_requests(params, n=2))
+    pairs = [Pair(t, k, 1.0) for t in trajs for k in range(len(t.logprobs))]  # every step but the last
+    sig = trajs[0].sigmas[:-1]
+    assert (sig >= 0.875).any() and (sig < 0.875).any()
+    with torch.no_grad():
+        lp = pair_logprob(a14b, pairs, params).logprob
+    recorded = torch.stack([p.traj.logprobs[p.k] for p in pairs])
+    print(f"pair_logprob vs rollout, both experts in one micro-batch: {max_diff(lp, recorded):.2e}")
+    assert max_diff(lp, recorded) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "recipe, layout",
+    [("wan22_ti2v_tiny_dancegrpo", "ti2v"), ("wan22_a14b_tiny_flowgrpo_lora", "a14b")],
+)
+def test_tiny_recipes_under_torchrun_fsdp(recipe, layout, request, tmp_path):
+    from tests.test_train import ROOT, read_jsonl, torchrun
+
+    out = tmp_path / "run"
+    path = request.getfixturevalue(f"tiny_wan_{layout}")
+    r = torchrun(
+        2, ROOT / f"yaml/{recipe}.yaml", "--model.path", str(path), "--run.output_dir", str(out),
+        "--run.steps", "2", "--log.image_every", "1",
+    )  # fmt: skip
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1] and all(m["train/updates"] == 1 for m in metrics)
+    assert all(m["train/grad_norm"] > 0 for m in metrics)
+    lora = ["pytorch_lora_weights.safetensors"] + (
+        ["pytorch_lora_weights_transformer_2.safetensors"] if layout == "a14b" else []
+    )
+    assert all((out / "lora" / f).is_file() for f in lora)
+    assert (out / "samples/step_000001_0.mp4").is_file()
+    assert "Traceback" not in r.stderr
+
+
+def test_experts_under_fsdp_with_rows_of_one_expert_per_rank(tiny_wan_a14b):
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_train import ROOT
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    r = subprocess.run(
+        [*cmd, "tests/_wan_experts_fsdp.py", str(tiny_wan_a14b)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert r.stdout.count("experts OK") == 2
+
+
+def test_group_seeds_come_from_the_group_alone():
+    """A group's samples share its seed, which depends on (run seed, step, the prompt's place in the step)
+    only: not on the rank that runs it; validation draws its initial noise per sample."""
+    from omnirl import distributed as D
+    from omnirl.data.prompts import PromptRow
+    from omnirl.ops.diffusion import sampling_params
+    from omnirl.step import make_requests as step_requests
+
+    cfg = config_for("wan")
+    cfg.rollout.prompts_per_step, cfg.rollout.group_size = 4, 3
+    cfg.sampling.shared_initial_noise = True
+    rows = [PromptRow(f"prompt {i}") for i in range(8)]
+    params = sampling_params(cfg)
+    assert params.shared_initial_noise and not sampling_params(cfg, ode=True).shared_initial_noise
+
+    def seeds(step, world):
+        out = []
+        for rank in range(world):
+            dist = D.DistInfo(rank, world, rank, torch.device("cpu"), None)
+            out += step_requests(cfg, rows, step, dist, params)[0]
+        return out
+
+    one, two = seeds(0, 1), seeds(0, 2)
+    assert [(r.group_seed, r.seed) for r in one] == [(r.group_seed, r.seed) for r in two]
+    by_group = {}
+    for r in one:
+        by_group.setdefault(r.group_id, set()).add(r.group_seed)
+    assert all(len(s) == 1 for s in by_group.values()) and len({s.pop() for s in by_group.values()}) == 4
+    assert {r.group_seed for r in one}.isdisjoint({r.seed for r in one})
+    assert {r.group_seed for r in one}.isdisjoint({r.group_seed for r in seeds(1, 1)})
