@@ -15,6 +15,23 @@ import torch
 from omnirl.models.tiny_omni import make_tiny_qwen3_omni, make_tiny_qwen_vl
 
 
+def tiny_t5_config(tokenizer) -> dict:
+    """The tiny T5 / UMT5 text encoder's config (SD3's third encoder, Wan's only one) for `tokenizer`."""
+    return dict(
+        vocab_size=len(tokenizer),
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        feed_forward_proj="gated-gelu",
+        decoder_start_token_id=0,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+
+
 def _clip_tokenizer():
     """A byte-level CLIP BPE with no merges: one token per character, the last one of a word with `</w>`."""
     from tokenizers import pre_tokenizers
@@ -107,21 +124,7 @@ def make_tiny_sd3(out_dir: str | Path) -> Path:
     )
     text_encoder = CLIPTextModelWithProjection(CLIPTextConfig(**clip_cfg))
     text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**clip_cfg))
-    text_encoder_3 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(t5_tok),
-            d_model=32,
-            d_kv=8,
-            d_ff=64,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            feed_forward_proj="gated-gelu",
-            decoder_start_token_id=0,
-            pad_token_id=t5_tok.pad_token_id,
-            eos_token_id=t5_tok.eos_token_id,
-        )
-    )
+    text_encoder_3 = T5EncoderModel(T5Config(**tiny_t5_config(t5_tok)))
     # Built modules are in train mode (T5 dropout!) and pipelines never call eval(): do it here.
     pipe = StableDiffusion3Pipeline(
         transformer=transformer.eval(),
@@ -366,21 +369,7 @@ def make_tiny_wan(out_dir: str | Path, layout: str = "ti2v") -> Path:
         latents_mean=[0.1, -0.2, 0.3, 0.0],
         latents_std=[1.5, 0.8, 1.2, 1.0],
     )
-    text_encoder = UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=len(tokenizer),
-            d_model=32,
-            d_kv=8,
-            d_ff=64,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            feed_forward_proj="gated-gelu",
-            decoder_start_token_id=0,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-    )
+    text_encoder = UMT5EncoderModel(UMT5Config(**tiny_t5_config(tokenizer)))  # UMT5 takes T5's keys
     experts = {"transformer": transformer()}
     if layout == "a14b":
         experts["transformer_2"] = transformer()
