@@ -194,6 +194,14 @@ def parse_args() -> argparse.Namespace:
         default=1,
         help="timed generations per cell (after the warm-up); a row reports their median and lists each",
     )
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="a packed cell against the stock pipeline at one --stock-batch in the same mode (one eager "
+        "cell, one compiled cell, or one of each: the eager pair first), their timed generations alternating "
+        "(ours, stock, ours, ...) so that drift on a shared machine hits both alike; the rows are written "
+        "after every repeat. Compiled pairs compile every shape in an untimed 2-step generation first",
+    )
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--size", type=int, default=512)
     p.add_argument("--out", default="rollout_packing.json")
@@ -209,6 +217,17 @@ def parse_args() -> argparse.Namespace:
         p.error("give --path or --random-init")
     if a.repeats < 1:
         p.error(f"--repeats must be >= 1, got {a.repeats}")
+    if a.interleave:
+        n_eager = len(a.max_num_seqs + a.unfused_max_num_seqs + a.single_bucket + a.negative_bucket)
+        n_eager += sum(not c.compile for c in a.cells)
+        n_compiled = len(a.compiled_max_num_seqs) + sum(c.compile for c in a.cells)
+        if not (n_eager <= 1 and n_compiled <= 1 and n_eager + n_compiled >= 1 and len(a.stock_batch) == 1):
+            p.error(
+                "--interleave pairs a packed cell with the stock pipeline at one --stock-batch in the cell's "
+                "mode: give one --stock-batch and one eager cell, one compiled cell, or one of each"
+            )
+        if a.serial_requests or a.forward_only:
+            p.error("--interleave times one pair: give --serial-requests 0 and no --forward-only")
     if a.qwen_bpe and not (a.random_init and a.model == "qwen_image"):
         p.error("--qwen-bpe is for --random-init --model qwen_image (a real checkpoint has its tokenizer)")
     if a.model != "qwen_image" and (
@@ -335,6 +354,16 @@ def main() -> None:
         print(f"wrote {a.out}")
         return
 
+    if a.interleave:
+        for cell in eager + compiled:  # the eager pair first: the compiled one compiles the blocks
+            neg = s.negative_prompt
+            interleaved(adapter, cell, requests, texts, neg, params, a, rows, flops_total, ceiling, save)
+            save()
+        if dist.is_main:
+            print_generation(rows)
+            print(f"wrote {a.out}")
+        return
+
     def run_engine(cell: Cell, reqs: list[Request], scale: float, name: str = ""):
         name = name or cell.name
         engine = DiffusionEngine(adapter, cell.max_num_seqs, fused_cfg=cell.fused_cfg, compile=cell.compile)
@@ -416,11 +445,10 @@ def print_generation(rows: list[dict]) -> None:
         )
 
 
-def stock(adapter, texts, negative, params, a, rows, flop_seconds, save, compiled: bool) -> None:
-    """diffusers' own pipeline around the same modules (LoRA attached), batches of prompts per call.
-
-    `flop_seconds`: the rollout's FLOPs over the matmul rate (its duration at 100% MFU)."""
-    pipe = type(adapter.text_pipe)(  # the text encoders and tokenizers, plus the denoising modules
+def stock_pipe(adapter, params: SamplingParams):
+    """diffusers' own pipeline class around the adapter's modules (the text encoders and tokenizers, the
+    policy with its LoRA, the VAE, the scheduler), and the guidance keywords of its `__call__`."""
+    pipe = type(adapter.text_pipe)(
         **{**adapter.text_pipe.components, "transformer": adapter.policy, "vae": adapter.vae,
            "scheduler": adapter.scheduler}
     )  # fmt: skip
@@ -431,6 +459,96 @@ def stock(adapter, texts, negative, params, a, rows, flop_seconds, save, compile
         )
     else:
         cfg_kwargs = dict(true_cfg_scale=params.guidance_scale)
+    return pipe, cfg_kwargs
+
+
+def interleaved(adapter, cell: Cell, requests, texts, negative, params, a, rows, flops_total, ceiling, save):
+    """--interleave: `cell` and the stock pipeline (`--stock-batch` prompts per call, the cell's mode) on
+    the same prompts, their timed generations alternating. Compiled: both compile every shape they will
+    meet in one untimed 2-step generation of all the prompts (the transformer's inputs have the same shapes
+    at every step, so 2 steps compile what 10 run), the engine with its own compiled blocks (dynamic=False,
+    swapped in per `generate`), the stock pipeline with every block compiled in place (as
+    `compile_repeated_blocks`); eager: a 2-request warm-up each. Each row is rewritten after every repeat,
+    so a run cut short keeps the repeats it finished."""
+    import dataclasses
+    import statistics
+
+    b = a.stock_batch[0]
+    engine = DiffusionEngine(adapter, cell.max_num_seqs, fused_cfg=cell.fused_cfg, compile=cell.compile)
+    pipe, cfg_kwargs = stock_pipe(adapter, params)
+    mode = "compiled" if cell.compile else "eager"
+
+    # The stock pipeline's compiled blocks, as `nn.Module.compile` makes them (`compile_repeated_blocks`),
+    # set on the blocks only while it runs: the engine swaps its own compiled `forward` in per `generate`.
+    units = list(adapter.fsdp_units())
+    stock_impls = [torch.compile(u._call_impl, fullgraph=True) for u in units] if cell.compile else []
+
+    def stock_call(prompts_: list[str], steps: int = params.num_steps) -> None:
+        for u, impl in zip(units, stock_impls):
+            u._compiled_call_impl = impl
+        try:
+            with D.gathered_weights(adapter.policy):  # once per generation, as the engine's `generate`
+                stock_batches(prompts_, steps)
+        finally:
+            for u in units:
+                u._compiled_call_impl = None
+
+    def stock_batches(prompts_: list[str], steps: int) -> None:
+        for i in range(0, len(prompts_), b):
+            batch = prompts_[i : i + b]
+            pipe(
+                prompt=batch, negative_prompt=[negative] * len(batch), height=params.height,
+                width=params.width, num_inference_steps=steps, output_type="pil", **cfg_kwargs,
+            )  # fmt: skip
+
+    short = dataclasses.replace(params, num_steps=2, sde_window_size=1, sde_window_range=(0, 1))
+    short_requests = [dataclasses.replace(r, params=short) for r in requests]
+    ours = {"name": cell.name, "scaled_from": len(requests), "generation_s_runs": []}
+    theirs = {"name": f"stock {type(pipe).__name__} {b} prompts/call, {mode}", "scaled_from": len(texts)}
+    theirs["generation_s_runs"] = []
+    with prompt_buckets(adapter, cell.buckets, requests):
+        if cell.compile:
+            ours["compile_s"] = timed(lambda: engine.generate(short_requests))[0]
+            theirs["compile_s"] = timed(lambda: stock_call(texts, 2))[0]
+        engine.generate(requests[:2])  # warm-up (allocator, kernels)
+        stock_call(texts[:2])
+        reset_peak()
+        ours["batches"] = batch_shapes(adapter, engine, requests)
+        frames = torch._dynamo.utils.counters["frames"]  # frames dynamo compiled: none may be timed
+        for _ in range(a.repeats):
+            for row, fn in ((ours, lambda: engine.generate(requests)), (theirs, lambda: stock_call(texts))):
+                D.barrier()
+                before = frames["ok"]
+                secs = timed(fn)[0]
+                row["compiled_while_timed"] = row.get("compiled_while_timed", 0) + frames["ok"] - before
+                row["generation_s_runs"].append(secs)
+                gens = over_ranks(statistics.median(row["generation_s_runs"]))
+                gen = max(gens)
+                row.update(
+                    generation_s=gen, images_per_s=a.images / gen, mfu=flops_total / gen / ceiling,
+                    **rank_columns({"generation_s": gens}),
+                )  # fmt: skip
+                rows[:] = [r for r in rows if r is not ours and r is not theirs] + [ours, theirs]
+                D.print0(json.dumps(row))
+                save()
+        peak = max(over_ranks(peak_gib()))  # of both cells' generations (the same resident models)
+        ours["peak_gib"] = theirs["peak_gib"] = peak
+        if a.breakdown:
+            batch = requests[: cell.max_num_seqs]
+            split = breakdown(lambda: engine.generate(batch), adapter.device)
+            ours["breakdown"] = {"requests": len(batch), **split}
+            with label_stock(pipe):
+                split = breakdown(lambda: stock_call(texts[:b]), adapter.device)
+            theirs["breakdown"] = {"requests": b, **split}
+    for row in (ours, theirs):
+        row["generation_s_runs"] = [round(t, 3) for t in row["generation_s_runs"]]
+
+
+def stock(adapter, texts, negative, params, a, rows, flop_seconds, save, compiled: bool) -> None:
+    """diffusers' own pipeline around the same modules (LoRA attached), batches of prompts per call.
+
+    `flop_seconds`: the rollout's FLOPs over the matmul rate (its duration at 100% MFU)."""
+    pipe, cfg_kwargs = stock_pipe(adapter, params)
     if compiled:  # per repeated block, as compile_repeated_blocks does (FSDP2 renames the block class)
         for block in adapter.fsdp_units():
             block.compile(fullgraph=True)

@@ -168,3 +168,29 @@ def test_qwen_bpe_tokenizer_from_tiktoken_ranks(tmp_path):
         qwen_bpe_tokenizer(bad)
     with pytest.raises(ValueError, match="for the Qwen-Image families, not 'sd35'"):
         write_random_checkpoint("sd35", tmp_path / "ckpt", qwen_bpe=path)
+
+
+def test_rollout_packing_interleaved_pair(tiny_qwen_image, tmp_path):
+    """--interleave times one packed cell and the stock pipeline alternately on the same prompts: both rows
+    hold --repeats runs and their median, nothing was compiled while timed; a second cell is refused."""
+    import statistics
+
+    args = [
+        *("--path", str(tiny_qwen_image), "--images", "3", "--serial-requests", "0", "--max-num-seqs"),
+        *("--compiled-max-num-seqs", "--stock-batch", "2", "--logprob-check", "0", "--size", "64"),
+        *("--steps", "2", "--cells", "4:split", "--repeats", "2", "--interleave"),
+    ]
+    script = ["-m", "benchmarks.rollout_packing"]
+    run([sys.executable, *script, *args, "--out", str(tmp_path / "pair.json")])
+    rows = json.loads((tmp_path / "pair.json").read_text())["rows"]
+    assert [r["name"] for r in rows] == [
+        "packed max_num_seqs 4, CFG 2 forwards, eager",
+        "stock QwenImagePipeline 2 prompts/call, eager",
+    ]
+    for r in rows:
+        assert len(r["generation_s_runs"]) == 2 and r["compiled_while_timed"] == 0
+        assert r["generation_s"] == pytest.approx(statistics.median(r["generation_s_runs"]), abs=1e-3)
+    bad = subprocess.run(
+        [sys.executable, *script, *args, "--stock-batch", "2", "4"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "--interleave pairs a packed cell" in bad.stderr
