@@ -184,6 +184,16 @@ def test_omni_sleep_and_wake_run(omni_vllm):
     assert not engine.asleep
     trajs = engine.generate(image_requests(1, 2, GenerationParams(max_new_tokens=8)))
     assert max_diff(trainer_logprobs(adapter, trajs), [t.logprobs for t in trajs]) <= TOL
+    engine.sleep_level = 2  # weights discarded (on a GPU): the next push sends every weight, merged
+    try:
+        engine.sleep()
+        engine.wake()
+        assert engine.push_all
+        trajs = engine.generate(image_requests(1, 2, GenerationParams(max_new_tokens=8)))
+    finally:
+        engine.sleep_level = 1
+    assert not engine.push_all and engine.stats["vllm/push_bound"] > len(engine.lora_layers)
+    assert max_diff(trainer_logprobs(adapter, trajs), [t.logprobs for t in trajs]) <= TOL
 
 
 @pytest.mark.vllm

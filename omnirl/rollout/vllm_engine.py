@@ -82,7 +82,7 @@ class VLLMEngine:
         self.device = adapter.lm_head.weight.device
         self.sleep_level = cfg.rollout.vllm_sleep_level
         hf = adapter.hf_model
-        self.moe = any(type(m).__name__.endswith("SparseMoeBlock") for m in hf.modules())
+        self.moe = getattr(hf.config.get_text_config(), "num_experts", 0) > 0
         self.mode = "full" if cfg.model.finetune == "full" else ("merged" if self.moe else "lora")
         self.lora_layers = self._lora_layers()  # name -> peft LoraLayer
         self.asleep = False
