@@ -281,4 +281,5 @@ def test_tiny_recipe_with_vllm_under_torchrun(tmp_path):
         assert m["consistency/logprob_abs_diff_max"] <= TOL
         assert m["train/updates"] == 2 and "correction/weight_mean" in m  # tis: the backend's default
         assert "time/train_engine_sleep_s" in m and "time/rollout_engine_wake_s" in m
+        assert m["vllm/push_bound"] == 8  # the merged q/k/v/o of 2 layers, verified in vLLM
     assert "pushed weights to vLLM" in r.stdout + r.stderr

@@ -256,6 +256,8 @@ class OmniOps:
         if self._measured is None:  # bypass mode: what the first mini-batch collected (maybe nothing)
             self._measured = self._consistency(self._actor, self._rollout)
         out = self._measured
+        if self.sleepable is not None:  # vLLM: its start, push (time and what it bound) and generation
+            out = {**out, **self.sleepable.stats}
         self._measured, self._actor, self._rollout = None, [], []
         return out
 

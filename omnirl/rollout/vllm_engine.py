@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from omnirl import distributed as D
 from omnirl.models.base import OmniModelBase, OmniTrajectory, Request
@@ -66,7 +67,7 @@ def _unwrap(t: torch.Tensor) -> torch.Tensor:
     every rank calls it in the same order. A copy, never a view: vLLM scales a LoRA's B in place when it
     builds the adapter (`LoRALayerWeights.optimize`), which on a view would scale the trainer's own
     parameter (measured: the trainer's LoRA B doubled at every push)."""
-    if hasattr(t, "full_tensor"):  # DTensor
+    if isinstance(t, DTensor):
         t = t.full_tensor()
     return t.detach().to("cpu", copy=True)
 
