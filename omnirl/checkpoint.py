@@ -432,14 +432,16 @@ def check_finite(path: Path, state: dict) -> None:
 
 
 def check_tensors(path: Path, model: nn.Module, extra: dict[str, torch.Tensor] | None = None) -> None:
-    """The checkpoint's weights are exactly the model's trainable tensors, and its extra state exactly
-    `extra`'s tensors (an NFT run's old policy), by name and global shape; otherwise a CheckpointError
-    before anything is loaded (meta.json matching makes this a formality, unless the files under model.path
-    changed or the run's settings keep other state, e.g. the old policy's soft update turned on)."""
+    """The checkpoint's weights are exactly the model's trainable tensors, and (unless `extra` is None: only
+    the weights are read) its extra state exactly `extra`'s tensors (an NFT run's old policy), by name and
+    global shape; otherwise a CheckpointError before anything is loaded (meta.json matching makes this a
+    formality, unless the files under model.path changed or the run keeps other state than the saved one,
+    e.g. the old policy's soft update turned off or on)."""
+    prefixes = ("model.",) if extra is None else ("model.", "extra.")
     saved = {
         k.removeprefix("model."): tuple(v.size)
         for k, v in SafeReader(path / "model_optim").read_metadata().state_dict_metadata.items()
-        if k.startswith(("model.", "extra."))
+        if k.startswith(prefixes)
     }
     wanted = {k: tuple(v.shape) for k, v in get_model_state_dict(model, options=OPTIONS).items()}
     wanted.update({f"extra.{k}": tuple(v.shape) for k, v in (extra or {}).items()})
@@ -471,7 +473,7 @@ def load(
 
     Returns (the step to continue at, the metrics rows of the steps before it)."""
     meta = check_meta(path, cfg)
-    check_tensors(path, model, extra)
+    check_tensors(path, model, extra or {})
     # The recipe's optimizer settings win over the checkpoint's (a resumed run may lower the lr).
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     state = {

@@ -115,8 +115,8 @@ class NFTOps(DiffusionOps):
         return self._old
 
     def old_is_policy(self) -> bool:
-        """Whether the old policy holds the policy's own values: every soft update so far had eta 0 (each
-        one then copied the policy), and no optimizer step has run since the last."""
+        """Whether, between updates, the old policy holds the policy's own values: every soft update so far
+        had eta 0 (each one then copied the policy). Asked before an update's first optimizer step."""
         return old_decay(self.cfg.algo, int(self._steps)) == 0
 
     def state(self) -> dict[str, torch.Tensor]:
