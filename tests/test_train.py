@@ -351,7 +351,7 @@ def test_mini_batches_hold_the_same_rows_on_any_number_of_ranks():
                 out[m] |= {key(r) for r in mb}
         return out
 
-    nft = SimpleNamespace(cfg=cfg, params=SimpleNamespace(num_steps=3))  # NFT rows: every step but the last
+    nft = SimpleNamespace(cfg=cfg, params=SimpleNamespace(num_steps=3), soft=False)  # every step but the last
     for ops_cls, key, total in (
         (DiffusionOps, lambda r: (r.traj.request.index, r.k), 36),
         (OmniOps, lambda r: r.traj.request.index, 12),
