@@ -56,15 +56,22 @@ def breakdown(fn: Callable[[], object], device: torch.device) -> dict:
 def label_stock(pipe):
     """The stock pipeline's calls under omnirl's labels while the context is open: encode_prompt (encode),
     prepare_latents (noise), the transformer's forward (transformer), the scheduler's step (sde_step: the
-    ODE step there), the VAE's decode (vae_decode) and the image post-processing (to_host)."""
+    ODE step there), the VAE's decode (vae_decode) and the image or video post-processing (to_host)."""
+    from diffusers import WanPipeline
+
+    video = isinstance(pipe, WanPipeline)  # a second expert maybe, and videos post-processed
     targets = [
         (pipe, "encode_prompt", "encode"),
         (pipe, "prepare_latents", "noise"),
         (pipe.transformer, "forward", "transformer"),
         (pipe.scheduler, "step", "sde_step"),
         (pipe.vae, "decode", "vae_decode"),
-        (pipe.image_processor, "postprocess", "to_host"),
+        (pipe.video_processor, "postprocess_video", "to_host")
+        if video
+        else (pipe.image_processor, "postprocess", "to_host"),
     ]
+    if video and pipe.transformer_2 is not None:
+        targets.append((pipe.transformer_2, "forward", "transformer"))
 
     def labelled(fn, name):
         def call(*args, **kwargs):

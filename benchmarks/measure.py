@@ -8,10 +8,12 @@ import time
 
 import torch
 
+from omnirl.distributed import compute_dtype
 from omnirl.memory import synchronize
 from omnirl.models.base import Request, SamplingParams, derive_seed
 from omnirl.models.qwen_image import padded_lengths
 from omnirl.models.sd3 import SD3Adapter
+from omnirl.models.wan import WanAdapter
 
 CLIP_TOKENS = 77  # SD3's two CLIP encoders, padded to their maximum, ahead of the T5 tokens
 
@@ -20,16 +22,19 @@ def text_lengths(adapter, request: Request) -> tuple[int, int]:
     """(conditional, negative) text lengths of a request's rows, unpadded.
 
     SD3 encodes every prompt to CLIP 77 + T5 max_sequence_length tokens, all of them attended to (the
-    model's own padding, no mask), so there both are that fixed length."""
+    model's own padding, no mask), so there both are that fixed length; Wan zero-pads UMT5's embeddings to
+    max_sequence_length and cross-attends to all of them, so there too."""
     if isinstance(adapter, SD3Adapter):
         n = CLIP_TOKENS + adapter.max_sequence_length
         return n, n
+    if isinstance(adapter, WanAdapter):
+        return adapter.max_sequence_length, adapter.max_sequence_length
     return adapter.prompt_length(request.prompt), adapter.prompt_length(request.negative_prompt)
 
 
 def batch_lengths(adapter, batch: list[Request]) -> tuple[int, int]:
     """(conditional, negative) text lengths a packed batch is padded to, as the adapter's rollout pads it."""
-    if isinstance(adapter, SD3Adapter):
+    if isinstance(adapter, (SD3Adapter, WanAdapter)):
         return text_lengths(adapter, batch[0])
     cond, neg = zip(*(text_lengths(adapter, r) for r in batch))
     guided = batch[0].params.guidance_scale > 1
@@ -40,29 +45,45 @@ def transformer_flops(adapter, params: SamplingParams):
     """FLOPs of one transformer row as a function of its text length, counted with FlopCounterMode on
     one-row, unguided `adapter.velocity` calls over zero embeddings (so it works on the meta device too).
     Qwen-Image: counted at three lengths and fitted exactly by a quadratic (linear layers grow linearly
-    with the tokens, attention quadratically). SD3: one count, every row has the same text length."""
+    with the tokens, attention quadratically). SD3 and Wan: one count, every row has the same text length
+    (Wan's two A14B experts have one shape: the count of one holds for both)."""
     import numpy as np
     from torch.utils.flop_counter import FlopCounterMode
 
-    cfg, dev = adapter.policy.config, adapter.device
-    sd3 = isinstance(adapter, SD3Adapter)
-    h, w = params.height // adapter.vae_scale_factor, params.width // adapter.vae_scale_factor
-    channels = cfg.in_channels if sd3 else cfg.in_channels // 4  # Qwen-Image packs 2x2 latent patches
+    dev = adapter.device
+    sd3, wan = isinstance(adapter, SD3Adapter), isinstance(adapter, WanAdapter)
+    cfg = adapter.config if wan else adapter.policy.config
+    if wan:  # [C, f, h, w] video latents, UMT5 embeddings of width text_dim
+        shape, width = adapter.latent_shape(params.height, params.width), cfg.text_dim
+    else:
+        h, w = params.height // adapter.vae_scale_factor, params.width // adapter.vae_scale_factor
+        channels = cfg.in_channels if sd3 else cfg.in_channels // 4  # Qwen-Image packs 2x2 latent patches
+        shape, width = (channels, h, w), cfg.joint_attention_dim
 
     def count(length: int) -> float:
-        embeds = {"prompt_embeds": torch.zeros(1, length, cfg.joint_attention_dim, device=dev)}
+        embeds = {"prompt_embeds": torch.zeros(1, length, width, device=dev)}
         if sd3:
             embeds["pooled_prompt_embeds"] = torch.zeros(1, cfg.pooled_projection_dim, device=dev)
-        else:  # on the host: velocity only asks whether every row is full (then passes no mask at all)
+        elif not wan:  # on the host: velocity only asks whether every row is full (then passes no mask)
             embeds["prompt_embeds_mask"] = torch.ones(1, length, dtype=torch.bool)
         counter = FlopCounterMode(display=False)
         with counter, torch.no_grad():
-            x = torch.zeros(1, channels, h, w, device=dev)
-            adapter.velocity(x, torch.full((1,), 0.5, device=dev), embeds, 1.0)
+            x = torch.zeros(1, *shape, device=dev)
+            if wan and adapter.boundary_ratio is not None:
+                # velocity routes rows to experts by a host sync (nonzero), which the meta device cannot
+                # run, and under FSDP runs the other expert on one row too: one expert through the policy
+                # (the experts' ModuleDict: its root gathers the experts' own parameters), both have one
+                # shape; this layout has no expand_timesteps
+                dtype = compute_dtype(adapter.policy, adapter.transformer_dtype)
+                t, text = torch.full((1,), 500.0, device=dev), embeds["prompt_embeds"].to(dtype)
+                x = x.to(dtype)
+                adapter.policy("transformer", hidden_states=x, timestep=t, encoder_hidden_states=text)
+            else:
+                adapter.velocity(x, torch.full((1,), 0.5, device=dev), embeds, 1.0)
         return counter.get_total_flops()
 
-    if sd3:
-        flops = count(CLIP_TOKENS + adapter.max_sequence_length)
+    if sd3 or wan:
+        flops = count(text_lengths(adapter, None)[0])
         return lambda length: flops
     lengths = (16, 128, 256)
     coeffs = np.polyfit(lengths, [count(n) for n in lengths], 2)

@@ -1,5 +1,6 @@
-"""Packed vs serial diffusion rollout (Qwen-Image, SD3.5-Medium) through omnirl's DiffusionEngine, against
-the stock diffusers pipeline. Flags, cells and how to run it: benchmarks/README.md."""
+"""Packed vs serial diffusion rollout (Qwen-Image, SD3.5-Medium, Wan2.2 TI2V-5B and T2V-A14B) through
+omnirl's DiffusionEngine, against the stock diffusers pipeline. Flags, cells and how to run it:
+benchmarks/README.md."""
 
 from __future__ import annotations
 
@@ -44,12 +45,15 @@ from omnirl.models import get_adapter
 from omnirl.models.base import Request, SamplingParams
 from omnirl.models.random_init import random_init_loader, write_random_checkpoint
 from omnirl.models.sd3 import SD3Adapter
+from omnirl.models.wan import WanAdapter
 from omnirl.rollout.diffusion import DiffusionEngine
 
 # --model -> (recipe, adapter module whose `load_pretrained` --random-init replaces)
 MODELS = {
     "qwen_image": ("qwen_image_flowgrpo_ocr", "omnirl.models.qwen_image"),
     "sd35": ("sd35_flowgrpo_ocr", "omnirl.models.sd3"),
+    "wan22_ti2v": ("wan22_ti2v_dancegrpo", "omnirl.models.wan"),
+    "wan22_a14b": ("wan22_a14b_flowgrpo_lora", "omnirl.models.wan"),
 }
 
 WORDS = (
@@ -130,6 +134,15 @@ def rank_columns(values: dict[str, list[float]]) -> dict:
     return {f"rank_{k}": v for k, v in values.items()} if len(next(iter(values.values()))) > 1 else {}
 
 
+def parse_size(text: str) -> tuple[int, int]:
+    """--size: "HxW", or one number for a square."""
+    try:
+        h, w = text.lower().split("x") if "x" in text.lower() else (text, text)
+        return int(h), int(w)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--size {text!r}: give HxW (e.g. 704x1280) or one number") from None
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(MODELS), default="qwen_image")
@@ -203,7 +216,14 @@ def parse_args() -> argparse.Namespace:
         "after every repeat. Compiled pairs compile every shape in an untimed 2-step generation first",
     )
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--size", type=int, default=512)
+    p.add_argument(
+        "--size",
+        type=parse_size,
+        help="HxW (or one number for a square); default the recipe's (512 for the image recipes)",
+    )
+    p.add_argument(
+        "--frames", type=int, help="Wan: frames per video (family.num_frames; default the recipe's)"
+    )
     p.add_argument("--out", default="rollout_packing.json")
     p.add_argument(
         "--logprob-check",
@@ -234,6 +254,10 @@ def parse_args() -> argparse.Namespace:
         a.single_bucket or a.negative_bucket or any(c.buckets != "recipe" for c in a.cells)
     ):
         p.error(f"--single-bucket / --negative-bucket: {a.model} pads every prompt to one fixed length")
+    if a.model.startswith("wan") and a.forward_only:
+        p.error("--forward-only times the image models' forwards (its inputs are image latents)")
+    if a.frames is not None and not a.model.startswith("wan"):
+        p.error(f"--frames is for the video models, not {a.model}")
     if a.forward_only and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         p.error("--forward-only runs in a single process (not under torchrun with several ranks)")
     return a
@@ -248,8 +272,9 @@ def build(a, device: torch.device):
         write_random_checkpoint(a.model, Path(path), a.qwen_bpe)
     if a.random_init or device.type == "meta":
         importlib.import_module(module).load_pretrained = random_init_loader(device)
-    size = ["--sampling.height", str(a.size), "--sampling.width", str(a.size)]
-    cfg = load_config(recipe, ["--model.path", path, *size])
+    size = ["--sampling.height", str(a.size[0]), "--sampling.width", str(a.size[1])] if a.size else []
+    frames = ["--family.num_frames", str(a.frames)] if a.frames else []
+    cfg = load_config(recipe, ["--model.path", path, *size, *frames])
     return cfg, get_adapter(cfg.model.adapter)(cfg, device)
 
 
@@ -257,7 +282,10 @@ def dry_run(a) -> None:
     """Every model built on the meta device: parameter counts and the transformer's counted FLOPs."""
     cfg, adapter = build(a, torch.device("meta"))
     print(f"{a.model}: models built on the meta device from {'public configs' if a.random_init else a.path}")
-    for name, module in vars(adapter).items():
+    modules = {n: m for n, m in vars(adapter).items() if isinstance(m, nn.Module)}
+    if isinstance(adapter, WanAdapter) and len(adapter.experts) > 1:  # each expert on its own line
+        modules = {**adapter.experts, **{n: m for n, m in modules.items() if n != "_policy"}}
+    for name, module in modules.items():
         if isinstance(module, nn.Module):
             lora = sum(p.numel() for n, p in module.named_parameters() if "lora_" in n)
             base = sum(p.numel() for p in module.parameters()) - lora
@@ -266,6 +294,10 @@ def dry_run(a) -> None:
             ))  # fmt: skip
     s = cfg.sampling
     params = SamplingParams(s.height, s.width, a.steps, s.guidance_scale, 0.0, "ode", 0, (0, 1))
+    if isinstance(adapter, WanAdapter):
+        _, f, h, w = adapter.latent_shape(s.height, s.width)
+        print(f"  video {s.height}x{s.width}, {cfg.family.num_frames} frames: {f}x{h}x{w} latents, "
+              f"{adapter.num_tokens(make_requests(['x'], params, '')[0]):,d} tokens per row")  # fmt: skip
     flops_at = transformer_flops(adapter, params)
     requests = make_requests(prompts(a.images, 0), params, s.negative_prompt)
     lengths = [text_lengths(adapter, r) for r in requests]
@@ -277,6 +309,11 @@ def dry_run(a) -> None:
         f"negative prompt's ({lengths[0][1]}); {per_image / 1e12:.1f} TFLOP per image "
         f"({a.steps} steps, CFG {s.guidance_scale}, unpadded rows)"
     )
+    for n, tflops in (("~45%", 780 * 0.45), ("~60%", 780 * 0.60)):  # an H200's dense bf16 peak x MFU
+        print(
+            f"  at {n} MFU of an H200 (780 TFLOP/s bf16): {per_image / tflops / 1e12:.1f} s of transformer "
+            f"per {'video' if isinstance(adapter, WanAdapter) else 'image'}"
+        )
 
 
 def main() -> None:
@@ -448,17 +485,28 @@ def print_generation(rows: list[dict]) -> None:
 def stock_pipe(adapter, params: SamplingParams):
     """diffusers' own pipeline class around the adapter's modules (the text encoders and tokenizers, the
     policy with its LoRA, the VAE, the scheduler), and the guidance keywords of its `__call__`."""
-    pipe = type(adapter.text_pipe)(
-        **{**adapter.text_pipe.components, "transformer": adapter.policy, "vae": adapter.vae,
-           "scheduler": adapter.scheduler}
-    )  # fmt: skip
+    modules = {"transformer": adapter.policy, "vae": adapter.vae, "scheduler": adapter.scheduler}
+    if isinstance(adapter, WanAdapter):  # the experts themselves (the policy of two is their ModuleDict)
+        modules.update(adapter.experts, boundary_ratio=adapter.boundary_ratio)
+        modules["expand_timesteps"] = adapter.expand_timesteps
+    pipe = type(adapter.text_pipe)(**{**adapter.text_pipe.components, **modules})
     pipe.set_progress_bar_config(disable=True)
-    if isinstance(adapter, SD3Adapter):
+    if isinstance(adapter, WanAdapter):
+        # output_type "np": the decoded video as an array, what a video reward reads (ours hands it a
+        # tensor); "pil" would add a PIL image per frame the engine never makes.
+        cfg_kwargs = dict(
+            guidance_scale=params.guidance_scale, num_frames=adapter.settings.num_frames,
+            max_sequence_length=adapter.max_sequence_length, output_type="np",
+        )  # fmt: skip
+        if adapter.boundary_ratio is not None:
+            cfg_kwargs["guidance_scale_2"] = adapter.guidance_2(params.guidance_scale)
+    elif isinstance(adapter, SD3Adapter):
         cfg_kwargs = dict(
             guidance_scale=params.guidance_scale, max_sequence_length=adapter.max_sequence_length
         )
     else:
         cfg_kwargs = dict(true_cfg_scale=params.guidance_scale)
+    cfg_kwargs.setdefault("output_type", "pil")
     return pipe, cfg_kwargs
 
 
@@ -498,7 +546,7 @@ def interleaved(adapter, cell: Cell, requests, texts, negative, params, a, rows,
             batch = prompts_[i : i + b]
             pipe(
                 prompt=batch, negative_prompt=[negative] * len(batch), height=params.height,
-                width=params.width, num_inference_steps=steps, output_type="pil", **cfg_kwargs,
+                width=params.width, num_inference_steps=steps, **cfg_kwargs,
             )  # fmt: skip
 
     short = dataclasses.replace(params, num_steps=2, sde_window_size=1, sde_window_range=(0, 1))
@@ -561,7 +609,7 @@ def stock(adapter, texts, negative, params, a, rows, flop_seconds, save, compile
                 batch = texts[i : min(i + b, k)]
                 pipe(
                     prompt=batch, negative_prompt=[negative] * len(batch), height=params.height,
-                    width=params.width, num_inference_steps=params.num_steps, output_type="pil", **cfg_kwargs,
+                    width=params.width, num_inference_steps=params.num_steps, **cfg_kwargs,
                 )  # fmt: skip
 
         def run(b=b, n=n, name=name, call=call):

@@ -2,9 +2,10 @@
 
 `output_dir/checkpoints/step_000010/` holds the state after 10 steps (the run continues at step 10):
 
-  model_optim/        DCP: the trainable weights (for a LoRA only the adapter's tensors) and the optimizer
-                      state, each rank writing its own shards; DCP reshards on load, so a run may resume on
-                      another number of ranks
+  model_optim/        DCP: the trainable weights (for a LoRA only the adapter's tensors), the optimizer
+                      state and the ops object's own state (`KindOps.state`: DiffusionNFT's soft-updated
+                      old policy), each rank writing its own shards; DCP reshards on load, so a run may
+                      resume on another number of ranks
   rng/rank_00000.pt   each rank's python / numpy / torch (and accelerator) RNG states
   metrics.jsonl       the metrics rows of the steps before 10: a resumed run rewrites output_dir's file to
                       them, so it reads as if the run had never stopped
@@ -180,8 +181,17 @@ def read_meta(path: Path) -> dict:
     return meta
 
 
-def save(cfg: Config, steps_done: int, model: nn.Module, optimizer: torch.optim.Optimizer, dist) -> Path:
-    """Write the checkpoint after `steps_done` steps; every rank calls this (DCP save is collective)."""
+def save(
+    cfg: Config,
+    steps_done: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    dist,
+    extra: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Write the checkpoint after `steps_done` steps; every rank calls this (DCP save is collective).
+    `extra`: tensors beyond the weights and the optimizer that the run's state holds (`KindOps.state`;
+    DTensors sharded like the trained parameters), restored in place by `load`."""
     root = Path(cfg.run.output_dir) / "checkpoints"
     final = root / f"step_{steps_done:06d}"
     tmp = root / f"{final.name}.tmp"
@@ -193,6 +203,8 @@ def save(cfg: Config, steps_done: int, model: nn.Module, optimizer: torch.optim.
         "model": get_model_state_dict(model, options=OPTIONS),
         "optim": get_optimizer_state_dict(model, optimizer, options=OPTIONS),
     }
+    if extra:
+        state["extra"] = dict(extra)
     # FileSystemWriter fsyncs every file it writes (sync_files defaults to True).
     dcp.save(state, checkpoint_id=tmp / "model_optim")
     _write(tmp / "rng" / f"rank_{dist.rank:05d}.pt", lambda f: torch.save(D.rng_state(), f))
@@ -419,16 +431,20 @@ def check_finite(path: Path, state: dict) -> None:
         )
 
 
-def check_tensors(path: Path, model: nn.Module) -> None:
-    """The checkpoint's weights are exactly the model's trainable tensors, by name and global shape;
-    otherwise a CheckpointError before anything is loaded (meta.json matching makes this a formality,
-    unless the files under model.path changed)."""
+def check_tensors(path: Path, model: nn.Module, extra: dict[str, torch.Tensor] | None = None) -> None:
+    """The checkpoint's weights are exactly the model's trainable tensors, and (unless `extra` is None: only
+    the weights are read) its extra state exactly `extra`'s tensors (an NFT run's old policy), by name and
+    global shape; otherwise a CheckpointError before anything is loaded (meta.json matching makes this a
+    formality, unless the files under model.path changed or the run keeps other state than the saved one,
+    e.g. the old policy's soft update turned off or on)."""
+    prefixes = ("model.",) if extra is None else ("model.", "extra.")
     saved = {
         k.removeprefix("model."): tuple(v.size)
         for k, v in SafeReader(path / "model_optim").read_metadata().state_dict_metadata.items()
-        if k.startswith("model.")
+        if k.startswith(prefixes)
     }
     wanted = {k: tuple(v.shape) for k, v in get_model_state_dict(model, options=OPTIONS).items()}
+    wanted.update({f"extra.{k}": tuple(v.shape) for k, v in (extra or {}).items()})
     problems = [f"missing {k}" for k in sorted(wanted.keys() - saved.keys())]
     problems += [f"unexpected {k}" for k in sorted(saved.keys() - wanted.keys())]
     problems += [
@@ -444,20 +460,28 @@ def check_tensors(path: Path, model: nn.Module) -> None:
 
 
 def load(
-    path: Path, cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, dist
+    path: Path,
+    cfg: Config,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    dist,
+    extra: dict[str, torch.Tensor] | None = None,
 ) -> tuple[int, list[dict]]:
-    """Restore weights, optimizer state and this rank's RNG from `path` (verified by `find_resume`); every
-    rank calls this. Non-finite weights or moments are a CheckpointError.
+    """Restore weights, optimizer state, `extra` (in place: the tensors `save` was given, as the ops
+    object holds them) and this rank's RNG from `path` (verified by `find_resume`); every rank calls this.
+    Non-finite weights or moments are a CheckpointError.
 
     Returns (the step to continue at, the metrics rows of the steps before it)."""
     meta = check_meta(path, cfg)
-    check_tensors(path, model)
+    check_tensors(path, model, extra or {})
     # The recipe's optimizer settings win over the checkpoint's (a resumed run may lower the lr).
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     state = {
         "model": get_model_state_dict(model, options=OPTIONS),
         "optim": get_optimizer_state_dict(model, optimizer, options=OPTIONS),
     }
+    if extra:
+        state["extra"] = dict(extra)  # DCP loads into these very tensors
     read_state(path, state)
     set_model_state_dict(model, state["model"], options=LOAD_OPTIONS)
     set_optimizer_state_dict(model, optimizer, state["optim"], options=LOAD_OPTIONS)

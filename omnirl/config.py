@@ -227,6 +227,17 @@ class AlgoConfig:
     nft_beta: float = 1.0
     """diffusion_nft: beta, how far the implicit positive / negative policies move from the old
     velocity: v+ = (1 - beta) v_old + beta v_theta, v- = (1 + beta) v_old - beta v_theta."""
+    nft_old_decay_rate: float = 0.001
+    """diffusion_nft: the old policy (which samples the rollouts and gives v_old) is a soft-updated copy
+    of the trained weights, theta_old <- eta theta_old + (1 - eta) theta after every update, with
+    eta = min(nft_old_decay_rate * (s - nft_old_decay_delay), nft_old_decay_max) after s optimizer steps
+    (0 while s < nft_old_decay_delay). The defaults are DiffusionNFT's (its decay_type 1: 0.001 per step,
+    at most 0.5, no delay); its decay_type 2 is rate 0.0075, max 0.999, delay 75. A rate or max of 0
+    keeps no copy: the old policy is the one that sampled the rollout (decay_type 0)."""
+    nft_old_decay_max: float = 0.5
+    """diffusion_nft: the largest eta of the old policy's soft update (see nft_old_decay_rate), < 1."""
+    nft_old_decay_delay: int = 0
+    """diffusion_nft: optimizer steps before the old policy's eta starts to grow (see nft_old_decay_rate)."""
     adv_clip: float = 5.0
     """Advantages are clamped to [-adv_clip, adv_clip]."""
     global_std: bool = False
@@ -644,6 +655,9 @@ RANGES = {
     "algo.adv_clip": POSITIVE,
     "algo.dppo_tau": POSITIVE,
     "algo.nft_beta": POSITIVE,
+    "algo.nft_old_decay_rate": NON_NEGATIVE,
+    "algo.nft_old_decay_max": ((lambda v: math.isfinite(v) and 0 <= v < 1), "a number in [0, 1)"),
+    "algo.nft_old_decay_delay": _at_least(0),
     "algo.correction_threshold": ((lambda v: math.isfinite(v) and v > 1), "a finite number > 1"),
     "optim.lr": POSITIVE,
     "optim.weight_decay": NON_NEGATIVE,

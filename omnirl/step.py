@@ -120,7 +120,7 @@ def update(cfg: Config, ops: KindOps, optimizer, trajs: list, keep: torch.Tensor
         sums = {"train/skipped_nonfinite": 1.0}  # one skipped update, on every rank
         return {
             **summarise(reduce_metrics(sums), world),
-            **ops.measured(),
+            **ops.measured(0),
             "rollout/nonfinite_samples": nonfinite,
         }
     # Every rank must hold the same keys: reduce_metrics all-reduces them as one tensor.
@@ -156,7 +156,8 @@ def update(cfg: Config, ops: KindOps, optimizer, trajs: list, keep: torch.Tensor
                 sums[k] = combine(k, sums.get(k), v)
             sums["train/grad_norm_sum"] = sums.get("train/grad_norm_sum", 0.0) + grad_norm
             sums["train/updates"] = sums.get("train/updates", 0.0) + 1
-    return {**summarise(reduce_metrics(sums), world), **ops.measured(), "rollout/nonfinite_samples": 0.0}
+    steps = int(sums.get("train/updates", 0))  # skipped ones are not counted: the same on every rank
+    return {**summarise(reduce_metrics(sums), world), **ops.measured(steps), "rollout/nonfinite_samples": 0.0}
 
 
 def split_mini_batches(rows: list, count: int) -> list[list]:

@@ -38,7 +38,9 @@ def train(cfg: Config) -> dict[str, float]:
     trained = [p for p in ops.policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     D.lock_output_dir(cfg.run.output_dir)  # the inputs are fine: from here on this run writes output_dir
-    start, history = checkpoint.load(resume, cfg, ops.policy, optimizer, dist) if resume else (0, [])
+    start, history = (0, [])
+    if resume:
+        start, history = checkpoint.load(resume, cfg, ops.policy, optimizer, dist, ops.state())
     logger = MetricsLogger(cfg.run.output_dir, dist.is_main, cfg.log.tensorboard, start, history)
     logger.progress(cfg.run.steps, initial=start)
     sleeper = Sleeper(dist.device) if cfg.memory.sleep else None
@@ -82,7 +84,7 @@ def train(cfg: Config) -> dict[str, float]:
         logger.update(step, logs["reward/mean"], logs["time/step_s"])
         every = cfg.checkpoint.every
         if every and ((step + 1) % every == 0 or step + 1 == cfg.run.steps):
-            checkpoint.save(cfg, step + 1, ops.policy, optimizer, dist)
+            checkpoint.save(cfg, step + 1, ops.policy, optimizer, dist, ops.state())
     if cfg.export.lora_at_end and cfg.model.finetune == "lora":
         checkpoint.export_lora(cfg, ops.adapter, ops.policy, dist)
     rewards.close()

@@ -194,3 +194,55 @@ def test_rollout_packing_interleaved_pair(tiny_qwen_image, tmp_path):
         [sys.executable, *script, *args, "--stock-batch", "2", "4"], cwd=ROOT, capture_output=True, text=True
     )
     assert bad.returncode == 2 and "--interleave pairs a packed cell" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "model, experts, billions",
+    [("wan22_ti2v", ["_policy"], (4.9, 5.1)), ("wan22_a14b", ["transformer", "transformer_2"], (14.1, 14.5))],
+)
+def test_rollout_packing_dry_run_counts_the_wan_models(model, experts, billions):
+    """--dry-run --random-init builds Wan2.2's full-size models from random_init's public configs on the
+    meta device (no memory) and prints their parameter counts: TI2V-5B's transformer ~5.0 B, each A14B
+    expert ~14.3 B, UMT5-XXL ~5.7 B; and the transformer's FLOPs per video at the recipe's settings."""
+    import re
+
+    cmd = [sys.executable, "-m", "benchmarks.rollout_packing", "--model", model, "--random-init", "--dry-run"]
+    r = subprocess.run([*cmd, "--images", "2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    counts = dict(re.findall(r"^  (\w+) +\w+ +[\d,]+ params \(([\d.]+) B\)", r.stdout, re.M))
+    for name in experts:
+        assert billions[0] < float(counts[name]) < billions[1], r.stdout
+    assert 5.6 < float(counts["text_encoder"]) < 5.8, r.stdout
+    assert "TFLOP per image" in r.stdout and "MFU of an H200" in r.stdout
+
+
+@pytest.mark.parametrize("layout", ["ti2v", "a14b"])
+def test_rollout_packing_interleaved_pairs_on_tiny_wan(layout, tiny_wan_ti2v, tiny_wan_a14b, tmp_path):
+    """The Wan GPU commands rehearsed on the tiny checkpoints: --size HxW, --frames, and --interleave pairs
+    of a packed cell and the stock WanPipeline in the same mode (TI2V: CFG as two forwards, eager and
+    compiled, as the reference recipe runs; A14B: both experts, guidance_scale_2), with --breakdown
+    labelling the stock pipeline's calls of both experts."""
+    path = tiny_wan_ti2v if layout == "ti2v" else tiny_wan_a14b
+    cells = ["2:split", "2:split:compiled"] if layout == "ti2v" else ["2"]
+    args = [
+        *("--model", f"wan22_{layout}", "--path", str(path), "--images", "2", "--serial-requests", "0"),
+        *("--max-num-seqs", "--compiled-max-num-seqs", "--stock-batch", "2", "--logprob-check", "0"),
+        *("--size", "32x64", "--frames", "5", "--steps", "3", "--repeats", "2", "--interleave"),
+        "--breakdown",
+        *("--cells", *cells, "--out", str(tmp_path / "pair.json")),
+    ]
+    run([sys.executable, "-m", "benchmarks.rollout_packing", *args])
+    rows = json.loads((tmp_path / "pair.json").read_text())["rows"]
+    modes = ["eager", "compiled"] if layout == "ti2v" else ["eager"]
+    cfg = "CFG 2 forwards" if layout == "ti2v" else "CFG fused"
+    assert [r["name"] for r in rows] == [
+        name
+        for mode in modes
+        for name in (f"packed max_num_seqs 2, {cfg}, {mode}", f"stock WanPipeline 2 prompts/call, {mode}")
+    ]
+    for r in rows:
+        assert len(r["generation_s_runs"]) == 2 and r["compiled_while_timed"] == 0, r
+        phases = r["breakdown"]["phases"]
+        # 3 steps: one labelled velocity per step packed, two forwards per step in the stock pipeline.
+        forwards = 3 if r["name"].startswith("packed") else 6
+        assert phases["transformer"]["calls"] == forwards and phases["vae_decode"]["calls"] >= 1, r["name"]

@@ -666,3 +666,41 @@ def test_exported_lora_bytes_do_not_depend_on_the_hash_seed(adapter, tiny_sd3, t
     assert lora.read_bytes() == files["diffusers", "1"][checkpoint.LORA_FILE]
     assert all(torch.equal(v, before[k]) for k, v in load_file(lora).items())
     assert config["target_modules"] == sorted(config["target_modules"])
+
+
+@pytest.mark.slow
+def test_nft_resume_restores_the_soft_updated_old_policy(tiny_sd3, data, tmp_path):
+    """sd3_tiny_nft with a fast-growing soft update (eta 0.25 after one optimizer step, 0.5 after two):
+    the checkpoint holds the old policy (sharded like the LoRA) and the optimizer-step count, and a run
+    resumed from step 2 samples its rollouts with the restored old policy and mixes its velocity in, ending
+    bit-identical to the run that never stopped (on a policy that differs from the old one: the
+    first mini-batch of every update after the first has nft/old_deviate > 0)."""
+    nft = ROOT / "yaml/sd3_tiny_nft.yaml"
+    fast = ["--algo.nft_old_decay_rate", "0.25"]
+    ref = tmp_path / "uninterrupted"
+    torchrun(2, nft, *overrides(tiny_sd3, data, ref, *fast))
+    ckpt = ref / "checkpoints/step_000002"
+    keys = dcp_keys(ckpt)
+    lora = {k.removeprefix("model.") for k in keys if k.startswith("model.") and "lora_" in k}
+    old = {k.removeprefix("extra.nft_old_policy.") for k in keys if k.startswith("extra.nft_old_policy.")}
+    assert old == lora and lora and "extra.nft_optimizer_steps" in keys  # every LoRA tensor, by its name
+    rows = read_metrics(ref / "metrics.jsonl")
+    assert [r["nft/old_decay"] for r in rows] == [0.25, 0.5, 0.5, 0.5]
+    assert all(r["nft/old_deviate"] > 0 for r in rows[1:])
+
+    out = tmp_path / "resumed"
+    r = torchrun(2, nft, *overrides(tiny_sd3, data, out, *fast, "--checkpoint.resume", str(ckpt)))
+    assert f"resumed from {ckpt} at step 2" in r.stdout
+    assert_same_run(out, ref)
+    # Resuming with the soft update off would silently change the old policy: refused by name.
+    bad = tmp_path / "off"
+    cmd, env = torchrun_cmd(1, nft, *overrides(tiny_sd3, data, bad, "--checkpoint.resume", str(ckpt)),
+                            "--algo.nft_old_decay_max", "0")  # fmt: skip
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "unexpected extra.nft_old_policy." in r.stdout + r.stderr
+    checkpoint.adapter_from_checkpoint(ckpt)  # export reads only the trained weights of such a checkpoint
+
+
+def dcp_keys(path: Path) -> set[str]:
+    """The tensor names of a checkpoint's DCP metadata."""
+    return set(checkpoint.SafeReader(path / "model_optim").read_metadata().state_dict_metadata)

@@ -529,6 +529,10 @@ IMPOSSIBLE = {
     ),
     "DPPO tau 0": (["--algo.dppo_tau", "0"], "algo.dppo_tau must be a finite number > 0, got 0.0"),
     "NFT beta 0": (["--algo.nft_beta", "0"], "algo.nft_beta must be a finite number > 0, got 0.0"),
+    "NFT old policy decay 1": (
+        ["--algo.nft_old_decay_max", "1"],
+        "algo.nft_old_decay_max must be a number in [0, 1), got 1.0",
+    ),
     "NFT with recomputed log-probs": (
         ["--algo.loss", "diffusion_nft", "--algo.old_logprob", "recompute"],
         "algo.old_logprob recompute: algo.loss diffusion_nft uses no log-probs",

@@ -114,3 +114,27 @@ def test_table_of_a_gpu_row():
         "| rollout | 1.0 | - | - | - | - | - |",
         "| train | 2.0 | - | - | - | - | - |",
     ]
+
+
+def test_tiny_run_of_a_wan_recipe(tmp_path):
+    """The Wan2.2 A14B recipe's dry mode: its tiny two-expert recipe through the random-init loader
+    (both experts, the VAE and UMT5 built by it) and the trainer, one step with an update."""
+    run("--recipe", "wan22_a14b_flowgrpo_lora", "--tiny", "--steps", "1", "--out", str(tmp_path))
+    summary = json.loads((tmp_path / "wan22_a14b_flowgrpo_lora_tiny.json").read_text())
+    assert summary["rc"] == 0 and summary["problems"] == []
+    assert summary["source_recipe"] == "yaml/wan22_a14b_tiny_flowgrpo_lora.yaml"
+    loads = [x["subfolder"] for x in summary["device"]["loads"]]
+    assert loads == ["transformer", "transformer_2", "vae", "text_encoder"]
+    (step,) = summary["per_step"]
+    assert list(step["phases"]) == ["rollout", "train"] and step["optimizer_steps"] == 1
+
+
+def test_rewards_without_their_weights_are_left_out(tmp_path):
+    """A reward whose local checkpoint (reward.paths) is not on the machine is left out, as one whose
+    packages are missing is: the Wan recipes' HPSv3; uniform_noise then gives the groups their spread."""
+    pm = phase_memory()
+    weights, dropped = pm.reward_weights({"hpsv3": 1.0}, 1e-3, {"hpsv3": "checkpoints/no_such_hpsv3"})
+    assert (weights, dropped) == ({"uniform_noise": 1.0}, ["hpsv3"])
+    kept = {"video_brightness": 1.0, "hpsv3": 0.5}
+    weights, dropped = pm.reward_weights(kept, 1e-3, {"hpsv3": str(tmp_path)})  # an existing folder
+    assert (weights, dropped) == ({**kept, "uniform_noise": 1e-3}, [])

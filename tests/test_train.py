@@ -175,7 +175,27 @@ def test_nft_rows_and_the_old_velocity(tiny_sd3, tmp_path):
     assert first["nft/old_deviate_sum"] == 0 and expected > 1e-6
     assert later["nft/old_deviate_sum"] == pytest.approx(expected, rel=1e-4)
     assert all(torch.equal(p, q) for p, q in zip(ops.trainable(), moved))  # restored after the swap
-    assert ops.measured() == {} and ops._old is None
+    # The soft update after an update of 2 optimizer steps: eta = min(0.001 * 2, 0.5) (the defaults),
+    # old <- eta old + (1 - eta) theta, by hand; the old policy is then no longer the policy.
+    old = [o.clone() for o in ops._old]
+    assert ops.old_is_policy() and ops.measured(2) == {"nft/old_decay": pytest.approx(0.002)}
+    for o, before, now in zip(ops._old, old, moved, strict=True):
+        torch.testing.assert_close(o, 0.002 * before + 0.998 * now, rtol=1e-6, atol=0)
+    assert not ops.old_is_policy() and int(ops.state()["nft_optimizer_steps"]) == 2
+    assert all(torch.equal(p, q) for p, q in zip(ops.trainable(), moved))  # the policy itself untouched
+
+
+def test_nft_old_decay_schedule():
+    """eta of the old policy's soft update by optimizer steps: the reference's decay_type 1 (the defaults)
+    and 2 (rate 0.0075, max 0.999, 75 steps at 0), as its `return_decay` computes them."""
+    from omnirl.config import AlgoConfig
+    from omnirl.ops.nft import old_decay
+
+    one = AlgoConfig()
+    assert [old_decay(one, s) for s in (0, 1, 250, 500, 10_000)] == pytest.approx([0, 0.001, 0.25, 0.5, 0.5])
+    two = AlgoConfig(nft_old_decay_rate=0.0075, nft_old_decay_max=0.999, nft_old_decay_delay=75)
+    expected = [0, 0, 0, 0.0075, 0.9975, 0.999]
+    assert [old_decay(two, s) for s in (0, 74, 75, 76, 208, 209)] == pytest.approx(expected)
 
 
 def torchrun(nproc: int, recipe: Path, *overrides: str, timeout=600) -> subprocess.CompletedProcess:
@@ -331,7 +351,7 @@ def test_mini_batches_hold_the_same_rows_on_any_number_of_ranks():
                 out[m] |= {key(r) for r in mb}
         return out
 
-    nft = SimpleNamespace(cfg=cfg, params=SimpleNamespace(num_steps=3))  # NFT rows: every step but the last
+    nft = SimpleNamespace(cfg=cfg, params=SimpleNamespace(num_steps=3), soft=False)  # every step but the last
     for ops_cls, key, total in (
         (DiffusionOps, lambda r: (r.traj.request.index, r.k), 36),
         (OmniOps, lambda r: r.traj.request.index, 12),
@@ -358,5 +378,37 @@ def test_tiny_nft_recipe_under_torchrun_fsdp(tiny_sd3, tmp_path):
         assert m["train/updates"] == 2 and math.isfinite(m["loss/policy"]) and m["train/grad_norm"] > 0
         assert m["nft/positive"] > 0 and m["nft/negative"] > 0 and m["nft/old_deviate"] > 0
         assert not any(k.startswith(("consistency/", "dppo/")) for k in m)  # no log-probs, no ratio
+        # The old policy's soft update (the defaults): eta = 0.001 per optimizer step so far.
+        assert m["nft/old_decay"] == pytest.approx(0.002 * (m["step"] + 1))
     assert (out / "lora/pytorch_lora_weights.safetensors").is_file()
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_nft_old_policy_with_eta_zero_is_the_rollout_policy(tiny_sd3, tmp_path):
+    """The soft-updated old policy with eta 0 at every update (its delay past the run's end: the old copy
+    is kept, checkpointed, swapped in for the later mini-batches and copied from the policy after each
+    update) trains bit for bit as no soft update at all (nft_old_decay_max 0: the old policy is the
+    rollout's, the behaviour before the soft update existed): same weights, same metrics."""
+    from safetensors.torch import load_file
+
+    runs = {}
+    for name, extra in (
+        ("off", ["--algo.nft_old_decay_max", "0"]),
+        ("eta0", ["--algo.nft_old_decay_delay", "1000"]),
+    ):
+        out = tmp_path / name
+        torchrun(
+            1, ROOT / "yaml/sd3_tiny_nft.yaml", "--model.path", str(tiny_sd3), "--run.output_dir", str(out),
+            "--run.steps", "3", "--optim.mini_batches", "2", "--rollout.prompts_per_step", "2",
+            "--log.image_every", "0", "--log.no-tensorboard", *extra,
+        )  # fmt: skip
+        rows = [
+            {k: v for k, v in m.items() if not k.startswith(("time/", "mem/"))}
+            for m in read_jsonl(out / "metrics.jsonl")
+        ]
+        runs[name] = (load_file(out / "lora/pytorch_lora_weights.safetensors"), rows)
+    (off_w, off_rows), (eta_w, eta_rows) = runs["off"], runs["eta0"]
+    assert off_w.keys() == eta_w.keys() and all(torch.equal(off_w[k], eta_w[k]) for k in off_w)
+    assert [m.pop("nft/old_decay") for m in eta_rows] == [0.0, 0.0, 0.0]
+    assert eta_rows == off_rows and all(m["nft/old_deviate"] > 0 for m in off_rows)

@@ -88,9 +88,15 @@ class KindOps(Protocol):
         """Forward and loss of one micro-batch; `measure` is True for the first mini-batch of the update
         (the policy the rollout sampled from, before any optimizer step)."""
 
-    def measured(self) -> dict[str, float]:
-        """Global metrics of the update that are not sums (e.g. actor-rollout consistency). Collective:
-        every rank calls it once per update."""
+    def measured(self, optimizer_steps: int) -> dict[str, float]:
+        """The end of an update that took `optimizer_steps` optimizer steps (the same on every rank): global
+        metrics of the update that are not sums (e.g. actor-rollout consistency). Collective: every rank
+        calls it once per update."""
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Tensors beyond the policy's weights and the optimizer that the run's state holds (DiffusionNFT's
+        soft-updated old policy), by name: checkpoints save them and resuming loads into these very
+        tensors. Empty for most losses."""
 
     def log_samples(self, logger: MetricsLogger, step: int, trajs: list) -> None:
         """Write the step's sample outputs (image grid, videos, audio, texts)."""

@@ -224,7 +224,10 @@ class DiffusionOps:
         self._gap[1].scatter_reduce_(0, steps, diff, "amax")
         self._gap[2].index_add_(0, steps, torch.ones_like(diff))
 
-    def measured(self) -> dict[str, float]:
+    def state(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def measured(self, optimizer_steps: int) -> dict[str, float]:
         """The trainer-vs-rollout log-prob gap of this update over all ranks, overall and per trained
         timestep index t (consistency/tXX/logprob_abs_diff_mean and _max): in fp32 on CPU ~1e-6; in bf16 on
         a GPU the gap guidance amplifies. Collective: every rank calls it once per update."""

@@ -15,23 +15,38 @@ x_t = (1 - t) x0 + t noise goes through the policy at guidance 1 (the conditiona
 CFG-free; recipes sample at guidance 1 too), the target is noise - x0, and `losses.diffusion_nft_loss`
 mixes the old velocity in.
 
-The old policy is the one that sampled the rollout (the reference's decay 0; its soft-updated old policy,
-an average of past weights, is not implemented). Until the first optimizer step of an update (the first
-mini-batch) that is the policy itself, so v_old = v.detach() costs no forward. With more optimizer steps
-per rollout (optim.mini_batches or optim.epochs > 1) the trainable parameters are copied before the update
-and later mini-batches run one no-grad forward with that copy swapped in.
+The old policy is the paper's soft-updated one, as its implementation (NVlabs/DiffusionNFT,
+train_nft_sd3.py) keeps it: a copy of the trainable parameters (the LoRA, or every weight of a full
+fine-tune), made before the first optimizer step, that samples every rollout and gives v_old, and after
+every update moves towards the trained weights, theta_old <- eta theta_old + (1 - eta) theta, with eta
+growing with the optimizer steps taken so far (`old_decay`: the reference's `return_decay`, its
+decay_type 1 by default: eta = min(0.001 s, 0.5) after s steps). It stays fixed during an update, however
+many optimizer steps that takes. The rollout samples with it by swapping its values into the trained
+parameters (`swapped`, in place, so FSDP2's shards keep their storage; a full fine-tune's rollout then
+gathers the old weights) for the requests whose `SamplingParams.lora` is "old"; validation samples the
+current policy, as the reference evaluates it. The copy lives beside the parameters (DTensors sharded like
+them under FSDP2: one more copy of the trained weights per rank, small for a LoRA) and is part of the
+checkpoint (`state`), with the optimizer-step count that drives eta.
+
+Where the old policy equals the policy (before any update moved them apart: eta was 0 at every update so
+far), the first mini-batch of an update takes v_old = v.detach() and costs no forward; other mini-batches
+run one no-grad forward with the old parameters swapped in. With algo.nft_old_decay_rate or _max 0 no
+copy is kept at all: the old policy is the one that sampled the rollout (the reference's decay_type 0),
+and only with several optimizer steps per rollout (optim.mini_batches or optim.epochs > 1) are the
+trainable parameters copied before the update, for the later mini-batches, and dropped after it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from omnirl.config import Config
-from omnirl.models.base import DiffusionAdapter, Trajectory, derive_seed
+from omnirl.config import AlgoConfig, Config
+from omnirl.models.base import DiffusionAdapter, Request, SamplingParams, Trajectory, derive_seed
 from omnirl.ops.diffusion import DiffusionOps, reference
 from omnirl.step import equalise, global_positions
 
@@ -67,20 +82,68 @@ def swapped(params: list[nn.Parameter], values: list[torch.Tensor]):
                 p.copy_(v)
 
 
+def old_decay(a: AlgoConfig, optimizer_steps: int) -> float:
+    """eta of the old policy's soft update after `optimizer_steps` optimizer steps: 0 during the first
+    nft_old_decay_delay steps, then growing by nft_old_decay_rate a step up to nft_old_decay_max (the
+    reference's `return_decay(global_step, decay_type)`, its global_step counting optimizer steps)."""
+    if optimizer_steps < a.nft_old_decay_delay:
+        return 0.0
+    return min((optimizer_steps - a.nft_old_decay_delay) * a.nft_old_decay_rate, a.nft_old_decay_max)
+
+
 class NFTOps(DiffusionOps):
     """DiffusionNFT's update over `DiffusionOps`'s rollout (the module docstring)."""
 
     def __init__(self, cfg: Config, adapter: DiffusionAdapter):
         super().__init__(cfg, adapter)
-        self._old: list[torch.Tensor] | None = None  # the rollout policy's parameters, while updating
+        a = cfg.algo
+        self.soft = a.nft_old_decay_rate > 0 and a.nft_old_decay_max > 0  # the soft-updated old policy
+        # soft: the old policy's parameters (made at the first update or checkpoint load, after FSDP2 has
+        # sharded the policy); else the rollout policy's, copied for the later mini-batches of an update.
+        self._old: list[torch.Tensor] | None = None
+        self._steps = torch.zeros((), dtype=torch.int64)  # optimizer steps so far: eta's clock
 
     def trainable(self) -> list[nn.Parameter]:
         """The trained parameters as they are now (FSDP2 replaces them with sharded ones after __init__)."""
         return [p for p in self.policy.parameters() if p.requires_grad]
 
+    def old_policy(self) -> list[torch.Tensor]:
+        """The soft-updated old policy's parameters, in `trainable()` order (a copy of them at first)."""
+        assert self.soft
+        if self._old is None:
+            self._old = [p.detach().clone() for p in self.trainable()]
+        return self._old
+
+    def old_is_policy(self) -> bool:
+        """Whether, between updates, the old policy holds the policy's own values: every soft update so far
+        had eta 0 (each one then copied the policy). Asked before an update's first optimizer step."""
+        return old_decay(self.cfg.algo, int(self._steps)) == 0
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The old policy's parameters by name, and the optimizer-step count (only with the soft update)."""
+        if not self.soft:
+            return {}
+        names = [n for n, p in self.policy.named_parameters() if p.requires_grad]
+        old = {f"nft_old_policy.{n}": t for n, t in zip(names, self.old_policy(), strict=True)}
+        return {"nft_optimizer_steps": self._steps, **old}
+
+    def step_params(self, step: int) -> SamplingParams:
+        """The rollout's parameters: sampled by the old policy ("old") with the soft update."""
+        params = super().step_params(step)
+        return dataclasses.replace(params, lora="old") if self.soft else params
+
+    def generate(self, requests: list[Request], on_done) -> list[Trajectory]:
+        if not requests or requests[0].params.lora != "old" or self.old_is_policy():
+            return super().generate(requests, on_done)
+        assert all(r.params.lora == "old" for r in requests), "one policy per generate call"
+        with swapped(self.trainable(), self.old_policy()):
+            return super().generate(requests, on_done)
+
     def update_rows(self, trajs: list[Trajectory], keep: torch.Tensor, gen: torch.Generator) -> list[NFTRow]:
         o = self.cfg.optim
-        if o.mini_batches * o.epochs > 1:  # later mini-batches need the rollout policy's velocity
+        if self.soft:
+            self.old_policy()  # made before the first optimizer step: the policy that sampled step 0
+        elif o.mini_batches * o.epochs > 1:  # later mini-batches need the rollout policy's velocity
             self._old = [p.detach().clone() for p in self.trainable()]
         steps = self.params.num_steps - 1
         r = self.cfg.rollout
@@ -109,12 +172,16 @@ class NFTOps(DiffusionOps):
         tt = t.reshape(-1, *([1] * (x0.dim() - 1)))
         x_t = (1 - tt) * x0 + tt * noise
         embeds = {k: e.to(device) for k, e in adapter.batch_embeds([r.traj.embeds for r in mb]).items()}
-        v = adapter.velocity(x_t, t, embeds, 1.0)  # [M, *latent] the conditional velocity: CFG-free
-        if measure or self._old is None:  # no optimizer step yet: the policy is the rollout's
-            v_old = v.detach()
-        else:
+        # No optimizer step yet, and the old policy is the policy itself: its velocity is v. Otherwise the
+        # old velocity comes first: swapping the old values into the parameters in place after v's forward
+        # would change tensors v's graph saved (unsharded parameters, without FSDP2's gathered copies).
+        fresh = (measure and self.old_is_policy()) if self.soft else (measure or self._old is None)
+        if not fresh:
             with torch.no_grad(), swapped(self.trainable(), self._old):
                 v_old = adapter.velocity(x_t, t, embeds, 1.0)
+        v = adapter.velocity(x_t, t, embeds, 1.0)  # [M, *latent] the conditional velocity: CFG-free
+        if fresh:
+            v_old = v.detach()
         v_ref = None
         if a.kl_beta > 0:
             with torch.no_grad(), reference(adapter, self.ref_model) as ref:
@@ -125,6 +192,18 @@ class NFTOps(DiffusionOps):
             v, v_old, noise - x0, t, adv, w, a.nft_beta, a.adv_clip, normaliser, v_ref, a.kl_beta
         )
 
-    def measured(self) -> dict[str, float]:
-        self._old = None  # the copy is dead once the update is done
-        return {}
+    def measured(self, optimizer_steps: int) -> dict[str, float]:
+        """The old policy's soft update after the update's `optimizer_steps` (logged: nft/old_decay, its
+        eta); without it the rollout policy's copy, dead once the update is done, is dropped."""
+        if not self.soft:
+            self._old = None
+            return {}
+        self._steps += optimizer_steps
+        eta = old_decay(self.cfg.algo, int(self._steps))
+        with torch.no_grad():
+            for old, p in zip(self.old_policy(), self.trainable(), strict=True):
+                if eta == 0:
+                    old.copy_(p.detach())  # exactly the policy, as without the soft update
+                else:
+                    old.mul_(eta).add_(p.detach(), alpha=1 - eta)
+        return {"nft/old_decay": eta}

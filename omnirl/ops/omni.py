@@ -252,7 +252,10 @@ class OmniOps:
         actor_t, rollout_t = torch.cat([empty, *actor]), torch.cat([empty, *rollout])
         return consistency_metrics(actor_t, rollout_t, torch.ones_like(actor_t, dtype=torch.bool))
 
-    def measured(self) -> dict[str, float]:
+    def state(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def measured(self, optimizer_steps: int) -> dict[str, float]:
         if self._measured is None:  # bypass mode: what the first mini-batch collected (maybe nothing)
             self._measured = self._consistency(self._actor, self._rollout)
         out = self._measured

@@ -28,7 +28,7 @@ class Recipe:
     model: str  # omnirl.models.random_init.write_random_checkpoint's name for the models
     tiny: str  # the tiny recipe of --tiny
     family: str  # omnirl.models.tiny.TINY_MODELS key of the tiny checkpoint
-    data: str  # "ocr" or "edit": which generator writes the data
+    data: str  # "ocr" or "edit": which generator writes the data (the video recipes read only the prompts)
 
 
 RECIPES = {
@@ -37,9 +37,13 @@ RECIPES = {
         "qwen_image_edit", "qwen_image_edit_tiny_flowgrpo", "qwen_image_edit", "edit"
     ),
     "sd35_flowgrpo_ocr": Recipe("sd35", "sd3_tiny_flowgrpo", "sd3", "ocr"),
+    "wan22_ti2v_dancegrpo": Recipe("wan22_ti2v", "wan22_ti2v_tiny_dancegrpo", "wan22_ti2v", "ocr"),
+    "wan22_a14b_flowgrpo_lora": Recipe("wan22_a14b", "wan22_a14b_tiny_flowgrpo_lora", "wan22_a14b", "ocr"),
 }
 # The adapter modules whose `load_pretrained` the worker replaces (each calls its module-level name).
-ADAPTER_MODULES = ("omnirl.models.qwen_image", "omnirl.models.qwen_image_edit", "omnirl.models.sd3")
+ADAPTER_MODULES = (
+    "omnirl.models.qwen_image", "omnirl.models.qwen_image_edit", "omnirl.models.sd3", "omnirl.models.wan",
+)  # fmt: skip
 # Packages a reward needs beyond the trainer's; a reward whose packages are missing is left out.
 REWARD_NEEDS = {
     "ocr": ("rapidocr", "rapidfuzz", "onnxruntime"),
@@ -175,12 +179,19 @@ def make_data(kind: str, out: Path, tiny: bool, rows: int) -> None:
     subprocess.run([sys.executable, *cmd, "--out", str(out)], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
 
 
-def reward_weights(weights: dict[str, float], noise: float) -> tuple[dict[str, float], list[str]]:
-    """The recipe's weights without the rewards whose packages are missing, plus `uniform_noise`."""
+def reward_weights(
+    weights: dict[str, float], noise: float, paths: dict[str, str] | None = None
+) -> tuple[dict[str, float], list[str]]:
+    """The recipe's weights without the rewards whose packages are missing or whose local checkpoint
+    (`reward.paths`: HPSv3's 16 GB, CLIP's) is not on this machine, plus `uniform_noise`."""
     import importlib.util
 
+    paths = paths or {}
     dropped = [
-        n for n in weights if any(importlib.util.find_spec(p) is None for p in REWARD_NEEDS.get(n, ()))
+        n
+        for n in weights
+        if any(importlib.util.find_spec(p) is None for p in REWARD_NEEDS.get(n, ()))
+        or (n in paths and not (ROOT / paths[n]).exists())
     ]
     kept = {n: w for n, w in weights.items() if n not in dropped}
     return {**kept, "uniform_noise": noise if kept else 1.0}, dropped
@@ -314,10 +325,12 @@ def drive(
     ckpt_s = time.perf_counter() - t0
     prompts = PROMPTS_PER_RANK * a.gpus
     make_data(spec.data, work / "data", a.tiny, rows=max(16, prompts * a.steps))
-    weights, dropped = reward_weights(recipe["reward"]["weights"], a.noise_weight)
+    paths = recipe["reward"].get("paths", {})
+    weights, dropped = reward_weights(recipe["reward"]["weights"], a.noise_weight, paths)
     if dropped:
-        print(f"phase_memory: reward {dropped} left out: its packages are missing (device memory does not "
-              f"depend on it; uniform_noise gives the groups spread)", flush=True)  # fmt: skip
+        print(f"phase_memory: reward {dropped} left out: its packages or weights are missing (device memory "
+              f"does not depend on it; uniform_noise gives the groups spread)", flush=True)  # fmt: skip
+        recipe["reward"]["paths"] = {n: v for n, v in paths.items() if n not in dropped}
     recipe["model"]["path"] = ckpt
     recipe["data"].update(train_path=str(work / "data/train.jsonl"), val_path=str(work / "data/val.jsonl"))
     recipe["run"].update(steps=a.steps, output_dir=str(work / "run"))
