@@ -33,7 +33,7 @@ def train(cfg: Config) -> dict[str, float]:
     adapter_cls, ops_cls = check_before_loading(cfg)  # a typo should not cost minutes of loading
     rewards = RewardPool(cfg.reward.weights, cfg.reward.num_workers, cfg.reward.timeout_s, cfg.reward.paths)
     ops = ops_cls(cfg, adapter_cls(cfg, dist.device))
-    shard(cfg, ops, dist)
+    frozen = shard(cfg, ops, dist)  # the frozen bytes each rank holds, logged every step
     o = cfg.optim
     trained = [p for p in ops.policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
@@ -58,7 +58,7 @@ def train(cfg: Config) -> dict[str, float]:
         rollout_only = {"offload": module_tensors(ops.offload_modules())}
         with phase("train", stats, sleeper, sleep=rollout_only, wake=list(train_only)):
             update_metrics = update(cfg, ops, optimizer, trajs, keep, step)
-        logs = {**reward_stats(per_reward), **adv_metrics, **update_metrics, **stats}
+        logs = {**reward_stats(per_reward), **adv_metrics, **update_metrics, **stats, **frozen}
         logs["time/step_s"] = time.perf_counter() - step_start
         if step == 0 and skipped is not None:
             logs["data/skipped_rows"] = len(skipped)
