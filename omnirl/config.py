@@ -724,11 +724,6 @@ def _check_frozen_base(cfg: Config) -> None:
         raise ConfigError(
             f"distributed.frozen_base {d.frozen_base} needs distributed.fsdp true (FSDP2 shards it)"
         )
-    if "RANK" not in os.environ:
-        raise ConfigError(
-            f"distributed.frozen_base {d.frozen_base} runs FSDP2, which needs a process group: launch with "
-            "torchrun (--nproc_per_node 1 for one device)"
-        )
     if d.frozen_base == "offload" and d.rollout_gather == "phase":
         raise ConfigError(
             "distributed.frozen_base offload needs distributed.rollout_gather unit (phase would gather the "

@@ -60,8 +60,12 @@ def device_type() -> str:
 BACKENDS = {"cuda": "cpu:gloo,cuda:nccl", "npu": "cpu:gloo,npu:hccl", "cpu": "gloo"}
 
 
-def init_distributed(timeout_s: int = 600) -> DistInfo:
-    """Join the torchrun process group (gloo on CPU, nccl on CUDA, hccl on Ascend) and build a 1-D mesh."""
+def init_distributed(timeout_s: int = 600, group: bool = False) -> DistInfo:
+    """Join the torchrun process group (gloo on CPU, nccl on CUDA, hccl on Ascend) and build a 1-D mesh.
+
+    Without torchrun the process runs alone with no process group, unless `group`: FSDP2 (a sharded or
+    offloaded frozen base, distributed.frozen_base) needs one and a mesh even on one device, so then a
+    process group of one rank is made on an in-process store."""
     kind = device_type()
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -72,7 +76,18 @@ def init_distributed(timeout_s: int = 600) -> DistInfo:
         torch.npu.set_device(local_rank)
     device = torch.device(kind, local_rank) if kind != "cpu" else torch.device("cpu")
     if "RANK" not in os.environ:
-        return DistInfo(0, 1, 0, device, None)
+        if not group:
+            return DistInfo(0, 1, 0, device, None)
+        if not dist.is_initialized():
+            dist.init_process_group(
+                BACKENDS[kind],
+                store=dist.HashStore(),
+                rank=0,
+                world_size=1,
+                timeout=datetime.timedelta(seconds=timeout_s),
+                device_id=device if kind != "cpu" else None,
+            )
+        return DistInfo(0, 1, 0, device, init_device_mesh(kind, (1,), mesh_dim_names=("dp",)))
     exit_with_parent()
     if not dist.is_initialized():
         dist.init_process_group(

@@ -25,7 +25,8 @@ from omnirl.step import assign_advantages, per_rank, reward_stats, update
 
 def train(cfg: Config) -> dict[str, float]:
     """Run the recipe; returns the last step's logged metrics."""
-    dist = D.init_distributed(cfg.distributed.timeout_s)
+    # A sharded or offloaded frozen base runs FSDP2, which needs a process group also on one device.
+    dist = D.init_distributed(cfg.distributed.timeout_s, group=cfg.distributed.frozen_base != "replicate")
     D.seed_everything(cfg.run.seed)
     D.lock_output_dir(cfg.run.output_dir, create=False)  # a run already there: fail before reading its files
     resume = checkpoint.find_resume(cfg)  # a checkpoint of another model fails here, before any loading
