@@ -8,6 +8,7 @@ import yaml
 from PIL import Image
 from safetensors.torch import load_file
 
+from benchmarks import frozen_memory
 from omnirl import distributed as D
 from omnirl.config import ConfigError, load_config
 from omnirl.data.prompts import load_prompts
@@ -47,8 +48,6 @@ def test_shard_and_offload_train_as_replicate_does_on_two_ranks(tiny_sd3, tmp_pa
     frozen base sharded (rollout gathering it once per phase, or one unit per forward) and sharded into
     host memory give the replicated base's losses, samples and LoRA weights (fp32), and each rank holds
     half the frozen bytes, as computed from the transformer's shapes."""
-    from diffusers import SD3Transformer2DModel
-
     settings = ["--run.steps", "3", "--rollout.prompts_per_step", "2", "--rollout.group_size", "4",
                 "--sampling.num_steps", "4", "--algo.kl_beta", "0.01", "--log.image_every", "1"]  # fmt: skip
     runs = {
@@ -82,18 +81,15 @@ def test_shard_and_offload_train_as_replicate_does_on_two_ranks(tiny_sd3, tmp_pa
             assert np.abs(s.astype(int) - b.astype(int)).max() <= 1, name  # 8-bit rounding of equal images
 
     # The frozen bytes each rank holds: the whole transformer replicated, half of it sharded (FSDP2 pads
-    # dim 0 to a multiple of the ranks), as `sharded_bytes` computes from the shapes alone.
-    shapes = [
-        (tuple(p.shape), p.element_size())
-        for p in SD3Transformer2DModel.from_pretrained(tiny_sd3, subfolder="transformer").parameters()
-    ]
-    whole = D.sharded_bytes(shapes, 1)
+    # dim 0 to a multiple of the ranks), as benchmarks.frozen_memory computes from the shapes alone.
+    rows = frozen_memory.main(["--path", str(tiny_sd3), "--ranks", "1", "2", "--dtype", "float32"])
+    whole, half = rows[0]["replicate_bytes"], rows[1]["shard_bytes"]
+    assert whole / 2 <= half <= whole / 2 * 1.01
     for name, (metrics, _, _) in out.items():
-        expected = whole if name == "replicate" else D.sharded_bytes(shapes, 2)
+        expected = whole if name == "replicate" else half
         for m in metrics:
             assert m["mem/frozen_bytes/rank0"] == m["mem/frozen_bytes/rank1"] == expected, name
             assert m["mem/frozen_device_bytes"] == expected  # on CPU the device is the host
-    assert D.sharded_bytes(shapes, 2) <= whole / 2 * 1.01
 
 
 def test_sharded_bytes_pads_dim0_as_fsdp2_does():
