@@ -199,3 +199,16 @@ def test_omni_shard_on_two_ranks_and_offload_on_one_train_as_replicate_does(tiny
         <= half
         < 0.51 * out[1, "offload"][0][0]["mem/frozen_bytes"]
     )
+
+
+def test_unit_gather_of_an_omni_model_needs_one_rank(tiny_qwen3_omni_k12, monkeypatch):
+    """The generation engine's ranks decode different numbers of steps: per-unit gathering, a collective
+    in every forward, is refused on several ranks before the model loads, and accepted on one."""
+    from omnirl.ops import check_before_loading
+
+    overrides = ["--model.path", str(tiny_qwen3_omni_k12), "--distributed.frozen_base", "offload",
+                 "--distributed.rollout_gather", "unit"]  # fmt: skip
+    check_before_loading(load_config("mmk12_tiny", overrides))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="rollout_gather unit with an omni model needs one rank, got 2"):
+        check_before_loading(load_config("mmk12_tiny", overrides))
