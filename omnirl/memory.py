@@ -365,15 +365,24 @@ def phase(
     sleeper: Sleeper | None = None,
     sleep: dict[str, Iterable[torch.Tensor]] | None = None,
     wake: Iterable[str] = (),
+    engine=None,
+    engine_awake: bool = True,
 ):
-    """Run one phase with the groups in `sleep` asleep and those named in `wake` awake.
+    """Run one phase with the groups in `sleep` asleep and those named in `wake` awake, and a rollout
+    engine with weights of its own (`engine`: vLLM's, with `sleep()` / `wake()`; None for the native
+    engines, which share the actor's module) awake or asleep as `engine_awake` says.
 
     Sleeping comes first, so what wakes can reuse the memory it frees. Writes into `stats`:
     `mem/{name}_sleep_gib`, `time/{name}_sleep_s`, `mem/{name}_wake_gib`, `time/{name}_wake_s` and
-    `mem/host_gib` (the host chunks) when a sleeper is given; always `time/{name}_s` (the phase's work)
+    `mem/host_gib` (the host chunks) when a sleeper is given, and `time/{name}_engine_sleep_s` or
+    `time/{name}_engine_wake_s` when an engine is; always `time/{name}_s` (the phase's work)
     and, on an accelerator, `mem/{name}_peak_gib` (peak allocated from after the sleep to the end).
     """
     accel = _accel()
+    if sleeper is not None and engine is not None and not engine_awake:
+        start = time.perf_counter()
+        engine.sleep()
+        stats[f"time/{name}_engine_sleep_s"] = time.perf_counter() - start
     if sleeper is not None:
         start = time.perf_counter()
         moved = sum(sleeper.sleep(group, tensors) for group, tensors in (sleep or {}).items())
@@ -388,6 +397,10 @@ def phase(
         stats[f"time/{name}_wake_s"] = time.perf_counter() - start
         stats[f"mem/{name}_wake_gib"] = moved / GIB
         stats["mem/host_gib"] = sleeper.host_bytes / GIB
+    if sleeper is not None and engine is not None and engine_awake:
+        start = time.perf_counter()
+        engine.wake()
+        stats[f"time/{name}_engine_wake_s"] = time.perf_counter() - start
     start = time.perf_counter()
     try:
         yield

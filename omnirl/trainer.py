@@ -53,11 +53,20 @@ def train(cfg: Config) -> dict[str, float]:
         optimizer.zero_grad(set_to_none=True)
         reference = [ops.ref_model] if ops.ref_model is not None else []
         train_only = {"optimizer": optimizer_state(optimizer), "reference": module_tensors(reference)}
-        with phase("rollout", stats, sleeper, sleep=train_only, wake=["offload"]):
+        engine = ops.sleepable  # a rollout engine with weights of its own (vLLM): awake only for rollouts
+        with phase("rollout", stats, sleeper, sleep=train_only, wake=["offload"], engine=engine):
             trajs, per_reward = rollout_and_score(ops, rewards, requests, stats)
         keep, adv_metrics = assign_advantages(cfg, trajs)
         rollout_only = {"offload": module_tensors(ops.offload_modules())}
-        with phase("train", stats, sleeper, sleep=rollout_only, wake=list(train_only)):
+        with phase(
+            "train",
+            stats,
+            sleeper,
+            sleep=rollout_only,
+            wake=list(train_only),
+            engine=engine,
+            engine_awake=False,
+        ):
             update_metrics = update(cfg, ops, optimizer, trajs, keep, step)
         logs = {**reward_stats(per_reward), **adv_metrics, **update_metrics, **stats, **frozen}
         logs["time/step_s"] = time.perf_counter() - step_start
@@ -65,7 +74,7 @@ def train(cfg: Config) -> dict[str, float]:
             logs["data/skipped_rows"] = len(skipped)
         if cfg.validation.every and val_rows and (step + 1) % cfg.validation.every == 0:
             # The optimizer state stays awake: a checkpoint saved after validation reads it.
-            with phase("validate", logs, sleeper, wake=["offload"]):
+            with phase("validate", logs, sleeper, wake=["offload"], engine=engine):
                 logs.update(validate(cfg, ops, rewards, val_rows, dist))
         logs.update(per_rank(logs))
         logger.log(step, logs)

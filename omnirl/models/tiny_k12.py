@@ -29,18 +29,21 @@ K12_DATA = REPO_ROOT / "data" / "mmk12_tiny" / "train.jsonl"  # JSONL: building 
 STEPS, BATCH, LR = 100, 8, 3e-3
 
 
-def make_tiny_qwen3_omni_k12(out_dir: str | Path, data: str | Path = K12_DATA) -> Path:
+def make_tiny_qwen3_omni_k12(out_dir: str | Path, data: str | Path = K12_DATA, head_dim: int = 16) -> Path:
+    """The checkpoint at `out_dir`; head_dim 32 gives the variant vLLM runs (`tiny.make_tiny_qwen3_omni`)."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    from omnirl.models.tiny import make_tiny_qwen3_omni
+    from omnirl.models.tiny_omni import add_vllm_config_keys, make_tiny_qwen3_omni
 
     with tempfile.TemporaryDirectory() as tmp:
-        base = make_tiny_qwen3_omni(Path(tmp) / "base")
+        base = make_tiny_qwen3_omni(Path(tmp) / "base", head_dim)
         thinker = _teach_format(base, data)
         full = Qwen3OmniMoeForConditionalGeneration.from_pretrained(base)
         full.thinker.load_state_dict(thinker.state_dict())
         shutil.copytree(base, out_dir)  # tokenizer, chat template, processor config
         full.save_pretrained(out_dir)
+    if head_dim != 16:
+        add_vllm_config_keys(Path(out_dir))  # save_pretrained rewrote config.json
     return Path(out_dir)
 
 

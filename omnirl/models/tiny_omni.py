@@ -62,26 +62,29 @@ def _save_qwen_processor_parts(out_dir: Path, tokenizer, image_processor, featur
     (out_dir / "preprocessor_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _tiny_qwen_text_config(tokenizer, **extra) -> dict:
+def _tiny_qwen_text_config(tokenizer, head_dim: int = 16, **extra) -> dict:
     """Text-decoder kwargs shared by the tiny Qwen VL / Omni models: hidden 64, 2 layers, GQA 4/2 heads of
-    16, interleaved M-RoPE sections (2, 3, 3) summing to head_dim / 2."""
+    16, interleaved M-RoPE sections (2, 3, 3) summing to head_dim / 2. head_dim 32 (the smallest head size
+    vLLM's CPU attention runs): 2 heads of 32 and 1 KV head, sections (4, 6, 6)."""
+    heads, kv_heads, sections = (4, 2, [2, 3, 3]) if head_dim == 16 else (2, 1, [4, 6, 6])
+    assert head_dim in (16, 32), head_dim
     return dict(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
         max_position_embeddings=1024,
-        rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3], **extra),
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=sections, **extra),
         bos_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
 
 
-def make_tiny_qwen3_omni(out_dir: str | Path) -> Path:
+def make_tiny_qwen3_omni(out_dir: str | Path, head_dim: int = 16) -> Path:
     """A tiny Qwen3-Omni (MoE thinker + talker + code2wav), saved like Qwen/Qwen3-Omni-30B-A3B-Instruct:
     one `Qwen3OmniMoeForConditionalGeneration` checkpoint with thinker.* / talker.* / code2wav.* weights,
     the tokenizer with its chat template, and one preprocessor_config.json for the image processor and the
@@ -91,6 +94,10 @@ def make_tiny_qwen3_omni(out_dir: str | Path) -> Path:
     patches, 4 image tokens after the 2x2 merge), deepstack at layer 0; audio 16 mel bins with n_window 50,
     for which transformers hard-codes 13 audio tokens per 100 frames (1 s of 16 kHz audio). The talker and
     code2wav are tiny too (~90 k parameters): they exist so that loading can show they are dropped.
+
+    head_dim 32 is the variant vLLM can run (its CPU attention has no head size below 32): every head of
+    the text model, the vision and the audio encoder is 32 wide (the encoders' hidden size 64), and
+    config.json gets the keys vLLM reads that transformers does not save (`add_vllm_config_keys`).
     """
     from transformers import (
         GenerationConfig,
@@ -109,12 +116,13 @@ def make_tiny_qwen3_omni(out_dir: str | Path) -> Path:
         audio_token_id=ids["<|audio_pad|>"],
         audio_start_token_id=ids["<|audio_start|>"],
     )
-    text = _tiny_qwen_text_config(tok, mrope_interleaved=True)
+    text = _tiny_qwen_text_config(tok, head_dim, mrope_interleaved=True)
+    wide = head_dim // 16  # the encoders' width factor: heads of head_dim
     thinker = dict(
         text_config=dict(text, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2),
         vision_config=dict(
             depth=2,
-            hidden_size=32,
+            hidden_size=32 * wide,
             intermediate_size=64,
             num_heads=2,
             patch_size=16,
@@ -129,7 +137,7 @@ def make_tiny_qwen3_omni(out_dir: str | Path) -> Path:
             encoder_layers=1,
             encoder_attention_heads=2,
             encoder_ffn_dim=64,
-            d_model=32,
+            d_model=32 * wide,
             output_dim=64,  # = the text hidden size
             downsample_hidden_size=16,
             n_window=50,
@@ -141,7 +149,7 @@ def make_tiny_qwen3_omni(out_dir: str | Path) -> Path:
         **mm_ids,
     )
     small = dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=head_dim
     )
     talker = dict(
         text_config=dict(
@@ -198,13 +206,33 @@ def make_tiny_qwen3_omni(out_dir: str | Path) -> Path:
     )
     feature_extractor = WhisperFeatureExtractor(feature_size=16, sampling_rate=16000, hop_length=160)
     _save_qwen_processor_parts(out_dir, tok, image_processor, feature_extractor)
+    if head_dim != 16:
+        add_vllm_config_keys(out_dir)
     return out_dir
 
 
-def make_tiny_qwen_vl(out_dir: str | Path, family: str = "qwen2_5_vl") -> Path:
+def add_vllm_config_keys(out_dir: Path) -> None:
+    """Write into a Qwen3-Omni config.json the keys vLLM (0.32) reads that transformers (5.24) does not
+    save; real checkpoints have them. Without them vLLM fails on a missing `image_size` (its grid of
+    position embeddings), then on `tie_word_embeddings` of the text config."""
+    import json
+
+    path = out_dir / "config.json"
+    cfg = json.loads(path.read_text())
+    thinker = cfg["thinker_config"]
+    v = thinker["vision_config"]
+    v["image_size"] = int(v["num_position_embeddings"] ** 0.5) * v["patch_size"]
+    v["apply_vit_abs_pos_embed"] = True
+    thinker["text_config"]["tie_word_embeddings"] = False
+    thinker["audio_end_token_id"] = _qwen_omni_tokenizer().convert_tokens_to_ids("<|audio_end|>")
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def make_tiny_qwen_vl(out_dir: str | Path, family: str = "qwen2_5_vl", head_dim: int = 16) -> Path:
     """A tiny Qwen2.5-VL (`family="qwen2_5_vl"`, vision patch 14) or Qwen3-VL (`"qwen3_vl"`, patch 16,
     deepstack at layer 0), with the tokenizer, chat template and image processor. A 56x56 (Qwen2.5-VL) or
-    64x64 (Qwen3-VL) image is 4x4 patches: 4 image tokens after the 2x2 merge."""
+    64x64 (Qwen3-VL) image is 4x4 patches: 4 image tokens after the 2x2 merge. head_dim 32: the variant
+    vLLM's CPU attention runs (text and vision heads of 32)."""
     from transformers import (
         GenerationConfig,
         Qwen2_5_VLConfig,
@@ -217,7 +245,7 @@ def make_tiny_qwen_vl(out_dir: str | Path, family: str = "qwen2_5_vl") -> Path:
     out_dir = Path(out_dir)
     tok = _qwen_omni_tokenizer()
     ids = {s: tok.convert_tokens_to_ids(s) for s in tok.all_special_tokens}
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, spatial_merge_size=2)
+    vision = dict(depth=2, hidden_size=2 * head_dim, intermediate_size=64, num_heads=2, spatial_merge_size=2)
     vision.update(temporal_patch_size=2, out_hidden_size=64)  # = the text hidden size
     mm_ids = dict(
         image_token_id=ids["<|image_pad|>"],
@@ -228,14 +256,14 @@ def make_tiny_qwen_vl(out_dir: str | Path, family: str = "qwen2_5_vl") -> Path:
     torch.manual_seed(0)
     if family == "qwen2_5_vl":
         patch = 14
-        text = _tiny_qwen_text_config(tok)
+        text = _tiny_qwen_text_config(tok, head_dim)
         vision.update(patch_size=patch, window_size=56, fullatt_block_indexes=[1])
         model = Qwen2_5_VLForConditionalGeneration(
             Qwen2_5_VLConfig(text_config=text, vision_config=vision, **mm_ids)
         )
     elif family == "qwen3_vl":
         patch = 16
-        text = _tiny_qwen_text_config(tok, mrope_interleaved=True)
+        text = _tiny_qwen_text_config(tok, head_dim, mrope_interleaved=True)
         vision.update(patch_size=patch, num_position_embeddings=64, deepstack_visual_indexes=[0])
         model = Qwen3VLForConditionalGeneration(
             Qwen3VLConfig(text_config=text, vision_config=vision, **mm_ids)

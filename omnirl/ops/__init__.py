@@ -51,6 +51,7 @@ class KindOps(Protocol):
     adapter: Any  # the DiffusionAdapter / OmniModelBase
     policy: nn.Module  # the trained module (the FSDP root): adapter.policy
     ref_model: nn.Module | None  # the frozen reference copy of a full fine-tune with KL, else None
+    sleepable: Any  # a rollout engine with weights of its own (`sleep()` / `wake()`: vLLM), else None
 
     @staticmethod
     def check_config(cfg: Config) -> None:

@@ -100,6 +100,8 @@ def micro_batches(pairs: list[Pair], size: int, pad_from: Trajectory) -> list[li
 class DiffusionOps:
     """The diffusion half of an RL step (the module docstring); `omnirl.trainer.train` runs it."""
 
+    sleepable = None  # the diffusion engine runs on the actor's own module: no weights of its own to sleep
+
     def __init__(self, cfg: Config, adapter: DiffusionAdapter):
         self.cfg, self.adapter = cfg, adapter
         self.policy = adapter.policy

