@@ -138,9 +138,14 @@ class GenerationConfig:
     """Extra stop tokens, each a single token of the tokenizer written as text (e.g. "<|im_end|>"; it
     becomes GenerationParams.stop_token_ids); a response also ends at the model's EOS tokens. The stop
     token is part of the response and is trained."""
-    kv_cache_gib: float = 4.0
-    """KV-cache budget per rank in GiB (> 0). The engine keeps rollout.max_num_seqs rows ("slots") of
-    the longest prompt plus max_new_tokens tokens each, or as many as fit in this budget."""
+    kv_cache_gib: float | None = None
+    """KV-cache budget per rank in GiB (> 0), or null: generation.kv_cache_fraction of the device memory
+    free when the rollout starts (after the weights, with the optimizer state asleep; like a serving
+    engine's memory utilisation). The engine keeps rollout.max_num_seqs rows ("slots") of the longest
+    prompt plus max_new_tokens tokens each, or as many as fit in this budget."""
+    kv_cache_fraction: float = 0.5
+    """With kv_cache_gib null: the fraction of the free device memory (rollout.memory_budget_gib when set)
+    the KV cache takes; the rest is left to the forwards' activations. In (0, 1)."""
     cuda_graph: bool = True
     """On CUDA, capture the decode step once per rollout as a CUDA graph and replay it (the step's
     kernels launched at once instead of one by one from Python); off runs it eagerly. No effect on CPU."""
@@ -160,6 +165,12 @@ class RolloutConfig:
     fused_cfg: bool = True
     """Run CFG's conditional and unconditional rows in one forward (else two forwards of half the rows:
     less peak memory, more launches)."""
+    memory_budget_gib: float = 0.0
+    """Device memory, in GiB, the rollout may use beyond what is allocated when it starts; 0 = what the
+    accelerator reports free (on CPU, where there is no device memory: the host's available memory for the
+    KV cache, and no check of diffusion batches). A diffusion rollout measures the memory of one and two
+    rows on its first batch of each kind and stops before any sample is generated when
+    rollout.max_num_seqs rows would not fit, naming the largest value that does."""
     backend: Literal["native", "vllm"] = "native"
     """Omni adapters: the rollout engine. 'native': omnirl's GenerationEngine on the actor's own module (no
     weight copy). 'vllm': vLLM in-process on every rank, its own weights pushed from memory after every
@@ -305,6 +316,21 @@ class DistributedConfig:
     """FSDP2 mixed precision: dtype of gathered parameters in forward/backward."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """FSDP2 mixed precision: dtype of gradient reduction."""
+    frozen_base: Literal["replicate", "shard", "offload"] = "replicate"
+    """Where the frozen weights live: the base of a LoRA run, and the reference copy of a full fine-tune
+    with KL. 'replicate': a whole copy on every rank (a full fine-tune's reference copy: sharded like the
+    actor), no all-gather of the base; 'shard': FSDP2 shards them with the trained parameters (1/N per
+    rank), each forward and backward gathers one unit at a time and frees it after; 'offload': sharded as
+    with 'shard' and kept in pinned host memory (FSDP2's CPUOffloadPolicy), each unit copied to the device
+    when it runs; the trained parameters of those units, their gradients and AdamW state then live in
+    host memory too and the optimizer steps on the CPU. Needs distributed.fsdp and, for 'offload',
+    distributed.rollout_gather unit (docs/design.md 4b)."""
+    rollout_gather: Literal["phase", "unit"] = "phase"
+    """How the rollout reads sharded weights: 'phase' gathers all of them once for the whole rollout (a
+    whole model copy on the device; no collective inside the rollout); 'unit' gathers one FSDP unit per
+    forward and frees it after, the next unit's gather issued ahead (FSDP2 forward prefetch), so every
+    rank runs the same number of forwards (a rank with fewer batches runs padding batches). Omni models:
+    one rank only (ranks decode different numbers of steps) and no CUDA graph."""
     timeout_s: int = 600
     """Collective timeout: a rank that hangs ends the job after this long (NCCL's watchdog takes about a
     minute more); one that raises or dies ends it at once (torchrun stops the other ranks)."""
@@ -643,7 +669,8 @@ RANGES = {
     "generation.top_p": FRACTION,
     "generation.top_k": _at_least(0),
     "generation.max_new_tokens": _at_least(1),
-    "generation.kv_cache_gib": POSITIVE,
+    "generation.kv_cache_fraction": ((lambda v: math.isfinite(v) and 0 < v < 1), "a number in (0, 1)"),
+    "rollout.memory_budget_gib": NON_NEGATIVE,
     "rollout.prompts_per_step": _at_least(1),
     "rollout.group_size": _at_least(2),  # a group of one sample never has reward spread
     "rollout.max_num_seqs": _at_least(1),
@@ -708,9 +735,13 @@ def check_values(cfg: Config) -> None:
     for name, weight in cfg.reward.weights.items():
         if not math.isfinite(weight):
             raise bad(f"reward.weights.{name}", weight, "a finite number")
+    kv = cfg.generation.kv_cache_gib
+    if kv is not None and not POSITIVE[0](kv):
+        raise bad("generation.kv_cache_gib", kv, "a finite number > 0, or null (sized from free memory)")
+    _check_frozen_base(cfg)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     if not cfg.lora.target_modules:
         raise ConfigError("lora.target_modules is empty: name the modules that receive LoRA")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.rollout.prompts_per_step % world:
         raise ConfigError(
             f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must divide by the number of ranks "
@@ -759,6 +790,22 @@ def _check_vllm(cfg: Config, adapter: type) -> None:
             "rollout.backend vllm records the log-probs of the distribution it samples from, after top-k / "
             f"top-p: training rollouts need generation.top_p 1 and top_k 0 (got {cfg.generation.top_p}, "
             f"{cfg.generation.top_k}); validation may filter"
+        )
+
+
+def _check_frozen_base(cfg: Config) -> None:
+    """distributed.frozen_base and rollout_gather against FSDP, the launcher and each other."""
+    d = cfg.distributed
+    if d.frozen_base == "replicate":
+        return
+    if not d.fsdp:
+        raise ConfigError(
+            f"distributed.frozen_base {d.frozen_base} needs distributed.fsdp true (FSDP2 shards it)"
+        )
+    if d.frozen_base == "offload" and d.rollout_gather == "phase":
+        raise ConfigError(
+            "distributed.frozen_base offload needs distributed.rollout_gather unit (phase would gather the "
+            "whole base onto the device for the rollout)"
         )
 
 

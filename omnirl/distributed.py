@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import datetime
 import fcntl
+import math
 import os
 import random
 import signal
@@ -24,7 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from omnirl.config import ConfigError
@@ -58,8 +60,12 @@ def device_type() -> str:
 BACKENDS = {"cuda": "cpu:gloo,cuda:nccl", "npu": "cpu:gloo,npu:hccl", "cpu": "gloo"}
 
 
-def init_distributed(timeout_s: int = 600) -> DistInfo:
-    """Join the torchrun process group (gloo on CPU, nccl on CUDA, hccl on Ascend) and build a 1-D mesh."""
+def init_distributed(timeout_s: int = 600, group: bool = False) -> DistInfo:
+    """Join the torchrun process group (gloo on CPU, nccl on CUDA, hccl on Ascend) and build a 1-D mesh.
+
+    Without torchrun the process runs alone with no process group, unless `group`: FSDP2 (a sharded or
+    offloaded frozen base, distributed.frozen_base) needs one and a mesh even on one device, so then a
+    process group of one rank is made on an in-process store."""
     kind = device_type()
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -70,7 +76,18 @@ def init_distributed(timeout_s: int = 600) -> DistInfo:
         torch.npu.set_device(local_rank)
     device = torch.device(kind, local_rank) if kind != "cpu" else torch.device("cpu")
     if "RANK" not in os.environ:
-        return DistInfo(0, 1, 0, device, None)
+        if not group:
+            return DistInfo(0, 1, 0, device, None)
+        if not dist.is_initialized():
+            dist.init_process_group(
+                BACKENDS[kind],
+                store=dist.HashStore(),
+                rank=0,
+                world_size=1,
+                timeout=datetime.timedelta(seconds=timeout_s),
+                device_id=device if kind != "cpu" else None,
+            )
+        return DistInfo(0, 1, 0, device, init_device_mesh(kind, (1,), mesh_dim_names=("dp",)))
     exit_with_parent()
     if not dist.is_initialized():
         dist.init_process_group(
@@ -232,12 +249,19 @@ def apply_fsdp(
     param_dtype: str,
     reduce_dtype: str,
     ignored_params: set[nn.Parameter] | None = None,
+    offload: bool = False,
 ) -> nn.Module:
     """FSDP2 `fully_shard` on each unit an adapter names, then on the root.
 
-    `ignored_params` (the frozen base of a LoRA model) stay plain replicated tensors; only the
-    trainable parameters become sharded DTensors. Gradients are summed, not averaged, over ranks:
-    the losses are already divided by the global (all-reduced) sample or token count.
+    `ignored_params` (the frozen base of a LoRA model with distributed.frozen_base replicate) stay plain
+    replicated tensors; only the trainable parameters become sharded DTensors. Without them the frozen
+    parameters are sharded with the trained ones in the same units (FSDP2 takes units that mix frozen and
+    trained parameters: it reduces gradients only for those that have one). `offload` keeps every shard in
+    pinned host memory (`CPUOffloadPolicy`, which covers a whole `fully_shard` call: the trained
+    parameters of a unit, their gradients and hence their optimizer state too). When parameters are
+    sharded, each unit's forward issues the next unit's all-gather ahead of it (explicit forward prefetch;
+    FSDP2 prefetches only backward by itself). Gradients are summed, not averaged, over ranks: the losses
+    are already divided by the global (all-reduced) sample or token count.
 
     The root does not cast its floating-point inputs to `param_dtype` (the units do: their inputs are
     activations). A root's inputs are what the caller chose: Qwen3-Omni's M-RoPE position ids are float32
@@ -252,15 +276,61 @@ def apply_fsdp(
         param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype], cast_forward_inputs=False
     )
     ignored = ignored_params or set()
+    # pin_memory only where there is an accelerator to copy to (pinning needs one).
+    extra = {"offload_policy": CPUOffloadPolicy(pin_memory=device_type() != "cpu")} if offload else {}
     for unit in units:
-        fully_shard(unit, mesh=mesh, mp_policy=mp, ignored_params=ignored & set(unit.parameters()))
-    fully_shard(model, mesh=mesh, mp_policy=root_mp, ignored_params=ignored)
+        fully_shard(unit, mesh=mesh, mp_policy=mp, ignored_params=ignored & set(unit.parameters()), **extra)
+    fully_shard(model, mesh=mesh, mp_policy=root_mp, ignored_params=ignored, **extra)
     model._omnirl_compute_dtype = DTYPES[param_dtype]  # read by `compute_dtype`
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
+    if not ignored:
+        for unit, following in forward_chains(model, units):
+            unit.set_modules_to_forward_prefetch([following])
     return model
+
+
+def forward_chains(model: nn.Module, units: list[nn.Module]) -> list[tuple[nn.Module, nn.Module]]:
+    """(unit, the unit its forward runs next) for consecutive units of one container (a block list), the
+    only order every forward keeps: a family's other units (Qwen3-Omni's vision and audio towers, which
+    decode steps skip; a second expert of Wan2.2, which a step may not run) are not chained, since a
+    prefetched unit that no forward uses stays gathered."""
+    parent = {id(m): name.rpartition(".")[0] for name, m in model.named_modules()}
+    return [(a, b) for a, b in zip(units, units[1:]) if parent.get(id(a)) == parent.get(id(b)) is not None]
+
+
+def frozen_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes of `model`'s frozen parameters this rank holds, the part of them on the accelerator): a
+    DTensor counts by its local shard's storage (FSDP2 pads each parameter's dim 0 to a multiple of the
+    ranks), a plain tensor whole; a shard in host memory (FSDP2 CPU offload) counts in the first number
+    only. On CPU the device is the host: both numbers are equal."""
+    held, on_device, seen = 0, 0, set()
+    for p in model.parameters():
+        if p.requires_grad:
+            continue
+        local = p.to_local() if isinstance(p, DTensor) else p
+        storage = local.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        held += storage.nbytes()
+        if local.device.type == device_type():
+            on_device += storage.nbytes()
+    return held, on_device
+
+
+def sharded_bytes(shapes: list[tuple[tuple[int, ...], int]], world: int) -> int:
+    """The bytes one rank holds of parameters of these (shape, bytes per element) when FSDP2 shards them
+    over `world` ranks: dim 0 split into `world` chunks of ceil(dim0 / world) rows (the last ones padded),
+    a 0-dim parameter as one row. The computation `frozen_bytes` measures on a sharded model."""
+    total = 0
+    for shape, itemsize in shapes:
+        rows = shape[0] if shape else 1
+        rest = math.prod(shape[1:]) if shape else 1
+        total += -(-rows // world) * rest * itemsize
+    return total
 
 
 def compute_dtype(model: nn.Module, stored: torch.dtype) -> torch.dtype:
@@ -271,15 +341,17 @@ def compute_dtype(model: nn.Module, stored: torch.dtype) -> torch.dtype:
 
 
 @contextlib.contextmanager
-def gathered_weights(model: nn.Module):
+def gathered_weights(model: nn.Module, per_unit: bool = False):
     """Gather an FSDP2 model's weights once for a whole rollout phase (docs/design.md 4b).
 
     Every `FSDPModule` (root and each block) is unsharded and kept so across forwards, so the
     rollout runs no collectives and ranks may run different numbers of forwards. On exit all are
     resharded (resharding only the root would leave the blocks' parameters as plain tensors and the
-    optimizer would update nothing). A model without FSDP passes through.
+    optimizer would update nothing). A model without FSDP passes through, and so does one read with
+    `per_unit` (distributed.rollout_gather unit): each forward then gathers one unit at a time, as in
+    training, and every rank must run the same forwards.
     """
-    fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    fsdp_modules = [] if per_unit else [m for m in model.modules() if isinstance(m, FSDPModule)]
     for m in fsdp_modules:
         m.unshard()
         m.set_reshard_after_forward(False)

@@ -26,13 +26,17 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import time
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 GIB = 2**30
 CHUNK_BYTES = 1 << 30  # one pinned host chunk: a power of two, so the pinned allocator wastes nothing
@@ -65,6 +69,90 @@ def synchronize() -> None:
     accel = _accel()
     if accel is not None:
         accel.synchronize()
+
+
+_cap: dict[str, int] = {}  # the device this process was capped on (`cap_device_memory`) -> bytes
+
+
+def cap_device_memory(gib: float, device: torch.device) -> None:
+    """Let this process allocate at most `gib` GiB on its accelerator, as if it had a smaller one (torch's
+    per-process memory fraction: an allocation past it fails as out of memory), and `free_bytes` count
+    from that cap. For measuring what fits on 80 GB GPUs on a larger one. No effect on CPU."""
+    accel = _accel()
+    if accel is None or device.type == "cpu":
+        return
+    total = accel.get_device_properties(device).total_memory
+    if gib * GIB > total:
+        raise ValueError(f"a cap of {gib} GiB is more than the device's {total / GIB:.1f} GiB")
+    accel.set_per_process_memory_fraction(gib * GIB / total, device)
+    _cap[str(device)] = int(gib * GIB)
+
+
+def free_bytes(device: torch.device) -> int:
+    """The memory a phase could still allocate on `device`: the accelerator's free memory plus the blocks
+    torch's allocator caches but no tensor uses (at most the cap less what is allocated, under
+    `cap_device_memory`); on CPU, where the device is the host, the host's available memory
+    (MemAvailable)."""
+    accel = _accel()
+    if accel is not None and device.type != "cpu":
+        free, _ = accel.mem_get_info(device)
+        allocated = accel.memory_allocated(device)
+        free += accel.memory_reserved(device) - allocated
+        cap = _cap.get(str(device))
+        return free if cap is None else min(free, cap - allocated)
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return (
+        int(fields["MemAvailable"].split()[0]) * 1024
+        if "MemAvailable" in fields
+        else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    )
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The peak bytes of CPU tensor storages created while it is active and still alive (CPU has no
+    allocator statistics): every op's outputs are counted when they appear and uncounted when their
+    storage is freed."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}  # storage address -> bytes
+        self.now = self.peak = 0
+
+    def _freed(self, key: int) -> None:
+        self.now -= self.live.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                continue
+            storage = t.untyped_storage()
+            key, n = storage.data_ptr(), storage.nbytes()
+            if n == 0 or key in self.live:  # a view or an in-place result: already counted
+                continue
+            self.live[key] = n
+            self.now += n
+            self.peak = max(self.peak, self.now)
+            weakref.finalize(storage, self._freed, key)
+        return out
+
+
+def peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
+    """The most memory `fn()` holds at once on `device` beyond what was allocated when it started: the
+    allocator's peak on an accelerator (which resets the peak statistic a `phase` reports: call it before
+    the phase's own work), the live tensor storages on CPU."""
+    accel = _accel()
+    if accel is not None and device.type != "cpu":
+        synchronize()
+        start = accel.memory_allocated(device)
+        accel.reset_peak_memory_stats(device)
+        fn()
+        synchronize()
+        return accel.max_memory_allocated(device) - start
+    with _LiveBytes() as tracker:
+        fn()
+    return tracker.peak
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

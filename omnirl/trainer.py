@@ -25,7 +25,8 @@ from omnirl.step import assign_advantages, per_rank, reward_stats, update
 
 def train(cfg: Config) -> dict[str, float]:
     """Run the recipe; returns the last step's logged metrics."""
-    dist = D.init_distributed(cfg.distributed.timeout_s)
+    # A sharded or offloaded frozen base runs FSDP2, which needs a process group also on one device.
+    dist = D.init_distributed(cfg.distributed.timeout_s, group=cfg.distributed.frozen_base != "replicate")
     D.seed_everything(cfg.run.seed)
     D.lock_output_dir(cfg.run.output_dir, create=False)  # a run already there: fail before reading its files
     resume = checkpoint.find_resume(cfg)  # a checkpoint of another model fails here, before any loading
@@ -33,7 +34,7 @@ def train(cfg: Config) -> dict[str, float]:
     adapter_cls, ops_cls = check_before_loading(cfg)  # a typo should not cost minutes of loading
     rewards = RewardPool(cfg.reward.weights, cfg.reward.num_workers, cfg.reward.timeout_s, cfg.reward.paths)
     ops = ops_cls(cfg, adapter_cls(cfg, dist.device))
-    shard(cfg, ops, dist)
+    frozen = shard(cfg, ops, dist)  # the frozen bytes each rank holds, logged every step
     o = cfg.optim
     trained = [p for p in ops.policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
@@ -69,7 +70,7 @@ def train(cfg: Config) -> dict[str, float]:
             engine_awake=False,
         ):
             update_metrics = update(cfg, ops, optimizer, trajs, keep, step)
-        logs = {**reward_stats(per_reward), **adv_metrics, **update_metrics, **stats}
+        logs = {**reward_stats(per_reward), **adv_metrics, **update_metrics, **stats, **frozen}
         logs["time/step_s"] = time.perf_counter() - step_start
         if step == 0 and skipped is not None:
             logs["data/skipped_rows"] = len(skipped)

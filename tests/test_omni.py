@@ -207,6 +207,19 @@ def test_kv_cache_budget(omni):
     assert [t.response_ids.tolist() for t in tight] == [t.response_ids.tolist() for t in roomy]
     with pytest.raises(ValueError, match="KV cache"):
         GenerationEngine(omni, max_num_seqs=5, kv_cache_gib=0.2 * per_row / 2**30).generate(reqs[:1])
+    # No explicit size: a fraction of the memory free when the call starts (here the injected budget).
+    engine = GenerationEngine(
+        omni, max_num_seqs=5, kv_cache_gib=None, kv_fraction=0.5, memory_budget=5 * per_row
+    )
+    sized = engine.generate(reqs)
+    assert engine.stats["slots"] == 2 and engine.stats["kv_budget_gib"] * 2**30 == pytest.approx(
+        2.5 * per_row
+    )
+    assert [t.response_ids.tolist() for t in sized] == [t.response_ids.tolist() for t in roomy]
+    # Without a budget the free memory is measured (on CPU: the host's available memory).
+    engine = GenerationEngine(omni, max_num_seqs=5, kv_cache_gib=None)
+    engine.generate(reqs[:1])
+    assert engine.stats["kv_budget_gib"] > 0
 
 
 def test_lora_export_loads_with_peft(omni, tiny_qwen3_omni, tmp_path):

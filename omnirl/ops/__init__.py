@@ -195,15 +195,34 @@ def validate(
     }
 
 
-def shard(cfg: Config, ops: KindOps, dist: D.DistInfo) -> None:
-    """FSDP2 over the policy (a LoRA's frozen base stays replicated: only the trained parameters are
-    sharded) and over the reference copy of a full fine-tune."""
-    if not cfg.distributed.fsdp or dist.mesh is None:
-        return
+def shard(cfg: Config, ops: KindOps, dist: D.DistInfo) -> dict[str, float]:
+    """FSDP2 over the policy and over the reference copy of a full fine-tune, the frozen weights as
+    distributed.frozen_base says: a LoRA's base replicated (only the trained parameters sharded), sharded
+    with them, or sharded and offloaded to host memory; a full fine-tune's reference copy sharded like
+    the actor, offloaded with 'offload' (its actor, all trained, stays on the device). Returns the bytes
+    of frozen parameters this rank then holds and the part of them on its device (`frozen_bytes`), which
+    the trainer logs every step (mem/frozen_bytes, mem/frozen_device_bytes), and prints them with the way
+    the rollout gathers the weights."""
+    if cfg.distributed.fsdp and dist.mesh is not None:
+        _apply_fsdp(cfg, ops, dist)
+    d = cfg.distributed
+    models = [ops.policy] + ([ops.ref_model] if ops.ref_model is not None else [])
+    held, on_device = (sum(n) for n in zip(*(D.frozen_bytes(m) for m in models)))
+    D.print0(
+        f"frozen weights: {d.frozen_base}, {held / 2**20:.1f} MiB on each rank ({on_device / 2**20:.1f} MiB "
+        f"of it on the device); the rollout gathers weights per {d.rollout_gather}"
+    )
+    return {"mem/frozen_bytes": float(held), "mem/frozen_device_bytes": float(on_device)}
+
+
+def _apply_fsdp(cfg: Config, ops: KindOps, dist: D.DistInfo) -> None:
     d, units = cfg.distributed, ops.adapter.fsdp_units()
-    frozen = {p for p in ops.policy.parameters() if not p.requires_grad}
-    D.apply_fsdp(ops.policy, units, dist.mesh, d.param_dtype, d.reduce_dtype, frozen)
+    replicate = d.frozen_base == "replicate"
+    offload = d.frozen_base == "offload"
+    frozen = {p for p in ops.policy.parameters() if not p.requires_grad} if replicate else set()
+    lora = cfg.model.finetune == "lora"
+    D.apply_fsdp(ops.policy, units, dist.mesh, d.param_dtype, d.reduce_dtype, frozen, offload and lora)
     if ops.ref_model is not None:
         unit_types = {type(u) for u in units}
         ref_units = [b for b in ops.ref_model.modules() if type(b) in unit_types]
-        D.apply_fsdp(ops.ref_model, ref_units, dist.mesh, d.param_dtype, d.reduce_dtype)
+        D.apply_fsdp(ops.ref_model, ref_units, dist.mesh, d.param_dtype, d.reduce_dtype, offload=offload)

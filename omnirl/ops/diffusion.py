@@ -78,7 +78,7 @@ def pair_logprob(
     """Recompute stored transitions: the step's `StepOut` ([M] logprob, [M, *latent] mean, [M] std and
     std_dev_t). Each row's sigma is its stored step's, so a family of several experts runs it on the expert
     that sampled it."""
-    device = next(adapter.policy.parameters()).device
+    device = adapter.device
     trajs = [p.traj for p in pairs]
     x = torch.stack([t.latents[p.k] for t, p in zip(trajs, pairs)]).to(device)  # [M, *latent]
     nxt = torch.stack([t.next_latents[p.k] for t, p in zip(trajs, pairs)]).to(device)
@@ -111,7 +111,13 @@ class DiffusionOps:
         self.ref_model = build_reference(cfg, adapter)
         r = cfg.rollout
         self.engine = DiffusionEngine(
-            adapter, r.max_num_seqs, r.max_num_batched_tokens, r.fused_cfg, r.compile
+            adapter,
+            r.max_num_seqs,
+            r.max_num_batched_tokens,
+            r.fused_cfg,
+            r.compile,
+            per_unit=cfg.distributed.rollout_gather == "unit",
+            memory_budget=r.memory_budget_gib * 2**30,
         )
         self._gap = self._no_gap()
 

@@ -165,7 +165,7 @@ class NFTOps(DiffusionOps):
 
     def loss(self, mb: list[NFTRow], normaliser: float, measure: bool) -> tuple[torch.Tensor, dict]:
         a, adapter = self.cfg.algo, self.adapter
-        device = next(self.policy.parameters()).device
+        device = adapter.device
         x0 = torch.stack([r.traj.final_latents for r in mb]).to(device).float()  # [M, *latent]
         noise = torch.stack([r.noise() for r in mb]).to(device)  # [M, *latent]
         t = torch.stack([r.traj.sigmas[r.k] for r in mb]).to(device).float()  # [M]

@@ -21,6 +21,7 @@ Micro-batches hold at most optim.micro_batch_size responses and optim.micro_batc
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -93,8 +94,15 @@ class OmniOps:
 
             self.engine = self.sleepable = VLLMEngine(adapter, cfg)
         else:
+            g, r = cfg.generation, cfg.rollout
             self.engine = GenerationEngine(
-                adapter, cfg.rollout.max_num_seqs, cfg.generation.kv_cache_gib, cfg.generation.cuda_graph
+                adapter,
+                r.max_num_seqs,
+                g.kv_cache_gib,
+                g.cuda_graph,
+                kv_fraction=g.kv_cache_fraction,
+                memory_budget=r.memory_budget_gib * 2**30,
+                per_unit=cfg.distributed.rollout_gather == "unit",
             )
             self.sleepable = None  # the native engine runs on the actor's own module: nothing of its own
         self.correct = cfg.algo.old_logprob == "recompute" and cfg.algo.correction != "none"
@@ -118,6 +126,14 @@ class OmniOps:
             raise ConfigError(
                 f"algo.loss 'gspo' is sequence-level: algo.aggregation must be 'seq_mean', got "
                 f"{a.aggregation!r} (which weighs responses by their length)"
+            )
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if cfg.distributed.rollout_gather == "unit" and world > 1:
+            # Ranks decode different numbers of steps and prefill at different times (the vision and
+            # audio towers only in a prefill): per-unit all-gathers would not match across ranks.
+            raise ConfigError(
+                f"distributed.rollout_gather unit with an omni model needs one rank, got {world}: use "
+                "phase (or frozen_base offload on one device)"
             )
         if cfg.optim.micro_batch_tokens < 0:
             raise ConfigError(f"optim.micro_batch_tokens must be >= 0, got {cfg.optim.micro_batch_tokens}")

@@ -8,7 +8,20 @@ reward scoring (in the reward pool's threads) overlaps the denoising of the next
 
 The engine calls the very module the optimizer updates (no weight copy); under FSDP2 the weights are
 gathered once for the whole rollout phase (`distributed.gathered_weights`), so ranks may run different
-numbers of batches.
+numbers of batches. With `per_unit` (distributed.rollout_gather unit: a sharded or offloaded frozen base
+too large to gather whole) each forward gathers one unit at a time instead, every forward is a
+collective, and a rank with fewer batches than another runs padding batches (copies of a request, their
+outputs dropped) until every rank has run as many.
+
+Before the first batch of each compatibility key, when a memory budget is known (`memory_budget`, or on
+an accelerator the memory free when the rollout starts), the engine measures what a batch of that key
+costs: a rollout of one row and one of two (the whole denoising loop and the decode, at the recipe's
+shapes), whose peaks give a fixed part and a per-row part. Measured rather than computed from shapes:
+the activations of a forward depend on the attention kernel, the VAE's decode chunking and the family's
+own code, which a formula would have to follow in every adapter. A batch that would exceed the budget
+stops the rollout before any sample is generated with a ValueError naming rollout.max_num_seqs and the
+largest value that fits (a linear extrapolation from two rows; attention rows do not see each other, so
+activations grow linearly, and a decode done in fixed chunks grows slower: the estimate errs high).
 
 `compile` compiles the transformer's repeated blocks (`adapter.fsdp_units()`) for the rollout only:
 each block's `forward` is swapped for its compiled version while `generate` runs and restored after, so
@@ -23,11 +36,13 @@ outputs are dropped. A dummy row draws its noise from its own generator, never f
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
 
-from omnirl.distributed import gathered_weights
+from omnirl import distributed as D
+from omnirl.memory import GIB, free_bytes, peak_bytes
 from omnirl.models.base import DiffusionAdapter, Request, Trajectory
 from omnirl.rollout.packer import RequestPacker
 
@@ -62,9 +77,15 @@ class DiffusionEngine:
         max_num_batched_tokens: int = 0,
         fused_cfg: bool = True,
         compile: bool = False,
+        per_unit: bool = False,
+        memory_budget: float = 0.0,
     ):
         self.adapter = adapter
         self.fused_cfg = fused_cfg
+        self.per_unit = per_unit
+        self.memory_budget = memory_budget  # bytes; 0 = the free device memory (none checked on CPU)
+        self.row_cost: dict = {}  # compatibility key -> (fixed bytes, bytes per request), measured once
+        self.stats: dict[str, float] = {}  # the last call's padding batches and per-request cost
         self.packer = RequestPacker(max_num_seqs, max_num_batched_tokens, adapter.compat_key, self.tokens)
         # Padding to bucket sizes is what keeps a compiled rollout from recompiling; eager needs none.
         self.pad = compile
@@ -104,16 +125,68 @@ class DiffusionEngine:
         for block, fn in self.compiled:
             block.forward = fn  # an instance attribute shadows the class's forward until deleted below
         try:
-            with gathered_weights(self.adapter.policy):
-                for idx in self.packer.pack(requests, fill=self.pad):
-                    batch = [requests[i] for i in idx]
+            with D.gathered_weights(self.adapter.policy, per_unit=self.per_unit):
+                packed = self.packer.pack(requests, fill=self.pad)
+                batches = [[requests[i] for i in idx] for idx in packed]
+                templates = self._templates(batches)
+                self._check_memory(batches, templates)
+                for idx, batch in zip(packed, batches):
                     trajs = self.adapter.rollout(batch + self.padding(batch))[: len(batch)]
                     for i, t in zip(idx, trajs):
                         results[i] = t
                     if on_batch is not None:
                         on_batch(trajs)
+                # Unit gathering: every rank runs as many forwards (the others wait in their all-gathers).
+                extra = max(n for n, _ in templates) - len(batches) if self.per_unit else 0
+                for _ in range(extra):
+                    self.adapter.rollout([self._dummy(next(r for _, keyed in templates for r in keyed))])
+                self.stats["padding_batches"] = extra
         finally:
             for block, _ in self.compiled:
                 del block.forward
         assert all(t is not None for t in results)
         return results
+
+    @staticmethod
+    def _dummy(request: Request) -> Request:
+        return dataclasses.replace(request, index=-1, group_id=-1, metadata={})
+
+    def _templates(self, batches: list[list[Request]]) -> list[tuple[int, list[Request]]]:
+        """Per rank: (its number of batches, the first request of each of its keys). Only unit gathering
+        needs the other ranks' (for padding batches and for measuring the same keys on every rank, both
+        collectives); otherwise this rank's alone."""
+        firsts: dict = {}
+        for batch in batches:
+            firsts.setdefault(self.adapter.compat_key(batch[0]), batch[0])
+        mine = (len(batches), list(firsts.values()))
+        return D.all_gather_object(mine) if self.per_unit else [mine]
+
+    def _check_memory(self, batches: list[list[Request]], templates) -> None:
+        """Measure each new key's cost (all ranks' keys, in one order, under unit gathering) and stop when
+        this rank's largest batch of a key would not fit the budget."""
+        device = self.adapter.device
+        budget = self.memory_budget or (free_bytes(device) if device.type != "cpu" else 0)
+        if not budget:
+            return
+        for request in [r for _, keyed in templates for r in keyed]:
+            key = self.adapter.compat_key(request)
+            if key in self.row_cost:
+                continue
+            dummy = self._dummy(request)
+            one = peak_bytes(functools.partial(self.adapter.rollout, [dummy]), device)
+            two = peak_bytes(functools.partial(self.adapter.rollout, [dummy, dummy]), device)
+            per_row = max(two - one, 1)
+            self.row_cost[key] = (one - per_row, per_row)
+        for batch in batches:
+            fixed, per_row = self.row_cost[self.adapter.compat_key(batch[0])]
+            self.stats["row_gib"] = per_row / GIB
+            rows = len(batch) + len(self.padding(batch))
+            fits = int((budget - fixed) // per_row)
+            if rows > fits:
+                raise ValueError(
+                    f"rollout.max_num_seqs {self.packer.max_num_seqs} does not fit: a batch of {rows} "
+                    f"requests needs {(fixed + rows * per_row) / GIB:.3f} GiB ({fixed / GIB:.3f} GiB + "
+                    f"{per_row / GIB:.4f} GiB per request, measured), the rollout may use "
+                    f"{budget / GIB:.3f} GiB (rollout.memory_budget_gib, 0 = the free device memory): "
+                    f"the largest rollout.max_num_seqs that fits is {max(fits, 0)}"
+                )

@@ -1,7 +1,12 @@
 """GenerationEngine: native continuous-batching generation for omni adapters, on the actor's own module.
 
 The engine calls the very module the optimizer updates (`adapter.model`, no weight copy); under FSDP2 its
-weights are gathered once for the whole phase (`distributed.gathered_weights`). A call allocates S slots
+weights are gathered once for the whole phase (`distributed.gathered_weights`), or, with `per_unit`
+(distributed.rollout_gather unit, one rank: a frozen base offloaded to host memory), one unit per forward
+as in training, with FSDP2's hooks left to do their work and no CUDA graph (a graph cannot replay the
+host-to-device copies of the weights). The KV-cache budget is `kv_cache_gib`, or `kv_fraction` of the
+memory free when the call starts, its weights gathered (`memory_budget`, when given, instead of the free
+memory: what tests and capped runs set). A call allocates S slots
 (`max_num_seqs`, fewer if the KV-cache budget holds fewer rows of the longest prompt + max_new_tokens):
 one KV-cache row per slot in every decoder layer, [S, kv heads, C, head dim]. Waiting requests are
 prefilled in groups (one forward, images and audio through the model's own encoders; the left padding
@@ -31,6 +36,7 @@ measures it as a baseline on text prompts.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
@@ -41,6 +47,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
 from omnirl.distributed import fsdp_hooks_quiet, gathered_weights
+from omnirl.memory import GIB, free_bytes
 from omnirl.models.base import GenerationParams, OmniModelBase, OmniTrajectory, Request
 from omnirl.models.lm import output_logprobs
 
@@ -102,17 +109,26 @@ class GenerationEngine:
     steps, prefills, capture seconds)."""
 
     def __init__(
-        self, adapter: OmniModelBase, max_num_seqs: int, kv_cache_gib: float, cuda_graph: bool = True
+        self,
+        adapter: OmniModelBase,
+        max_num_seqs: int,
+        kv_cache_gib: float | None,
+        cuda_graph: bool = True,
+        kv_fraction: float = 0.5,
+        memory_budget: float = 0.0,
+        per_unit: bool = False,
     ):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        if kv_cache_gib <= 0:
-            raise ValueError(f"kv_cache_gib must be > 0, got {kv_cache_gib}")
+        if kv_cache_gib is not None and kv_cache_gib <= 0:
+            raise ValueError(f"kv_cache_gib must be > 0 or None, got {kv_cache_gib}")
         self.adapter = adapter
         self.max_num_seqs = max_num_seqs
-        self.kv_budget = kv_cache_gib * 2**30  # bytes
-        self.device = adapter.lm_head.weight.device
-        self.cuda_graph = cuda_graph and self.device.type == "cuda"
+        self.kv_cache_gib, self.kv_fraction, self.memory_budget = kv_cache_gib, kv_fraction, memory_budget
+        self.kv_budget = 0.0  # bytes, set by each call
+        self.device = adapter.device
+        self.per_unit = per_unit
+        self.cuda_graph = cuda_graph and self.device.type == "cuda" and not per_unit
         self.placeholders = torch.tensor(adapter.placeholder_token_ids, device=self.device)  # [K]
 
     @torch.no_grad()
@@ -132,7 +148,12 @@ class GenerationEngine:
         # request's sample does not depend on which other requests share its steps.
         self._filtered = any(r.params.top_k > 0 or r.params.top_p < 1 for r in requests)
         stats = self.stats = {"decode_steps": 0, "prefills": 0, "capture_s": 0.0}
-        with gathered_weights(self.adapter.model):
+        with gathered_weights(self.adapter.model, per_unit=self.per_unit):
+            if self.kv_cache_gib is not None:
+                self.kv_budget = self.kv_cache_gib * GIB
+            else:
+                self.kv_budget = self.kv_fraction * (self.memory_budget or free_bytes(self.device))
+            stats["kv_budget_gib"] = self.kv_budget / GIB
             slots = self._allocate(requests, prepared)
             stats["slots"] = len(slots.done)
             owner: list[int | None] = [None] * slots.done.shape[0]  # request index per slot
@@ -184,7 +205,8 @@ class GenerationEngine:
             raise ValueError(
                 f"request {requests[longest].index}: {len(prepared[longest]['input_ids'])} prompt tokens + "
                 f"max_new_tokens {requests[longest].params.max_new_tokens} need {per_slot / 2**30:.3f} GiB "
-                f"of KV cache, more than generation.kv_cache_gib {self.kv_budget / 2**30:g} allows"
+                f"of KV cache, more than its budget of {self.kv_budget / GIB:.3g} GiB allows "
+                "(generation.kv_cache_gib, or generation.kv_cache_fraction of the free memory)"
             )
         width = max(r.params.max_new_tokens for r in requests)
         n_stops = max(len(self.adapter.eos_token_ids) + len(r.params.stop_token_ids) for r in requests)
@@ -270,7 +292,7 @@ class GenerationEngine:
         # Quiet FSDP2 hooks for the whole step, the lm_head's call in `_record` included: called outside a
         # root forward, a child unit's hook would make itself the root of a forward (stream waits, which
         # break a graph capture; and, as the first forward of a run, a lazy init FSDP then refuses).
-        with fsdp_hooks_quiet(self.adapter.model):
+        with contextlib.nullcontext() if self.per_unit else fsdp_hooks_quiet(self.adapter.model):
             hidden = self.adapter.model(
                 input_ids=slots.last[:, None],
                 attention_mask=mask,

@@ -62,6 +62,16 @@ def _unwrap(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
+def kv_budget(cfg, device: torch.device) -> float:
+    """generation.kv_cache_gib in bytes, or with it null generation.kv_cache_fraction of the memory free
+    when the engine is made (rollout.memory_budget_gib when set), as the native engine sizes its cache."""
+    from omnirl.memory import free_bytes
+
+    if cfg.generation.kv_cache_gib is not None:
+        return cfg.generation.kv_cache_gib * 2**30
+    return cfg.generation.kv_cache_fraction * (cfg.rollout.memory_budget_gib * 2**30 or free_bytes(device))
+
+
 class VLLMEngine:
     """See the module docstring. `stats` describes the last generate call and its push."""
 
@@ -70,7 +80,7 @@ class VLLMEngine:
         from vllm import LLM
 
         self.adapter, self.cfg = adapter, cfg
-        self.device = adapter.lm_head.weight.device
+        self.device = adapter.device
         self.sleep_level = cfg.rollout.vllm_sleep_level
         hf = adapter.hf_model
         self.moe = getattr(hf.config.get_text_config(), "num_experts", 0) > 0
@@ -86,7 +96,7 @@ class VLLMEngine:
             dtype=cfg.model.dtype,
             seed=cfg.run.seed,
             max_num_seqs=cfg.rollout.max_num_seqs,
-            kv_cache_memory_bytes=int(cfg.generation.kv_cache_gib * 2**30),
+            kv_cache_memory_bytes=int(kv_budget(cfg, self.device)),
             enforce_eager=self.device.type == "cpu" or not cfg.generation.cuda_graph,
             tensor_parallel_size=1,
             logprobs_mode="processed_logprobs",

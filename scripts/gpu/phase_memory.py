@@ -272,6 +272,13 @@ def main(argv: list[str]) -> int:
         "gets the real Qwen2 tokenizer, so prompts have their real lengths (omnirl/models/random_init.py)",
     )
     p.add_argument(
+        "--cap-gib",
+        type=float,
+        default=0,
+        help="cap each rank's device memory at this many GiB (torch.cuda.set_per_process_memory_fraction; "
+        "e.g. 74.5 for an 80 GB GPU on a larger one; 0 = the whole device; no effect on CPU)",
+    )
+    p.add_argument(
         "--check",
         action="store_true",
         help="no run: build the models on the meta device and print rank 0's packed rollout batches",
@@ -355,7 +362,8 @@ def drive(
     if a.tiny:
         env["CUDA_VISIBLE_DEVICES"] = ""  # CPU, also on a machine with GPUs
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.gpus}"]
-    cmd = [*torchrun, "-m", "scripts.gpu.phase_memory", "--worker", str(derived), str(info), *overrides]
+    cmd = [*torchrun, "-m", "scripts.gpu.phase_memory", "--worker", str(derived), str(info), str(a.cap_gib)]
+    cmd += overrides
     print(f"phase_memory: {tag}: {a.steps} steps, {prompts} prompts x {cfg.rollout.group_size} images per "
           f"step on {a.gpus} rank(s), max_num_seqs {cfg.rollout.max_num_seqs}, micro-batch "
           f"{cfg.optim.micro_batch_size}, sleep {cfg.memory.sleep}", flush=True)  # fmt: skip
@@ -417,12 +425,16 @@ def header(tag: str, cfg, device: dict, built: str) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in device.get("versions", {}).items())
     r, o = cfg.rollout, cfg.optim
     lora = f"LoRA r{cfg.lora.rank}" if cfg.model.finetune == "lora" else "full fine-tune"
+    cap = f" capped at {device['cap_gib']:g} GiB" if device.get("cap_gib") else ""
+    d = cfg.distributed
     return (
-        f"{tag} on {device.get('device', '?')} ({versions}): {cfg.sampling.height}x{cfg.sampling.width}, "
+        f"{tag} on {device.get('device', '?')}{cap} ({versions}): "
+        f"{cfg.sampling.height}x{cfg.sampling.width}, "
         f"{r.prompts_per_step} prompts x {r.group_size} images per step, max_num_seqs {r.max_num_seqs}, "
         f"CFG {'fused' if r.fused_cfg else 'as two forwards'}, {'compiled' if r.compile else 'eager'}, "
         f"micro-batch {o.micro_batch_size}, {lora}, gradient checkpointing "
         f"{'on' if cfg.model.gradient_checkpointing else 'off'}, sleep {'on' if cfg.memory.sleep else 'off'}"
+        f", frozen base {d.frozen_base} (rollout gathers per {d.rollout_gather})"
         + (f"; {built}" if built else "")
     )
 
@@ -481,23 +493,27 @@ def check_plan(cfg, world: int) -> dict:
 # ---------------------------------------------------------------------------------------------- worker
 
 
-def worker(recipe: str, info: str, overrides: list[str]) -> None:
-    """One rank: random-init loaders in place of `load_pretrained`, then scripts/train.py's `main`."""
+def worker(recipe: str, info: str, cap_gib: float, overrides: list[str]) -> None:
+    """One rank: its device memory capped at `cap_gib` GiB (0: not capped), random-init loaders in place of
+    `load_pretrained`, then scripts/train.py's `main`."""
     import importlib
 
     import torch
 
-    from omnirl.memory import synchronize
+    from omnirl.memory import cap_device_memory, synchronize
     from omnirl.models.random_init import random_init_loader
     from scripts import train
 
     rank, local = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cap_gib:
+        cap_device_memory(cap_gib, device)  # before anything is allocated: the peaks count from it
     load = random_init_loader(device)
     record = {
         "rank": rank, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "device_gib": torch.cuda.get_device_properties(device).total_memory / GIB if cuda else None,
+        "cap_gib": cap_gib or None,
         "versions": {m: importlib.import_module(m).__version__ for m in VERSIONS},
         "loads": [],
     }  # fmt: skip
@@ -525,5 +541,5 @@ def worker(recipe: str, info: str, overrides: list[str]) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        worker(sys.argv[2], sys.argv[3], sys.argv[4:])
+        worker(sys.argv[2], sys.argv[3], float(sys.argv[4]), sys.argv[5:])
     sys.exit(main(sys.argv[1:]))

@@ -1,7 +1,7 @@
 """Helpers of scripts/gpu/two_gpu_runs.sh: the random-init thinker checkpoint, and the tables and JSON of
 what its two runs measured (benchmarks/README.md).
 
-    python -m scripts.gpu.two_gpu_runs checkpoint --out DIR [--tiny] [--device cpu]
+    python -m scripts.gpu.two_gpu_runs checkpoint --out DIR [--tiny | --full] [--device cpu]
     python -m scripts.gpu.two_gpu_runs mmk12 RUN_DIR/metrics.jsonl --json OUT.json
     python -m scripts.gpu.two_gpu_runs packing rollout_packing.json --json OUT.json
 """
@@ -19,6 +19,10 @@ THINKER = dict(
     vocab=151936, hidden=2048, layers=8, heads=32, kv_heads=4, head_dim=128, moe_intermediate=768,
     experts=32, experts_per_tok=8, dtype="bfloat16", head_scale=4.0,
 )  # fmt: skip
+# The text model of Qwen3-Omni-30B-A3B's thinker at full size (48 layers, 128 experts: README, "Memory
+# plan"), for the 80 GB-capped runs of distributed.frozen_base offload; its vision and audio towers stay
+# write_random_thinker's tiny ones (the MMK12 images then cost ~1.2 B parameters less than the real ones).
+FULL_THINKER = dict(THINKER, vocab=152064, layers=48, experts=128)
 # A CPU-sized one of the same code path, for a rehearsal. head_dim stays 128: write_random_thinker's
 # M-RoPE sections (24, 20, 20) cover 64 = 128 / 2 pairs.
 TINY_THINKER = dict(
@@ -33,7 +37,7 @@ def checkpoint(a) -> None:
     from omnirl.distributed import device_type
     from omnirl.models.random_init import write_random_thinker
 
-    shape = TINY_THINKER if a.tiny else THINKER
+    shape = TINY_THINKER if a.tiny else FULL_THINKER if a.full else THINKER
     device = torch.device(a.device or device_type())
     path = write_random_thinker(Path(a.out), device, **shape)
     print(f"{path}: random-init thinker {shape} built on {device}")
@@ -181,6 +185,7 @@ def main() -> None:
     c = sub.add_parser("checkpoint", help="write DIR/random_thinker")
     c.add_argument("--out", required=True)
     c.add_argument("--tiny", action="store_true", help="CPU-sized (a rehearsal of the same code path)")
+    c.add_argument("--full", action="store_true", help="the full-size text model (48 layers, 128 experts)")
     c.add_argument("--device", help="build on this device (default: the accelerator, else cpu)")
     m = sub.add_parser("mmk12", help="table + JSON of a training run's metrics.jsonl")
     m.add_argument("metrics")

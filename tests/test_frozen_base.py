@@ -1,0 +1,214 @@
+"""Where the frozen weights live (distributed.frozen_base) and how the rollout reads them
+(distributed.rollout_gather), and the memory a rollout needs known before it runs: docs/design.md 4b, 4c."""
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+from safetensors.torch import load_file
+
+from benchmarks import frozen_memory
+from omnirl import distributed as D
+from omnirl.config import ConfigError, load_config
+from omnirl.data.prompts import load_prompts
+from omnirl.memory import GIB, peak_bytes
+from omnirl.models import get_adapter
+from omnirl.ops.diffusion import DiffusionOps, sampling_params
+from omnirl.rollout.diffusion import DiffusionEngine
+from omnirl.step import make_requests
+from tests.test_train import ROOT, read_jsonl, tiny_cfg, torchrun
+
+RECIPE = ROOT / "yaml/sd3_tiny_flowgrpo.yaml"
+
+
+@pytest.mark.parametrize(
+    "section, overrides, message",
+    [
+        ({"frozen_base": "sharded"}, [], "distributed.frozen_base: expected one of 'replicate', 'shard'"),
+        ({"frozen_base": "offload"}, [], "needs distributed.rollout_gather unit"),
+        ({"frozen_base": "shard", "fsdp": False}, [], "needs distributed.fsdp true"),
+        ({}, ["--rollout.memory_budget_gib", "-1"], "rollout.memory_budget_gib must be a finite number"),
+        ({}, ["--generation.kv_cache_fraction", "1"], "generation.kv_cache_fraction must be a number in"),
+    ],
+)
+def test_bad_frozen_base_settings_fail_at_load_in_one_line(tiny_sd3, tmp_path, section, overrides, message):
+    recipe = yaml.safe_load(RECIPE.read_text())
+    recipe["distributed"].update(section)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    with pytest.raises(ConfigError) as e:
+        load_config(str(path), ["--model.path", str(tiny_sd3), *overrides])
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.slow
+def test_shard_and_offload_train_as_replicate_does_on_two_ranks(tiny_sd3, tmp_path):
+    """3 steps of the tiny SD3 recipe (LoRA, with the KL to the LoRA-off reference) on 2 gloo ranks: the
+    frozen base sharded (rollout gathering it once per phase, or one unit per forward) and sharded into
+    host memory give the replicated base's losses, samples and LoRA weights (fp32), and each rank holds
+    half the frozen bytes, as computed from the transformer's shapes."""
+    settings = ["--run.steps", "3", "--rollout.prompts_per_step", "2", "--rollout.group_size", "4",
+                "--sampling.num_steps", "4", "--algo.kl_beta", "0.01", "--log.image_every", "1"]  # fmt: skip
+    runs = {
+        "replicate": [],
+        "shard": ["--distributed.frozen_base", "shard"],
+        "shard_unit": ["--distributed.frozen_base", "shard", "--distributed.rollout_gather", "unit"],
+        "offload": ["--distributed.frozen_base", "offload", "--distributed.rollout_gather", "unit"],
+    }
+    out = {}
+    for name, extra in runs.items():
+        run_dir = tmp_path / name
+        r = torchrun(
+            2, RECIPE, "--model.path", str(tiny_sd3), "--run.output_dir", str(run_dir), *settings, *extra
+        )
+        mode = extra[1] if extra else "replicate"
+        assert f"frozen weights: {mode}," in r.stdout
+        lora = load_file(run_dir / "lora/pytorch_lora_weights.safetensors")
+        samples = [np.asarray(Image.open(run_dir / f"samples/step_{s:06d}.png")) for s in range(2)]
+        out[name] = (read_jsonl(run_dir / "metrics.jsonl"), lora, samples)
+    base_metrics, base_lora, base_samples = out["replicate"]
+    moved = max(v.abs().max().item() for k, v in base_lora.items() if "lora_B" in k)
+    assert moved > 1e-5
+    for name, (metrics, lora, samples) in out.items():
+        for m, b in zip(metrics, base_metrics):
+            for key in ("loss/policy", "loss/kl", "train/grad_norm", "reward/mean", "reward/std"):
+                assert m[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (name, m["step"], key)
+        assert lora.keys() == base_lora.keys()
+        for k in lora:
+            assert (lora[k] - base_lora[k]).abs().max().item() <= 1e-5 * moved, (name, k)
+        for s, b in zip(samples, base_samples):
+            assert np.abs(s.astype(int) - b.astype(int)).max() <= 1, name  # 8-bit rounding of equal images
+
+    # The frozen bytes each rank holds: the whole transformer replicated, half of it sharded (FSDP2 pads
+    # dim 0 to a multiple of the ranks), as benchmarks.frozen_memory computes from the shapes alone.
+    rows = frozen_memory.main(["--path", str(tiny_sd3), "--ranks", "1", "2", "--dtype", "float32"])
+    whole, half = rows[0]["replicate_bytes"], rows[1]["shard_bytes"]
+    assert whole / 2 <= half <= whole / 2 * 1.01
+    for name, (metrics, _, _) in out.items():
+        expected = whole if name == "replicate" else half
+        for m in metrics:
+            assert m["mem/frozen_bytes/rank0"] == m["mem/frozen_bytes/rank1"] == expected, name
+            assert m["mem/frozen_device_bytes"] == expected  # on CPU the device is the host
+
+
+def test_sharded_bytes_pads_dim0_as_fsdp2_does():
+    assert D.sharded_bytes([((5, 3), 4), ((), 2), ((4,), 2)], 2) == 3 * 3 * 4 + 1 * 2 + 2 * 2
+    assert D.sharded_bytes([((5, 3), 4)], 1) == 60
+
+
+def test_a_max_num_seqs_that_cannot_fit_fails_before_the_rollout(tiny_sd3, tmp_path):
+    """A measured per-request cost (a rollout of one row and one of two, live tensor bytes on CPU) against
+    rollout.memory_budget_gib: 8 requests per batch do not fit, the error names the largest
+    max_num_seqs that does before any batch runs, and that value runs within the budget."""
+    cfg = tiny_cfg(tiny_sd3, tmp_path, "--rollout.prompts_per_step", "1", "--rollout.group_size", "8",
+                   "--sampling.num_steps", "3")  # fmt: skip
+    dist = D.init_distributed()
+    adapter = get_adapter("sd3")(cfg, dist.device)
+    requests, _ = make_requests(cfg, load_prompts(cfg.data.train_path), 0, dist, sampling_params(cfg))
+    assert len(requests) == 8
+    roomy = DiffusionEngine(adapter, max_num_seqs=8, memory_budget=GIB)
+    reference = roomy.generate(requests)
+    (fixed, per_row), = roomy.row_cost.values()  # fmt: skip
+    assert per_row > 0 and fixed >= 0
+    # What 8 rows really take, against the estimate extrapolated from 1 and 2 rows.
+    real = peak_bytes(lambda: adapter.rollout(requests), dist.device)
+    estimate = fixed + 8 * per_row
+    print(f"fixed {fixed} B, {per_row} B per request; 8 rows: {real} B measured, {estimate} B estimated")
+    assert 0.9 * estimate <= real <= 1.1 * estimate
+
+    budget = fixed + 3.5 * per_row  # room for 3 requests
+    tight = DiffusionEngine(adapter, max_num_seqs=8, memory_budget=budget)
+    done = []
+    with pytest.raises(ValueError) as e:
+        tight.generate(requests, on_batch=done.append)
+    assert "the largest rollout.max_num_seqs that fits is 3" in str(e.value)
+    assert str(e.value).startswith("rollout.max_num_seqs 8 does not fit")
+    assert done == []  # failed before any batch was generated
+    fits = DiffusionEngine(adapter, max_num_seqs=3, memory_budget=budget).generate(requests)
+    for a, b in zip(fits, reference):
+        assert torch.allclose(a.output.image, b.output.image, atol=1e-5)
+
+    # The recipe's setting reaches the engine.
+    cfg = tiny_cfg(tiny_sd3, tmp_path, "--rollout.memory_budget_gib", "0.5")
+    assert DiffusionOps(cfg, adapter).engine.memory_budget == 0.5 * GIB
+
+
+def test_no_budget_on_cpu_measures_nothing(tiny_sd3, tmp_path):
+    """On CPU without rollout.memory_budget_gib there is no device memory to check against: no probe."""
+    if D.device_type() != "cpu":
+        pytest.skip("on an accelerator the free memory is the budget")
+    cfg = tiny_cfg(tiny_sd3, tmp_path, "--rollout.prompts_per_step", "1", "--rollout.group_size", "2",
+                   "--sampling.num_steps", "2")  # fmt: skip
+    dist = D.init_distributed()
+    adapter = get_adapter("sd3")(cfg, dist.device)
+    requests, _ = make_requests(cfg, load_prompts(cfg.data.train_path), 0, dist, sampling_params(cfg))
+    engine = DiffusionEngine(adapter, max_num_seqs=8)
+    engine.generate(requests)
+    assert engine.row_cost == {}
+
+
+@pytest.mark.slow
+def test_unit_gather_prefetches_one_unit_and_pads_short_ranks(tiny_sd3):
+    """rollout_gather unit: at most the running block and the next one's prefetched all-gather are
+    gathered, and a rank with fewer batches runs padding batches so both run the same forwards
+    (tests/_unit_gather.py)."""
+    from tests.test_distributed import two_ranks
+
+    assert two_ranks("tests/_unit_gather.py", str(tiny_sd3)).count("unit gather OK") == 2
+
+
+@pytest.mark.slow
+def test_omni_shard_on_two_ranks_and_offload_on_one_train_as_replicate_does(tiny_qwen3_omni_k12, tmp_path):
+    """The tiny MMK12 recipe (GSPO, LoRA) for 2 steps (an update in step 0; step 1, whose rollout samples
+    from the updated LoRA, has no group with reward spread): the thinker's base sharded on 2 ranks (rollout
+    gathering it once per phase) and offloaded on 1 rank (streamed one unit per forward, no CUDA graph)
+    give the replicated base's responses, losses and LoRA weights on as many ranks."""
+    settings = ["--model.path", str(tiny_qwen3_omni_k12), "--log.no-tensorboard", "--run.steps", "2",
+                "--validation.every", "0", "--rollout.prompts_per_step", "2",
+                "--log.image_every", "1"]  # fmt: skip
+    runs = {
+        (2, "replicate"): [],
+        (2, "shard"): ["--distributed.frozen_base", "shard"],
+        (1, "replicate"): [],
+        (1, "offload"): ["--distributed.frozen_base", "offload", "--distributed.rollout_gather", "unit"],
+    }
+    out = {}
+    for (nproc, name), extra in runs.items():
+        run_dir = tmp_path / f"{name}{nproc}"
+        torchrun(nproc, ROOT / "yaml/mmk12_tiny.yaml", *settings, "--run.output_dir", str(run_dir), *extra)
+        texts = [(run_dir / f"samples/step_{s:06d}.txt").read_text() for s in range(2)]
+        lora = load_file(run_dir / "lora/adapter_model.safetensors")
+        out[nproc, name] = (read_jsonl(run_dir / "metrics.jsonl"), lora, texts)
+    for nproc, name in [(2, "shard"), (1, "offload")]:
+        metrics, lora, texts = out[nproc, name]
+        base_metrics, base_lora, base_texts = out[nproc, "replicate"]
+        assert texts == base_texts
+        for m, b in zip(metrics, base_metrics):
+            assert m.get("train/updates") == b.get("train/updates") == (None if m["step"] == 1 else 2)
+            for key in ("loss/policy", "train/grad_norm", "reward/mean"):
+                if key in b:
+                    assert m[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (name, m["step"], key)
+        moved = max(v.abs().max().item() for k, v in base_lora.items() if "lora_B" in k)
+        assert moved > 1e-6
+        for k in lora:
+            assert (lora[k] - base_lora[k]).abs().max().item() <= 1e-5 * moved, (name, k)
+    half = out[2, "shard"][0][0]["mem/frozen_bytes/rank1"]
+    assert (
+        out[2, "replicate"][0][0]["mem/frozen_bytes/rank1"] / 2
+        <= half
+        < 0.51 * out[1, "offload"][0][0]["mem/frozen_bytes"]
+    )
+
+
+def test_unit_gather_of_an_omni_model_needs_one_rank(tiny_qwen3_omni_k12, monkeypatch):
+    """The generation engine's ranks decode different numbers of steps: per-unit gathering, a collective
+    in every forward, is refused on several ranks before the model loads, and accepted on one."""
+    from omnirl.ops import check_before_loading
+
+    overrides = ["--model.path", str(tiny_qwen3_omni_k12), "--distributed.frozen_base", "offload",
+                 "--distributed.rollout_gather", "unit"]  # fmt: skip
+    check_before_loading(load_config("mmk12_tiny", overrides))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="rollout_gather unit with an omni model needs one rank, got 2"):
+        check_before_loading(load_config("mmk12_tiny", overrides))
