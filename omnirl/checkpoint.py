@@ -32,6 +32,7 @@ can still do is set the trained weights and optimizer state (see the README).
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import io
 import json
@@ -346,10 +347,28 @@ METADATA_CLASSES = {
 }  # fmt: skip
 
 
+def _enum_member(cls, name: str):
+    """`getattr` as the metadata pickle may call it: some Python versions (3.11.0-3.11.4) pickle an enum
+    member as getattr(its class, its name); only members of the metadata's own enums resolve."""
+    if not (
+        isinstance(cls, type)
+        and issubclass(cls, enum.Enum)
+        and (cls.__module__, cls.__qualname__) in METADATA_CLASSES
+        and isinstance(name, str)
+        and name in cls.__members__
+    ):
+        raise pickle.UnpicklingError(
+            f"getattr({cls!r}, {name!r}) is not an enum member of checkpoint metadata"
+        )
+    return cls[name]
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in METADATA_CLASSES:
             return super().find_class(module, name)
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not a class of checkpoint metadata")

@@ -704,3 +704,35 @@ def test_nft_resume_restores_the_soft_updated_old_policy(tiny_sd3, data, tmp_pat
 def dcp_keys(path: Path) -> set[str]:
     """The tensor names of a checkpoint's DCP metadata."""
     return set(checkpoint.SafeReader(path / "model_optim").read_metadata().state_dict_metadata)
+
+
+class _Getattr:
+    """Pickles as getattr(cls, name): how Python 3.11.0-3.11.4 pickle an enum member."""
+
+    def __init__(self, cls, name):
+        self.cls, self.name = cls, name
+
+    def __reduce__(self):
+        return (getattr, (self.cls, self.name))
+
+
+def test_metadata_unpickler_resolves_enum_members_by_getattr_only():
+    """DCP's metadata holds an enum (_MEM_FORMAT_ENCODING) that some Pythons pickle as getattr(class, name):
+    that resolves, while getattr on anything else (a metadata class that is not an enum, an unknown name)
+    is refused before it runs."""
+    import io
+    import pathlib
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    from omnirl.checkpoint import _MetadataUnpickler
+
+    def load(obj):
+        return _MetadataUnpickler(io.BytesIO(pickle.dumps(obj))).load()
+
+    member = _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+    assert load(_Getattr(_MEM_FORMAT_ENCODING, "TORCH_CONTIGUOUS_FORMAT")) is member
+    for cls, name in ((pathlib.PosixPath, "unlink"), (_MEM_FORMAT_ENCODING, "__class__")):
+        with pytest.raises(pickle.UnpicklingError, match="not an enum member of checkpoint metadata"):
+            load(_Getattr(cls, name))
