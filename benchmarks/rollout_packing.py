@@ -510,6 +510,16 @@ def stock_pipe(adapter, params: SamplingParams):
     return pipe, cfg_kwargs
 
 
+def stock_generate(pipe, cfg_kwargs, prompts_: list[str], negative, params, per_call: int, steps: int):
+    """The stock pipeline over `prompts_`, `per_call` prompts (and as many negatives) per `__call__`."""
+    for i in range(0, len(prompts_), per_call):
+        batch = prompts_[i : i + per_call]
+        pipe(
+            prompt=batch, negative_prompt=[negative] * len(batch), height=params.height, width=params.width,
+            num_inference_steps=steps, **cfg_kwargs,
+        )  # fmt: skip
+
+
 def interleaved(adapter, cell: Cell, requests, texts, negative, params, a, rows, flops_total, ceiling, save):
     """--interleave: `cell` and the stock pipeline (`--stock-batch` prompts per call, the cell's mode) on
     the same prompts, their timed generations alternating. Compiled: both compile every shape they will
@@ -536,18 +546,10 @@ def interleaved(adapter, cell: Cell, requests, texts, negative, params, a, rows,
             u._compiled_call_impl = impl
         try:
             with D.gathered_weights(adapter.policy):  # once per generation, as the engine's `generate`
-                stock_batches(prompts_, steps)
+                stock_generate(pipe, cfg_kwargs, prompts_, negative, params, b, steps)
         finally:
             for u in units:
                 u._compiled_call_impl = None
-
-    def stock_batches(prompts_: list[str], steps: int) -> None:
-        for i in range(0, len(prompts_), b):
-            batch = prompts_[i : i + b]
-            pipe(
-                prompt=batch, negative_prompt=[negative] * len(batch), height=params.height,
-                width=params.width, num_inference_steps=steps, **cfg_kwargs,
-            )  # fmt: skip
 
     short = dataclasses.replace(params, num_steps=2, sde_window_size=1, sde_window_range=(0, 1))
     short_requests = [dataclasses.replace(r, params=short) for r in requests]
@@ -605,12 +607,7 @@ def stock(adapter, texts, negative, params, a, rows, flop_seconds, save, compile
         name = f"stock {type(pipe).__name__} {b} prompts/call, {'compiled' if compiled else 'eager'}"
 
         def call(k=n, b=b):
-            for i in range(0, k, b):
-                batch = texts[i : min(i + b, k)]
-                pipe(
-                    prompt=batch, negative_prompt=[negative] * len(batch), height=params.height,
-                    width=params.width, num_inference_steps=params.num_steps, **cfg_kwargs,
-                )  # fmt: skip
+            stock_generate(pipe, cfg_kwargs, texts[:k], negative, params, b, params.num_steps)
 
         def run(b=b, n=n, name=name, call=call):
             with D.gathered_weights(adapter.policy):  # as the engine does: weights gathered once
