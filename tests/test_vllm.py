@@ -18,7 +18,8 @@ import pytest
 import torch
 from PIL import Image
 
-from omnirl.config import ConfigError, check_values, config_for
+from omnirl.config import ConfigError, config_for
+from omnirl.config_checks import check_values
 from omnirl.models.base import GenerationParams, Request
 from omnirl.models.lm import pad_responses
 from tests.test_train import ROOT, read_jsonl, torchrun

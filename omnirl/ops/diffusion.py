@@ -124,7 +124,7 @@ class DiffusionOps:
     @staticmethod
     def check_config(cfg: Config) -> None:
         """Settings this kind cannot run, found before the model loads: none beyond the loss's kind and
-        what the recipe's values are checked for when it loads (`config.check_values`)."""
+        what the recipe's values are checked for when it loads (`config_checks.check_values`)."""
 
     def offload_modules(self) -> list[nn.Module]:
         return self.adapter.offload_modules()

@@ -11,7 +11,7 @@ vLLM request with n=1 and the request's own seed, so a group's samples are separ
 derived seeds, as in the native engine. The placeholder ids are excluded from sampling (`allowed_token_ids`,
 as `lm.output_logprobs` masks them), and the recorded log-prob is vLLM's "processed" one: log_softmax of
 the logits after that mask and the temperature, which is the trainer's definition as long as top-k / top-p
-are off (training rollouts with this backend must keep them off: `omnirl.config._check_vllm`).
+are off (training rollouts with this backend must keep them off: `omnirl.config_checks._check_vllm`).
 
 Weights (`push`, at the start of every `generate`, all ranks together: a sharded parameter is gathered):
 - a dense model's LoRA: a tensor LoRA adapter built inside the worker from the trainer's LoRA tensors and

@@ -1,0 +1,229 @@
+"""The value checks of a loaded config (`check_values`): ranges of every numeric field, the settings
+that only go together, the sampling window, the rollout backend and the frozen base; each failure one
+`ConfigError` line naming the field, before any model loads."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from omnirl.config import Config, ConfigError, SamplingConfig
+
+
+def _at_least(n: int) -> tuple:
+    return (lambda v: v >= n), f"an integer >= {n}"
+
+
+POSITIVE = (lambda v: math.isfinite(v) and v > 0), "a finite number > 0"
+NON_NEGATIVE = (lambda v: math.isfinite(v) and v >= 0), "a finite number >= 0"
+FRACTION = (lambda v: math.isfinite(v) and 0 < v <= 1), "a number in (0, 1]"
+
+# Field -> (predicate, what is allowed). The family-specific settings (rollout.prompt_length_buckets,
+# sampling.condition_area, model.stage) are checked by their adapters.
+RANGES = {
+    "run.steps": _at_least(1),
+    "lora.rank": _at_least(1),
+    "lora.alpha": POSITIVE,
+    "lora.dropout": ((lambda v: math.isfinite(v) and 0 <= v < 1), "a number in [0, 1)"),
+    "sampling.height": _at_least(1),
+    "sampling.width": _at_least(1),
+    "sampling.num_steps": _at_least(1),
+    "sampling.guidance_scale": (
+        (lambda v: math.isfinite(v) and v >= 1),
+        "a finite number >= 1 (1 = no guidance)",
+    ),
+    "sampling.noise_level": NON_NEGATIVE,
+    "sampling.sde_window_size": _at_least(0),
+    "sampling.sde_window_shift_interval": _at_least(1),
+    "sampling.sde_window_stride": _at_least(1),
+    "generation.temperature": POSITIVE,
+    "generation.top_p": FRACTION,
+    "generation.top_k": _at_least(0),
+    "generation.max_new_tokens": _at_least(1),
+    "generation.kv_cache_fraction": ((lambda v: math.isfinite(v) and 0 < v < 1), "a number in (0, 1)"),
+    "rollout.memory_budget_gib": NON_NEGATIVE,
+    "rollout.prompts_per_step": _at_least(1),
+    "rollout.group_size": _at_least(2),  # a group of one sample never has reward spread
+    "rollout.max_num_seqs": _at_least(1),
+    "rollout.max_num_batched_tokens": _at_least(0),
+    "reward.num_workers": _at_least(1),
+    "reward.timeout_s": POSITIVE,
+    "algo.clip_range": POSITIVE,
+    "algo.kl_beta": NON_NEGATIVE,
+    "algo.adv_clip": POSITIVE,
+    "algo.dppo_tau": POSITIVE,
+    "algo.nft_beta": POSITIVE,
+    "algo.nft_old_decay_rate": NON_NEGATIVE,
+    "algo.nft_old_decay_max": ((lambda v: math.isfinite(v) and 0 <= v < 1), "a number in [0, 1)"),
+    "algo.nft_old_decay_delay": _at_least(0),
+    "algo.correction_threshold": ((lambda v: math.isfinite(v) and v > 1), "a finite number > 1"),
+    "optim.lr": POSITIVE,
+    "optim.weight_decay": NON_NEGATIVE,
+    "optim.eps": POSITIVE,
+    "optim.grad_clip": NON_NEGATIVE,
+    "optim.micro_batch_size": _at_least(1),
+    "optim.micro_batch_tokens": _at_least(0),
+    "optim.mini_batches": _at_least(1),
+    "optim.epochs": _at_least(1),
+    "distributed.timeout_s": _at_least(1),
+    "log.image_every": _at_least(0),
+    "validation.every": _at_least(0),
+    "validation.num_steps": _at_least(1),
+    "validation.num_samples": _at_least(1),
+    "validation.temperature": POSITIVE,
+    "validation.top_p": FRACTION,
+    "checkpoint.every": _at_least(0),
+    "checkpoint.keep": _at_least(1),
+}
+
+
+def check_values(cfg: Config) -> None:
+    """Every value a run cannot use, found when the recipe loads (before anything is loaded or written):
+    a ConfigError naming the field, the value and what is allowed. Ranges come from `RANGES`; below them
+    the settings that must agree with each other, with the number of ranks (WORLD_SIZE, set by torchrun)
+    and with the adapter's class (`omnirl.models.get_adapter` imports its module, loads no weights)."""
+
+    def bad(key: str, value: Any, allowed: str) -> ConfigError:
+        return ConfigError(f"{key} must be {allowed}, got {value!r}")
+
+    for key, (ok, allowed) in RANGES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if not ok(value):
+            raise bad(key, value, allowed)
+    for i, beta in enumerate(cfg.optim.betas):
+        if not (math.isfinite(beta) and 0 <= beta < 1):
+            raise bad(f"optim.betas[{i}]", beta, "a finite number in [0, 1)")
+    high = cfg.algo.clip_range_high
+    if high is not None and not (math.isfinite(high) and high > 0):
+        raise bad("algo.clip_range_high", high, "a finite number > 0, or null (= algo.clip_range)")
+    if cfg.algo.global_std and not cfg.algo.std_normalise:
+        raise ConfigError("algo.global_std true needs algo.std_normalise true: without it no std is taken")
+    if not cfg.reward.weights:
+        raise ConfigError(
+            "reward.weights is empty: name at least one reward, e.g. {jpeg_compressibility: 1.0}"
+        )
+    for name, weight in cfg.reward.weights.items():
+        if not math.isfinite(weight):
+            raise bad(f"reward.weights.{name}", weight, "a finite number")
+    kv = cfg.generation.kv_cache_gib
+    if kv is not None and not POSITIVE[0](kv):
+        raise bad("generation.kv_cache_gib", kv, "a finite number > 0, or null (sized from free memory)")
+    _check_frozen_base(cfg)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if not cfg.lora.target_modules:
+        raise ConfigError("lora.target_modules is empty: name the modules that receive LoRA")
+    if cfg.rollout.prompts_per_step % world:
+        raise ConfigError(
+            f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must divide by the number of ranks "
+            f"({world}): each rank takes an equal share of the step's prompts"
+        )
+    path = cfg.model.path
+    if not os.path.exists(path) and _looks_local(path):
+        raise ConfigError(
+            f"model.path {path!r} does not exist (a local path: it is not looked up on the hub)"
+        )
+    from omnirl.models import get_adapter
+
+    adapter = get_adapter(cfg.model.adapter)
+    if adapter.kind == "diffusion":
+        _check_sampling(cfg.sampling, adapter, cfg.model.adapter, cfg.algo.loss)
+    if cfg.algo.loss == "diffusion_nft" and cfg.algo.old_logprob == "recompute":
+        raise ConfigError("algo.old_logprob recompute: algo.loss diffusion_nft uses no log-probs")
+    if cfg.rollout.backend == "vllm":
+        _check_vllm(cfg, adapter)
+
+
+def _check_vllm(cfg: Config, adapter: type) -> None:
+    """rollout.backend vllm, before any model loads: an omni adapter, vLLM importable, settings it runs."""
+    import importlib.util
+
+    if adapter.kind != "omni":
+        raise ConfigError(
+            f"rollout.backend vllm runs autoregressive (omni) adapters; model.adapter {cfg.model.adapter!r} "
+            "is a diffusion adapter (rollout.backend native)"
+        )
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "rollout.backend vllm: the vllm package is not importable in this environment (GPU: pip "
+            'install -e ".[vllm]"; CPU: bash scripts/vllm_cpu_env.sh builds its own venv; README.md, '
+            '"Rollout backends")'
+        )
+    if cfg.rollout.vllm_sleep_level not in (1, 2):
+        raise ConfigError(f"rollout.vllm_sleep_level must be 1 or 2, got {cfg.rollout.vllm_sleep_level}")
+    if cfg.rollout.vllm_push_bucket_mib < 1:
+        raise ConfigError(
+            f"rollout.vllm_push_bucket_mib must be >= 1, got {cfg.rollout.vllm_push_bucket_mib}"
+        )
+    if cfg.generation.top_p < 1 or cfg.generation.top_k > 0:
+        # vLLM reports log-probs after its top-k / top-p filter, which the trainer's recompute has not.
+        raise ConfigError(
+            "rollout.backend vllm records the log-probs of the distribution it samples from, after top-k / "
+            f"top-p: training rollouts need generation.top_p 1 and top_k 0 (got {cfg.generation.top_p}, "
+            f"{cfg.generation.top_k}); validation may filter"
+        )
+
+
+def _check_frozen_base(cfg: Config) -> None:
+    """distributed.frozen_base and rollout_gather against FSDP, the launcher and each other."""
+    d = cfg.distributed
+    if d.frozen_base == "replicate":
+        return
+    if not d.fsdp:
+        raise ConfigError(
+            f"distributed.frozen_base {d.frozen_base} needs distributed.fsdp true (FSDP2 shards it)"
+        )
+    if d.frozen_base == "offload" and d.rollout_gather == "phase":
+        raise ConfigError(
+            "distributed.frozen_base offload needs distributed.rollout_gather unit (phase would gather the "
+            "whole base onto the device for the rollout)"
+        )
+
+
+def _looks_local(path: str) -> bool:
+    """A path no hub id looks like (hub ids are `name` or `org/name`): absolute, relative to `.`, `..` or
+    `~`, more than one `/`, or under a local directory that exists."""
+    parts = path.split("/")
+    return (
+        path.startswith(("/", ".", "~"))
+        or len(parts) > 2
+        or path.endswith("/")
+        or (len(parts) == 2 and os.path.isdir(parts[0]))
+    )
+
+
+def _check_sampling(s: SamplingConfig, adapter: type, name: str, loss: str) -> None:
+    """The diffusion rollout's settings against each other, the family's latent grid and the loss."""
+    multiple = adapter.pixel_multiple
+    for key, value in (("sampling.height", s.height), ("sampling.width", s.width)):
+        if value % multiple:
+            raise ConfigError(
+                f"{key} must be a multiple of {multiple} for model.adapter {name!r} (one latent "
+                f"token per {multiple}x{multiple} pixels), got {value}"
+            )
+    if (s.sde_type == "ode" or s.noise_level == 0) and loss != "diffusion_nft":  # NFT takes any sampler
+        raise ConfigError(
+            f"sampling.sde_type {s.sde_type!r} with sampling.noise_level {s.noise_level}: a training rollout "
+            "needs a stochastic step (sde or cps, noise_level > 0); the ODE step has no log-prob to train"
+        )
+    if s.sde_type == "cps" and s.noise_level > 1:
+        raise ConfigError(f"sampling.noise_level must be in (0, 1] with sde_type 'cps', got {s.noise_level}")
+    if s.sde_window_size > s.num_steps:
+        raise ConfigError(
+            f"sampling.sde_window_size must be at most sampling.num_steps ({s.num_steps}), got "
+            f"{s.sde_window_size}"
+        )
+    lo, hi = s.sde_window_range
+    if s.sde_window_size and not 0 <= lo < hi:
+        raise ConfigError(
+            f"sampling.sde_window_range must be a non-empty range [lo, hi) with lo >= 0, got {[lo, hi]}"
+        )
+    from omnirl.models.flow_sde import window  # the sampler's own rule: the window inside its range
+
+    try:
+        window(s.num_steps, s.sde_window_size, tuple(s.sde_window_range))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if s.sde_window_schedule == "sliding" and s.sde_window_size == 0:
+        raise ConfigError("sampling.sde_window_schedule sliding needs sampling.sde_window_size > 0")
