@@ -166,9 +166,10 @@ class RolloutConfig:
     memory_budget_gib: float = 0.0
     """Device memory, in GiB, the rollout may use beyond what is allocated when it starts; 0 = what the
     accelerator reports free (on CPU, where there is no device memory: the host's available memory for the
-    KV cache, and no check of diffusion batches). A diffusion rollout measures the memory of one and two
-    rows on its first batch of each kind and stops before any sample is generated when
-    rollout.max_num_seqs rows would not fit, naming the largest value that does."""
+    KV cache, and no check of diffusion batches). A diffusion rollout measures the memory of two batch
+    sizes (from the adapter's memory_probe_rows up, never past its largest batch) on its first batch of
+    each kind and stops before any sample is generated when rollout.max_num_seqs rows would not fit (or a
+    probe runs out of memory), naming the largest value that does."""
     backend: Literal["native", "vllm"] = "native"
     """Omni adapters: the rollout engine. 'native': omnirl's GenerationEngine on the actor's own module (no
     weight copy). 'vllm': vLLM in-process on every rank, its own weights pushed from memory after every

@@ -7,6 +7,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from omnirl.config import config_for
+from omnirl.memory import GIB
 from omnirl.models.base import Request, SamplingParams, derive_seed
 from omnirl.models.sd3 import SD3Adapter
 from omnirl.rollout import diffusion
@@ -154,3 +155,28 @@ def test_compiled_rollout_does_not_recompile(adapter, monkeypatch):
     unpadded.pad = False
     run(unpadded, make_requests([KEY_A] * 3))
     assert graphs() - start == 4
+
+
+def test_a_probe_that_runs_out_of_memory_names_what_does_not_fit(adapter, monkeypatch):
+    """A probe rollout that runs out of device memory stops the rollout before any batch runs with the
+    ValueError of a batch that does not fit, raised after the allocator's error is dropped and the cached
+    memory handed back (so nothing of the failed probe stays allocated)."""
+    rollout = adapter.rollout
+
+    def out_of_memory_past_one_row(batch):
+        if len(batch) > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return rollout(batch)
+
+    monkeypatch.setattr(adapter, "rollout", out_of_memory_past_one_row)
+    emptied = []
+    monkeypatch.setattr(diffusion, "empty_cache", lambda: emptied.append(True))
+    done = []
+    with pytest.raises(ValueError) as e:
+        DiffusionEngine(adapter, 4, memory_budget=GIB).generate(make_requests([KEY_A] * 4), done.append)
+    message = str(e.value)
+    assert message.startswith("rollout.max_num_seqs 4 does not fit: measuring what a batch needs, a rollout")
+    assert "of 2 requests ran out of device memory" in message
+    assert message.endswith("the largest rollout.max_num_seqs that fits is below 2")
+    assert e.value.__context__ is None  # not chained to the allocator's error and its traceback
+    assert emptied == [True] and done == []

@@ -3,17 +3,20 @@ per-token timesteps; T2V-A14B: two experts switched at boundary_ratio), against 
 fp32 on CPU: everything must agree to 1e-5 (docs/design.md section 4)."""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
 from diffusers import WanPipeline
 from safetensors.torch import load_file
 
-from omnirl.config import config_for
+from omnirl.config import ConfigError, config_for
+from omnirl.memory import GIB, peak_bytes
 from omnirl.models import get_adapter
 from omnirl.models.base import Request, SamplingParams, derive_seed
 from omnirl.models.flow_sde import flow_step
-from omnirl.models.wan import LORA_FILE, LORA_FILE_2, WanAdapter
+from omnirl.models.wan import LORA_FILE, LORA_FILE_2, WanAdapter, WanSettings
+from omnirl.rollout.diffusion import DiffusionEngine
 from tests.support_compare import max_diff
 
 PROMPTS = ["a red cat", "two dogs in the snow", "a lighthouse at night", "waves"]
@@ -207,6 +210,56 @@ def test_registered_and_bad_frames(tiny_wan_ti2v):
     cfg.family.num_frames = 8
     with pytest.raises(ValueError, match="num_frames"):
         WanAdapter(cfg, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="family.decode_rows must be at least 1, got 0"):
+        WanSettings(decode_rows=0)
+
+
+def test_memory_probe_starts_where_the_decode_chunk_is_full(ti2v, monkeypatch):
+    """The VAE decodes `decode_rows` (2) videos at a time, so a rollout's peak (live tensor bytes on CPU)
+    grows by a whole decode from 1 to 2 rows and by little after. The engine measures at 2 and 4 rows
+    (`memory_probe_rows`) and accepts and refuses max_num_seqs as the measured peaks of the batches say,
+    where the line through 1 and 2 rows would have refused both. A key whose batches are small is measured
+    at their size, and again when a larger batch of it comes."""
+    assert ti2v.memory_probe_rows == ti2v.settings.decode_rows == 2
+    monkeypatch.setattr(ti2v, "fused_cfg", True)  # as the engines below run it
+    params = SamplingParams(HEIGHT, WIDTH, 2, GUIDANCE, 0.7, "sde", 1, (0, 2))
+    requests = [
+        Request(PROMPTS[i % 4], i, i, derive_seed(7, 0, i), params, negative_prompt=NEGATIVES[i % 4])
+        for i in range(8)
+    ]
+    cpu = torch.device("cpu")
+    peak = {n: peak_bytes(functools.partial(ti2v.rollout, requests[:n]), cpu) for n in (1, 2, 6, 7, 8)}
+    one_two = peak[2] - peak[1]  # what the line through 1 and 2 rows charges every request
+
+    def old_fits(budget: float) -> int:
+        return int((budget - (peak[1] - one_two)) // one_two)
+
+    probes = []
+    rollout = ti2v.rollout
+    monkeypatch.setattr(ti2v, "rollout", lambda batch: probes.append(len(batch)) or rollout(batch))
+
+    budget = 1.01 * peak[8]  # 8 requests fit
+    engine = DiffusionEngine(ti2v, 8, memory_budget=budget)
+    assert len(engine.generate(requests)) == 8
+    assert probes == [2, 4, 8]  # the two probes, then the batch
+    ((fixed, per_row, top),) = engine.row_cost.values()
+    print(f"peaks {peak}; measured: {fixed} B + {per_row} B per request; 1-vs-2 rows: {one_two} B")
+    assert top == 4 and fixed + 8 * per_row == pytest.approx(peak[8], rel=1e-3)
+    assert engine.stats["row_gib"] == per_row / GIB and per_row < one_two / 4
+    assert old_fits(budget) < 8
+
+    budget = (peak[6] + peak[7]) / 2  # 6 requests fit, 7 do not
+    probes.clear()
+    with pytest.raises(ValueError, match="the largest rollout.max_num_seqs that fits is 6$"):
+        DiffusionEngine(ti2v, 8, memory_budget=budget).generate(requests)
+    assert probes == [2, 4] and old_fits(budget) < 6
+
+    # Batches of at most 2k rows: the probe runs at their size, never more rows than the batch holds.
+    probes.clear()
+    engine = DiffusionEngine(ti2v, 8, memory_budget=GIB)
+    for n in (1, 3, 8, 8):
+        engine.generate(requests[:n])
+    assert probes == [1, 1] + [2, 3, 3] + [2, 4, 8] + [8]
 
 
 def test_group_shared_initial_noise_and_random_step_subsets(ti2v):

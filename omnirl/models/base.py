@@ -266,6 +266,10 @@ class DiffusionAdapter(Protocol):
     Settings: type  # a class attribute: the dataclass of the family's own settings (the recipe's `family:`)
     policy: nn.Module  # the trained module (LoRA injected or fully trainable): one transformer or experts
     fused_cfg: bool  # CFG's cond + uncond rows share one forward in rollout: the engine sets it (only there)
+    # The rows from which a rollout's peak memory grows linearly: the largest chunk of any phase it runs in
+    # fixed chunks (a VAE decode of N videos at a time: N), else 1. The engine measures a batch's cost at
+    # this many rows and twice as many, since a chunked phase's peak stops growing once a chunk is full.
+    memory_probe_rows: int
 
     def compat_key(self, request: Request) -> tuple:
         """Everything that must be uniform inside one forward: `request.params.key` plus what the

@@ -179,6 +179,7 @@ class QwenImageAdapter:
     kind = "diffusion"  # the trainer's ops for this adapter (omnirl.ops.OPS)
     modalities = frozenset({"image"})
     fused_cfg = True  # CFG rows in one forward; the rollout engine sets it (rollout.fused_cfg)
+    memory_probe_rows = DECODE_ROWS  # the decode's chunk (`decode`)
     Settings = QwenImageSettings
     # sampling.height / width must be multiples of this (checked when the recipe loads): the VAE's 8x
     # downsampling times the 2x2 latent patches the transformer packs. The tiny test model's VAE: 2x.

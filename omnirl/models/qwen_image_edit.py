@@ -54,6 +54,7 @@ from omnirl.models.diffusers_setup import check_checkpoint, make_trainable, save
 from omnirl.models.flow_sde import WindowedSampler, host_rows, phase, to_host
 from omnirl.models.peft_lora import lora_disabled
 from omnirl.models.qwen_image import (
+    DECODE_ROWS,
     bucket,
     check_buckets,
     collate,
@@ -99,6 +100,7 @@ class QwenImageEditAdapter:
     kind = "diffusion"  # the trainer's ops for this adapter (omnirl.ops.OPS)
     modalities = frozenset({"image"})
     fused_cfg = True  # CFG rows in one forward; the rollout engine sets it (rollout.fused_cfg)
+    memory_probe_rows = DECODE_ROWS  # the decode's chunk (qwen_image.decode)
     Settings = QwenImageEditSettings
     # sampling.height / width must be multiples of this (checked when the recipe loads): the VAE's 8x
     # downsampling times the 2x2 latent patches the transformer packs. The tiny test model's VAE: 2x.

@@ -44,6 +44,7 @@ class SD3Adapter:
     kind = "diffusion"  # the trainer's ops for this adapter (omnirl.ops.OPS)
     modalities = frozenset({"image"})
     fused_cfg = True  # CFG rows in one forward; the rollout engine sets it (rollout.fused_cfg)
+    memory_probe_rows = 1  # nothing runs in chunks: the whole batch decodes at once
     Settings = SD3Settings
     # sampling.height / width must be multiples of this (checked when the recipe loads): the VAE's 8x
     # downsampling times the transformer's 2x2 patches. The tiny test model's VAE downsamples 2x.

@@ -78,6 +78,10 @@ class WanSettings:
     decode_rows: int = 2
     """Videos the VAE decodes at once: bounds the decode's peak memory (it grows with frames x pixels)."""
 
+    def __post_init__(self):
+        if self.decode_rows < 1:
+            raise ConfigError(f"family.decode_rows must be at least 1, got {self.decode_rows}")
+
 
 class WanAdapter:
     """The `DiffusionAdapter` for `WanPipeline` checkpoints (one transformer or two experts)."""
@@ -140,6 +144,11 @@ class WanAdapter:
     def policy(self) -> nn.Module:
         """The trained module: the one transformer, or the two experts (`Experts`, a ModuleDict)."""
         return self._policy
+
+    @property
+    def memory_probe_rows(self) -> int:
+        """The decode's chunk: a rollout's peak grows linearly from `decode_rows` rows on."""
+        return self.settings.decode_rows
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self._policy.parameters() if p.requires_grad]

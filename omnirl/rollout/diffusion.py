@@ -15,13 +15,20 @@ outputs dropped) until every rank has run as many.
 
 Before the first batch of each compatibility key, when a memory budget is known (`memory_budget`, or on
 an accelerator the memory free when the rollout starts), the engine measures what a batch of that key
-costs: a rollout of one row and one of two (the whole denoising loop and the decode, at the recipe's
-shapes), whose peaks give a fixed part and a per-row part. Measured rather than computed from shapes:
-the activations of a forward depend on the attention kernel, the VAE's decode chunking and the family's
-own code, which a formula would have to follow in every adapter. A batch that would exceed the budget
+costs: two rollouts (the whole denoising loop and the decode, at the recipe's shapes), whose peaks give a
+fixed part and a per-row part. Measured rather than computed from shapes: the activations of a forward
+depend on the attention kernel, the VAE's decode chunking and the family's own code, which a formula
+would have to follow in every adapter. Attention rows do not see each other, so the cost grows linearly
+with the rows, except in a phase done in fixed chunks (a decode of `decode_rows` videos at a time), whose
+peak stops growing once one chunk is full: the adapter's `memory_probe_rows` (k) is the row count from
+which every such phase is full. The probes run k and 2k rows, so the line through them holds for any
+batch of k rows or more (from one and two rows it would charge the whole chunk's cost to every row), and
+never more rows than the key's largest batch: a key whose batches hold at most 2k rows is measured at
+that batch's size (and at k, or half of it when it is at most k). A batch that would exceed the budget
 stops the rollout before any sample is generated with a ValueError naming rollout.max_num_seqs and the
-largest value that fits (a linear extrapolation from two rows; attention rows do not see each other, so
-activations grow linearly, and a decode done in fixed chunks grows slower: the estimate errs high).
+largest value that fits (from k rows up the line meets the peaks at multiples of k and errs high between
+them by less than one chunk's step; below k it errs high); so does a probe that runs out of device
+memory.
 
 `compile` compiles the transformer's repeated blocks (`adapter.fsdp_units()`) for the rollout only:
 each block's `forward` is swapped for its compiled version while `generate` runs and restored after, so
@@ -42,7 +49,7 @@ from collections.abc import Callable
 import torch
 
 from omnirl import distributed as D
-from omnirl.memory import GIB, free_bytes, peak_bytes
+from omnirl.memory import GIB, empty_cache, free_bytes, peak_bytes
 from omnirl.models.base import DiffusionAdapter, Request, Trajectory
 from omnirl.rollout.packer import RequestPacker
 
@@ -84,7 +91,9 @@ class DiffusionEngine:
         self.fused_cfg = fused_cfg
         self.per_unit = per_unit
         self.memory_budget = memory_budget  # bytes; 0 = the free device memory (none checked on CPU)
-        self.row_cost: dict = {}  # compatibility key -> (fixed bytes, bytes per request), measured once
+        # compatibility key -> (fixed bytes, bytes per request, the rows of its larger probe): measured once,
+        # and again only when a larger batch of the key lets the probe go further towards 2k rows
+        self.row_cost: dict = {}
         self.stats: dict[str, float] = {}  # the last call's padding batches and per-request cost
         self.packer = RequestPacker(max_num_seqs, max_num_batched_tokens, adapter.compat_key, self.tokens)
         # Padding to bucket sizes is what keeps a compiled rollout from recompiling; eager needs none.
@@ -129,7 +138,7 @@ class DiffusionEngine:
                 packed = self.packer.pack(requests, fill=self.pad)
                 batches = [[requests[i] for i in idx] for idx in packed]
                 templates = self._templates(batches)
-                self._check_memory(batches, templates)
+                self._check_memory(templates)
                 for idx, batch in zip(packed, batches):
                     trajs = self.adapter.rollout(batch + self.padding(batch))[: len(batch)]
                     for i, t in zip(idx, trajs):
@@ -139,7 +148,7 @@ class DiffusionEngine:
                 # Unit gathering: every rank runs as many forwards (the others wait in their all-gathers).
                 extra = max(n for n, _ in templates) - len(batches) if self.per_unit else 0
                 for _ in range(extra):
-                    self.adapter.rollout([self._dummy(next(r for _, keyed in templates for r in keyed))])
+                    self.adapter.rollout([self._dummy(next(r for _, keyed in templates for r, _ in keyed))])
                 self.stats["padding_batches"] = extra
         finally:
             for block, _ in self.compiled:
@@ -151,36 +160,37 @@ class DiffusionEngine:
     def _dummy(request: Request) -> Request:
         return dataclasses.replace(request, index=-1, group_id=-1, metadata={})
 
-    def _templates(self, batches: list[list[Request]]) -> list[tuple[int, list[Request]]]:
-        """Per rank: (its number of batches, the first request of each of its keys). Only unit gathering
-        needs the other ranks' (for padding batches and for measuring the same keys on every rank, both
-        collectives); otherwise this rank's alone."""
-        firsts: dict = {}
+    def _templates(self, batches: list[list[Request]]) -> list[tuple[int, list[tuple[Request, int]]]]:
+        """Per rank: (its number of batches, per key the key's first request and the rows of its largest
+        batch, padding included). Only unit gathering needs the other ranks' (for padding batches and for
+        measuring the same keys at the same sizes on every rank, both collectives); otherwise this rank's
+        alone."""
+        keyed: dict = {}
         for batch in batches:
-            firsts.setdefault(self.adapter.compat_key(batch[0]), batch[0])
-        mine = (len(batches), list(firsts.values()))
+            key = self.adapter.compat_key(batch[0])
+            first, rows = keyed.get(key, (batch[0], 0))
+            keyed[key] = (first, max(rows, len(batch) + len(self.padding(batch))))
+        mine = (len(batches), list(keyed.values()))
         return D.all_gather_object(mine) if self.per_unit else [mine]
 
-    def _check_memory(self, batches: list[list[Request]], templates) -> None:
+    def _check_memory(self, templates) -> None:
         """Measure each new key's cost (all ranks' keys, in one order, under unit gathering) and stop when
-        this rank's largest batch of a key would not fit the budget."""
+        the largest batch of a key would not fit the budget."""
         device = self.adapter.device
         budget = self.memory_budget or (free_bytes(device) if device.type != "cpu" else 0)
         if not budget:
             return
-        for request in [r for _, keyed in templates for r in keyed]:
-            key = self.adapter.compat_key(request)
-            if key in self.row_cost:
-                continue
-            dummy = self._dummy(request)
-            one = peak_bytes(functools.partial(self.adapter.rollout, [dummy]), device)
-            two = peak_bytes(functools.partial(self.adapter.rollout, [dummy, dummy]), device)
-            per_row = max(two - one, 1)
-            self.row_cost[key] = (one - per_row, per_row)
-        for batch in batches:
-            fixed, per_row = self.row_cost[self.adapter.compat_key(batch[0])]
-            self.stats["row_gib"] = per_row / GIB
-            rows = len(batch) + len(self.padding(batch))
+        largest: dict = {}  # key -> (a request of it, the rows of its largest batch on any rank)
+        for _, keyed in templates:
+            for request, rows in keyed:
+                key = self.adapter.compat_key(request)
+                first, most = largest.get(key, (request, 0))
+                largest[key] = (first, max(most, rows))
+        for key, (request, rows) in largest.items():
+            top = min(rows, 2 * self.adapter.memory_probe_rows)
+            if key not in self.row_cost or self.row_cost[key][2] < top:
+                self.row_cost[key] = self._measure(request, top, budget)
+            fixed, per_row, _ = self.row_cost[key]
             fits = int((budget - fixed) // per_row)
             if rows > fits:
                 raise ValueError(
@@ -190,3 +200,37 @@ class DiffusionEngine:
                     f"{budget / GIB:.3f} GiB (rollout.memory_budget_gib, 0 = the free device memory): "
                     f"the largest rollout.max_num_seqs that fits is {max(fits, 0)}"
                 )
+        if largest:  # what one more request costs (from k rows up), for the dearest key
+            self.stats["row_gib"] = max(self.row_cost[key][1] for key in largest) / GIB
+
+    def _measure(self, request: Request, top: int, budget: float) -> tuple[int, int, int]:
+        """(fixed bytes, bytes per request, top): the line through the peaks of rollouts of `top` rows and
+        of k rows (`memory_probe_rows`), or of half of `top` when `top` is at most k (none at all for one
+        row: a line through zero bytes at zero rows, which errs high). Its slope is rounded up, so the
+        line passes through the measured peak at `top` rows and errs high beyond it."""
+        k = self.adapter.memory_probe_rows
+        assert k >= 1, k
+        low = k if top > k else top // 2
+        dummy = self._dummy(request)
+        peaks = {0: 0}
+        for rows in sorted({low, top} - {0}):
+            peak = self._peak([dummy] * rows)
+            if peak is None:
+                empty_cache()  # the failed rollout's tensors went with its traceback; hand back their blocks
+                raise ValueError(
+                    f"rollout.max_num_seqs {self.packer.max_num_seqs} does not fit: measuring what a batch "
+                    f"needs, a rollout of {rows} requests ran out of device memory (the rollout may use "
+                    f"{budget / GIB:.3f} GiB, rollout.memory_budget_gib, 0 = the free device memory): "
+                    f"the largest rollout.max_num_seqs that fits is below {rows}"
+                )
+            peaks[rows] = peak
+        per_row = max(-(-(peaks[top] - peaks[low]) // (top - low)), 1)
+        return peaks[top] - top * per_row, per_row, top
+
+    def _peak(self, batch: list[Request]) -> int | None:
+        """The peak bytes of a rollout of `batch`; None when it ran out of device memory (returning from
+        the handler drops the exception and, with its traceback, what the rollout had allocated)."""
+        try:
+            return peak_bytes(functools.partial(self.adapter.rollout, batch), self.adapter.device)
+        except torch.OutOfMemoryError:
+            return None
