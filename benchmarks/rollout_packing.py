@@ -408,6 +408,7 @@ def main() -> None:
             compile_s = 0.0
             if cell.compile:
                 compile_s, _ = timed(lambda: engine.generate(reqs))  # compiles every bucket shape
+            engine.check_memory(reqs)  # the probes of the memory check, at the timed batches' sizes
             engine.generate(reqs[: min(len(reqs), 2)])  # warm-up (allocator, kernels)
             reset_peak()
             # Ranks start each run together (a barrier): a step's generation ends with its slowest rank.
@@ -560,6 +561,7 @@ def interleaved(adapter, cell: Cell, requests, texts, negative, params, a, rows,
         if cell.compile:
             ours["compile_s"] = timed(lambda: engine.generate(short_requests))[0]
             theirs["compile_s"] = timed(lambda: stock_call(texts, 2))[0]
+        engine.check_memory(requests)  # the memory check's probes, at the timed batches' sizes
         engine.generate(requests[:2])  # warm-up (allocator, kernels)
         stock_call(texts[:2])
         reset_peak()

@@ -219,7 +219,7 @@ def test_memory_probe_starts_where_the_decode_chunk_is_full(ti2v, monkeypatch):
     grows by a whole decode from 1 to 2 rows and by little after. The engine measures at 2 and 4 rows
     (`memory_probe_rows`) and accepts and refuses max_num_seqs as the measured peaks of the batches say,
     where the line through 1 and 2 rows would have refused both. A key whose batches are small is measured
-    at their size, and again when a larger batch of it comes."""
+    at their size, and again when a larger batch of it comes; `check_memory` runs the probes alone."""
     assert ti2v.memory_probe_rows == ti2v.settings.decode_rows == 2
     monkeypatch.setattr(ti2v, "fused_cfg", True)  # as the engines below run it
     params = SamplingParams(HEIGHT, WIDTH, 2, GUIDANCE, 0.7, "sde", 1, (0, 2))
@@ -257,9 +257,18 @@ def test_memory_probe_starts_where_the_decode_chunk_is_full(ti2v, monkeypatch):
     # Batches of at most 2k rows: the probe runs at their size, never more rows than the batch holds.
     probes.clear()
     engine = DiffusionEngine(ti2v, 8, memory_budget=GIB)
-    for n in (1, 3, 8, 8):
+    for n in (1, 3, 8):
         engine.generate(requests[:n])
-    assert probes == [1, 1] + [2, 3, 3] + [2, 4, 8] + [8]
+    assert probes == [1, 1] + [2, 3, 3] + [2, 4, 8]
+
+    # check_memory runs the probes a generate would, and nothing else; a key measured at its largest
+    # batch is not measured again.
+    probes.clear()
+    engine = DiffusionEngine(ti2v, 8, memory_budget=GIB)
+    engine.check_memory(requests[:4])
+    assert probes == [2, 4]
+    engine.generate(requests[:4])
+    assert probes == [2, 4, 4]
 
 
 def test_group_shared_initial_noise_and_random_step_subsets(ti2v):

@@ -42,6 +42,7 @@ outputs are dropped. A dummy row draws its noise from its own generator, never f
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -122,6 +123,36 @@ class DiffusionEngine:
         dummy = dataclasses.replace(batch[0], index=-1, group_id=-1, metadata={})
         return [dummy] * (bucket_size(len(batch), capacity) - len(batch))
 
+    @contextlib.contextmanager
+    def _running(self):
+        """What a rollout runs under: the CFG layout set, the compiled blocks swapped in, the weights
+        gathered as distributed.rollout_gather says."""
+        self.adapter.fused_cfg = self.fused_cfg
+        for block, fn in self.compiled:
+            block.forward = fn  # an instance attribute shadows the class's forward until deleted below
+        try:
+            with D.gathered_weights(self.adapter.policy, per_unit=self.per_unit):
+                yield
+        finally:
+            for block, _ in self.compiled:
+                del block.forward
+
+    def _plan(self, requests: list[Request]):
+        """The batches of `requests`, every rank's templates, and the memory check of their keys."""
+        packed = self.packer.pack(requests, fill=self.pad)
+        batches = [[requests[i] for i in idx] for idx in packed]
+        templates = self._templates(batches)
+        self._check_memory(templates)
+        return packed, batches, templates
+
+    @torch.no_grad()
+    def check_memory(self, requests: list[Request]) -> None:
+        """Run the memory check a `generate(requests)` runs before its first batch (it measures each key
+        once, at the sizes of its largest batch), without generating: a benchmark calls it before timing
+        so that no timed generation includes the probes. A collective under unit gathering."""
+        with self._running():
+            self._plan(requests)
+
     @torch.no_grad()
     def generate(
         self,
@@ -130,29 +161,19 @@ class DiffusionEngine:
     ) -> list[Trajectory]:
         """Trajectories in the order of `requests`; `on_batch` gets each finished batch's (real) ones."""
         results: list[Trajectory | None] = [None] * len(requests)
-        self.adapter.fused_cfg = self.fused_cfg
-        for block, fn in self.compiled:
-            block.forward = fn  # an instance attribute shadows the class's forward until deleted below
-        try:
-            with D.gathered_weights(self.adapter.policy, per_unit=self.per_unit):
-                packed = self.packer.pack(requests, fill=self.pad)
-                batches = [[requests[i] for i in idx] for idx in packed]
-                templates = self._templates(batches)
-                self._check_memory(templates)
-                for idx, batch in zip(packed, batches):
-                    trajs = self.adapter.rollout(batch + self.padding(batch))[: len(batch)]
-                    for i, t in zip(idx, trajs):
-                        results[i] = t
-                    if on_batch is not None:
-                        on_batch(trajs)
-                # Unit gathering: every rank runs as many forwards (the others wait in their all-gathers).
-                extra = max(n for n, _ in templates) - len(batches) if self.per_unit else 0
-                for _ in range(extra):
-                    self.adapter.rollout([self._dummy(next(r for _, keyed in templates for r, _ in keyed))])
-                self.stats["padding_batches"] = extra
-        finally:
-            for block, _ in self.compiled:
-                del block.forward
+        with self._running():
+            packed, batches, templates = self._plan(requests)
+            for idx, batch in zip(packed, batches):
+                trajs = self.adapter.rollout(batch + self.padding(batch))[: len(batch)]
+                for i, t in zip(idx, trajs):
+                    results[i] = t
+                if on_batch is not None:
+                    on_batch(trajs)
+            # Unit gathering: every rank runs as many forwards (the others wait in their all-gathers).
+            extra = max(n for n, _ in templates) - len(batches) if self.per_unit else 0
+            for _ in range(extra):
+                self.adapter.rollout([self._dummy(next(r for _, keyed in templates for r, _ in keyed))])
+            self.stats["padding_batches"] = extra
         assert all(t is not None for t in results)
         return results
 
