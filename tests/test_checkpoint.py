@@ -539,7 +539,7 @@ def test_metadata_unpickler_resolves_enum_members_by_getattr_only():
 
     from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 
-    from omnirl.checkpoint import _MetadataUnpickler
+    from omnirl.checkpoint_checks import _MetadataUnpickler
 
     def load(obj):
         return _MetadataUnpickler(io.BytesIO(pickle.dumps(obj))).load()
