@@ -1,5 +1,5 @@
 """Measuring helpers of the rollout benchmarks: transformer FLOPs counted per text length, the bf16 matmul
-ceiling, wall-clock and CUDA-event timing, peak memory.
+ceiling, wall-clock and CUDA-event timing, peak memory, and a reading from every rank.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from omnirl.distributed import compute_dtype
+from omnirl.distributed import all_reduce, compute_dtype
 from omnirl.memory import synchronize
 from omnirl.models.base import Request, SamplingParams, derive_seed
 from omnirl.models.qwen_image import padded_lengths
@@ -168,3 +168,17 @@ def peak_gib() -> float:
 def reset_peak() -> None:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+
+
+def over_ranks(value: float) -> list[float]:
+    """`value` from every rank, in rank order (one rank: [value]); a collective."""
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    values = torch.zeros(world, dtype=torch.float64)  # a sum of one entry per rank
+    values[rank] = value
+    return all_reduce(values).tolist()
+
+
+def rank_columns(values: dict[str, list[float]]) -> dict:
+    """The per-rank lists of a row (`rank_generation_s`, ...): only with several ranks."""
+    return {f"rank_{k}": v for k, v in values.items()} if len(next(iter(values.values()))) > 1 else {}

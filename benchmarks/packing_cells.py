@@ -68,6 +68,14 @@ def parse_cell(spec: str) -> Cell:
         raise argparse.ArgumentTypeError(f"cell {spec!r}: max_num_seqs {n!r} is not an integer") from None
 
 
+def batch_shapes(adapter, engine: DiffusionEngine, requests: list[Request]) -> list[list[int]]:
+    """[requests, conditional text length, negative text length] of each batch the engine's packer makes."""
+    return [
+        [len(idx), *batch_lengths(adapter, [requests[i] for i in idx])]
+        for idx in engine.packer.pack(requests, engine.pad)
+    ]
+
+
 @contextlib.contextmanager
 def prompt_buckets(adapter, kind: str, requests: list[Request]):
     """The cell's `family.prompt_length_buckets`, set on the adapter for the cell's duration (the same

@@ -18,12 +18,13 @@ import torch
 import transformers
 from torch import nn
 
-from benchmarks.breakdown import breakdown, label_stock, print_breakdown
+from benchmarks.breakdown import breakdown, print_breakdown
 from benchmarks.measure import (
-    batch_lengths,
     make_requests,
     matmul_tflops,
+    over_ranks,
     peak_gib,
+    rank_columns,
     real_flops,
     reset_peak,
     text_lengths,
@@ -33,18 +34,19 @@ from benchmarks.measure import (
 )
 from benchmarks.packing_cells import (
     Cell,
+    batch_shapes,
     forward_cell,
     guarded,
     parse_cell,
     print_forward,
     prompt_buckets,
 )
+from benchmarks.packing_stock import interleaved, stock
 from omnirl import distributed as D
 from omnirl.config import load_config
 from omnirl.models import get_adapter
 from omnirl.models.base import Request, SamplingParams
 from omnirl.models.random_init import random_init_loader, write_random_checkpoint
-from omnirl.models.sd3 import SD3Adapter
 from omnirl.models.wan import WanAdapter
 from omnirl.rollout.diffusion import DiffusionEngine
 
@@ -70,9 +72,6 @@ def prompts(n: int, seed: int) -> list[str]:
         f'{" ".join(rng.choices(WORDS, k=rng.randint(4, 56)))} that reads "{rng.choice(texts)}"'
         for _ in range(n)
     ]
-
-
-# ---------------------------------------------------------------------------------------------- FLOPs
 
 
 def logprob_gap(adapter, trajs, clip_range: float) -> dict:
@@ -106,32 +105,7 @@ def logprob_gap(adapter, trajs, clip_range: float) -> dict:
     }  # fmt: skip
 
 
-# ---------------------------------------------------------------------------------------------- cells
-
-
-def batch_shapes(adapter, engine: DiffusionEngine, requests: list[Request]) -> list[list[int]]:
-    """[requests, conditional text length, negative text length] of each batch the engine's packer makes."""
-    return [
-        [len(idx), *batch_lengths(adapter, [requests[i] for i in idx])]
-        for idx in engine.packer.pack(requests, engine.pad)
-    ]
-
-
 # ---------------------------------------------------------------------------------------------- main
-
-
-def over_ranks(value: float) -> list[float]:
-    """`value` from every rank, in rank order (one rank: [value]); a collective."""
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    values = torch.zeros(world, dtype=torch.float64)  # a sum of one entry per rank
-    values[rank] = value
-    return D.all_reduce(values).tolist()
-
-
-def rank_columns(values: dict[str, list[float]]) -> dict:
-    """The per-rank lists of a row (`rank_generation_s`, ...): only with several ranks."""
-    return {f"rank_{k}": v for k, v in values.items()} if len(next(iter(values.values()))) > 1 else {}
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -481,161 +455,6 @@ def print_generation(rows: list[dict]) -> None:
             f"{r['name']:{w}s} {r['generation_s']:8.1f} {r['images_per_s']:7.2f} "
             f"{serial / r['generation_s']:8.2f} {100 * r['mfu']:5.1f}% {r['peak_gib']:8.1f}"
         )
-
-
-def stock_pipe(adapter, params: SamplingParams):
-    """diffusers' own pipeline class around the adapter's modules (the text encoders and tokenizers, the
-    policy with its LoRA, the VAE, the scheduler), and the guidance keywords of its `__call__`."""
-    modules = {"transformer": adapter.policy, "vae": adapter.vae, "scheduler": adapter.scheduler}
-    if isinstance(adapter, WanAdapter):  # the experts themselves (the policy of two is their ModuleDict)
-        modules.update(adapter.experts, boundary_ratio=adapter.boundary_ratio)
-        modules["expand_timesteps"] = adapter.expand_timesteps
-    pipe = type(adapter.text_pipe)(**{**adapter.text_pipe.components, **modules})
-    pipe.set_progress_bar_config(disable=True)
-    if isinstance(adapter, WanAdapter):
-        # output_type "np": the decoded video as an array, what a video reward reads (ours hands it a
-        # tensor); "pil" would add a PIL image per frame the engine never makes.
-        cfg_kwargs = dict(
-            guidance_scale=params.guidance_scale, num_frames=adapter.settings.num_frames,
-            max_sequence_length=adapter.max_sequence_length, output_type="np",
-        )  # fmt: skip
-        if adapter.boundary_ratio is not None:
-            cfg_kwargs["guidance_scale_2"] = adapter.guidance_2(params.guidance_scale)
-    elif isinstance(adapter, SD3Adapter):
-        cfg_kwargs = dict(
-            guidance_scale=params.guidance_scale, max_sequence_length=adapter.max_sequence_length
-        )
-    else:
-        cfg_kwargs = dict(true_cfg_scale=params.guidance_scale)
-    cfg_kwargs.setdefault("output_type", "pil")
-    return pipe, cfg_kwargs
-
-
-def stock_generate(pipe, cfg_kwargs, prompts_: list[str], negative, params, per_call: int, steps: int):
-    """The stock pipeline over `prompts_`, `per_call` prompts (and as many negatives) per `__call__`."""
-    for i in range(0, len(prompts_), per_call):
-        batch = prompts_[i : i + per_call]
-        pipe(
-            prompt=batch, negative_prompt=[negative] * len(batch), height=params.height, width=params.width,
-            num_inference_steps=steps, **cfg_kwargs,
-        )  # fmt: skip
-
-
-def interleaved(adapter, cell: Cell, requests, texts, negative, params, a, rows, flops_total, ceiling, save):
-    """--interleave: `cell` and the stock pipeline (`--stock-batch` prompts per call, the cell's mode) on
-    the same prompts, their timed generations alternating. Compiled: both compile every shape they will
-    meet in one untimed 2-step generation of all the prompts (the transformer's inputs have the same shapes
-    at every step, so 2 steps compile what 10 run), the engine with its own compiled blocks (dynamic=False,
-    swapped in per `generate`), the stock pipeline with every block compiled in place (as
-    `compile_repeated_blocks`); eager: a 2-request warm-up each. Each row is rewritten after every repeat,
-    so a run cut short keeps the repeats it finished."""
-    import dataclasses
-    import statistics
-
-    b = a.stock_batch[0]
-    engine = DiffusionEngine(adapter, cell.max_num_seqs, fused_cfg=cell.fused_cfg, compile=cell.compile)
-    pipe, cfg_kwargs = stock_pipe(adapter, params)
-    mode = "compiled" if cell.compile else "eager"
-
-    # The stock pipeline's compiled blocks, as `nn.Module.compile` makes them (`compile_repeated_blocks`),
-    # set on the blocks only while it runs: the engine swaps its own compiled `forward` in per `generate`.
-    units = list(adapter.fsdp_units())
-    stock_impls = [torch.compile(u._call_impl, fullgraph=True) for u in units] if cell.compile else []
-
-    def stock_call(prompts_: list[str], steps: int = params.num_steps) -> None:
-        for u, impl in zip(units, stock_impls):
-            u._compiled_call_impl = impl
-        try:
-            with D.gathered_weights(adapter.policy):  # once per generation, as the engine's `generate`
-                stock_generate(pipe, cfg_kwargs, prompts_, negative, params, b, steps)
-        finally:
-            for u in units:
-                u._compiled_call_impl = None
-
-    short = dataclasses.replace(params, num_steps=2, sde_window_size=1, sde_window_range=(0, 1))
-    short_requests = [dataclasses.replace(r, params=short) for r in requests]
-    ours = {"name": cell.name, "scaled_from": len(requests), "generation_s_runs": []}
-    theirs = {"name": f"stock {type(pipe).__name__} {b} prompts/call, {mode}", "scaled_from": len(texts)}
-    theirs["generation_s_runs"] = []
-    with prompt_buckets(adapter, cell.buckets, requests):
-        if cell.compile:
-            ours["compile_s"] = timed(lambda: engine.generate(short_requests))[0]
-            theirs["compile_s"] = timed(lambda: stock_call(texts, 2))[0]
-        engine.check_memory(requests)  # the memory check's probes, at the timed batches' sizes
-        engine.generate(requests[:2])  # warm-up (allocator, kernels)
-        stock_call(texts[:2])
-        reset_peak()
-        ours["batches"] = batch_shapes(adapter, engine, requests)
-        frames = torch._dynamo.utils.counters["frames"]  # frames dynamo compiled: none may be timed
-        for _ in range(a.repeats):
-            for row, fn in ((ours, lambda: engine.generate(requests)), (theirs, lambda: stock_call(texts))):
-                D.barrier()
-                before = frames["ok"]
-                secs = timed(fn)[0]
-                row["compiled_while_timed"] = row.get("compiled_while_timed", 0) + frames["ok"] - before
-                row["generation_s_runs"].append(secs)
-                gens = over_ranks(statistics.median(row["generation_s_runs"]))
-                gen = max(gens)
-                row.update(
-                    generation_s=gen, images_per_s=a.images / gen, mfu=flops_total / gen / ceiling,
-                    **rank_columns({"generation_s": gens}),
-                )  # fmt: skip
-                rows[:] = [r for r in rows if r is not ours and r is not theirs] + [ours, theirs]
-                D.print0(json.dumps(row))
-                save()
-        peak = max(over_ranks(peak_gib()))  # of both cells' generations (the same resident models)
-        ours["peak_gib"] = theirs["peak_gib"] = peak
-        if a.breakdown:
-            batch = requests[: cell.max_num_seqs]
-            split = breakdown(lambda: engine.generate(batch), adapter.device)
-            ours["breakdown"] = {"requests": len(batch), **split}
-            with label_stock(pipe):
-                split = breakdown(lambda: stock_call(texts[:b]), adapter.device)
-            theirs["breakdown"] = {"requests": b, **split}
-    for row in (ours, theirs):
-        row["generation_s_runs"] = [round(t, 3) for t in row["generation_s_runs"]]
-
-
-def stock(adapter, texts, negative, params, a, rows, flop_seconds, save, compiled: bool) -> None:
-    """diffusers' own pipeline around the same modules (LoRA attached), batches of prompts per call.
-
-    `flop_seconds`: the rollout's FLOPs over the matmul rate (its duration at 100% MFU)."""
-    pipe, cfg_kwargs = stock_pipe(adapter, params)
-    if compiled:  # per repeated block, as compile_repeated_blocks does (FSDP2 renames the block class)
-        for block in adapter.fsdp_units():
-            block.compile(fullgraph=True)
-    for b in a.stock_batch:
-        n = min(a.stock_images or len(texts), len(texts))
-        name = f"stock {type(pipe).__name__} {b} prompts/call, {'compiled' if compiled else 'eager'}"
-
-        def call(k=n, b=b):
-            stock_generate(pipe, cfg_kwargs, texts[:k], negative, params, b, params.num_steps)
-
-        def run(b=b, n=n, name=name, call=call):
-            with D.gathered_weights(adapter.policy):  # as the engine does: weights gathered once
-                compile_s = timed(lambda: call(b))[0] if compiled else 0.0
-                call(2, 2) if not compiled else None  # warm-up (kernels, allocator)
-                reset_peak()
-                secs, runs, _ = timed_repeats(call, a.repeats, D.barrier)
-                if a.breakdown:
-                    with label_stock(pipe):
-                        split = breakdown(lambda: call(b, b), adapter.device)
-            gens, peaks = over_ranks(secs * a.images / n), over_ranks(peak_gib())
-            gen = max(gens)
-            row = {
-                "name": name, "generation_s": gen, "images_per_s": a.images / gen, "scaled_from": n,
-                "mfu": flop_seconds / gen, "peak_gib": max(peaks),
-                "compile_s": max(over_ranks(max(compile_s - secs * b / n, 0.0))),
-                "generation_s_runs": [r * a.images / n for r in runs],  # this rank's
-                **rank_columns({"generation_s": gens, "peak_gib": peaks}),
-            }  # fmt: skip
-            if a.breakdown:
-                row["breakdown"] = {"requests": b, **split}
-            rows.append(row)
-            D.print0(json.dumps(row))
-
-        guarded(rows, name, run)
-        save()
 
 
 if __name__ == "__main__":

@@ -21,34 +21,22 @@ A checkpoint is written into `step_000010.tmp`, every file fsynced, then renamed
 barrier (and the rename made durable), so a directory without `.tmp` is always complete: a kill during
 a write leaves a `.tmp` that resume ignores and the next save removes.
 
-Loading trusts nothing in the directory. Every file is checked against the manifest before anything is
-read (`verify`: a flipped byte or a truncated shard is an error naming the file), the trained tensors are
-checked to be finite after reading, and nothing is unpickled beyond plain data: DCP's `.metadata` goes
-through an unpickler that admits only DCP's own metadata classes (`SafeReader`), its non-tensor items and
-the RNG states through `torch.load(weights_only=True)` (`SafePlanner`). The manifest guards against damage,
-not against tampering: whoever can write the files can write a matching manifest; what such a checkpoint
-can still do is set the trained weights and optimizer state (see the README).
+Loading trusts nothing in the directory: the manifest, meta.json, DCP's metadata pickle and the tensors
+read are checked as omnirl/checkpoint_checks.py describes, before anything reaches the model.
 """
 
 from __future__ import annotations
 
-import enum
 import hashlib
-import io
 import json
 import os
-import pickle
 import re
 import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-import xxhash
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -56,24 +44,27 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 from omnirl import distributed as D
-from omnirl.config import Config, ConfigError, config_for
+from omnirl.checkpoint_checks import (
+    FORMAT,
+    MANIFEST,
+    CheckpointError,
+    SafeReader,
+    checkpoint_files,
+    file_hash,
+    read_meta,
+    read_state,
+    verify,
+)
+from omnirl.config import Config, config_for
 
 STEP_DIR = re.compile(r"step_(\d{6,})")
-FORMAT = 2  # 2: manifest.json
-MANIFEST = "manifest.json"
 # Only trainable parameters are saved: the frozen base of a LoRA comes from model.path on every start.
 OPTIONS = StateDictOptions(ignore_frozen_params=True)
 # Loading then leaves the frozen base alone (not strict); `check_tensors` has made sure that the
 # checkpoint holds exactly the trainable tensors.
 LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint that cannot be resumed by this run (another model, damaged, unsafe); the message names the
-    directory and what differs. A ConfigError: the entry points report it as one line."""
 
 
 def identity(cfg: Config) -> dict:
@@ -159,29 +150,6 @@ def check_meta(path: Path, cfg: Config) -> dict:
     return meta
 
 
-def read_meta(path: Path) -> dict:
-    """meta.json of the checkpoint at `path`, checked to hold what loading reads; else a CheckpointError."""
-    meta_file = path / "meta.json"
-    if not meta_file.is_file():
-        raise CheckpointError(f"{path}: not a complete checkpoint (no meta.json)")
-    try:
-        meta = json.loads(meta_file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{meta_file}: not valid JSON ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        found = meta.get("format") if isinstance(meta, dict) else meta
-        raise CheckpointError(f"{meta_file}: checkpoint format {found!r}, expected {FORMAT}")
-    fields = {"step": int, "world_size": int, "run_name": str, "model_dtype": str, "identity": dict}
-    for key, tp in fields.items():
-        if not isinstance(meta.get(key), tp) or isinstance(meta.get(key), bool):
-            raise CheckpointError(f"{meta_file}: {key!r} must be a {tp.__name__}, got {meta.get(key)!r}")
-    if meta["step"] < 0 or meta["world_size"] < 1:
-        raise CheckpointError(
-            f"{meta_file}: step {meta['step']} / world_size {meta['world_size']} out of range"
-        )
-    return meta
-
-
 def save(
     cfg: Config,
     steps_done: int,
@@ -260,29 +228,10 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def file_hash(path: Path) -> str:
-    """xxh3-128 of a file, read in 16 MiB chunks (several GB/s: a resume hashes every file once)."""
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while chunk := f.read(16 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _files(ckpt: Path, world_size: int) -> list[str]:
-    """Every file of the checkpoint at `ckpt`, relative to it, without listing directories (on a shared
-    filesystem another node's new files may not be listed yet, but they open): the DCP files named by its
-    metadata, each rank's RNG file, meta.json and metrics.jsonl."""
-    metadata = SafeReader(ckpt / "model_optim").read_metadata()
-    shards = {f"model_optim/{info.relative_path}" for info in metadata.storage_data.values()}
-    rng = [f"rng/rank_{r:05d}.pt" for r in range(world_size)]
-    return sorted({"model_optim/.metadata", *shards, *rng, "meta.json", "metrics.jsonl"})
-
-
 def write_manifest(tmp: Path, dist) -> None:
     """`tmp`/manifest.json: each file's size and hash, the hashing shared out over the ranks (collective);
     rank 0 writes it, after every other file."""
-    files = _files(tmp, dist.world_size)
+    files = checkpoint_files(tmp, dist.world_size)
     mine = {
         rel: {"size": (tmp / rel).stat().st_size, "xxh3_128": file_hash(tmp / rel)}
         for rel in files[dist.rank :: dist.world_size]
@@ -291,163 +240,6 @@ def write_manifest(tmp: Path, dist) -> None:
     if dist.is_main:
         manifest = {"format": FORMAT, "files": dict(sorted(entries.items()))}
         _write(tmp / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
-
-
-def verify(path: Path) -> None:
-    """Every file of the checkpoint at `path` has the size and hash its manifest records, and the manifest
-    lists every file DCP's metadata names; else a CheckpointError naming the files. Every rank of a run
-    calls it, each hashing its share of the files (collective when there is a process group)."""
-    manifest_file = path / MANIFEST
-    if not manifest_file.is_file():
-        raise CheckpointError(f"{path}: not a complete checkpoint (no {MANIFEST})")
-    try:
-        files = json.loads(manifest_file.read_text())["files"]
-        sizes = {rel: (int(e["size"]), str(e["xxh3_128"])) for rel, e in files.items()}
-    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{manifest_file}: not a manifest omnirl wrote ({e!r})") from None
-    rank, world = D.rank_and_world()
-    problems = []
-    for rel in sorted(sizes)[rank::world]:
-        size, digest = sizes[rel]
-        f = path / rel
-        if ".." in Path(rel).parts or not f.is_file():
-            problems.append(f"{rel}: missing")
-        elif f.stat().st_size != size:
-            problems.append(f"{rel}: {f.stat().st_size} bytes, the manifest says {size}")
-        elif file_hash(f) != digest:
-            problems.append(f"{rel}: its content changed after it was written (hash mismatch)")
-    problems = [p for part in D.all_gather_object(problems) for p in part]
-    if not problems and "model_optim/.metadata" in sizes:
-        meta = read_meta(path)
-        unlisted = sorted(set(_files(path, meta["world_size"])) - sizes.keys())
-        problems = [f"{rel}: not in the manifest" for rel in unlisted]
-    elif not problems:
-        problems = ["model_optim/.metadata: not in the manifest"]
-    if problems:
-        raise CheckpointError(
-            f"{path} is damaged, so nothing was loaded ({len(problems)} files): " + "; ".join(problems[:5])
-        )
-
-
-# What DCP's `.metadata` pickle may name: its metadata classes and the torch / pathlib values they hold.
-# Anything else (os.system, builtins.eval, ...) fails to load instead of running.
-METADATA_CLASSES = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in (
-        "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
-        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
-    )
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # a torch.layout by its name
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("collections", "OrderedDict"),
-}  # fmt: skip
-
-
-def _enum_member(cls, name: str):
-    """`getattr` as the metadata pickle may call it: some Python versions (3.11.0-3.11.4) pickle an enum
-    member as getattr(its class, its name); only members of the metadata's own enums resolve."""
-    if not (
-        isinstance(cls, type)
-        and issubclass(cls, enum.Enum)
-        and (cls.__module__, cls.__qualname__) in METADATA_CLASSES
-        and isinstance(name, str)
-        and name in cls.__members__
-    ):
-        raise pickle.UnpicklingError(
-            f"getattr({cls!r}, {name!r}) is not an enum member of checkpoint metadata"
-        )
-    return cls[name]
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        if (module, name) in METADATA_CLASSES:
-            return super().find_class(module, name)
-        if (module, name) == ("builtins", "getattr"):
-            return _enum_member
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not a class of checkpoint metadata")
-
-
-class SafeReader(FileSystemReader):
-    """DCP's FileSystemReader, its `.metadata` read with `_MetadataUnpickler` instead of `pickle.load`."""
-
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        path = Path(self.path) / ".metadata"
-        try:
-            with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
-            raise CheckpointError(f"{path}: not checkpoint metadata, so nothing was loaded ({e})") from None
-        except OSError as e:
-            raise CheckpointError(f"{path}: unreadable ({e})") from None
-        if not isinstance(metadata, Metadata):
-            raise CheckpointError(f"{path}: holds a {type(metadata).__name__}, not checkpoint metadata")
-        if metadata.storage_meta is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class SafePlanner(DefaultLoadPlanner):
-    """DCP's default load planner, its non-tensor items (the optimizer's param groups: numbers, strings,
-    tuples) read with `torch.load(weights_only=True)` instead of unrestricted unpickling."""
-
-    def load_bytes(self, read_item, value) -> None:
-        try:
-            obj = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as e:
-            # torch's message is a paragraph; the line naming the refused global is the one that matters.
-            reason = next((line for line in str(e).splitlines() if "GLOBAL" in line), str(e).splitlines()[0])
-            raise CheckpointError(
-                f"{read_item.dest_index.fqn}: not plain data, so it was not loaded ({reason})"
-            ) from None
-        value = io.BytesIO()  # what the default planner reads, now known to be plain data
-        torch.save(obj, value)
-        value.seek(0)
-        super().load_bytes(read_item, value)
-
-
-def read_state(path: Path, state: dict) -> None:
-    """`dcp.load` of the checkpoint at `path` into `state` through `SafeReader` and `SafePlanner`, then
-    `check_finite`. DCP wraps what a rank raised in a CheckpointException (a BaseException): our own
-    CheckpointError comes out as itself."""
-    try:
-        dcp.load(state, storage_reader=SafeReader(path / "model_optim"), planner=SafePlanner())
-    except CheckpointException as e:
-        for exc, _ in e.failures.values():
-            if isinstance(exc, CheckpointError):
-                raise exc from None
-        raise
-    check_finite(path, state)
-
-
-def check_finite(path: Path, state: dict) -> None:
-    """Every floating-point tensor of a loaded `state` (weights, optimizer moments; nested dicts) is finite,
-    on every rank; else a CheckpointError naming them (collective when there is a process group)."""
-    bad = []
-
-    def walk(prefix: str, value) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(f"{prefix}.{k}" if prefix else str(k), v)
-        elif isinstance(value, torch.Tensor) and value.is_floating_point():
-            local = value.to_local() if isinstance(value, DTensor) else value
-            if not bool(torch.isfinite(local).all()):
-                bad.append(prefix)
-
-    walk("", state)
-    bad = sorted({name for part in D.all_gather_object(bad) for name in part})
-    if bad:
-        raise CheckpointError(
-            f"{path}: {len(bad)} trained tensors hold NaN or infinity, e.g. {', '.join(bad[:3])}; a policy "
-            "with them makes NaN samples, so they are not used (take an earlier checkpoint)"
-        )
 
 
 def check_tensors(path: Path, model: nn.Module, extra: dict[str, torch.Tensor] | None = None) -> None:

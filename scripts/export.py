@@ -26,13 +26,8 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from omnirl.checkpoint import (
-    LORA_FILE,
-    adapter_from_checkpoint,
-    check_finite,
-    lora_to_peft,
-    save_merged,
-)
+from omnirl.checkpoint import LORA_FILE, adapter_from_checkpoint, lora_to_peft, save_merged
+from omnirl.checkpoint_checks import check_finite
 from omnirl.config import ConfigError
 from omnirl.distributed import DTYPES
 

@@ -17,8 +17,8 @@ REWARDS["killed_on_rank1"] = "tests.support_failures:KilledOnRank1"
 REWARDS["hangs_on_rank1"] = "tests.support_failures:HangsOnRank1"
 
 if hold := os.environ.get("OMNIRL_TEST_HOLD_COMMIT"):
-    # test_checkpoint.py kills the job while the checkpoint `hold` (e.g. step_000004) is written but not
-    # yet renamed into place: rank 0 waits here, before the rename, until it is killed.
+    # test_checkpoint_resume.py kills the job while the checkpoint `hold` (e.g. step_000004) is written but
+    # not yet renamed into place: rank 0 waits here, before the rename, until it is killed.
     from omnirl import checkpoint
 
     commit = checkpoint.commit

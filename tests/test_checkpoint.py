@@ -1,18 +1,18 @@
-"""Checkpoints, exact resume, export, and the trainer's failure behaviour, on the tiny SD3.
+"""Checkpoints, export, and the trainer's failure behaviour, on the tiny SD3.
 
-The torchrun tests share one uninterrupted 2-rank FSDP run (`reference`); a run that is SIGKILLed (after a
-checkpoint, or while one is being written) and resumed must end bit-identical to it (fp32 on CPU).
+A checkpoint of another model, a damaged or crafted one and a broken meta.json are refused before
+anything is loaded (on resume, on loading and on export); an export loads in diffusers and peft and
+merges; a non-finite loss or sample is skipped or stops the run. Exact resume under torchrun:
+test_checkpoint_resume.py.
 """
 
-import contextlib
+import importlib.util
 import json
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,14 +21,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
-from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from omnirl import checkpoint
 from omnirl import distributed as D
 from omnirl.checkpoint import CheckpointError
 from omnirl.data.prompts import load_prompts
-from omnirl.metrics import GRID_PAD, read_metrics
+from omnirl.metrics import read_metrics
 from omnirl.models import get_adapter
 from omnirl.models.base import Request
 from omnirl.ops.diffusion import DiffusionOps, sampling_params
@@ -36,169 +35,16 @@ from omnirl.step import NonFiniteError, make_requests, update
 from tests.support_compare import max_diff
 from tests.test_sd3 import make_requests as sd3_requests
 from tests.test_sd3 import noise_free, run_pipeline
-from tests.test_train import ROOT, tiny_cfg, torchrun, torchrun_cmd
+from tests.test_train import ROOT, tiny_cfg
 
-RECIPE = ROOT / "yaml/sd3_tiny_flowgrpo.yaml"
-STEPS = 4
-LORA = "lora/pytorch_lora_weights.safetensors"
-
-
-def overrides(tiny_sd3, data, out, *extra):
-    """A small fast run: 2 prompts x 4 samples, 4 denoising steps, a checkpoint every 2 steps."""
-    return [
-        "--model.path", str(tiny_sd3), "--run.output_dir", str(out), "--run.steps", str(STEPS),
-        "--data.train_path", str(data), "--data.on_bad_row", "skip",
-        "--rollout.prompts_per_step", "2", "--rollout.group_size", "4", "--sampling.num_steps", "4",
-        "--checkpoint.every", "2", "--log.image_every", "2", "--log.no-tensorboard", *extra,
-    ]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    """The tiny prompts plus one malformed row (skipped and counted: data.on_bad_row skip)."""
-    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
-    path.write_text((ROOT / "data/sd3_tiny_prompts.jsonl").read_text() + '{"prompt": ""}\n')
-    return path
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_sd3, data, tmp_path_factory):
-    """The run that never stopped."""
-    out = tmp_path_factory.mktemp("reference")
-    torchrun(2, RECIPE, *overrides(tiny_sd3, data, out))
-    return out
-
-
-@contextlib.contextmanager
-def job(nproc, args, log: Path, env=None):
-    """A run in the background (output to `log`); killed on the way out if still running."""
-    cmd, base_env = torchrun_cmd(nproc, RECIPE, *args)
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**base_env, **(env or {})}, stdout=f, stderr=f)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            kill_job(proc)
-
-
-def wait_for(path: Path, proc: subprocess.Popen, log: Path, timeout=300) -> None:
-    end = time.monotonic() + timeout
-    while not path.exists():
-        if proc.poll() is not None:
-            pytest.fail(f"the run ended before {path} appeared:\n{log.read_text()[-3000:]}")
-        assert time.monotonic() < end, f"{path} did not appear within {timeout} s"
-        time.sleep(0.02)
-
-
-def kill_job(proc: subprocess.Popen) -> None:
-    """SIGKILL torchrun and its workers, as a node failure would. torchrun starts each worker in a
-    session of its own, so killing torchrun's process group would miss them."""
-    children = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
-    for pid in [*children, proc.pid]:
-        os.kill(pid, signal.SIGKILL)
-    proc.wait()
-    for pid in children:  # orphaned workers are reaped by init: wait until they are gone
-        stat = Path(f"/proc/{pid}/stat")
-        while stat.exists() and stat.read_text().split(") ")[-1][0] != "Z":
-            time.sleep(0.02)
-    assert proc.returncode == -signal.SIGKILL
-
-
-def steady(rows: list[dict]) -> list[dict]:
-    """Metrics rows without the wall-clock and memory readings, which no two runs share."""
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "mem/"))} for r in rows]
-
-
-def assert_same_run(out: Path, reference: Path) -> None:
-    ref, got = load_file(reference / LORA), load_file(out / LORA)
-    assert ref.keys() == got.keys() and ref
-    assert all(torch.equal(ref[k], got[k]) for k in ref), "resumed weights differ from the reference"
-    ref_rows, rows = read_metrics(reference / "metrics.jsonl"), read_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(STEPS))
-    assert steady(rows) == steady(ref_rows)
-
-
-@pytest.mark.slow
-def test_killed_run_resumes_bit_identical(tiny_sd3, data, reference, tmp_path):
-    ref_rows = read_metrics(reference / "metrics.jsonl")
-    assert ref_rows[0]["data/skipped_rows"] == 1 and all("data/skipped_rows" not in r for r in ref_rows[1:])
-    assert sorted(p.name for p in (reference / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
-
-    out, log = tmp_path / "run", tmp_path / "killed.log"
-    with job(2, overrides(tiny_sd3, data, out), log) as proc:
-        wait_for(out / "checkpoints/step_000002", proc, log)
-        kill_job(proc)
-    assert not (out / "lora").exists(), "the run finished before it was killed"
-    before = read_metrics(out / "metrics.jsonl")
-
-    r = torchrun(2, RECIPE, *overrides(tiny_sd3, data, out))
-    assert f"resumed from {out}/checkpoints/step_000002 at step 2 (saved on 2 ranks)" in r.stdout
-    assert_same_run(out, reference)
-    # Rows 0-1 are the killed run's own (their timings survive), not recomputed by a fresh start.
-    assert read_metrics(out / "metrics.jsonl")[:2] == before[:2]
-
-
-@pytest.mark.slow
-def test_kill_during_checkpoint_write_keeps_previous(tiny_sd3, data, reference, tmp_path):
-    out, log = tmp_path / "run", tmp_path / "killed.log"
-    # Rank 0 holds before renaming step_000004.tmp: killed then, the write never completes.
-    with job(2, overrides(tiny_sd3, data, out), log, {"OMNIRL_TEST_HOLD_COMMIT": "step_000004"}) as proc:
-        wait_for(out / "checkpoints/step_000004.tmp/meta.json", proc, log)
-        kill_job(proc)
-    names = sorted(p.name for p in (out / "checkpoints").iterdir())
-    assert names == ["step_000002", "step_000004.tmp"]
-
-    r = torchrun(2, RECIPE, *overrides(tiny_sd3, data, out))
-    assert f"resumed from {out}/checkpoints/step_000002 at step 2" in r.stdout
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
-    assert_same_run(out, reference)
-
-
-def grid_cells(path: Path, n: int, size: int = 32) -> np.ndarray:
-    """The first n cells of a sample grid written by MetricsLogger.log_images: [n, size, size, 3]."""
-    grid = np.asarray(Image.open(path)).astype(np.int16)
-    cols = (grid.shape[1] - GRID_PAD) // (size + GRID_PAD)
-    cells = []
-    for i in range(n):
-        y, x = (i // cols) * (size + GRID_PAD) + GRID_PAD, (i % cols) * (size + GRID_PAD) + GRID_PAD
-        cells.append(grid[y : y + size, x : x + size])
-    return np.stack(cells)
-
-
-@pytest.mark.slow
-def test_resume_on_fewer_ranks_draws_the_same_samples(tiny_sd3, data, reference, tmp_path):
-    """2 ranks -> 1: the steps after resuming draw the samples the 2-rank run drew (request seeds come
-    from the global request index) and update on the same mini-batches, from the same (resharded) weights.
-    What differs is the order of the gradient sums (one rank instead of two), so the weights drift apart by
-    the rounding of that order, amplified by Adam (lr 1e-2 here): measured and bounded, not zero."""
-    out = tmp_path / "one_rank"
-    resume = reference / "checkpoints/step_000002"
-    torchrun(1, RECIPE, *overrides(tiny_sd3, data, out, "--checkpoint.resume", str(resume)))
-    # Rank 0 of the 2-rank run logged its 4 samples (global requests 0-3); the 1-rank run all 8.
-    ref_cells = grid_cells(reference / "samples/step_000002.png", 4)
-    cells = grid_cells(out / "samples/step_000002.png", 4)
-    step1 = grid_cells(reference / "samples/step_000000.png", 4)
-    assert np.abs(ref_cells - step1).max() > 20  # other steps draw other samples
-    assert np.abs(cells - ref_cells).max() <= 1  # equal up to uint8 rounding
-    ref_rows, rows = read_metrics(reference / "metrics.jsonl"), read_metrics(out / "metrics.jsonl")
-    assert steady(rows[:2]) == steady(ref_rows[:2])  # the 2-rank run's own rows, kept
-    drift = {f"reward step {s}": abs(rows[s]["reward/mean"] - ref_rows[s]["reward/mean"]) for s in (2, 3)}
-    ref, got = load_file(reference / LORA), load_file(out / LORA)
-    scale = max(v.abs().max().item() for v in ref.values())
-    drift["lora max |diff|"] = max((ref[k] - got[k]).abs().max().item() for k in ref)
-    print(f"2 -> 1 ranks: {drift}; largest LoRA weight {scale:.3g}")
-    # Step 2 runs on the checkpoint's weights (resharded, not recomputed): the same samples and reward.
-    assert drift["reward step 2"] == 0
-    # Two updates later the weights differ at the level of float32 rounding (measured 1.4e-7); over 25
-    # steps the difference grows (benchmarks/resume_drift.py, README).
-    assert drift["reward step 3"] <= 1e-4 and drift["lora max |diff|"] <= 1e-5
+# The LoRA of the `adapter` fixture, and so of every checkpoint these tests save and resume.
+ADAPTER_LORA = ("--lora.rank", "4", "--lora.alpha", "8")
 
 
 @pytest.fixture(scope="module")
 def adapter(tiny_sd3):
     """LoRA rank 4, alpha 8 (alpha != rank: every export must carry the scale), with a non-zero B."""
-    cfg = tiny_cfg(tiny_sd3, Path("unused"), "--lora.rank", "4", "--lora.alpha", "8")
+    cfg = tiny_cfg(tiny_sd3, Path("unused"), *ADAPTER_LORA)
     D.seed_everything(0)
     adapter = get_adapter("sd3")(cfg, torch.device("cpu"))
     for name, p in adapter.policy.named_parameters():
@@ -207,13 +53,25 @@ def adapter(tiny_sd3):
     return adapter
 
 
-def save_checkpoint(adapter, tiny_sd3, out: Path, *extra) -> Path:
-    cfg = tiny_cfg(tiny_sd3, out, "--lora.rank", "4", "--lora.alpha", "8", *extra)
+def adapter_cfg(tiny_sd3, out: Path):
+    """The config of a run of the `adapter` fixture's LoRA whose run.output_dir is `out` itself."""
+    cfg = tiny_cfg(tiny_sd3, out, *ADAPTER_LORA)
     cfg.run.output_dir = str(out)
+    return cfg
+
+
+def save_checkpoint(adapter, tiny_sd3, out: Path) -> Path:
+    """The `adapter` fixture saved as the step-3 checkpoint of a run into `out`, with a fresh optimizer."""
     for p in adapter.trainable_parameters():
         p.grad = None  # left by an earlier test, a gradient keeps DCP from initialising the optimizer state
     opt = torch.optim.AdamW(adapter.trainable_parameters(), lr=1e-2)
-    return checkpoint.save(cfg, 3, adapter.policy, opt, D.init_distributed())
+    return checkpoint.save(adapter_cfg(tiny_sd3, out), 3, adapter.policy, opt, D.init_distributed())
+
+
+@pytest.fixture
+def saved(adapter, tiny_sd3, tmp_path) -> Path:
+    """The `adapter` fixture's checkpoint, saved into tmp_path/out by save_checkpoint."""
+    return save_checkpoint(adapter, tiny_sd3, tmp_path / "out")
 
 
 def reseal(path: Path) -> None:
@@ -262,12 +120,9 @@ def test_checkpoint_of_another_model_fails_before_loading(adapter, tiny_sd3, tmp
         checkpoint.find_resume(other_model)
 
     # The matching run loads it, RNG included; a fresh start over existing checkpoints is refused.
-    meta["identity"] = checkpoint.identity(
-        tiny_cfg(tiny_sd3, tmp_path, "--lora.rank", "4", "--lora.alpha", "8")
-    )
+    meta["identity"] = checkpoint.identity(tiny_cfg(tiny_sd3, tmp_path, *ADAPTER_LORA))
     (path / "meta.json").write_text(json.dumps(meta))
-    cfg4 = tiny_cfg(tiny_sd3, tmp_path / "out", "--lora.rank", "4", "--lora.alpha", "8")
-    cfg4.run.output_dir = str(tmp_path / "out")
+    cfg4 = adapter_cfg(tiny_sd3, tmp_path / "out")
     torch.rand(5)
     opt = torch.optim.AdamW(adapter.trainable_parameters(), lr=1e-2)
     assert checkpoint.load(path, cfg4, adapter.policy, opt, D.init_distributed())[0] == 3
@@ -277,11 +132,16 @@ def test_checkpoint_of_another_model_fails_before_loading(adapter, tiny_sd3, tmp
         checkpoint.find_resume(cfg4)
 
 
-def test_nonfinite_loss_is_skipped_or_stops(adapter, tiny_sd3, tmp_path):
-    cfg = tiny_cfg(
+def one_group_cfg(tiny_sd3, tmp_path):
+    """One prompt, a group of two samples, two denoising steps: the smallest step that has advantages."""
+    return tiny_cfg(
         tiny_sd3, tmp_path, "--rollout.prompts_per_step", "1", "--rollout.group_size", "2",
         "--sampling.num_steps", "2",
     )  # fmt: skip
+
+
+def test_nonfinite_loss_is_skipped_or_stops(adapter, tiny_sd3, tmp_path):
+    cfg = one_group_cfg(tiny_sd3, tmp_path)
     dist = D.init_distributed()
     requests, _ = make_requests(cfg, load_prompts(cfg.data.train_path), 0, dist, sampling_params(cfg))
     trajs = adapter.rollout(requests)
@@ -334,10 +194,7 @@ def test_nonfinite_samples_are_never_scored_and_skip_or_stop(tiny_sd3, tmp_path)
     from omnirl.rewards.pool import RewardPool
     from omnirl.step import assign_advantages
 
-    cfg = tiny_cfg(
-        tiny_sd3, tmp_path, "--rollout.prompts_per_step", "1", "--rollout.group_size", "2",
-        "--sampling.num_steps", "2",
-    )  # fmt: skip
+    cfg = one_group_cfg(tiny_sd3, tmp_path)
     D.seed_everything(0)
     adapter = get_adapter("sd3")(cfg, torch.device("cpu"))
     ops = DiffusionOps(cfg, adapter)
@@ -421,17 +278,20 @@ def test_a_policy_blown_up_by_its_lr_is_caught(on_nonfinite, tiny_sd3, tmp_path)
         assert math.isnan(row["reward/mean"]) and "train/updates" not in row
 
 
-def run_export(*args: str) -> None:
-    import importlib.util
-
+def export_status(*args: str) -> int:
+    """scripts/export.py's main on these arguments, run in this process: its exit status."""
     spec = importlib.util.spec_from_file_location("export_script", ROOT / "scripts/export.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.main([str(a) for a in args]) == 0
+    return module.main([str(a) for a in args])
 
 
-def test_export_loads_in_diffusers_and_peft_and_merges(adapter, tiny_sd3, tmp_path):
-    path = save_checkpoint(adapter, tiny_sd3, tmp_path / "out")
+def run_export(*args: str) -> None:
+    assert export_status(*args) == 0
+
+
+def test_export_loads_in_diffusers_and_peft_and_merges(saved, adapter, tiny_sd3, tmp_path):
+    path = saved
     run_export(path, tmp_path / "diffusers")
     run_export(path, tmp_path / "peft", "--format", "peft")
     run_export(path, tmp_path / "merged", "--merge")
@@ -496,25 +356,16 @@ def test_export_merges_a_full_finetune(tiny_sd3, tmp_path):
     assert all(torch.equal(v, trained[k].bfloat16().float()) for k, v in merged.state_dict().items())
 
 
-def export_status(*args: str) -> int:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("export_script", ROOT / "scripts/export.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main([str(a) for a in args])
-
-
 def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.replace("\r", "\n").splitlines() if line.startswith("error: ")]
 
 
 def resume_cfg(tiny_sd3, path: Path, out: Path):
-    return tiny_cfg(tiny_sd3, out, "--lora.rank", "4", "--lora.alpha", "8", "--checkpoint.resume", str(path))
+    return tiny_cfg(tiny_sd3, out, *ADAPTER_LORA, "--checkpoint.resume", str(path))
 
 
-def test_flipped_byte_in_a_shard_is_found_before_loading(adapter, tiny_sd3, tmp_path, capsys):
-    path = save_checkpoint(adapter, tiny_sd3, tmp_path / "out")
+def test_flipped_byte_in_a_shard_is_found_before_loading(saved, tiny_sd3, tmp_path, capsys):
+    path = saved
     manifest = json.loads((path / checkpoint.MANIFEST).read_text())["files"]
     assert {"meta.json", "metrics.jsonl", "model_optim/.metadata", "rng/rank_00000.pt"} <= manifest.keys()
     (shard,) = [k for k in manifest if k.endswith(".distcp")]
@@ -541,10 +392,10 @@ def test_flipped_byte_in_a_shard_is_found_before_loading(adapter, tiny_sd3, tmp_
         checkpoint.find_resume(resume_cfg(tiny_sd3, path, tmp_path / "run"))
 
 
-def test_nan_bytes_in_a_tensor_are_refused_on_resume_and_export(adapter, tiny_sd3, tmp_path, capsys):
+def test_nan_bytes_in_a_tensor_are_refused_on_resume_and_export(saved, adapter, tiny_sd3, tmp_path, capsys):
     """64 NaN bytes over one LoRA tensor's data: the manifest catches it; with a manifest written over the
     damaged files (the damage came first), the finite check after loading names the tensor."""
-    path = save_checkpoint(adapter, tiny_sd3, tmp_path / "out")
+    path = saved
     name, tensor = next((n, p) for n, p in adapter.policy.named_parameters() if "lora_B" in n)
     (shard,) = (path / "model_optim").glob("*.distcp")
     data = shard.read_bytes()
@@ -588,13 +439,13 @@ class RunsCommand:
         return (os.system, (f"touch {self.marker}",))
 
 
-def test_crafted_metadata_fails_to_load_and_runs_nothing(adapter, tiny_sd3, tmp_path, capsys):
+def test_crafted_metadata_fails_to_load_and_runs_nothing(saved, adapter, tiny_sd3, tmp_path, capsys):
     """DCP's .metadata is a pickle: one whose reduce calls os.system, with a matching manifest (whoever
     crafts a checkpoint can write its manifest too), fails to load and the command never runs: on resume,
     on loading and on export. A non-tensor item of a shard (read by torch.load) is held to plain data."""
     import pickle
 
-    path = save_checkpoint(adapter, tiny_sd3, tmp_path / "out")
+    path = saved
     marker = tmp_path / "ran"
     metadata = path / "model_optim/.metadata"
     genuine = metadata.read_bytes()
@@ -623,8 +474,8 @@ def test_crafted_metadata_fails_to_load_and_runs_nothing(adapter, tiny_sd3, tmp_
     assert not marker.exists()
 
 
-def test_broken_meta_json_is_a_checkpoint_error(adapter, tiny_sd3, tmp_path):
-    path = save_checkpoint(adapter, tiny_sd3, tmp_path / "out")
+def test_broken_meta_json_is_a_checkpoint_error(saved, tiny_sd3, tmp_path):
+    path = saved
     (path / "meta.json").write_text('{"format": 2, "step": ')
     reseal(path)
     with pytest.raises(CheckpointError, match=r"meta\.json: not valid JSON"):
@@ -636,10 +487,10 @@ def test_broken_meta_json_is_a_checkpoint_error(adapter, tiny_sd3, tmp_path):
 
 
 @pytest.mark.slow
-def test_exported_lora_bytes_do_not_depend_on_the_hash_seed(adapter, tiny_sd3, tmp_path):
+def test_exported_lora_bytes_do_not_depend_on_the_hash_seed(saved, tmp_path):
     """peft keeps target_modules as a set, whose order changes with PYTHONHASHSEED; the exported files are
     written with it sorted, so identical runs give identical bytes (and checksums)."""
-    path = save_checkpoint(adapter, tiny_sd3, tmp_path / "out")
+    path = saved
     # One process per hash seed, exporting both formats (peft's from the diffusers file, as a user would).
     script = (
         "import sys; sys.path.insert(0, 'scripts'); from export import main; a, b, c = sys.argv[1:]; "
@@ -668,44 +519,6 @@ def test_exported_lora_bytes_do_not_depend_on_the_hash_seed(adapter, tiny_sd3, t
     assert config["target_modules"] == sorted(config["target_modules"])
 
 
-@pytest.mark.slow
-def test_nft_resume_restores_the_soft_updated_old_policy(tiny_sd3, data, tmp_path):
-    """sd3_tiny_nft with a fast-growing soft update (eta 0.25 after one optimizer step, 0.5 after two):
-    the checkpoint holds the old policy (sharded like the LoRA) and the optimizer-step count, and a run
-    resumed from step 2 samples its rollouts with the restored old policy and mixes its velocity in, ending
-    bit-identical to the run that never stopped (on a policy that differs from the old one: the
-    first mini-batch of every update after the first has nft/old_deviate > 0)."""
-    nft = ROOT / "yaml/sd3_tiny_nft.yaml"
-    fast = ["--algo.nft_old_decay_rate", "0.25"]
-    ref = tmp_path / "uninterrupted"
-    torchrun(2, nft, *overrides(tiny_sd3, data, ref, *fast))
-    ckpt = ref / "checkpoints/step_000002"
-    keys = dcp_keys(ckpt)
-    lora = {k.removeprefix("model.") for k in keys if k.startswith("model.") and "lora_" in k}
-    old = {k.removeprefix("extra.nft_old_policy.") for k in keys if k.startswith("extra.nft_old_policy.")}
-    assert old == lora and lora and "extra.nft_optimizer_steps" in keys  # every LoRA tensor, by its name
-    rows = read_metrics(ref / "metrics.jsonl")
-    assert [r["nft/old_decay"] for r in rows] == [0.25, 0.5, 0.5, 0.5]
-    assert all(r["nft/old_deviate"] > 0 for r in rows[1:])
-
-    out = tmp_path / "resumed"
-    r = torchrun(2, nft, *overrides(tiny_sd3, data, out, *fast, "--checkpoint.resume", str(ckpt)))
-    assert f"resumed from {ckpt} at step 2" in r.stdout
-    assert_same_run(out, ref)
-    # Resuming with the soft update off would silently change the old policy: refused by name.
-    bad = tmp_path / "off"
-    cmd, env = torchrun_cmd(1, nft, *overrides(tiny_sd3, data, bad, "--checkpoint.resume", str(ckpt)),
-                            "--algo.nft_old_decay_max", "0")  # fmt: skip
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode != 0 and "unexpected extra.nft_old_policy." in r.stdout + r.stderr
-    checkpoint.adapter_from_checkpoint(ckpt)  # export reads only the trained weights of such a checkpoint
-
-
-def dcp_keys(path: Path) -> set[str]:
-    """The tensor names of a checkpoint's DCP metadata."""
-    return set(checkpoint.SafeReader(path / "model_optim").read_metadata().state_dict_metadata)
-
-
 class _Getattr:
     """Pickles as getattr(cls, name): how Python 3.11.0-3.11.4 pickle an enum member."""
 
@@ -726,7 +539,7 @@ def test_metadata_unpickler_resolves_enum_members_by_getattr_only():
 
     from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 
-    from omnirl.checkpoint import _MetadataUnpickler
+    from omnirl.checkpoint_checks import _MetadataUnpickler
 
     def load(obj):
         return _MetadataUnpickler(io.BytesIO(pickle.dumps(obj))).load()

@@ -87,22 +87,14 @@ def flow_grpo_loss(
     log_ratio = logprob - old_logprob.detach()
     ratio = torch.exp(log_ratio)
     policy = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_range, 1 + clip_range))  # [M]
-    policy_sum = (w * policy).sum()
-    loss = policy_sum
     sums = {
-        "loss/policy_sum": policy_sum,
+        "loss/policy_sum": (w * policy).sum(),
         "loss/ratio_sum": (w * ratio).sum(),
         "loss/clip_count": (w * ((ratio - 1).abs() > clip_range)).sum(),
         "loss/approx_kl_sum": (w * 0.5 * log_ratio**2).sum(),
         "loss/count": w.sum(),
     }
-    if kl is not None:
-        kl_sum = (w * kl).sum()
-        loss = loss + kl_beta * kl_sum
-        sums["loss/kl_sum"] = kl_sum
-    # One device->host copy for all metrics instead of one sync per .item().
-    values = torch.stack(list(sums.values())).detach().float().tolist()
-    return loss / normaliser, dict(zip(sums, values))
+    return _row_loss(sums, w, kl, kl_beta, normaliser)
 
 
 def flow_kl(mean: torch.Tensor, mean_ref: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
@@ -164,11 +156,9 @@ def flow_dppo_loss(
     outside = d >= tau
     mask = outside & (pos | neg)  # [M]
     policy = torch.where(mask, 0.0, -adv * ratio)  # [M]
-    policy_sum = (w * policy).sum()
-    loss = policy_sum
     real = w > 0
     sums = {
-        "loss/policy_sum": policy_sum,
+        "loss/policy_sum": (w * policy).sum(),
         "loss/ratio_sum": (w * ratio).sum(),
         "loss/clip_count": (w * mask).sum(),
         "loss/approx_kl_sum": (w * 0.5 * log_ratio**2).sum(),
@@ -179,12 +169,7 @@ def flow_dppo_loss(
         "dppo/mask_pos_count": (w * (mask & pos)).sum(),
         "dppo/mask_neg_count": (w * (mask & neg)).sum(),
     }
-    if kl is not None:
-        kl_sum = (w * kl).sum()
-        loss = loss + kl_beta * kl_sum
-        sums["loss/kl_sum"] = kl_sum
-    values = torch.stack(list(sums.values())).detach().float().tolist()
-    return loss / normaliser, dict(zip(sums, values))
+    return _row_loss(sums, w, kl, kl_beta, normaliser)
 
 
 def diffusion_nft_loss(
@@ -244,22 +229,38 @@ def diffusion_nft_loss(
     positive = regression((1 - beta) * v_old + beta * v)
     negative = regression((1 + beta) * v_old - beta * v)
     policy = adv_clip / beta * (r * positive + (1 - r) * negative)  # [M]
-    policy_sum = (w * policy).sum()
-    loss = policy_sum
     sums = {
-        "loss/policy_sum": policy_sum,
+        "loss/policy_sum": (w * policy).sum(),
         "loss/count": w.sum(),
         "nft/positive_sum": (w * positive).sum(),
         "nft/negative_sum": (w * negative).sum(),
         "nft/old_deviate_sum": (w * ((v - v_old) ** 2).mean(dim=dims)).sum(),
     }
-    if ref_velocity is not None:
-        kl = ((v - ref_velocity.detach().float()) ** 2).mean(dim=dims)  # [M]
+    kl = None if ref_velocity is None else ((v - ref_velocity.detach().float()) ** 2).mean(dim=dims)  # [M]
+    return _row_loss(sums, w, kl, kl_beta, normaliser)
+
+
+def _row_loss(
+    sums: dict[str, torch.Tensor],
+    w: torch.Tensor,
+    kl: torch.Tensor | None,
+    kl_beta: float,
+    normaliser: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The end the row losses share: the loss is sums["loss/policy_sum"] plus kl_beta times the
+    w-weighted sum of `kl` when it is given (recorded as loss/kl_sum), over the global normaliser."""
+    loss = sums["loss/policy_sum"]
+    if kl is not None:
         kl_sum = (w * kl).sum()
         loss = loss + kl_beta * kl_sum
         sums["loss/kl_sum"] = kl_sum
+    return loss / normaliser, _host_metrics(sums)
+
+
+def _host_metrics(sums: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The metric sums as floats: one device->host copy for all of them instead of one sync per .item()."""
     values = torch.stack(list(sums.values())).detach().float().tolist()
-    return loss / normaliser, dict(zip(sums, values))
+    return dict(zip(sums, values))
 
 
 Aggregation = Literal["token_mean", "seq_mean", "dr_grpo"]
@@ -442,7 +443,4 @@ def _token_objective(
         kl = (torch.exp(d) - d - 1).clamp(max=10.0)  # [B, T]
         per_token = per_token + kl_beta * kl
         sums["loss/kl_sum"] = (tok * kl).sum()
-    loss = (agg * per_token).sum() / normaliser
-    # One device->host copy for all metrics instead of one sync per .item().
-    values = torch.stack(list(sums.values())).detach().float().tolist()
-    return loss, dict(zip(sums, values))
+    return (agg * per_token).sum() / normaliser, _host_metrics(sums)
