@@ -242,6 +242,17 @@ def all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def place_policy(model: nn.Module, frozen_base: str, device: torch.device) -> nn.Module:
+    """An adapter's policy, as loaded (on the host), moved onto `device` when its frozen base is replicated,
+    and left where it is when FSDP2 shards it (distributed.frozen_base shard / offload): `apply_fsdp`'s
+    `fully_shard` then moves each unit to the device itself, one call (one unit) at a time, shards it there
+    and frees the whole unit (offload: the shards go to host memory), so the device never holds the whole
+    base. A replicated base must move now: FSDP2 leaves the parameters it ignores where they are."""
+    if frozen_base == "replicate":
+        model.to(device)
+    return model
+
+
 def apply_fsdp(
     model: nn.Module,
     units: list[nn.Module],

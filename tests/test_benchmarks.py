@@ -1,5 +1,6 @@
 """The benchmarks' plumbing on the tiny checkpoints (CPU): what they measure is timed on GPUs, not here."""
 
+import importlib
 import json
 import os
 import subprocess
@@ -168,6 +169,55 @@ def test_qwen_bpe_tokenizer_from_tiktoken_ranks(tmp_path):
         qwen_bpe_tokenizer(bad)
     with pytest.raises(ValueError, match="for the Qwen-Image families, not 'sd35'"):
         write_random_checkpoint("sd35", tmp_path / "ckpt", qwen_bpe=path)
+
+
+@pytest.mark.parametrize("checkpoint", ["tiny_sd3", "tiny_qwen_image", "tiny_wan_a14b"])
+def test_random_init_builds_in_the_dtype_from_pretrained_leaves(checkpoint, request, monkeypatch):
+    """random_init_loader builds every model of a checkpoint in bfloat16 directly: each parameter is made
+    in bfloat16 (built in float32 and cast after, the 20 B-parameter Qwen-Image transformer would pass
+    through 76 GiB of float32 on the device), and ends with the dtype that
+    `from_pretrained(torch_dtype=bfloat16)` leaves on the same checkpoint (SD3's `pos_embed` cast;
+    Qwen2.5-VL's rotary `inv_freq` and Wan's time embedder, norms and modulation in float32). With the
+    meta device standing for the device, the models are built on it, but with `policy_on_host` the
+    transformers (both Wan experts) on the host, where from_pretrained leaves them."""
+    import torch
+    from diffusers import ModelMixin
+
+    from omnirl.models.random_init import POLICY_SUBFOLDERS, random_init_loader
+
+    def dtypes(m) -> dict[str, torch.dtype]:
+        return {n: t.dtype for n, t in [*m.named_parameters(), *m.named_buffers()]}
+
+    made = []  # the dtype of each parameter as its module registers it
+    register = torch.nn.Module.register_parameter
+
+    def recording(module, name, param):
+        made.append(param.dtype if param is not None else None)
+        return register(module, name, param)
+
+    path = request.getfixturevalue(checkpoint)
+    index = json.loads((path / "model_index.json").read_text())
+    parts = {
+        sub: v for sub, v in index.items() if isinstance(v, list) and v[0] in ("diffusers", "transformers")
+    }
+    for sub, (library, name) in parts.items():
+        cls = getattr(importlib.import_module(library), name)
+        if not issubclass(cls, torch.nn.Module):
+            continue  # the tokenizers and the scheduler
+        kwargs = {"torch_dtype" if issubclass(cls, ModelMixin) else "dtype": torch.bfloat16}
+        real = cls.from_pretrained(path, subfolder=sub, **kwargs)
+        made.clear()
+        with monkeypatch.context() as m:
+            m.setattr(torch.nn.Module, "register_parameter", recording)
+            model = random_init_loader(torch.device("cpu"))(cls, path, sub, **kwargs)
+        assert made and set(made) <= {torch.bfloat16, None}, (sub, set(made))
+        assert dtypes(model) == dtypes(real), sub
+        assert not model.training
+        meta = torch.device("meta")
+        placed = {p.device.type for p in random_init_loader(meta)(cls, path, sub, **kwargs).parameters()}
+        assert placed == {"meta"}, sub
+        model = random_init_loader(meta, policy_on_host=True)(cls, path, sub, **kwargs)
+        assert {p.device.type for p in model.parameters()} == {"cpu" if sub in POLICY_SUBFOLDERS else "meta"}
 
 
 def test_rollout_packing_interleaved_pair(tiny_qwen_image, tmp_path):

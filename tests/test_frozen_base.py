@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from benchmarks import frozen_memory
 from omnirl import distributed as D
-from omnirl.config import ConfigError, load_config
+from omnirl.config import ConfigError, config_for, load_config
 from omnirl.data.prompts import load_prompts
 from omnirl.memory import GIB, peak_bytes
 from omnirl.models import get_adapter
@@ -90,6 +90,52 @@ def test_shard_and_offload_train_as_replicate_does_on_two_ranks(tiny_sd3, tmp_pa
         for m in metrics:
             assert m["mem/frozen_bytes/rank0"] == m["mem/frozen_bytes/rank1"] == expected, name
             assert m["mem/frozen_device_bytes"] == expected  # on CPU the device is the host
+
+
+# Every adapter with the tiny checkpoint (a conftest fixture) it is built from here.
+ADAPTER_CHECKPOINTS = {
+    "sd3": "tiny_sd3",
+    "qwen_image": "tiny_qwen_image",
+    "qwen_image_edit": "tiny_qwen_image_edit",
+    "wan": "tiny_wan_a14b",  # two experts
+    "qwen_vl": "tiny_qwen2_5_vl",
+    "qwen3_omni_thinker": "tiny_qwen3_omni",
+}
+
+
+@pytest.mark.parametrize("name", ADAPTER_CHECKPOINTS)
+def test_a_sharded_frozen_base_stays_on_the_host_until_fsdp2_places_it(name, request):
+    """Each adapter is given the meta device as its device, which the host can tell apart on CPU. With the
+    frozen base sharded or offloaded the policy (LoRA and base, both Wan experts) stays on the host where it
+    was loaded, for `fully_shard` to move one unit at a time; replicated, it moves to the device as before.
+    The frozen modules outside the policy (text encoders, VAE) go to the device in every mode."""
+    adapter_cls = get_adapter(name)
+    for frozen_base in ("replicate", "shard", "offload"):
+        cfg = config_for(name)
+        cfg.model.path = str(request.getfixturevalue(ADAPTER_CHECKPOINTS[name]))
+        cfg.distributed.frozen_base = frozen_base
+        if adapter_cls.kind == "omni":
+            cfg.lora.target_modules = ["q_proj", "k_proj", "v_proj", "o_proj"]
+        adapter = adapter_cls(cfg, torch.device("meta"))
+        policy = {p.device.type for p in adapter.policy.parameters()}
+        assert policy == {"meta" if frozen_base == "replicate" else "cpu"}, (frozen_base, policy)
+        assert any("lora_" in n for n, _ in adapter.policy.named_parameters())
+        if adapter_cls.kind == "diffusion":
+            others = {p.device.type for m in adapter.offload_modules() for p in m.parameters()}
+            assert others == {"meta"}, (frozen_base, others)
+
+
+@pytest.mark.slow
+def test_fully_shard_finds_a_sharded_base_on_the_host_on_two_ranks(tiny_sd3, tiny_wan_a14b, tiny_qwen2_5_vl):
+    """The trainer's order on 2 gloo ranks (adapter, kind ops, `shard`), with the meta device standing for
+    the device: every `fully_shard` call of a sharded or offloaded frozen base finds its unit's parameters
+    still on the host (a LoRA's base; a full fine-tune's actor and the reference copy made from it; both
+    Wan experts; an omni model), so nothing between loading and sharding moved the policy to the device,
+    and the reference copy is wrapped in the policy's units (tests/_load_placement.py)."""
+    from tests.test_distributed import two_ranks
+
+    paths = [str(tiny_sd3), str(tiny_wan_a14b), str(tiny_qwen2_5_vl)]
+    assert two_ranks("tests/_load_placement.py", *paths).count("load placement OK") == 2
 
 
 def test_sharded_bytes_pads_dim0_as_fsdp2_does():

@@ -14,6 +14,7 @@ from diffusers.training_utils import cast_training_params
 from torch import nn
 
 from omnirl.config import Config, ConfigError
+from omnirl.distributed import place_policy
 from omnirl.models.peft_lora import sorted_sets
 
 
@@ -35,7 +36,8 @@ def check_checkpoint(path: str, pipeline_cls) -> None:
 def make_trainable(transformer: nn.Module, cfg: Config, device: torch.device) -> None:
     """LoRA from `cfg.lora` when `model.finetune` is "lora" (base frozen; the adapter in float32 even over
     a bf16 base, since the optimizer updates it), else every weight trainable; then gradient
-    checkpointing from `model.gradient_checkpointing`, and onto `device`."""
+    checkpointing from `model.gradient_checkpointing`, and onto `device` unless FSDP2 will shard the frozen
+    base (`place_policy`: then it stays on the host until `fully_shard` places it)."""
     if cfg.model.finetune == "lora":
         transformer.requires_grad_(False)
         transformer.add_adapter(
@@ -52,7 +54,7 @@ def make_trainable(transformer: nn.Module, cfg: Config, device: torch.device) ->
         transformer.requires_grad_(True)
     if cfg.model.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
-    transformer.to(device)
+    place_policy(transformer, cfg.distributed.frozen_base, device)
 
 
 def save_lora(pipeline_cls, transformer: nn.Module, out_dir, state_dict: dict | None = None) -> None:

@@ -35,7 +35,7 @@ from transformers import (
 from transformers.processing_utils import ProcessorMixin
 
 from omnirl.config import Config
-from omnirl.distributed import DTYPES, load_pretrained
+from omnirl.distributed import DTYPES, load_pretrained, place_policy
 from omnirl.models.base import Request
 from omnirl.models.lm import (
     HiddenStatesLM,
@@ -132,7 +132,9 @@ class Qwen3OmniThinkerAdapter(TransformersLMAdapter):
         )
         self.lora_config = make_trainable_lm(thinker, cfg, path)
         self.thinker = thinker  # the transformers model: config, generation, peft state
-        self.model = HiddenStatesLM(thinker.model, thinker.lm_head).to(device)
+        # Onto the device, or left on the host for FSDP2 to place when it shards the frozen base.
+        lm = HiddenStatesLM(thinker.model, thinker.lm_head)
+        self.model = place_policy(lm, cfg.distributed.frozen_base, device)
         self.lm_head = self.model.lm_head
         self.path = path
         self.device = device

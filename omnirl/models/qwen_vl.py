@@ -24,7 +24,7 @@ from transformers import (
 from transformers.processing_utils import ProcessorMixin
 
 from omnirl.config import Config
-from omnirl.distributed import DTYPES, load_pretrained
+from omnirl.distributed import DTYPES, load_pretrained, place_policy
 from omnirl.models.base import Request
 from omnirl.models.lm import (
     HiddenStatesLM,
@@ -93,7 +93,9 @@ class QwenVLAdapter(TransformersLMAdapter):
         hf_model = load_pretrained(FAMILIES[config.model_type], path, dtype=dtype)
         self.lora_config = make_trainable_lm(hf_model, cfg, path)
         self.hf_model = hf_model  # the transformers model: config, generation, peft state
-        self.model = HiddenStatesLM(hf_model.model, hf_model.lm_head).to(device)
+        # Onto the device, or left on the host for FSDP2 to place when it shards the frozen base.
+        lm = HiddenStatesLM(hf_model.model, hf_model.lm_head)
+        self.model = place_policy(lm, cfg.distributed.frozen_base, device)
         self.lm_head = self.model.lm_head
         self.device = device
 

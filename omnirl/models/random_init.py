@@ -3,13 +3,16 @@
 `write_random_checkpoint` writes a config-only checkpoint of the public configs (with the tiny byte-level
 tokenizers of omnirl.models.tiny, or `edit_tokenizer` for Qwen-Image-Edit; for the Qwen-Image families the
 real Qwen2 BPE when its ranks are given: `qwen_bpe_tokenizer`); `random_init_loader` replaces an adapter's
-`load_pretrained` so each model is built from its config directly on the device, random weights.
+`load_pretrained` so each model is built from its config directly in its dtype on the device (a sharded
+run's policy on the host), random weights.
 `write_random_thinker` saves a random-init Qwen3-Omni thinker of a given text-model shape.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -143,8 +146,6 @@ def edit_tokenizer():
     condition image's vision tokens plus the instruction at about one token per byte plus a few template
     tokens). The tiny tokenizers would leave ~150 template tokens in every text (tiny.py's edit one has no
     merges at all), past the recipe's largest prompt-length bucket."""
-    import re
-
     from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import QwenImageEditPipeline
     from tokenizers import pre_tokenizers
     from transformers import Qwen2Tokenizer
@@ -342,19 +343,71 @@ def write_random_checkpoint(model: str, out: Path, qwen_bpe: str | Path | None =
         raise ValueError(f"--random-init has no configs for {model!r}")
 
 
-def random_init_loader(device: torch.device):
-    """Replaces `load_pretrained`: build the model from its config directly on the device, random weights."""
+# The checkpoint subfolders that hold the diffusion adapters' policies (Wan2.2 A14B: both experts).
+POLICY_SUBFOLDERS = ("transformer", "transformer_2")
+
+
+def random_init_loader(device: torch.device, policy_on_host: bool = False):
+    """Replaces `load_pretrained`: build each model from its config, random weights, on the device, with the
+    dtypes `from_pretrained(torch_dtype=...)` leaves (`_as_loaded`). With `policy_on_host` the policies
+    (`POLICY_SUBFOLDERS`) are built on the host, where `from_pretrained` leaves them, for a run whose frozen
+    base FSDP2 shards (distributed.frozen_base shard / offload): the adapter leaves its policy there and
+    `fully_shard` moves it to the device one unit at a time (docs/design.md 4b)."""
     from diffusers import ModelMixin
 
     def load(cls, path, subfolder=None, torch_dtype=None, dtype=None, **_):
-        with torch.device(device):
+        dtype = torch_dtype or dtype or torch.float32
+        where = torch.device("cpu") if policy_on_host and subfolder in POLICY_SUBFOLDERS else device
+        # Made in `dtype` (the default dtype while the modules are made, as both libraries' from_pretrained
+        # do), not in float32 and cast after: Qwen-Image's 20 B-parameter transformer would pass through
+        # 76 GiB of float32 on the device, more than an 80 GB device holds.
+        with torch.device(where), _default_dtype(dtype):
             if issubclass(cls, ModelMixin):
                 model = cls.from_config(cls.load_config(path, subfolder=subfolder))
             else:
-                model = cls._from_config(cls.config_class.from_pretrained(path, subfolder=subfolder))
-        return model.to(torch_dtype or dtype or torch.float32).eval()
+                config = cls.config_class.from_pretrained(path, subfolder=subfolder)
+                model = cls._from_config(config, dtype=dtype)
+        _as_loaded(model, dtype)
+        return model.eval()
 
     return load
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def _as_loaded(model, dtype: torch.dtype) -> None:
+    """Give a model built under the default dtype `dtype` the dtypes its library's `from_pretrained` would
+    leave. diffusers casts every checkpoint tensor (parameters and persistent buffers, whatever dtype the
+    module made them in: SD3's float32 `pos_embed`) to `dtype`, except those under `_keep_in_fp32_modules`
+    (a module name among the key's dotted parts: Wan's time embedder, norms and modulation), which stay
+    float32; transformers keeps each tensor's dtype as built (the float32 rotary `inv_freq`) except the
+    modules of its dtype plan (`_keep_in_fp32_modules` under float16, `_keep_in_fp32_modules_strict` under
+    bfloat16 too: float32). Non-persistent buffers stay as built in both."""
+    from diffusers import ModelMixin
+
+    if isinstance(model, ModelMixin):
+        keep = set(model._keep_in_fp32_modules or ())
+
+        def target(key: str, t: torch.Tensor) -> torch.dtype:
+            return torch.float32 if keep & set(key.split(".")) else dtype
+    else:
+        plan = model._get_dtype_plan(dtype)  # glob -> dtype; transformers searches each key for the globs
+        patterns = [(re.compile(glob.replace("*", ".*")), d) for glob, d in plan.items()]
+
+        def target(key: str, t: torch.Tensor) -> torch.dtype:
+            return next((d for pattern, d in patterns if pattern.search(key)), t.dtype)
+
+    for key, t in model.state_dict(keep_vars=True).items():
+        if t.is_floating_point() and t.dtype != (want := target(key, t)):
+            t.data = t.data.to(want)
 
 
 def write_random_thinker(

@@ -221,8 +221,11 @@ def _apply_fsdp(cfg: Config, ops: KindOps, dist: D.DistInfo) -> None:
     offload = d.frozen_base == "offload"
     frozen = {p for p in ops.policy.parameters() if not p.requires_grad} if replicate else set()
     lora = cfg.model.finetune == "lora"
+    # The reference copy's units are the policy's, by name (it is a copy of the policy). Named before the
+    # policy is wrapped, and not by class: fully_shard gives each unit an FSDP subclass of its own class.
+    names = {id(m): n for n, m in ops.policy.named_modules()}
+    unit_names = [names[id(u)] for u in units]
     D.apply_fsdp(ops.policy, units, dist.mesh, d.param_dtype, d.reduce_dtype, frozen, offload and lora)
     if ops.ref_model is not None:
-        unit_types = {type(u) for u in units}
-        ref_units = [b for b in ops.ref_model.modules() if type(b) in unit_types]
+        ref_units = [ops.ref_model.get_submodule(n) for n in unit_names]
         D.apply_fsdp(ops.ref_model, ref_units, dist.mesh, d.param_dtype, d.reduce_dtype, offload=offload)

@@ -284,7 +284,9 @@ def reference(adapter: DiffusionAdapter, ref_model: nn.Module | None):
 
 def build_reference(cfg: Config, adapter: DiffusionAdapter) -> nn.Module | None:
     """Full fine-tuning with KL keeps a frozen copy of the initial policy (sharded like the actor); LoRA
-    needs none: its reference is the same model with the adapter disabled."""
+    needs none: its reference is the same model with the adapter disabled. The copy is made where the
+    policy is: on the host when FSDP2 shards the frozen base (`distributed.place_policy`), so neither
+    whole copy reaches the device before `fully_shard` places them one unit at a time."""
     if cfg.model.finetune != "full" or cfg.algo.kl_beta == 0:
         return None
     return copy.deepcopy(adapter.policy).requires_grad_(False).eval()

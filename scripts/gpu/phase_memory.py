@@ -509,7 +509,9 @@ def worker(recipe: str, info: str, cap_gib: float, overrides: list[str]) -> None
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cap_gib:
         cap_device_memory(cap_gib, device)  # before anything is allocated: the peaks count from it
-    load = random_init_loader(device)
+    # A sharded frozen base: the transformer built on the host, where from_pretrained would leave it.
+    sharded = train.parse(recipe, overrides).distributed.frozen_base != "replicate"
+    load = random_init_loader(device, policy_on_host=sharded)
     record = {
         "rank": rank, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "device_gib": torch.cuda.get_device_properties(device).total_memory / GIB if cuda else None,
