@@ -2,15 +2,26 @@
 # Install omnirl with its test extras and run the whole suite (lint included). CI runs exactly this.
 #   bash scripts/test.sh [pytest args]
 # Then, with no pytest args (or OMNIRL_VLLM_TESTS=1), the vLLM rollout tests (`-m vllm`) run in the separate
-# venv of scripts/vllm_cpu_env.sh (built from scratch on a fresh machine, ~2.5-4 min); in the main venv they
-# skip, vllm not being importable there. OMNIRL_VLLM_TESTS=0 leaves them out.
+# venv of scripts/vllm_cpu_env.sh (built from scratch on a fresh machine, ~2.5-4 min, while the main suite
+# runs); in the main venv they skip, vllm not being importable there. OMNIRL_VLLM_TESTS=0 leaves them out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OMNIRL_EXTRAS=test source scripts/_env.sh
 ruff check .
 ruff format --check .
+VLLM_TESTS="${OMNIRL_VLLM_TESTS:-$([ "$#" -eq 0 ] && echo 1 || echo 0)}"
+if [ "$VLLM_TESTS" = 1 ]; then
+  # The vLLM venv builds (mostly downloads and unpacking) while the main suite runs; its log is shown after.
+  VLLM_LOG="$(mktemp)"
+  bash scripts/vllm_cpu_env.sh .venv-vllm >"$VLLM_LOG" 2>&1 &
+  VLLM_PID=$!
+  trap 'kill "$VLLM_PID" 2>/dev/null || true; rm -f "$VLLM_LOG"' EXIT
+fi
 python -m pytest -q "$@"
-if [ "${OMNIRL_VLLM_TESTS:-$([ "$#" -eq 0 ] && echo 1 || echo 0)}" = 1 ]; then
-  bash scripts/vllm_cpu_env.sh .venv-vllm
+if [ "$VLLM_TESTS" = 1 ]; then
+  status=0
+  wait "$VLLM_PID" || status=$?
+  cat "$VLLM_LOG"
+  [ "$status" = 0 ] || { echo "scripts/vllm_cpu_env.sh failed (exit status $status)" >&2; exit "$status"; }
   PYTHONPATH="$PWD" .venv-vllm/bin/python -m pytest -q -m vllm tests/test_vllm.py
 fi
