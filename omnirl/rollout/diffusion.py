@@ -186,13 +186,18 @@ class DiffusionEngine:
         batch, padding included). Only unit gathering needs the other ranks' (for padding batches and for
         measuring the same keys at the same sizes on every rank, both collectives); otherwise this rank's
         alone."""
-        keyed: dict = {}
-        for batch in batches:
-            key = self.adapter.compat_key(batch[0])
-            first, rows = keyed.get(key, (batch[0], 0))
-            keyed[key] = (first, max(rows, len(batch) + len(self.padding(batch))))
+        keyed = self._largest((batch[0], len(batch) + len(self.padding(batch))) for batch in batches)
         mine = (len(batches), list(keyed.values()))
         return D.all_gather_object(mine) if self.per_unit else [mine]
+
+    def _largest(self, sized) -> dict:
+        """(request, rows) pairs -> per compatibility key: (its first request, the most rows of any)."""
+        largest: dict = {}
+        for request, rows in sized:
+            key = self.adapter.compat_key(request)
+            first, most = largest.get(key, (request, 0))
+            largest[key] = (first, max(most, rows))
+        return largest
 
     def _check_memory(self, templates) -> None:
         """Measure each new key's cost (all ranks' keys, in one order, under unit gathering) and stop when
@@ -201,12 +206,8 @@ class DiffusionEngine:
         budget = self.memory_budget or (free_bytes(device) if device.type != "cpu" else 0)
         if not budget:
             return
-        largest: dict = {}  # key -> (a request of it, the rows of its largest batch on any rank)
-        for _, keyed in templates:
-            for request, rows in keyed:
-                key = self.adapter.compat_key(request)
-                first, most = largest.get(key, (request, 0))
-                largest[key] = (first, max(most, rows))
+        # key -> (a request of it, the rows of its largest batch on any rank)
+        largest = self._largest(pair for _, keyed in templates for pair in keyed)
         for key, (request, rows) in largest.items():
             top = min(rows, 2 * self.adapter.memory_probe_rows)
             if key not in self.row_cost or self.row_cost[key][2] < top:
