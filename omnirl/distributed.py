@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import datetime
 import fcntl
+import functools
 import math
 import os
 import random
@@ -27,6 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
 from transformers import PreTrainedModel
 
 from omnirl.config import ConfigError
@@ -274,16 +276,17 @@ def apply_fsdp(
     FSDP2 prefetches only backward by itself). Gradients are summed, not averaged, over ranks: the losses
     are already divided by the global (all-reduced) sample or token count.
 
-    The root does not cast its floating-point inputs to `param_dtype` (the units do: their inputs are
-    activations). A root's inputs are what the caller chose: Qwen3-Omni's M-RoPE position ids are float32
-    (video positions can be fractional), and in bfloat16 integers above 256 round to even numbers (above
-    512 to multiples of 4), which moved the rotary positions of every long prompt and response; SD3's
-    timesteps are float32 in the stock pipeline, and rounding them changes the time embedding. So adapters
-    pass their inputs in the dtype the model computes in (latents, text embeddings) and keep positions and
-    timesteps as the stock pipeline does, with or without FSDP: in the dtype `compute_dtype` names.
+    The root does not cast its floating-point inputs to `param_dtype`; the units do (their inputs are
+    activations), by `cast_inputs`, which also casts in a checkpointed unit's recompute. A root's inputs are
+    what the caller chose: Qwen3-Omni's M-RoPE position ids are float32 (video positions can be fractional),
+    and in bfloat16 integers above 256 round to even numbers (above 512 to multiples of 4), which moved the
+    rotary positions of every long prompt and response; SD3's timesteps are float32 in the stock pipeline, and
+    rounding them changes the time embedding. So adapters pass their inputs in the dtype the model computes in
+    (latents, text embeddings) and keep positions and timesteps as the stock pipeline does, with or without
+    FSDP: in the dtype `compute_dtype` names.
     """
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
-    root_mp = MixedPrecisionPolicy(
+    # No FSDP2 input cast anywhere: the units cast their inputs by `cast_inputs`, in every forward.
+    mp = MixedPrecisionPolicy(
         param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype], cast_forward_inputs=False
     )
     ignored = ignored_params or set()
@@ -291,7 +294,8 @@ def apply_fsdp(
     extra = {"offload_policy": CPUOffloadPolicy(pin_memory=device_type() != "cpu")} if offload else {}
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=mp, ignored_params=ignored & set(unit.parameters()), **extra)
-    fully_shard(model, mesh=mesh, mp_policy=root_mp, ignored_params=ignored, **extra)
+        unit.register_forward_pre_hook(functools.partial(cast_inputs, DTYPES[param_dtype]), with_kwargs=True)
+    fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored, **extra)
     model._omnirl_compute_dtype = DTYPES[param_dtype]  # read by `compute_dtype`
     for m in model.modules():
         if isinstance(m, FSDPModule):
@@ -301,6 +305,19 @@ def apply_fsdp(
         for unit, following in forward_chains(model, units):
             unit.set_modules_to_forward_prefetch([following])
     return model
+
+
+def cast_inputs(dtype: torch.dtype, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A unit's forward pre-hook: its floating-point tensor inputs in `dtype` (what FSDP2's
+    `cast_forward_inputs` does), also in the recompute of a gradient-checkpointed unit. FSDP2's own cast
+    is skipped there (its pre-forward hook returns early during the backward), so a unit whose inputs
+    include float32 tensors (Wan's rotary embedding) recomputed in other dtypes than its forward ran in,
+    and `torch.utils.checkpoint` refused the backward."""
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if torch.is_floating_point(t) and t.dtype != dtype else t
+
+    return tree_map_only(torch.Tensor, cast, (args, kwargs))
 
 
 def forward_chains(model: nn.Module, units: list[nn.Module]) -> list[tuple[nn.Module, nn.Module]]:

@@ -397,3 +397,58 @@ def test_group_seeds_come_from_the_group_alone():
     assert all(len(s) == 1 for s in by_group.values()) and len({s.pop() for s in by_group.values()}) == 4
     assert {r.group_seed for r in one}.isdisjoint({r.seed for r in one})
     assert {r.group_seed for r in one}.isdisjoint({r.group_seed for r in seeds(1, 1)})
+
+
+def test_bf16_fsdp_units_recompute_in_their_forward_dtypes(tiny_wan_a14b, tmp_path, monkeypatch):
+    """A gradient-checkpointed unit under FSDP2 with param_dtype bfloat16 recomputes in the dtypes its
+    forward ran in. FSDP2 of torch 2.11 casts a unit's float inputs in the forward but not in the
+    recompute (its pre-forward hook returns before the cast during the backward; later versions cast
+    there too), and Wan's rotary embedding is float32: the recompute differed and torch.utils.checkpoint
+    refused the backward. The units cast their inputs themselves (`distributed.cast_inputs`). Here FSDP2's
+    hook is made to behave as 2.11's; one row of each expert, a full fine-tune (every parameter sharded);
+    the gradients equal those without checkpointing."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    from omnirl import distributed as D
+
+    pre_forward = FSDPState._pre_forward
+
+    def pre_forward_of_torch_2_11(self, module, args, kwargs):
+        if self._training_state != TrainingState.PRE_BACKWARD:
+            return pre_forward(self, module, args, kwargs)
+        for group in self._fsdp_param_groups:  # the recompute: unshard, no cast
+            if not group.is_unsharded:
+                group.unshard()
+                group.wait_for_unshard()
+        return args, kwargs
+
+    monkeypatch.setattr(FSDPState, "_pre_forward", pre_forward_of_torch_2_11)
+
+    def lora_grads(checkpointing: bool) -> dict[str, torch.Tensor]:
+        cfg = config_for("wan")
+        cfg.model.path, cfg.model.dtype, cfg.family.num_frames = str(tiny_wan_a14b), "bfloat16", FRAMES
+        cfg.family.guidance_scale_2, cfg.model.gradient_checkpointing = GUIDANCE_2, checkpointing
+        cfg.model.finetune = "full"
+        adapter = WanAdapter(cfg, torch.device("cpu"))
+        gen = torch.Generator().manual_seed(0)
+        mesh = init_device_mesh("cpu", (1,))
+        D.apply_fsdp(adapter.policy, adapter.fsdp_units(), mesh, "bfloat16", "float32")
+        latents = torch.randn(2, *adapter.latent_shape(HEIGHT, WIDTH), generator=gen).to(torch.bfloat16)
+        sigma = adapter.sigmas(STEPS)[[0, 4]]  # 1.0 (transformer) and 0.71 (transformer_2)
+        embeds = adapter.encode(["a red cat", "waves"], ["", ""])
+        adapter.velocity(latents, sigma, embeds, GUIDANCE).float().square().mean().backward()
+        return {n: p.grad.full_tensor() for n, p in adapter.policy.named_parameters() if p.grad is not None}
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        plain, checkpointed = lora_grads(False), lora_grads(True)
+    finally:
+        dist.destroy_process_group()
+    assert {n.split(".")[0] for n in plain} == {"transformer", "transformer_2"}, sorted(plain)[:4]
+    assert plain.keys() == checkpointed.keys()
+    for name, g in plain.items():
+        assert g.abs().sum() > 0 or "blocks" not in name, name
+        assert max_diff(g, checkpointed[name]) <= 1e-6 * max(1.0, float(g.abs().max())), name
