@@ -154,10 +154,11 @@ def test_recomputed_logprob_equals_rollout(layout, request):
 
 
 def test_policy_and_lora_cover_both_experts(a14b, ti2v):
-    assert isinstance(a14b.policy, torch.nn.ModuleDict) and set(a14b.policy) == {
-        "transformer",
-        "transformer_2",
-    }
+    # One module of both experts, not a ModuleDict (torch 2.11's fully_shard refuses every ModuleDict).
+    experts = a14b.policy
+    assert not isinstance(experts, (torch.nn.ModuleDict, torch.nn.ModuleList))
+    assert set(experts.keys()) == {"transformer", "transformer_2"} and len(experts) == 2
+    assert experts["transformer_2"] is dict(experts.named_children())["transformer_2"]
     names = [n for n, _ in a14b.policy.named_parameters() if "lora_" in n]
     assert any(n.startswith("transformer.") for n in names) and any(
         n.startswith("transformer_2.") for n in names

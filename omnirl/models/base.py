@@ -254,9 +254,10 @@ class DiffusionAdapter(Protocol):
     An adapter is built as `Adapter(cfg, device)` and reads its own settings from `cfg.family` (an instance
     of its `Settings`). Nothing outside `omnirl/models/` names its transformer(s): the trainer, the engine,
     checkpoints and export go through `policy` and the methods below. A family of several experts (one
-    transformer per noise range) makes `policy` an `nn.ModuleDict` and routes each row of a batch to the
-    expert that owns its sigma inside `velocity`, so one micro-batch may hold rows of several experts; the
-    trajectory's sigmas (`sigmas[step_indices]`) decide the expert again when the trainer replays a step.
+    transformer per noise range) makes `policy` one module holding them (`policy[name]`) and routes each
+    row of a batch to the expert that owns its sigma inside `velocity`, so one micro-batch may hold rows of
+    several experts; the trajectory's sigmas (`sigmas[step_indices]`) decide the expert again when the
+    trainer replays a step.
     """
 
     kind: Literal[

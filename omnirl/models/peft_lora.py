@@ -17,7 +17,7 @@ def lora_disabled(model: nn.Module):
     """Run `model` with every peft LoRA layer off (peft's `enable_adapters(False)`), restored on exit.
 
     Layers are switched one by one: adapters injected with `peft.inject_adapter_in_model` (the omni models)
-    leave the transformers model without a PeftModel's `disable_adapters()`, and a `ModuleDict` of experts
+    leave the transformers model without a PeftModel's `disable_adapters()`, and a module of experts
     has none either."""
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
     assert layers, "lora_disabled on a model without LoRA layers"

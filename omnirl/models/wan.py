@@ -12,7 +12,7 @@ max_sequence_length) and the latent normalisation are diffusers' own. The denois
 here, as in sd3.py, because RL needs what the pipeline does not do: one generator per request, a per-row
 SDE window and the log-prob of every trained step (`flow_sde.flow_step`).
 
-The policy of a two-expert checkpoint is an `nn.ModuleDict` of both; `velocity` routes each row to the
+The policy of a two-expert checkpoint is one module of both (`Experts`); `velocity` routes each row to the
 expert that owns its sigma, so one training micro-batch may hold rows of both experts. The real
 checkpoints ship a UniPC multistep scheduler, which has no per-step density; the rollout samples with the
 flow-matching Euler step (the one Flow-GRPO and DanceGRPO train) on `FlowMatchEulerDiscreteScheduler`'s
@@ -52,10 +52,29 @@ LORA_FILE_2 = "pytorch_lora_weights_transformer_2.safetensors"
 EXPERTS = ("transformer", "transformer_2")
 
 
-class Experts(nn.ModuleDict):
-    """The two experts as one module: `experts(name, **inputs)` runs expert `name`. FSDP2 shards only
-    modules with a forward (a plain ModuleDict has none), and calling the root lets it gather its own
-    parameters (each expert's embeddings and output layers) before the expert runs."""
+class Experts(nn.Module):
+    """The two experts as one module, its children named as the checkpoint's subfolders (`transformer`,
+    `transformer_2`): `experts(name, **inputs)` runs expert `name`, `experts[name]` is it. FSDP2 shards
+    only modules with a forward, and calling the root lets it gather its own parameters (each expert's
+    embeddings and output layers) before the expert runs. Not an `nn.ModuleDict`: FSDP2 of torch 2.11
+    refuses every ModuleDict, one with a forward too."""
+
+    def __init__(self, experts: dict[str, nn.Module]):
+        super().__init__()
+        for name, expert in experts.items():
+            self.add_module(name, expert)
+
+    def __getitem__(self, name: str) -> nn.Module:
+        return self._modules[name]
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def keys(self):
+        return self._modules.keys()
+
+    def items(self):
+        return self._modules.items()
 
     def forward(self, name: str, **inputs):
         return self[name](**inputs)
@@ -142,7 +161,7 @@ class WanAdapter:
 
     @property
     def policy(self) -> nn.Module:
-        """The trained module: the one transformer, or the two experts (`Experts`, a ModuleDict)."""
+        """The trained module: the one transformer, or the two experts (`Experts`)."""
         return self._policy
 
     @property
