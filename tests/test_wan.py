@@ -420,7 +420,10 @@ def test_bf16_fsdp_units_recompute_in_their_forward_dtypes(tiny_wan_a14b, tmp_pa
     def pre_forward_of_torch_2_11(self, module, args, kwargs):
         if self._training_state != TrainingState.PRE_BACKWARD:
             return pre_forward(self, module, args, kwargs)
-        for group in self._fsdp_param_groups:  # the recompute: unshard, no cast
+        groups = getattr(self, "_fsdp_param_groups", None)  # torch 2.13; 2.11 has one group or None
+        if groups is None:
+            groups = [g for g in [self._fsdp_param_group] if g is not None]
+        for group in groups:  # the recompute: unshard, no cast
             if not group.is_unsharded:
                 group.unshard()
                 group.wait_for_unshard()
