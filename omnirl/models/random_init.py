@@ -5,7 +5,8 @@ tokenizers of omnirl.models.tiny, or `edit_tokenizer` for Qwen-Image-Edit; for t
 real Qwen2 BPE when its ranks are given: `qwen_bpe_tokenizer`); `random_init_loader` replaces an adapter's
 `load_pretrained` so each model is built from its config directly in its dtype on the device (a sharded
 run's policy on the host), random weights.
-`write_random_thinker` saves a random-init Qwen3-Omni thinker of a given text-model shape.
+`write_random_thinker` saves a random-init Qwen3-Omni thinker of a given text-model shape, or only its
+config (`weights=False`: then `random_init_loader` builds it in the run itself, with no checkpoint on disk).
 """
 
 from __future__ import annotations
@@ -343,31 +344,42 @@ def write_random_checkpoint(model: str, out: Path, qwen_bpe: str | Path | None =
         raise ValueError(f"--random-init has no configs for {model!r}")
 
 
-# The checkpoint subfolders that hold the diffusion adapters' policies (Wan2.2 A14B: both experts).
+# The checkpoint subfolders that hold the diffusion adapters' policies (Wan2.2 A14B: both experts); a
+# model at a checkpoint's root (no subfolder: the omni adapters' one transformers model) is a policy too.
 POLICY_SUBFOLDERS = ("transformer", "transformer_2")
+# A config-only thinker's build settings (write_random_thinker(weights=False)), read by random_init_loader.
+RANDOM_INIT_FILE = "random_init.json"
 
 
 def random_init_loader(device: torch.device, policy_on_host: bool = False):
     """Replaces `load_pretrained`: build each model from its config, random weights, on the device, with the
     dtypes `from_pretrained(torch_dtype=...)` leaves (`_as_loaded`). With `policy_on_host` the policies
-    (`POLICY_SUBFOLDERS`) are built on the host, where `from_pretrained` leaves them, for a run whose frozen
-    base FSDP2 shards (distributed.frozen_base shard / offload): the adapter leaves its policy there and
-    `fully_shard` moves it to the device one unit at a time (docs/design.md 4b)."""
+    (`POLICY_SUBFOLDERS`, or a model at the checkpoint's root) are built on the host, where `from_pretrained`
+    leaves them, for a run whose frozen base FSDP2 shards (distributed.frozen_base shard / offload): the
+    adapter leaves its policy there and `fully_shard` moves it to the device one unit at a time
+    (docs/design.md 4b). A `config` the adapter passes is used as given; a `RANDOM_INIT_FILE` beside the
+    config scales the output embedding by its `head_scale` (as `write_random_thinker` does)."""
     from diffusers import ModelMixin
 
-    def load(cls, path, subfolder=None, torch_dtype=None, dtype=None, **_):
+    def load(cls, path, subfolder=None, torch_dtype=None, dtype=None, config=None, **_):
         dtype = torch_dtype or dtype or torch.float32
-        where = torch.device("cpu") if policy_on_host and subfolder in POLICY_SUBFOLDERS else device
+        policy = subfolder in POLICY_SUBFOLDERS or subfolder is None
+        where = torch.device("cpu") if policy_on_host and policy else device
         # Made in `dtype` (the default dtype while the modules are made, as both libraries' from_pretrained
         # do), not in float32 and cast after: Qwen-Image's 20 B-parameter transformer would pass through
         # 76 GiB of float32 on the device, more than an 80 GB device holds.
         with torch.device(where), _default_dtype(dtype):
             if issubclass(cls, ModelMixin):
                 model = cls.from_config(cls.load_config(path, subfolder=subfolder))
-            else:
-                config = cls.config_class.from_pretrained(path, subfolder=subfolder)
+            else:  # the config the adapter passes (it may have set fields), else the checkpoint's
+                config = config or cls.config_class.from_pretrained(path, subfolder=subfolder)
                 model = cls._from_config(config, dtype=dtype)
         _as_loaded(model, dtype)
+        settings = Path(path, subfolder or "", RANDOM_INIT_FILE)
+        if settings.is_file():
+            head_scale = json.loads(settings.read_text()).get("head_scale", 1.0)
+            with torch.no_grad():
+                model.get_output_embeddings().weight.mul_(head_scale)
         return model.eval()
 
     return load
@@ -413,12 +425,18 @@ def _as_loaded(model, dtype: torch.dtype) -> None:
 def write_random_thinker(
     out_dir: Path, device: torch.device, *, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int,
     head_dim: int, moe_intermediate: int, experts: int, experts_per_tok: int, dtype: str, head_scale: float,
+    weights: bool = True,
 ) -> Path:  # fmt: skip
     """A random-init Qwen3-Omni thinker of the given text-model shape (vision / audio towers tiny: the
     prompts are text), saved as OUT_DIR/random_thinker with the tiny model's tokenizer and processor files:
     a transformers directory that the Qwen3-Omni adapter loads as `model.path`. Embedding rows beyond the
     tokenizer's vocabulary are never in a prompt but can be sampled, as with the real model. `head_scale`
-    multiplies the random lm_head (a random model's output is near uniform: this sharpens it)."""
+    multiplies the random lm_head (a random model's output is near uniform: this sharpens it).
+
+    `weights=False` writes the config and those files only, with `RANDOM_INIT_FILE` holding `head_scale`:
+    a run whose adapter loads through `random_init_loader` then builds the thinker itself (in its dtype,
+    where the frozen-base placement puts it), so the full-size thinker (61 GB in bf16) is never written,
+    read back, nor built in float32."""
     from transformers import Qwen3OmniMoeThinkerConfig, Qwen3OmniMoeThinkerForConditionalGeneration
 
     from omnirl.distributed import DTYPES
@@ -446,20 +464,26 @@ def write_random_thinker(
     audio = dict(tiny_cfg["audio_config"], output_dim=hidden)
     ids = {k: v for k, v in tiny_cfg.items() if k.endswith("token_id")}
     config = Qwen3OmniMoeThinkerConfig(text_config=text, vision_config=vision, audio_config=audio, **ids)
+    path = out_dir / "random_thinker"
+    if not weights:
+        config.dtype = DTYPES[dtype]
+        config.save_pretrained(path)
+        (path / RANDOM_INIT_FILE).write_text(json.dumps({"head_scale": head_scale}) + "\n")
+        _copy_processor_files(tiny, path)
+        return path
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen3OmniMoeThinkerForConditionalGeneration(config).to(DTYPES[dtype])
     if head_scale != 1.0:
         model.lm_head.weight.data *= head_scale
-    path = out_dir / "random_thinker"
     model.save_pretrained(path)
-    for name in (
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "chat_template.jinja",
-        "preprocessor_config.json",
-    ):
-        (path / name).write_bytes((tiny / name).read_bytes())
-    (path / "generation_config.json").write_bytes((tiny / "generation_config.json").read_bytes())
+    _copy_processor_files(tiny, path)
     del model
     return path
+
+
+def _copy_processor_files(tiny: Path, path: Path) -> None:
+    """The tiny thinker's tokenizer, processor and generation files, into a random thinker's folder."""
+    names = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json")
+    for name in (*names, "generation_config.json"):
+        (path / name).write_bytes((tiny / name).read_bytes())

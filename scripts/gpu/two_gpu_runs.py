@@ -1,7 +1,7 @@
 """Helpers of scripts/gpu/two_gpu_runs.sh: the random-init thinker checkpoint, and the tables and JSON of
 what its two runs measured (benchmarks/README.md).
 
-    python -m scripts.gpu.two_gpu_runs checkpoint --out DIR [--tiny | --full] [--device cpu]
+    python -m scripts.gpu.two_gpu_runs checkpoint --out DIR [--tiny | --full] [--device cpu] [--config-only]
     python -m scripts.gpu.two_gpu_runs mmk12 RUN_DIR/metrics.jsonl --json OUT.json
     python -m scripts.gpu.two_gpu_runs packing rollout_packing.json --json OUT.json
 """
@@ -39,8 +39,11 @@ def checkpoint(a) -> None:
 
     shape = TINY_THINKER if a.tiny else FULL_THINKER if a.full else THINKER
     device = torch.device(a.device or device_type())
-    path = write_random_thinker(Path(a.out), device, **shape)
-    print(f"{path}: random-init thinker {shape} built on {device}")
+    path = write_random_thinker(Path(a.out), device, **shape, weights=not a.config_only)
+    if a.config_only:
+        print(f"{path}: random-init thinker {shape}, config only (run it with train_entry --random-init)")
+    else:
+        print(f"{path}: random-init thinker {shape} built on {device}")
 
 
 def fmt(value, digits: int = 1) -> str:
@@ -187,6 +190,11 @@ def main() -> None:
     c.add_argument("--tiny", action="store_true", help="CPU-sized (a rehearsal of the same code path)")
     c.add_argument("--full", action="store_true", help="the full-size text model (48 layers, 128 experts)")
     c.add_argument("--device", help="build on this device (default: the accelerator, else cpu)")
+    c.add_argument(
+        "--config-only",
+        action="store_true",
+        help="no weights: the run builds them (scripts.gpu.train_entry --random-init); nothing large on disk",
+    )
     m = sub.add_parser("mmk12", help="table + JSON of a training run's metrics.jsonl")
     m.add_argument("metrics")
     m.add_argument("--json", required=True)
