@@ -119,6 +119,13 @@ def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 @pytest.mark.skipif(not HAVE_VLLM, reason=NO_VLLM)
 def test_omni_image_samples_seeds_and_logprobs(omni_vllm):
     adapter, engine = omni_vllm
+    from omnirl.rollout import vllm_compat
+
+    # vLLM 0.32's own thinker M-RoPE puts an image's grid on its pads (0.26.0's does not: vllm_compat).
+    model_ok = engine.llm.collective_rpc(
+        lambda w: vllm_compat.image_grid_at_offset(w.model_runner.get_model())
+    )
+    assert model_ok == [True] and engine.llm.collective_rpc(vllm_compat.repair_mrope) == [""]
     params = GenerationParams(max_new_tokens=12, temperature=0.9)
     requests = image_requests(3, 3, params)
     trajs = engine.generate(requests)

