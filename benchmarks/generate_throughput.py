@@ -1,11 +1,14 @@
-"""Generation throughput: omnirl's GenerationEngine vs transformers' plain `generate` vs `generate_batch`, on
-a Qwen3-Omni thinker. Flags and how to run it: benchmarks/README.md."""
+"""Generation throughput on a Qwen3-Omni thinker: omnirl's GenerationEngine (the native rollout backend) vs
+its vLLM backend (`omnirl.rollout.vllm_engine.VLLMEngine`, the same adapter, prompts and seeds, in the
+same process) vs transformers' plain `generate` vs `generate_batch`. Flags and how to run it:
+benchmarks/README.md."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import random
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -68,6 +71,23 @@ def run_ours(adapter, requests, args, keep: list, cuda_graph: bool, stats: dict)
     keep[:] = trajs
     stats.clear()
     stats.update(engine.stats)
+    return sum(len(t.response_ids) for t in trajs)
+
+
+def run_vllm(adapter, cfg, requests, keep: list, stats: dict, engines: list) -> int:
+    """The vLLM backend, created on first use (the warm-up's call, which then also holds its start) with the
+    same KV budget and max_num_seqs as ours; each generate pushes the trainer's weights first (their time is
+    `vllm/push_s` in the stats, inside the call's time)."""
+    from omnirl.rollout.vllm_engine import VLLMEngine
+
+    if not engines:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # our engine's KV cache, freed: vLLM starts from what is free
+        engines.append(VLLMEngine(adapter, cfg))
+    trajs = engines[0].generate(requests)
+    keep[:] = trajs
+    stats.clear()
+    stats.update(engines[0].stats)
     return sum(len(t.response_ids) for t in trajs)
 
 
@@ -176,7 +196,11 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--stop-frac", type=float, default=0.0, help="fraction of the vocabulary that stops")
-    p.add_argument("--methods", default="ours,ours_eager,generate,generate_batch")
+    p.add_argument(
+        "--methods", default="ours,ours_eager,generate,generate_batch", help="of ours, ours_eager, vllm, "
+        "generate, generate_batch (vllm: the vLLM rollout backend; needs vllm installed)",
+    )  # fmt: skip
+    p.add_argument("--vllm-max-model-len", type=int, default=0, help="vLLM's max_model_len (0: the model's)")
     p.add_argument("--check-logprobs", action="store_true", help="re-score our responses as the trainer")
     p.add_argument("--warmup", type=int, default=4, help="requests of a warm-up run per method (0 = none)")
     p.add_argument("--out", default="benchmarks/generate_throughput.json")
@@ -187,24 +211,34 @@ def main() -> None:
     args = p.parse_args()
 
     torch.set_num_threads(1 if device_type() == "cpu" else torch.get_num_threads())
-    device = torch.device(device_type())
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.random_init:
-            shape = {k: getattr(args, k) for k in THINKER_SHAPE}
-            path = write_random_thinker(Path(args.keep_model or tmp), device, **shape)
-        elif args.model:
-            path = Path(args.model)
-        else:
-            from omnirl.models.tiny import make_tiny_qwen3_omni
+    tmp = tempfile.mkdtemp()  # the checkpoint stays until the end: the vLLM backend reads it too
+    try:
+        run(args, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
-            path = make_tiny_qwen3_omni(Path(tmp) / "tiny")
-        cfg = config_for("qwen3_omni_thinker")
-        cfg.model.path, cfg.model.dtype = str(path), args.dtype
-        cfg.model.finetune = "lora"
-        cfg.lora.target_modules = ["q_proj", "k_proj", "v_proj", "o_proj"]
-        start = time.perf_counter()
-        adapter = get_adapter("qwen3_omni_thinker")(cfg, device)
-        load_s = time.perf_counter() - start
+
+def run(args, tmp: str) -> None:
+    device = torch.device(device_type())
+    if args.random_init:
+        shape = {k: getattr(args, k) for k in THINKER_SHAPE}
+        path = write_random_thinker(Path(args.keep_model or tmp), device, **shape)
+    elif args.model:
+        path = Path(args.model)
+    else:
+        from omnirl.models.tiny import make_tiny_qwen3_omni
+
+        path = make_tiny_qwen3_omni(Path(tmp) / "tiny")
+    cfg = config_for("qwen3_omni_thinker")
+    cfg.model.path, cfg.model.dtype = str(path), args.dtype
+    cfg.model.finetune = "lora"
+    cfg.lora.target_modules = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    # The vLLM backend's settings: ours' KV budget and max_num_seqs.
+    cfg.rollout.backend, cfg.rollout.max_num_seqs = "vllm", args.max_num_seqs
+    cfg.generation.kv_cache_gib, cfg.rollout.vllm_max_model_len = args.kv_cache_gib, args.vllm_max_model_len
+    start = time.perf_counter()
+    adapter = get_adapter("qwen3_omni_thinker")(cfg, device)
+    load_s = time.perf_counter() - start
 
     vocab = adapter.lm_head.weight.shape[0]
     rng = random.Random(1)
@@ -214,17 +248,19 @@ def main() -> None:
     requests = make_requests(args, stops)
     trajs: list = []
     eager_trajs: list = []
+    vllm_trajs: list = []
+    engines: list = []
     stats: dict = {}
     runs = {
         "ours": lambda reqs: run_ours(adapter, reqs, args, trajs, True, stats),
         "ours_eager": lambda reqs: run_ours(adapter, reqs, args, eager_trajs, False, stats),
+        "vllm": lambda reqs: run_vllm(adapter, cfg, reqs, vllm_trajs, stats, engines),
         "generate": lambda reqs: run_generate(adapter, reqs, args, all_stops),
         "generate_batch": lambda reqs: run_generate_batch(adapter, reqs, args, all_stops),
     }
     # generate_batch switches the attention implementation while it runs: keep it last.
-    methods = [
-        m for m in ("ours", "ours_eager", "generate", "generate_batch") if m in args.methods.split(",")
-    ]
+    order = ("ours", "ours_eager", "vllm", "generate", "generate_batch")
+    methods = [m for m in order if m in args.methods.split(",")]
     if args.image_size:
         methods = [m for m in methods if m != "generate_batch"]
     params = sum(p.numel() for p in adapter.model.parameters())
@@ -251,9 +287,13 @@ def main() -> None:
             report["graph_vs_eager_identical_responses"] = f"{same}/{len(trajs)}"
             print(f"CUDA graph vs eager: {same}/{len(trajs)} responses identical", flush=True)
         print(f"{name}: {tokens} tokens in {seconds:.2f} s", flush=True)
-        if name == "ours" and args.check_logprobs:
-            report["logprob_check"] = check_logprobs(adapter, trajs, args.temperature)
-            print(f"trainer vs rollout log-probs: {report['logprob_check']}", flush=True)
+        if name == "vllm":  # start, push and generate times; tokens/s of the generate alone, without the push
+            results[name].update(stats)
+            results[name]["tokens_per_s_generate"] = tokens / stats["vllm/generate_s"]
+        if name in ("ours", "vllm") and args.check_logprobs:
+            key = "logprob_check" if name == "ours" else "vllm_logprob_check"
+            report[key] = check_logprobs(adapter, trajs if name == "ours" else vllm_trajs, args.temperature)
+            print(f"trainer vs {name} rollout log-probs: {report[key]}", flush=True)
         out.write_text(json.dumps(report, indent=2) + "\n")  # after each method: a later one may hang
     name = "random-init" if args.random_init else path
     print(f"model {name}: {params / 1e6:.1f} M parameters, {args.dtype}, {device}, loaded in {load_s:.1f} s")

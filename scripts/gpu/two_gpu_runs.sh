@@ -6,6 +6,7 @@
 #   OMNIRL_DRY=1 bash scripts/gpu/two_gpu_runs.sh OUT_DIR   # rehearsal on CPU: tiny sizes, gloo, < 1 minute
 #   OMNIRL_PARTS=mmk12 OMNIRL_BUDGET_S=240 ...               # one of the two runs, a shorter budget
 #   OMNIRL_NPROC=1 ...                                       # on one GPU
+#   OMNIRL_TRAIN_ARGS="--rollout.backend vllm" ...           # more overrides of the mmk12 run
 #
 # 1. Rollout packing, Qwen-Image (full size, random init, 512 px, 10 steps, True-CFG 4.0) on 2 GPUs:
 #    `torchrun --nproc_per_node 2 -m benchmarks.rollout_packing`, 32 images per GPU, serial (timed on 2
@@ -117,6 +118,8 @@ if [[ $dry == 1 ]]; then
 else
     train_args=(--run.steps 3 --rollout.prompts_per_step 8 --generation.max_new_tokens 256)
 fi
+read -r -a extra_train_args <<<"${OMNIRL_TRAIN_ARGS:-}"
+train_args+=("${extra_train_args[@]}")
 train_cap=$(($(left) - 25))
 if [[ ,$parts, != *,mmk12,* ]]; then
     log "2. mmk12 training not asked for (OMNIRL_PARTS=$parts)"
