@@ -21,7 +21,6 @@ image tokens), a tail batch a large one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -38,9 +37,8 @@ from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 from omnirl.config import Config, ConfigError
 from omnirl.distributed import DTYPES, compute_dtype, load_pretrained
 from omnirl.models.base import Output, Request, Trajectory
-from omnirl.models.diffusers_setup import check_checkpoint, make_trainable, save_lora
+from omnirl.models.diffusers_setup import DiffusersAdapter, make_trainable, trajectories
 from omnirl.models.flow_sde import WindowedSampler, host_rows, phase, to_host
-from omnirl.models.peft_lora import lora_disabled
 
 # QwenImagePipeline.check_inputs rejects a longer max_sequence_length.
 MAX_SEQUENCE_LENGTH = 1024
@@ -173,12 +171,12 @@ class QwenImageSettings:
         check_buckets(self.prompt_length_buckets, MAX_SEQUENCE_LENGTH)
 
 
-class QwenImageAdapter:
+class QwenImageAdapter(DiffusersAdapter):
     """The `DiffusionAdapter` for `QwenImagePipeline` checkpoints (Qwen/Qwen-Image)."""
 
     kind = "diffusion"  # the trainer's ops for this adapter (omnirl.ops.OPS)
     modalities = frozenset({"image"})
-    fused_cfg = True  # CFG rows in one forward; the rollout engine sets it (rollout.fused_cfg)
+    pipeline_cls = QwenImagePipeline
     memory_probe_rows = DECODE_ROWS  # the decode's chunk (`decode`)
     Settings = QwenImageSettings
     # sampling.height / width must be multiples of this (checked when the recipe loads): the VAE's 8x
@@ -186,15 +184,9 @@ class QwenImageAdapter:
     pixel_multiple = 16
 
     def __init__(self, cfg: Config, device: torch.device):
-        path = cfg.model.path
-        check_checkpoint(path, QwenImagePipeline)
+        super().__init__(cfg, device)
+        path, dtype = cfg.model.path, DTYPES[cfg.model.dtype]
         self.buckets = list(cfg.family.prompt_length_buckets)
-        self.device = device
-        dtype = DTYPES[cfg.model.dtype]
-        # A fully fine-tuned transformer is trained, hence kept, in float32; a LoRA base stays in `dtype`.
-        self.lora = cfg.model.finetune == "lora"
-        self.transformer_dtype = dtype if self.lora else torch.float32
-
         self.transformer = load_pretrained(
             QwenImageTransformer2DModel, path, subfolder="transformer", torch_dtype=self.transformer_dtype
         )
@@ -219,17 +211,6 @@ class QwenImageAdapter:
         )
 
         make_trainable(self.transformer, cfg, device)
-
-    @property
-    def policy(self) -> nn.Module:
-        """The trained module: the one transformer."""
-        return self.transformer
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.transformer.parameters() if p.requires_grad]
-
-    def fsdp_units(self) -> list[nn.Module]:
-        return list(self.transformer.transformer_blocks)
 
     def offload_modules(self) -> list[nn.Module]:
         return [self.vae, self.text_encoder]
@@ -334,13 +315,7 @@ class QwenImageAdapter:
         noise of each step inside its window; so a request's sample does not depend on its batch.
         """
         p = requests[0].params
-        key = self.compat_key(requests[0])
-        assert all(self.compat_key(r) == key for r in requests), "a packed batch must share one compat_key"
-        multiple = self.vae_scale_factor * 2
-        if p.height % multiple or p.width % multiple:
-            raise ValueError(
-                f"sampling height and width must be multiples of {multiple}, got {p.height}x{p.width}"
-            )
+        self.check_batch(requests, self.vae_scale_factor * 2)
         num_steps = p.num_steps
         batch = len(requests)
         channels = self.transformer.config.in_channels // 4  # the transformer sees 2x2 latent patches
@@ -364,24 +339,12 @@ class QwenImageAdapter:
 
         rows = host_rows(rows)  # one copy for the batch, not one per sample
         images, latents = to_host([images, latents])
-        trajectories = []
-        for b, req in enumerate(requests):
-            sample_embeds = {"prompt_embeds": rows[b]}  # [L_b, D], unpadded: batch_embeds pads
-            if guided:
-                sample_embeds["negative_prompt_embeds"] = rows[batch + b]
-            trajectories.append(
-                Trajectory(
-                    request=req,
-                    **sampler.record(
-                        b
-                    ),  # latents, next_latents, means [K, C, h, w], step_indices, logprobs [K]
-                    sigmas=sigmas,
-                    embeds=sample_embeds,
-                    output=Output(image=images[b]),
-                    final_latents=latents[b],
-                )
-            )
-        return trajectories
+        samples = [
+            {"prompt_embeds": rows[b]} | ({"negative_prompt_embeds": rows[batch + b]} if guided else {})
+            for b in range(batch)
+        ]  # [L_b, D], unpadded: batch_embeds pads
+        outputs = [Output(image=im) for im in images]
+        return trajectories(requests, sampler, sigmas, samples, outputs, latents)
 
     def batch_embeds(self, embeds: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Pad each text to the longest of the micro-batch, with its mask (`<key>_mask`)."""
@@ -390,15 +353,3 @@ class QwenImageAdapter:
             rows = [e[key] for e in embeds]
             out[key], out[f"{key}_mask"] = collate(rows, max(len(r) for r in rows))
         return out
-
-    def lora_disabled(self):
-        if not self.lora:
-            raise ValueError("the reference policy with the LoRA off needs model.finetune 'lora'")
-        return lora_disabled(self.transformer)
-
-    def export_lora(self, out_dir: str | Path, state_dict: dict | None = None) -> None:
-        """Write the LoRA as `pytorch_lora_weights.safetensors` in the diffusers format, loadable with
-        `QwenImagePipeline.load_lora_weights`. An FSDP run passes the gathered full state dict."""
-        if not self.lora:
-            raise ValueError("export_lora needs model.finetune 'lora'")
-        save_lora(QwenImagePipeline, self.transformer, out_dir, state_dict)

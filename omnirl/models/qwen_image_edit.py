@@ -26,7 +26,6 @@ prompt, so a longer one than the largest bucket is an error, not a truncation.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from diffusers import (
@@ -50,9 +49,8 @@ from transformers.processing_utils import ProcessorMixin
 from omnirl.config import Config, ConfigError
 from omnirl.distributed import DTYPES, compute_dtype, load_pretrained
 from omnirl.models.base import Output, Request, Trajectory
-from omnirl.models.diffusers_setup import check_checkpoint, make_trainable, save_lora
+from omnirl.models.diffusers_setup import DiffusersAdapter, make_trainable, trajectories
 from omnirl.models.flow_sde import WindowedSampler, host_rows, phase, to_host
-from omnirl.models.peft_lora import lora_disabled
 from omnirl.models.qwen_image import (
     DECODE_ROWS,
     bucket,
@@ -93,13 +91,13 @@ class QwenImageEditSettings:
             raise ConfigError(f"family.condition_area must be positive, got {self.condition_area}")
 
 
-class QwenImageEditAdapter:
+class QwenImageEditAdapter(DiffusersAdapter):
     """The `DiffusionAdapter` for `QwenImageEditPipeline` checkpoints (Qwen/Qwen-Image-Edit). Every request
     carries its condition image (a PIL image) in `request.inputs["image"]`."""
 
     kind = "diffusion"  # the trainer's ops for this adapter (omnirl.ops.OPS)
     modalities = frozenset({"image"})
-    fused_cfg = True  # CFG rows in one forward; the rollout engine sets it (rollout.fused_cfg)
+    pipeline_cls = QwenImageEditPipeline
     memory_probe_rows = DECODE_ROWS  # the decode's chunk (qwen_image.decode)
     Settings = QwenImageEditSettings
     # sampling.height / width must be multiples of this (checked when the recipe loads): the VAE's 8x
@@ -107,16 +105,10 @@ class QwenImageEditAdapter:
     pixel_multiple = 16
 
     def __init__(self, cfg: Config, device: torch.device):
-        path = cfg.model.path
-        check_checkpoint(path, QwenImageEditPipeline)
+        super().__init__(cfg, device)
+        path, dtype = cfg.model.path, DTYPES[cfg.model.dtype]
         self.buckets = list(cfg.family.prompt_length_buckets)
         self.condition_area = cfg.family.condition_area
-        self.device = device
-        dtype = DTYPES[cfg.model.dtype]
-        # A fully fine-tuned transformer is trained, hence kept, in float32; a LoRA base stays in `dtype`.
-        self.lora = cfg.model.finetune == "lora"
-        self.transformer_dtype = dtype if self.lora else torch.float32
-
         self.transformer = load_pretrained(
             QwenImageTransformer2DModel, path, subfolder="transformer", torch_dtype=self.transformer_dtype
         )
@@ -146,17 +138,6 @@ class QwenImageEditAdapter:
         self.vae_scale_factor = self.pipe.vae_scale_factor
 
         make_trainable(self.transformer, cfg, device)
-
-    @property
-    def policy(self) -> nn.Module:
-        """The trained module: the one transformer."""
-        return self.transformer
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.transformer.parameters() if p.requires_grad]
-
-    def fsdp_units(self) -> list[nn.Module]:
-        return list(self.transformer.transformer_blocks)
 
     def offload_modules(self) -> list[nn.Module]:
         return [self.vae, self.text_encoder]
@@ -322,14 +303,7 @@ class QwenImageEditAdapter:
         noise of each step inside its window; so a request's sample does not depend on its batch.
         """
         p = requests[0].params
-        key = self.compat_key(requests[0])
-        assert all(self.compat_key(r) == key for r in requests), "a packed batch must share one compat_key"
-        cond_h, cond_w = key[-2]
-        multiple = self.vae_scale_factor * 2
-        if p.height % multiple or p.width % multiple:
-            raise ValueError(
-                f"sampling height and width must be multiples of {multiple}, got {p.height}x{p.width}"
-            )
+        cond_h, cond_w = self.check_batch(requests, self.vae_scale_factor * 2)[-2]
         num_steps = p.num_steps
         batch = len(requests)
         channels = self.transformer.config.in_channels // 4  # the transformer sees 2x2 latent patches
@@ -363,27 +337,13 @@ class QwenImageEditAdapter:
 
         rows = host_rows(rows)  # one copy for the batch, not one per sample
         conditions_host, images, latents = to_host([embeds["image_latents"], images, latents])
-        trajectories = []
-        for b, req in enumerate(requests):
-            sample_embeds = {
-                "prompt_embeds": rows[b],  # [L_b, D], unpadded: batch_embeds pads
-                "image_latents": conditions_host[b],  # [C, h', w']
-            }
-            if guided:
-                sample_embeds["negative_prompt_embeds"] = rows[batch + b]
-            trajectories.append(
-                Trajectory(
-                    request=req,
-                    **sampler.record(
-                        b
-                    ),  # latents, next_latents, means [K, C, h, w], step_indices, logprobs [K]
-                    sigmas=sigmas,
-                    embeds=sample_embeds,
-                    output=Output(image=images[b]),
-                    final_latents=latents[b],
-                )
-            )
-        return trajectories
+        samples = [
+            {"prompt_embeds": rows[b], "image_latents": conditions_host[b]}  # [L_b, D] unpadded, [C, h', w']
+            | ({"negative_prompt_embeds": rows[batch + b]} if guided else {})
+            for b in range(batch)
+        ]
+        outputs = [Output(image=im) for im in images]
+        return trajectories(requests, sampler, sigmas, samples, outputs, latents)
 
     def batch_embeds(self, embeds: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Pad each text to the longest of the micro-batch, with its mask (`<key>_mask`); zero-pad the
@@ -398,15 +358,3 @@ class QwenImageEditAdapter:
         cond_h, cond_w = out["condition_size"].max(dim=0).values.tolist()
         out["image_latents"] = torch.stack([pad_to(pad_to(im, cond_h), cond_w, dim=2) for im in images])
         return out
-
-    def lora_disabled(self):
-        if not self.lora:
-            raise ValueError("the reference policy with the LoRA off needs model.finetune 'lora'")
-        return lora_disabled(self.transformer)
-
-    def export_lora(self, out_dir: str | Path, state_dict: dict | None = None) -> None:
-        """Write the LoRA as `pytorch_lora_weights.safetensors` in the diffusers format, loadable with
-        `QwenImageEditPipeline.load_lora_weights`. An FSDP run passes the gathered full state dict."""
-        if not self.lora:
-            raise ValueError("export_lora needs model.finetune 'lora'")
-        save_lora(QwenImageEditPipeline, self.transformer, out_dir, state_dict)
