@@ -15,12 +15,10 @@ The pipeline resizes the condition image to a hard-coded 1024 * 1024 pixel area;
 are stored in `Trajectory.embeds["image_latents"]` with the prompt embeddings, so training never re-runs an
 encoder.
 
-Prompts differ in length (their embeddings also hold the condition image's vision tokens). Rows are
-zero-padded at the end and masked (`encoder_hidden_states_mask`); the text RoPE positions of a row do not
-depend on how far it is padded, so a padded row computes what it computes alone. A batch pads its texts
-to the smallest bucket (`family.prompt_length_buckets`) that holds its longest, as qwen_image.py does
-(the bucket is a property of the batch, not in the compatibility key). The edit pipeline never truncates a
-prompt, so a longer one than the largest bucket is an error, not a truncation.
+Prompts differ in length (their embeddings also hold the condition image's vision tokens): rows are padded
+and masked, and a batch pads its texts to a bucket of `family.prompt_length_buckets`, with Qwen-Image's
+functions (qwen_image.py, whose module docstring says why). The edit pipeline never truncates a prompt, so
+a longer one than the largest bucket is an error, not a truncation.
 """
 
 from __future__ import annotations
@@ -47,20 +45,21 @@ from transformers import (
 from transformers.processing_utils import ProcessorMixin
 
 from omnirl.config import Config, ConfigError
-from omnirl.distributed import DTYPES, compute_dtype, load_pretrained
+from omnirl.distributed import DTYPES, load_pretrained
 from omnirl.models.base import Output, Request, Trajectory
 from omnirl.models.diffusers_setup import DiffusersAdapter, make_trainable, trajectories
-from omnirl.models.flow_sde import WindowedSampler, host_rows, phase, to_host
+from omnirl.models.flow_sde import host_rows, phase, to_host
 from omnirl.models.qwen_image import (
     DECODE_ROWS,
     bucket,
     check_buckets,
     collate,
     decode,
+    packed_velocity,
     pad_to,
-    pipeline_sigmas,
+    prepare_latents,
+    row_texts,
     text_embeds,
-    true_cfg,
 )
 
 
@@ -174,10 +173,7 @@ class QwenImageEditAdapter(DiffusersAdapter):
         tokens; with a fused CFG the longer of that and its negative prompt's (both rows share one forward
         and one padded length). Past the largest bucket it is an error: the pipeline does not truncate."""
         size = self.condition_size(request)
-        texts = [request.prompt]
-        if self.fused_cfg and request.params.guidance_scale > 1:
-            texts.append(request.negative_prompt)
-        lengths = {text: self.prompt_length(text, size) for text in texts}
+        lengths = {text: self.prompt_length(text, size) for text in row_texts(request, self.fused_cfg)}
         for text, length in lengths.items():
             if length > self.buckets[-1]:
                 raise ConfigError(
@@ -201,11 +197,6 @@ class QwenImageEditAdapter(DiffusersAdapter):
         cond_h, cond_w = self.condition_size(request)
         image = (p.height // factor) * (p.width // factor) + (cond_h // factor) * (cond_w // factor)
         return image + bucket(self.buckets, self.text_length(request))
-
-    def sigmas(self, num_steps: int, image_seq_len: int) -> torch.Tensor:
-        """The pipeline's sigma schedule: [num_steps + 1] float32 on the host, the last one 0. Its shift
-        `mu` grows with the generated image's token count (condition tokens not counted)."""
-        return pipeline_sigmas(self.scheduler, num_steps, image_seq_len)
 
     @torch.no_grad()
     def encode(self, prompts: list[str], images: list) -> list[torch.Tensor]:
@@ -264,52 +255,19 @@ class QwenImageEditAdapter(DiffusersAdapter):
                 )
             return out
 
-        model = policy if policy is not None else self.transformer
-        dtype = compute_dtype(model, self.transformer_dtype)  # the model's inputs: FSDP's root does not cast
-        batch, channels, h, w = latents.shape
         cond_h, cond_w = sizes[0].tolist()
-        pack = QwenImageEditPipeline._pack_latents
         condition = embeds["image_latents"][:, :, :cond_h, :cond_w]  # [B, C, h', w'] (unpad)
-        x = torch.cat(
-            [pack(latents, batch, channels, h, w), pack(condition, batch, channels, cond_h, cond_w)], dim=1
-        ).to(dtype)  # [B, S + S', 4C]: generated tokens, then condition tokens
-        num_image_tokens = (h // 2) * (w // 2)
-        img_shapes = [[(1, h // 2, w // 2), (1, cond_h // 2, cond_w // 2)]]
-        # The pipeline feeds the scheduler's timestep (sigma * 1000, float32) cast to its dtype, / 1000.
-        timestep = (sigmas.float() * self.scheduler.config.num_train_timesteps).to(dtype) / 1000  # [B]
-
-        def forward(x, t, text, mask):
-            out = model(
-                hidden_states=x,
-                timestep=t,
-                encoder_hidden_states=text.to(dtype),
-                # A mask keeps SDPA off its flash kernel: pass none when no row is padded.
-                encoder_hidden_states_mask=None if mask.all() else mask,
-                img_shapes=img_shapes * len(x),
-                return_dict=False,
-            )[0]
-            return out[:, :num_image_tokens].float()  # [B', S, 4C] the generated tokens only
-
-        v = true_cfg(forward, x, timestep, embeds, guidance_scale, fused_cfg)
-        # _unpack_latents works in pixels and adds the video VAE's frame axis.
-        pixels = self.vae_scale_factor
-        return QwenImageEditPipeline._unpack_latents(v, h * pixels, w * pixels, pixels)[:, :, 0]
+        return packed_velocity(self, latents, sigmas, embeds, guidance_scale, fused_cfg, policy, condition)
 
     @torch.no_grad()
     def rollout(self, requests: list[Request]) -> list[Trajectory]:
-        """Generate a packed batch: one transformer forward per denoising step (two if not `fused_cfg`).
-
-        Each request's own generator draws, in order: its initial latents, its SDE window start, and the
-        noise of each step inside its window; so a request's sample does not depend on its batch.
-        """
+        """Generate a packed batch of one condition size as Qwen-Image's rollout does (one transformer
+        forward per denoising step, two if not `fused_cfg`; each request's own generator), the text encoder
+        and the VAE both reading each request's condition image at that size."""
         p = requests[0].params
         cond_h, cond_w = self.check_batch(requests, self.vae_scale_factor * 2)[-2]
-        num_steps = p.num_steps
         batch = len(requests)
-        channels = self.transformer.config.in_channels // 4  # the transformer sees 2x2 latent patches
-        h, w = p.height // self.vae_scale_factor, p.width // self.vae_scale_factor
-        sigmas = self.sigmas(num_steps, (h // 2) * (w // 2))  # [T + 1] host
-        sampler = WindowedSampler(requests, (channels, h, w), sigmas, self.device)
+        sigmas, sampler = prepare_latents(self, requests)
         latents = sampler.initial_latents  # [B, C, h, w]
         guided = p.guidance_scale > 1
         # The text encoder and the VAE both see the condition image resized to the condition size.
@@ -327,7 +285,7 @@ class QwenImageEditAdapter(DiffusersAdapter):
             embeds["condition_size"] = torch.tensor([latent_size] * batch, device=self.device)  # [B, 2]
             embeds |= text_embeds(rows, batch, self.buckets, self.fused_cfg)
 
-        for i in range(num_steps):
+        for i in range(p.num_steps):
             with phase("transformer"):  # [B, C, h, w]
                 v = self.velocity(latents, sampler.sigma(i), embeds, p.guidance_scale, self.fused_cfg)
             latents = sampler.step(i, v, latents)
