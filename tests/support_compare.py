@@ -1,20 +1,95 @@
-"""Comparisons shared by the diffusion adapter tests."""
+"""What the diffusion adapter tests share: their tiny adapters' configs and requests, the initial latents
+the reference pipelines start from, the LoRA they perturb and export, and the comparisons."""
+
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
+
+from omnirl.config import Config, config_for
+from omnirl.models.base import Request, SamplingParams, derive_seed
+from omnirl.models.diffusers_setup import LORA_FILE
 
 
 def max_diff(a, b) -> float:
     return (a - b).abs().max().item()
 
 
-def packed_serial_diffs(packed, serial) -> tuple[float, float]:
+def tiny_config(adapter: str, path, **lora) -> Config:
+    """The config of `adapter` (`config_for`) on the checkpoint at `path`, with the LoRA fields `lora`."""
+    cfg = config_for(adapter)
+    cfg.model.path = str(path)
+    for key, value in lora.items():
+        setattr(cfg.lora, key, value)
+    return cfg
+
+
+def prompt_requests(
+    params: SamplingParams, prompts: list[str], negatives: list[str], first: int = 0, images=None
+) -> list[Request]:
+    """One request per (prompt, negative prompt), its group and index counted from `first` and its seed
+    that of the request of that index in step 0 of base seed 7; request i conditioned on the image
+    images[i % len(images)] when `images` are given."""
+    return [
+        Request(
+            p,
+            first + i,
+            first + i,
+            derive_seed(7, 0, first + i),
+            params,
+            negative_prompt=n,
+            inputs={"image": images[i % len(images)]} if images else {},
+        )
+        for i, (p, n) in enumerate(zip(prompts, negatives))
+    ]
+
+
+def initial_latents(requests: list[Request], shape: tuple[int, ...]) -> torch.Tensor:
+    """The initial latents [B, *shape] an adapter draws for `requests`, each from its own seed: what the
+    reference pipeline is given, so that both sample from the same noise."""
+    return torch.stack(
+        [torch.randn(shape, generator=torch.Generator().manual_seed(r.seed)) for r in requests]
+    )
+
+
+def load_pipeline(pipeline_cls, path, **components):
+    """The reference pipeline of the tiny checkpoint at `path`, without progress bars."""
+    pipe = pipeline_cls.from_pretrained(path, **components)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def perturb_lora(adapter, std: float) -> None:
+    """The LoRA's B matrices (zero at initialisation, where the LoRA changes nothing) drawn from
+    N(0, std^2), seeded."""
+    torch.manual_seed(0)
+    for name, p in adapter.policy.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0.0, std)
+
+
+def export_lora_twice(adapter, out_dir: Path, files: tuple[str, ...] = (LORA_FILE,)) -> None:
+    """Exports the LoRA from the module and, as an FSDP run does, from its gathered full state dict (into
+    out_dir / "from_state_dict"), and checks that both wrote the same tensors into `files`, one per
+    trainable parameter in all."""
+    adapter.export_lora(out_dir)
+    adapter.export_lora(out_dir / "from_state_dict", adapter.policy.state_dict())
+    total = 0
+    for f in files:
+        exported, again = load_file(out_dir / f), load_file(out_dir / "from_state_dict" / f)
+        assert exported.keys() == again.keys() and all(torch.equal(v, again[k]) for k, v in exported.items())
+        total += len(exported)
+    assert total == len(adapter.trainable_parameters())
+
+
+def packed_serial_diffs(packed, serial, shape: tuple[int, ...] = (4, 16, 16)) -> tuple[float, float]:
     """Checks each (packed, serial) pair of trajectories of the tiny models (the same trained steps, two
-    of them, latents [2, 4, 16, 16], non-zero log-probs) and returns the max |diff| of their final and
-    next latents and of their log-probs."""
+    of them, latents [2, *shape], non-zero log-probs) and returns the max |diff| of their final and next
+    latents and of their log-probs."""
     d_latents = d_logprobs = 0.0
     for a, b in zip(packed, serial):
         assert a.step_indices.tolist() == b.step_indices.tolist()
-        assert a.latents.shape == (2, 4, 16, 16) and a.logprobs.shape == (2,)
+        assert a.latents.shape == (2, *shape) and a.logprobs.shape == (2,)
         assert torch.all(a.logprobs != 0)
         d_latents = max(
             d_latents, max_diff(a.final_latents, b.final_latents), max_diff(a.next_latents, b.next_latents)

@@ -12,14 +12,22 @@ import torch
 from diffusers import QwenImagePipeline
 from safetensors.torch import load_file
 
-from omnirl.config import config_for
 from omnirl.models import get_adapter
-from omnirl.models.base import Request, SamplingParams, derive_seed
+from omnirl.models.base import Request, SamplingParams
 from omnirl.models.flow_sde import flow_step
 from omnirl.models.qwen_image import QwenImageAdapter, QwenImageSettings, padded_lengths
 from omnirl.ops.diffusion import Pair, pair_logprob
 from omnirl.rollout.diffusion import DiffusionEngine
-from tests.support_compare import max_diff, packed_serial_diffs
+from tests.support_compare import (
+    export_lora_twice,
+    initial_latents,
+    load_pipeline,
+    max_diff,
+    packed_serial_diffs,
+    perturb_lora,
+    prompt_requests,
+    tiny_config,
+)
 from tests.test_train import read_jsonl, torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,19 +50,13 @@ LORA_TARGETS += ["img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "t
 
 
 def make_adapter(path, buckets=BUCKETS, **lora) -> QwenImageAdapter:
-    cfg = config_for("qwen_image")
-    cfg.model.path = str(path)
+    cfg = tiny_config("qwen_image", path, **lora)
     cfg.family = QwenImageSettings(prompt_length_buckets=buckets)
-    for key, value in lora.items():
-        setattr(cfg.lora, key, value)
     return QwenImageAdapter(cfg, torch.device("cpu"))
 
 
 def make_requests(params: SamplingParams, prompts=PROMPTS, negatives=NEGATIVES, first=0) -> list[Request]:
-    return [
-        Request(p, first + i, first + i, derive_seed(7, 0, first + i), params, negative_prompt=n)
-        for i, (p, n) in enumerate(zip(prompts, negatives))
-    ]
+    return prompt_requests(params, prompts, negatives, first)
 
 
 def noise_free(guidance: float = TRUE_CFG) -> SamplingParams:
@@ -69,9 +71,7 @@ def run_pipeline(pipe, adapter, requests, output_type):
     """The reference: diffusers' pipeline from the same initial latents the adapter draws per request,
     packed 2x2 as the pipeline takes them. Returns packed latents [B, 64, 16] or images [B, 3, H, W]."""
     c, h = adapter.policy.config.in_channels // 4, SIZE // adapter.vae_scale_factor
-    latents = torch.stack(
-        [torch.randn(c, h, h, generator=torch.Generator().manual_seed(r.seed)) for r in requests]
-    )
+    latents = initial_latents(requests, (c, h, h))
     return pipe(
         prompt=[r.prompt for r in requests],
         negative_prompt=[r.negative_prompt for r in requests],
@@ -93,12 +93,6 @@ def final_latents(trajs) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def adapter(tiny_qwen_image):
     return make_adapter(tiny_qwen_image)  # LoRA with B = 0: the policy equals the base model
-
-
-def load_pipeline(path):
-    pipe = QwenImagePipeline.from_pretrained(path)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 def test_buckets_key_and_tokens(adapter, tiny_qwen_image):
@@ -158,7 +152,7 @@ def test_decode_in_chunks_equals_one_batch(adapter, monkeypatch):
 @pytest.mark.parametrize("guidance", [1.0, TRUE_CFG])
 def test_noise_free_rollout_is_the_pipeline_sampler(adapter, tiny_qwen_image, guidance):
     """True-CFG with its norm rescaling, prompts padded to their bucket (the pipeline pads to the longest)."""
-    pipe = load_pipeline(tiny_qwen_image)
+    pipe = load_pipeline(QwenImagePipeline, tiny_qwen_image)
     requests = make_requests(noise_free(guidance))[:3]
     trajs = adapter.rollout(requests)
     ref_latents = run_pipeline(pipe, adapter, requests, "latent")
@@ -231,19 +225,10 @@ def test_recomputed_logprob_equals_rollout(adapter, sde_type):
 def test_exported_lora_loads_into_the_pipeline(tiny_qwen_image, tmp_path):
     # alpha != rank: the export must carry the scale; the reference recipe's targets, MLPs included.
     adapter = make_adapter(tiny_qwen_image, rank=4, alpha=8.0, target_modules=LORA_TARGETS)
-    torch.manual_seed(0)
-    for name, p in adapter.policy.named_parameters():
-        if "lora_B" in name:
-            p.data.normal_(0.0, 0.05)
-    adapter.export_lora(tmp_path)
-    # An FSDP run exports from the gathered full state dict instead: same file contents.
-    adapter.export_lora(tmp_path / "from_state_dict", adapter.policy.state_dict())
-    exported = load_file(tmp_path / "pytorch_lora_weights.safetensors")
-    from_state_dict = load_file(tmp_path / "from_state_dict" / "pytorch_lora_weights.safetensors")
-    assert len(exported) == len(adapter.trainable_parameters()) == len(from_state_dict)
-    assert all(torch.equal(v, from_state_dict[k]) for k, v in exported.items())
+    perturb_lora(adapter, 0.05)
+    export_lora_twice(adapter, tmp_path)  # also from the state dict, as an FSDP run: the same file
 
-    pipe = load_pipeline(tiny_qwen_image)
+    pipe = load_pipeline(QwenImagePipeline, tiny_qwen_image)
     requests = make_requests(noise_free())[:2]
     base = run_pipeline(pipe, adapter, requests, "latent")
     pipe.load_lora_weights(tmp_path)
@@ -290,7 +275,7 @@ def test_tiny_recipe_under_torchrun_fsdp(tiny_qwen_image, tmp_path):
     # 12 target modules x 2 blocks, A and B each; B starts at 0, so a non-zero B is a real update.
     assert len(lora) == 12 * 2 * 2
     assert any(v.abs().max() > 0 for k, v in lora.items() if "lora_B" in k)
-    pipe = load_pipeline(tiny_qwen_image)
+    pipe = load_pipeline(QwenImagePipeline, tiny_qwen_image)
     pipe.load_lora_weights(out / "lora")
     assert "Traceback" not in r.stderr
 

@@ -9,14 +9,21 @@ import pytest
 import torch
 from diffusers import QwenImageEditPipeline
 from PIL import Image
-from safetensors.torch import load_file
 
-from omnirl.config import config_for
 from omnirl.models import get_adapter
-from omnirl.models.base import Request, SamplingParams, derive_seed
+from omnirl.models.base import Request, SamplingParams
 from omnirl.models.qwen_image_edit import QwenImageEditAdapter, QwenImageEditSettings
 from omnirl.ops.diffusion import Pair, pair_logprob
-from tests.support_compare import max_diff, packed_serial_diffs
+from tests.support_compare import (
+    export_lora_twice,
+    initial_latents,
+    load_pipeline,
+    max_diff,
+    packed_serial_diffs,
+    perturb_lora,
+    prompt_requests,
+    tiny_config,
+)
 
 # Different lengths (the tiny tokenizer is one token per byte), all in the 320 bucket; negatives in 288.
 PROMPTS = [
@@ -40,27 +47,13 @@ def source_image(seed: int, width: int = 64, height: int = 64) -> Image.Image:
 
 
 def make_adapter(path, **lora) -> QwenImageEditAdapter:
-    cfg = config_for("qwen_image_edit")
-    cfg.model.path = str(path)
+    cfg = tiny_config("qwen_image_edit", path, **lora)
     cfg.family = QwenImageEditSettings(prompt_length_buckets=[288, 320, 352], condition_area=AREA)
-    for key, value in lora.items():
-        setattr(cfg.lora, key, value)
     return QwenImageEditAdapter(cfg, torch.device("cpu"))
 
 
 def make_requests(params: SamplingParams, images: list[Image.Image], n: int = len(PROMPTS)) -> list[Request]:
-    return [
-        Request(
-            PROMPTS[i],
-            i,
-            i,
-            derive_seed(7, 0, i),
-            params,
-            negative_prompt=NEGATIVES[i],
-            inputs={"image": images[i % len(images)]},
-        )
-        for i in range(n)
-    ]
+    return prompt_requests(params, PROMPTS[:n], NEGATIVES[:n], images=images)
 
 
 def noise_free(guidance: float = GUIDANCE) -> SamplingParams:
@@ -80,16 +73,14 @@ def pipeline(tiny_qwen_image_edit, adapter, monkeypatch):
         edit_pipeline_module, "calculate_dimensions", lambda area, ratio: original(AREA, ratio)
     )
     # Loading a Qwen2VLProcessor needs torchvision (its video processor): hand the pipeline ours.
-    pipe = QwenImageEditPipeline.from_pretrained(tiny_qwen_image_edit, processor=adapter.processor)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return load_pipeline(QwenImageEditPipeline, tiny_qwen_image_edit, processor=adapter.processor)
 
 
 def run_pipeline(pipe, adapter, request, output_type):
     """One request through the pipeline (it takes one condition image per call), from the initial
     latents the adapter draws for it."""
     c, h = adapter.policy.config.in_channels // 4, SIZE // adapter.vae_scale_factor
-    latents = torch.randn(1, c, h, h, generator=torch.Generator().manual_seed(request.seed))
+    latents = initial_latents([request], (c, h, h))  # [1, C, h, w]
     guided = request.params.guidance_scale > 1
     return pipe(
         image=request.inputs["image"],
@@ -163,13 +154,8 @@ def test_recomputed_logprob_equals_rollout(adapter):
 
 def test_exported_lora_loads_into_the_pipeline(tiny_qwen_image_edit, pipeline, tmp_path):
     adapter = make_adapter(tiny_qwen_image_edit, rank=4, alpha=8.0)  # alpha != rank: the scale must travel
-    torch.manual_seed(0)
-    for name, p in adapter.policy.named_parameters():
-        if "lora_B" in name:
-            p.data.normal_(0.0, 0.1)
-    adapter.export_lora(tmp_path)
-    exported = load_file(tmp_path / "pytorch_lora_weights.safetensors")
-    assert len(exported) == len(adapter.trainable_parameters())
+    perturb_lora(adapter, 0.1)
+    export_lora_twice(adapter, tmp_path)  # also from the state dict, as an FSDP run: the same file
 
     requests = make_requests(noise_free(), [source_image(0)], n=1)
     base, _ = pipeline_outputs(pipeline, adapter, requests)

@@ -6,14 +6,21 @@ import re
 import pytest
 import torch
 from diffusers import StableDiffusion3Pipeline
-from safetensors.torch import load_file
 
-from omnirl.config import config_for
 from omnirl.models import get_adapter
-from omnirl.models.base import Request, SamplingParams, derive_seed
+from omnirl.models.base import Request, SamplingParams
 from omnirl.models.flow_sde import flow_step
 from omnirl.models.sd3 import SD3Adapter
-from tests.support_compare import max_diff, packed_serial_diffs
+from tests.support_compare import (
+    export_lora_twice,
+    initial_latents,
+    load_pipeline,
+    max_diff,
+    packed_serial_diffs,
+    perturb_lora,
+    prompt_requests,
+    tiny_config,
+)
 
 PROMPTS = ["a red cat", "two dogs in the snow", "a lighthouse at night", "OPEN 24 HOURS"]
 NEGATIVES = ["blurry", "", "low quality", ""]
@@ -23,18 +30,11 @@ SIZE = 32  # pixels: 16x16 latents (the tiny VAE downsamples 2x)
 
 
 def make_adapter(path, **lora) -> SD3Adapter:
-    cfg = config_for("sd3")
-    cfg.model.path = str(path)
-    for key, value in lora.items():
-        setattr(cfg.lora, key, value)
-    return SD3Adapter(cfg, torch.device("cpu"))
+    return SD3Adapter(tiny_config("sd3", path, **lora), torch.device("cpu"))
 
 
 def make_requests(params: SamplingParams, n: int = len(PROMPTS)) -> list[Request]:
-    return [
-        Request(PROMPTS[i], i, i, derive_seed(7, 0, i), params, negative_prompt=NEGATIVES[i])
-        for i in range(n)
-    ]
+    return prompt_requests(params, PROMPTS[:n], NEGATIVES[:n])
 
 
 def noise_free(guidance: float = GUIDANCE) -> SamplingParams:
@@ -44,9 +44,6 @@ def noise_free(guidance: float = GUIDANCE) -> SamplingParams:
 def run_pipeline(pipe, adapter, requests, output_type):
     """The reference: diffusers' pipeline from the same initial latents the adapter draws per request."""
     c, h = adapter.policy.config.in_channels, SIZE // adapter.vae_scale_factor
-    latents = torch.stack(
-        [torch.randn(c, h, h, generator=torch.Generator().manual_seed(r.seed)) for r in requests]
-    )
     return pipe(
         prompt=[r.prompt for r in requests],
         negative_prompt=[r.negative_prompt for r in requests],
@@ -54,7 +51,7 @@ def run_pipeline(pipe, adapter, requests, output_type):
         num_inference_steps=requests[0].params.num_steps,
         height=SIZE,
         width=SIZE,
-        latents=latents,
+        latents=initial_latents(requests, (c, h, h)),
         max_sequence_length=adapter.max_sequence_length,
         output_type=output_type,
     ).images
@@ -65,15 +62,9 @@ def adapter(tiny_sd3):
     return make_adapter(tiny_sd3)  # LoRA with B = 0: the policy equals the base model
 
 
-def load_pipeline(path):
-    pipe = StableDiffusion3Pipeline.from_pretrained(path)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
 @pytest.mark.parametrize("guidance", [1.0, GUIDANCE])
 def test_noise_free_rollout_is_the_pipeline_sampler(adapter, tiny_sd3, guidance):
-    pipe = load_pipeline(tiny_sd3)
+    pipe = load_pipeline(StableDiffusion3Pipeline, tiny_sd3)
     requests = make_requests(noise_free(guidance), n=2)
     trajs = adapter.rollout(requests)
     ref_latents = run_pipeline(pipe, adapter, requests, "latent")
@@ -122,19 +113,10 @@ def test_recomputed_logprob_equals_rollout(adapter, sde_type):
 
 def test_exported_lora_loads_into_the_pipeline(tiny_sd3, tmp_path):
     adapter = make_adapter(tiny_sd3, rank=4, alpha=8.0)  # alpha != rank: the export must carry the scale
-    torch.manual_seed(0)
-    for name, p in adapter.policy.named_parameters():
-        if "lora_B" in name:
-            p.data.normal_(0.0, 0.05)
-    adapter.export_lora(tmp_path)
-    # An FSDP run exports from the gathered full state dict instead: same file contents.
-    adapter.export_lora(tmp_path / "from_state_dict", adapter.policy.state_dict())
-    exported = load_file(tmp_path / "pytorch_lora_weights.safetensors")
-    from_state_dict = load_file(tmp_path / "from_state_dict" / "pytorch_lora_weights.safetensors")
-    assert len(exported) == len(adapter.trainable_parameters()) == len(from_state_dict)
-    assert all(torch.equal(v, from_state_dict[k]) for k, v in exported.items())
+    perturb_lora(adapter, 0.05)
+    export_lora_twice(adapter, tmp_path)  # also from the state dict, as an FSDP run: the same file
 
-    pipe = load_pipeline(tiny_sd3)
+    pipe = load_pipeline(StableDiffusion3Pipeline, tiny_sd3)
     requests = make_requests(noise_free(), n=2)
     base = run_pipeline(pipe, adapter, requests, "latent")
     pipe.load_lora_weights(tmp_path)

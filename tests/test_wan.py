@@ -8,7 +8,6 @@ import functools
 import pytest
 import torch
 from diffusers import WanPipeline
-from safetensors.torch import load_file
 
 from omnirl.config import ConfigError, config_for
 from omnirl.memory import GIB, peak_bytes
@@ -17,7 +16,16 @@ from omnirl.models.base import Request, SamplingParams, derive_seed
 from omnirl.models.flow_sde import flow_step
 from omnirl.models.wan import LORA_FILE, LORA_FILE_2, WanAdapter, WanSettings
 from omnirl.rollout.diffusion import DiffusionEngine
-from tests.support_compare import max_diff
+from tests.support_compare import (
+    export_lora_twice,
+    initial_latents,
+    load_pipeline,
+    max_diff,
+    packed_serial_diffs,
+    perturb_lora,
+    prompt_requests,
+    tiny_config,
+)
 
 PROMPTS = ["a red cat", "two dogs in the snow", "a lighthouse at night", "waves"]
 NEGATIVES = ["blurry", "", "low quality", ""]
@@ -27,20 +35,14 @@ HEIGHT, WIDTH, FRAMES = 32, 48, 9  # latents [4, 3, 4, 6]
 
 
 def make_adapter(path, guidance_2=None, **lora) -> WanAdapter:
-    cfg = config_for("wan")
-    cfg.model.path = str(path)
+    cfg = tiny_config("wan", path, **lora)
     cfg.family.num_frames = FRAMES
     cfg.family.guidance_scale_2 = guidance_2
-    for key, value in lora.items():
-        setattr(cfg.lora, key, value)
     return WanAdapter(cfg, torch.device("cpu"))
 
 
 def make_requests(params: SamplingParams, n: int = len(PROMPTS)) -> list[Request]:
-    return [
-        Request(PROMPTS[i], i, i, derive_seed(7, 0, i), params, negative_prompt=NEGATIVES[i])
-        for i in range(n)
-    ]
+    return prompt_requests(params, PROMPTS[:n], NEGATIVES[:n])
 
 
 def noise_free(guidance: float = GUIDANCE) -> SamplingParams:
@@ -49,10 +51,6 @@ def noise_free(guidance: float = GUIDANCE) -> SamplingParams:
 
 def run_pipeline(pipe, adapter, requests, output_type, guidance_2=None):
     """The reference: WanPipeline from the same initial latents the adapter draws per request."""
-    shape = adapter.latent_shape(HEIGHT, WIDTH)
-    latents = torch.stack(
-        [torch.randn(shape, generator=torch.Generator().manual_seed(r.seed)) for r in requests]
-    )
     extra = {"guidance_scale_2": guidance_2} if guidance_2 is not None else {}
     return pipe(
         prompt=[r.prompt for r in requests],
@@ -62,17 +60,11 @@ def run_pipeline(pipe, adapter, requests, output_type, guidance_2=None):
         height=HEIGHT,
         width=WIDTH,
         num_frames=FRAMES,
-        latents=latents,
+        latents=initial_latents(requests, adapter.latent_shape(HEIGHT, WIDTH)),
         max_sequence_length=adapter.max_sequence_length,
         output_type=output_type,
         **extra,
     ).frames
-
-
-def load_pipeline(path):
-    pipe = WanPipeline.from_pretrained(path)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +84,7 @@ def test_noise_free_rollout_is_the_pipeline_sampler(layout, request):
     if layout == "a14b":  # the schedule crosses the boundary: both experts run
         sig = adapter.sigmas(STEPS)[:-1]
         assert (sig >= 0.875).any() and (sig < 0.875).any()
-    pipe = load_pipeline(path)
+    pipe = load_pipeline(WanPipeline, path)
     requests = make_requests(noise_free(), n=2)
     trajs = adapter.rollout(requests)
     g2 = GUIDANCE_2 if layout == "a14b" else None
@@ -114,13 +106,7 @@ def test_packed_rollout_equals_serial(layout, request):
     serial = [adapter.rollout([r])[0] for r in requests]
     starts = [int(t.step_indices[0]) for t in packed]
     assert len(set(starts)) > 1, f"rows should sit at different window positions, got starts {starts}"
-    d_latents = d_logprobs = 0.0
-    for a, b in zip(packed, serial):
-        assert a.step_indices.tolist() == b.step_indices.tolist() and torch.all(a.logprobs != 0)
-        d_latents = max(
-            d_latents, max_diff(a.final_latents, b.final_latents), max_diff(a.next_latents, b.next_latents)
-        )
-        d_logprobs = max(d_logprobs, max_diff(a.logprobs, b.logprobs))
+    d_latents, d_logprobs = packed_serial_diffs(packed, serial, adapter.latent_shape(HEIGHT, WIDTH))
     print(f"{layout} packed vs serial: starts {starts}, latents {d_latents:.2e}, logprobs {d_logprobs:.2e}")
     assert d_latents < 1e-5 and d_logprobs < 1e-5
 
@@ -176,21 +162,10 @@ def test_exported_lora_loads_into_the_pipeline(layout, request, tmp_path):
     path = request.getfixturevalue(f"tiny_wan_{layout}")
     g2 = GUIDANCE_2 if layout == "a14b" else None
     adapter = make_adapter(path, guidance_2=g2, rank=4, alpha=8.0)  # alpha != rank: the scale must travel
-    torch.manual_seed(0)
-    for name, p in adapter.policy.named_parameters():
-        if "lora_B" in name:
-            p.data.normal_(0.0, 0.05)
-    adapter.export_lora(tmp_path)
-    adapter.export_lora(tmp_path / "from_state_dict", adapter.policy.state_dict())
-    files = [LORA_FILE] + ([LORA_FILE_2] if layout == "a14b" else [])
-    total = 0
-    for f in files:
-        exported, again = load_file(tmp_path / f), load_file(tmp_path / "from_state_dict" / f)
-        assert exported.keys() == again.keys() and all(torch.equal(v, again[k]) for k, v in exported.items())
-        total += len(exported)
-    assert total == len(adapter.trainable_parameters())
+    perturb_lora(adapter, 0.05)
+    export_lora_twice(adapter, tmp_path, (LORA_FILE, LORA_FILE_2) if layout == "a14b" else (LORA_FILE,))
 
-    pipe = load_pipeline(path)
+    pipe = load_pipeline(WanPipeline, path)
     requests = make_requests(noise_free(), n=2)
     base = run_pipeline(pipe, adapter, requests, "latent", g2)
     pipe.load_lora_weights(tmp_path)
@@ -206,8 +181,7 @@ def test_exported_lora_loads_into_the_pipeline(layout, request, tmp_path):
 
 def test_registered_and_bad_frames(tiny_wan_ti2v):
     assert get_adapter("wan") is WanAdapter
-    cfg = config_for("wan")
-    cfg.model.path = str(tiny_wan_ti2v)
+    cfg = tiny_config("wan", tiny_wan_ti2v)
     cfg.family.num_frames = 8
     with pytest.raises(ValueError, match="num_frames"):
         WanAdapter(cfg, torch.device("cpu"))
@@ -224,10 +198,7 @@ def test_memory_probe_starts_where_the_decode_chunk_is_full(ti2v, monkeypatch):
     assert ti2v.memory_probe_rows == ti2v.settings.decode_rows == 2
     monkeypatch.setattr(ti2v, "fused_cfg", True)  # as the engines below run it
     params = SamplingParams(HEIGHT, WIDTH, 2, GUIDANCE, 0.7, "sde", 1, (0, 2))
-    requests = [
-        Request(PROMPTS[i % 4], i, i, derive_seed(7, 0, i), params, negative_prompt=NEGATIVES[i % 4])
-        for i in range(8)
-    ]
+    requests = prompt_requests(params, PROMPTS * 2, NEGATIVES * 2)
     cpu = torch.device("cpu")
     peak = {n: peak_bytes(functools.partial(ti2v.rollout, requests[:n]), cpu) for n in (1, 2, 6, 7, 8)}
     one_two = peak[2] - peak[1]  # what the line through 1 and 2 rows charges every request

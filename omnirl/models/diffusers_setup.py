@@ -1,6 +1,17 @@
-"""What every diffusion adapter does the same way around its own classes: checking that model.path holds
-the family's pipeline, making its transformer trainable (a peft LoRA over a frozen base, or the whole
-model), and writing its LoRA in the family's diffusers format.
+"""What every diffusion adapter does the same way around its own classes.
+
+- `DiffusersAdapter`: the members of the `DiffusionAdapter` Protocol that do not depend on the family
+  (the trained module, its parameters and FSDP units, the LoRA off and exported, the batch checks), so
+  that a family's module holds only what is its own; every diffusion adapter subclasses it.
+- `check_checkpoint`: model.path holds the family's pipeline.
+- `make_trainable`: a peft LoRA over a frozen base, or the whole model trainable.
+- `guided_velocity`: classifier-free guidance as the SD3 and Wan pipelines compute it (Qwen-Image's
+  True-CFG, which rescales, is its own: `qwen_image.true_cfg`).
+- `trajectories`: a packed batch's `Trajectory` records.
+- `save_lora`: a LoRA in the family's diffusers format, with a byte-stable header.
+
+The module loading stays in each adapter: the measuring scripts replace each adapter module's own
+`load_pretrained`.
 """
 
 from __future__ import annotations
@@ -14,8 +25,74 @@ from diffusers.training_utils import cast_training_params
 from torch import nn
 
 from omnirl.config import Config, ConfigError
-from omnirl.distributed import place_policy
-from omnirl.models.peft_lora import sorted_sets
+from omnirl.distributed import DTYPES, place_policy
+from omnirl.models.base import Output, Request, Trajectory
+from omnirl.models.flow_sde import WindowedSampler
+from omnirl.models.peft_lora import lora_disabled, sorted_sets
+
+LORA_FILE = "pytorch_lora_weights.safetensors"  # diffusers' default LoRA file name
+
+
+class DiffusersAdapter:
+    """The family-independent part of a `DiffusionAdapter` built on a diffusers pipeline.
+
+    A subclass names its pipeline (`pipeline_cls`: the checkpoints it loads, the LoRA format it writes),
+    calls `super().__init__(cfg, device)` first (it checks model.path and sets `device`, `lora` and
+    `transformer_dtype`), loads its modules, sets `transformer` (the trained module) and makes it trainable
+    (`make_trainable`). A family whose policy is not one transformer (Wan2.2's two experts) overrides
+    `policy`, `fsdp_units` and `export_lora`; one whose embeddings differ in length overrides
+    `batch_embeds`.
+    """
+
+    pipeline_cls: type
+    transformer: nn.Module
+    fused_cfg = True  # CFG rows in one forward; the rollout engine sets it (rollout.fused_cfg)
+
+    def __init__(self, cfg: Config, device: torch.device):
+        check_checkpoint(cfg.model.path, self.pipeline_cls)
+        self.device = device
+        # A fully fine-tuned transformer is trained, hence kept, in float32; a LoRA base stays in model.dtype.
+        self.lora = cfg.model.finetune == "lora"
+        self.transformer_dtype = DTYPES[cfg.model.dtype] if self.lora else torch.float32
+
+    @property
+    def policy(self) -> nn.Module:
+        """The trained module: the one transformer."""
+        return self.transformer
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.policy.parameters() if p.requires_grad]
+
+    def fsdp_units(self) -> list[nn.Module]:
+        return list(self.transformer.transformer_blocks)
+
+    def batch_embeds(self, embeds: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Stacked: every sample's embeddings have one length per key (the text encoder pads them)."""
+        return {k: torch.stack([e[k] for e in embeds]) for k in embeds[0]}
+
+    def check_batch(self, requests: list[Request], multiple: int) -> tuple:
+        """The compatibility key a packed batch shares (asserted), after checking that its sampling height
+        and width are multiples of `multiple` pixels (the VAE's factor times the transformer's patch)."""
+        key = self.compat_key(requests[0])
+        assert all(self.compat_key(r) == key for r in requests), "a packed batch must share one compat_key"
+        p = requests[0].params
+        if p.height % multiple or p.width % multiple:
+            raise ValueError(
+                f"sampling height and width must be multiples of {multiple}, got {p.height}x{p.width}"
+            )
+        return key
+
+    def lora_disabled(self):
+        if not self.lora:
+            raise ValueError("the reference policy with the LoRA off needs model.finetune 'lora'")
+        return lora_disabled(self.policy)
+
+    def export_lora(self, out_dir: str | Path, state_dict: dict | None = None) -> None:
+        """Write the LoRA as `pytorch_lora_weights.safetensors` in the diffusers format, loadable with the
+        pipeline's `load_lora_weights`. An FSDP run passes the gathered full state dict."""
+        if not self.lora:
+            raise ValueError("export_lora needs model.finetune 'lora'")
+        save_lora(self.pipeline_cls, self.transformer, out_dir, state_dict)
 
 
 def check_checkpoint(path: str, pipeline_cls) -> None:
@@ -57,17 +134,74 @@ def make_trainable(transformer: nn.Module, cfg: Config, device: torch.device) ->
     place_policy(transformer, cfg.distributed.frozen_base, device)
 
 
-def save_lora(pipeline_cls, transformer: nn.Module, out_dir, state_dict: dict | None = None) -> None:
-    """Write `transformer`'s LoRA as `out_dir/pytorch_lora_weights.safetensors` in the diffusers format,
-    loadable with `pipeline_cls.load_lora_weights`. An FSDP run passes the gathered full state dict."""
+def guided_velocity(
+    forward,
+    x: torch.Tensor,
+    timestep: torch.Tensor,
+    embeds: dict[str, torch.Tensor],
+    keys: tuple[str, ...],
+    guidance_scale: float,
+    fused_cfg: bool,
+) -> torch.Tensor:
+    """Classifier-free guidance as the SD3 and Wan pipelines compute it: uncond + s * (cond - uncond), cond
+    being `forward(x, timestep, *inputs)` of the text inputs `embeds[k]` for k in `keys` and uncond the same
+    of `embeds["negative_" + k]`. With `fused_cfg` both go through one forward, stacked [uncond; cond] as
+    the pipelines stack them, else through two; without guidance (s <= 1) only the conditional one runs."""
+    cond = [embeds[k] for k in keys]
+    if guidance_scale <= 1:
+        return forward(x, timestep, *cond)
+    uncond = [embeds[f"negative_{k}"] for k in keys]
+    if fused_cfg:
+        both = [torch.cat([u, c]) for u, c in zip(uncond, cond)]
+        v_uncond, v_cond = forward(torch.cat([x, x]), torch.cat([timestep, timestep]), *both).chunk(2)
+    else:
+        v_uncond = forward(x, timestep, *uncond)
+        v_cond = forward(x, timestep, *cond)
+    return v_uncond + guidance_scale * (v_cond - v_uncond)
+
+
+def trajectories(
+    requests: list[Request],
+    sampler: WindowedSampler,
+    sigmas: torch.Tensor,
+    embeds: list[dict[str, torch.Tensor]],
+    outputs: list[Output],
+    final_latents: torch.Tensor,
+) -> list[Trajectory]:
+    """The packed batch's records, all on the host: for request b its trained steps (`sampler.record`:
+    latents, next_latents, means [K, *latent], step_indices, logprobs [K]), the sigma schedule [T + 1], its
+    embeddings `embeds[b]`, its output and its final latents `final_latents[b]`."""
+    return [
+        Trajectory(
+            request=req,
+            **sampler.record(b),
+            sigmas=sigmas,
+            embeds=embeds[b],
+            output=outputs[b],
+            final_latents=final_latents[b],
+        )
+        for b, req in enumerate(requests)
+    ]
+
+
+def save_lora(
+    pipeline_cls,
+    transformer: nn.Module,
+    out_dir,
+    state_dict: dict | None = None,
+    weight_name: str = LORA_FILE,
+) -> None:
+    """Write `transformer`'s LoRA as `out_dir/<weight_name>` in the diffusers format, loadable with
+    `pipeline_cls.load_lora_weights`. An FSDP run passes the gathered full state dict."""
     layers = peft.get_peft_model_state_dict(transformer, state_dict=state_dict)
     pipeline_cls.save_lora_weights(
         out_dir,
         transformer_lora_layers=layers,
+        weight_name=weight_name,
         # Without it a loader assumes lora_alpha == rank and scales the update wrongly.
         transformer_lora_adapter_metadata=sorted_sets(transformer.peft_config["default"]).to_dict(),
     )
-    sort_safetensors_header(Path(out_dir) / "pytorch_lora_weights.safetensors")
+    sort_safetensors_header(Path(out_dir) / weight_name)
 
 
 def sort_safetensors_header(path: Path) -> None:

@@ -21,7 +21,6 @@ image tokens), a tail batch a large one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -38,9 +37,8 @@ from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 from omnirl.config import Config, ConfigError
 from omnirl.distributed import DTYPES, compute_dtype, load_pretrained
 from omnirl.models.base import Output, Request, Trajectory
-from omnirl.models.diffusers_setup import check_checkpoint, make_trainable, save_lora
+from omnirl.models.diffusers_setup import DiffusersAdapter, make_trainable, trajectories
 from omnirl.models.flow_sde import WindowedSampler, host_rows, phase, to_host
-from omnirl.models.peft_lora import lora_disabled
 
 # QwenImagePipeline.check_inputs rejects a longer max_sequence_length.
 MAX_SEQUENCE_LENGTH = 1024
@@ -82,6 +80,17 @@ def pipeline_sigmas(scheduler, num_steps: int, image_seq_len: int) -> torch.Tens
     return scheduler.sigmas.float().cpu()
 
 
+def prepare_latents(adapter, requests: list[Request]) -> tuple[torch.Tensor, WindowedSampler]:
+    """The packed batch's sigma schedule [T + 1] (host; `pipeline_sigmas` of the generated image's tokens,
+    an edit's condition tokens not counted) and its sampler, whose initial latents are [B, C, h, w]: C the
+    transformer's input channels over 4, since it sees 2x2 latent patches."""
+    p, factor = requests[0].params, adapter.vae_scale_factor
+    channels = adapter.transformer.config.in_channels // 4
+    h, w = p.height // factor, p.width // factor
+    sigmas = pipeline_sigmas(adapter.scheduler, p.num_steps, (h // 2) * (w // 2))  # [T + 1] host
+    return sigmas, WindowedSampler(requests, (channels, h, w), sigmas, adapter.device)
+
+
 def bucket(buckets: list[int], length: int) -> int:
     """The smallest of the ascending `buckets` that holds `length` tokens."""
     return next(b for b in buckets if b >= length)
@@ -96,6 +105,15 @@ def padded_lengths(
     the negative forward runs unpadded and unmasked. `negative` is empty without guidance."""
     neg = max(negative, default=0)
     return bucket(buckets, max(cond)), bucket(buckets, neg) if fused_cfg and negative else neg
+
+
+def row_texts(request: Request, fused_cfg: bool) -> list[str]:
+    """The texts of a request's conditional row: its prompt and, with a fused CFG, its negative prompt
+    (both rows share one forward, hence one padded length)."""
+    texts = [request.prompt]
+    if fused_cfg and request.params.guidance_scale > 1:
+        texts.append(request.negative_prompt)
+    return texts
 
 
 def text_embeds(
@@ -137,6 +155,54 @@ def true_cfg(forward, x, timestep, embeds: dict[str, torch.Tensor], guidance_sca
     return comb * (torch.norm(v_cond, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True))
 
 
+def packed_velocity(
+    adapter,
+    latents: torch.Tensor,
+    sigmas: torch.Tensor,
+    embeds: dict[str, torch.Tensor],
+    guidance_scale: float,
+    fused_cfg: bool,
+    policy: nn.Module | None,
+    condition: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The True-CFG velocity [B, C, h, w] float32 of `policy` (else the adapter's transformer) for latents
+    [B, C, h, w] at per-row sigmas [B], its inputs packed as the pipelines pack them: 2x2 latent patches,
+    the scheduler's timestep, and for an edit the tokens of the condition latents `condition`
+    [B, C, h', w'] after the generated ones (`img_shapes` then has two entries per row), of which only the
+    generated tokens' velocity is kept."""
+    model = policy if policy is not None else adapter.transformer
+    dtype = compute_dtype(model, adapter.transformer_dtype)  # the model's inputs: FSDP's root does not cast
+    batch, channels, h, w = latents.shape
+    pack = QwenImagePipeline._pack_latents
+    x = pack(latents, batch, channels, h, w)  # [B, S, 4C], S = h/2 * w/2
+    img_shapes = [(1, h // 2, w // 2)]
+    if condition is not None:
+        cond_h, cond_w = condition.shape[2:]
+        x = torch.cat([x, pack(condition, batch, channels, cond_h, cond_w)], dim=1)  # [B, S + S', 4C]
+        img_shapes.append((1, cond_h // 2, cond_w // 2))
+    x = x.to(dtype)
+    num_image_tokens = (h // 2) * (w // 2)
+    # The pipeline feeds the scheduler's timestep (sigma * 1000, float32) cast to its dtype, / 1000.
+    timestep = (sigmas.float() * adapter.scheduler.config.num_train_timesteps).to(dtype) / 1000  # [B]
+
+    def forward(x, t, text, mask):
+        out = model(
+            hidden_states=x,
+            timestep=t,
+            encoder_hidden_states=text.to(dtype),
+            # A mask keeps SDPA off its flash kernel: pass none when no row is padded.
+            encoder_hidden_states_mask=None if mask.all() else mask,
+            img_shapes=[img_shapes] * len(x),
+            return_dict=False,
+        )[0]
+        return out[:, :num_image_tokens].float()  # [B', S, 4C] the generated tokens only
+
+    v = true_cfg(forward, x, timestep, embeds, guidance_scale, fused_cfg)
+    # _unpack_latents works in pixels and adds the video VAE's frame axis.
+    pixels = adapter.vae_scale_factor
+    return QwenImagePipeline._unpack_latents(v, h * pixels, w * pixels, pixels)[:, :, 0]
+
+
 def decode(vae, latents: torch.Tensor) -> torch.Tensor:
     """Images [B, 3, H, W] float32 in [0, 1] of latents [B, C, h, w], de-normalised as the pipelines do,
     with the frame axis the video VAE expects."""
@@ -173,12 +239,12 @@ class QwenImageSettings:
         check_buckets(self.prompt_length_buckets, MAX_SEQUENCE_LENGTH)
 
 
-class QwenImageAdapter:
+class QwenImageAdapter(DiffusersAdapter):
     """The `DiffusionAdapter` for `QwenImagePipeline` checkpoints (Qwen/Qwen-Image)."""
 
     kind = "diffusion"  # the trainer's ops for this adapter (omnirl.ops.OPS)
     modalities = frozenset({"image"})
-    fused_cfg = True  # CFG rows in one forward; the rollout engine sets it (rollout.fused_cfg)
+    pipeline_cls = QwenImagePipeline
     memory_probe_rows = DECODE_ROWS  # the decode's chunk (`decode`)
     Settings = QwenImageSettings
     # sampling.height / width must be multiples of this (checked when the recipe loads): the VAE's 8x
@@ -186,15 +252,9 @@ class QwenImageAdapter:
     pixel_multiple = 16
 
     def __init__(self, cfg: Config, device: torch.device):
-        path = cfg.model.path
-        check_checkpoint(path, QwenImagePipeline)
+        super().__init__(cfg, device)
+        path, dtype = cfg.model.path, DTYPES[cfg.model.dtype]
         self.buckets = list(cfg.family.prompt_length_buckets)
-        self.device = device
-        dtype = DTYPES[cfg.model.dtype]
-        # A fully fine-tuned transformer is trained, hence kept, in float32; a LoRA base stays in `dtype`.
-        self.lora = cfg.model.finetune == "lora"
-        self.transformer_dtype = dtype if self.lora else torch.float32
-
         self.transformer = load_pretrained(
             QwenImageTransformer2DModel, path, subfolder="transformer", torch_dtype=self.transformer_dtype
         )
@@ -220,17 +280,6 @@ class QwenImageAdapter:
 
         make_trainable(self.transformer, cfg, device)
 
-    @property
-    def policy(self) -> nn.Module:
-        """The trained module: the one transformer."""
-        return self.transformer
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.transformer.parameters() if p.requires_grad]
-
-    def fsdp_units(self) -> list[nn.Module]:
-        return list(self.transformer.transformer_blocks)
-
     def offload_modules(self) -> list[nn.Module]:
         return [self.vae, self.text_encoder]
 
@@ -244,10 +293,7 @@ class QwenImageAdapter:
     def text_length(self, request: Request) -> int:
         """Text tokens of the request's conditional row: its prompt's; with a fused CFG the longer of its
         prompt's and its negative prompt's, since both rows share one forward and one padded length."""
-        texts = [request.prompt]
-        if self.fused_cfg and request.params.guidance_scale > 1:
-            texts.append(request.negative_prompt)
-        return max(self.prompt_length(t) for t in texts)
+        return max(self.prompt_length(t) for t in row_texts(request, self.fused_cfg))
 
     def compat_key(self, request: Request) -> tuple:
         """The sampling settings and, when CFG runs as two forwards, the negative prompt's exact length: a
@@ -265,10 +311,6 @@ class QwenImageAdapter:
         p = request.params
         image = (p.height // self.vae_scale_factor // 2) * (p.width // self.vae_scale_factor // 2)
         return image + bucket(self.buckets, self.text_length(request))  # prompt_length <= the largest
-
-    def sigmas(self, num_steps: int, image_seq_len: int) -> torch.Tensor:
-        """The pipeline's sigma schedule: [num_steps + 1] float32 on the host, the last one 0."""
-        return pipeline_sigmas(self.scheduler, num_steps, image_seq_len)
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> list[torch.Tensor]:
@@ -302,29 +344,7 @@ class QwenImageAdapter:
         shorter text padded and masked to the longer. `policy` runs another module of the same architecture
         instead (the trainer's frozen reference copy for the KL term).
         """
-        model = policy if policy is not None else self.transformer
-        dtype = compute_dtype(model, self.transformer_dtype)  # the model's inputs: FSDP's root does not cast
-        batch, channels, h, w = latents.shape
-        x = QwenImagePipeline._pack_latents(latents, batch, channels, h, w).to(dtype)  # [B, h/2 * w/2, 4C]
-        # The pipeline feeds the scheduler's timestep (sigma * 1000, float32) cast to its dtype, / 1000.
-        timestep = (sigmas.float() * self.scheduler.config.num_train_timesteps).to(dtype) / 1000  # [B]
-
-        def forward(x, t, text, mask):
-            out = model(
-                hidden_states=x,
-                timestep=t,
-                encoder_hidden_states=text.to(dtype),
-                # A mask keeps SDPA off its flash kernel: pass none when no row is padded.
-                encoder_hidden_states_mask=None if mask.all() else mask,
-                img_shapes=[[(1, h // 2, w // 2)]] * len(x),
-                return_dict=False,
-            )[0]
-            return out.float()  # [B', h/2 * w/2, 4C]
-
-        v = true_cfg(forward, x, timestep, embeds, guidance_scale, fused_cfg)
-        # _unpack_latents works in pixels and adds the video VAE's frame axis.
-        pixels = self.vae_scale_factor
-        return QwenImagePipeline._unpack_latents(v, h * pixels, w * pixels, pixels)[:, :, 0]
+        return packed_velocity(self, latents, sigmas, embeds, guidance_scale, fused_cfg, policy)
 
     @torch.no_grad()
     def rollout(self, requests: list[Request]) -> list[Trajectory]:
@@ -334,19 +354,9 @@ class QwenImageAdapter:
         noise of each step inside its window; so a request's sample does not depend on its batch.
         """
         p = requests[0].params
-        key = self.compat_key(requests[0])
-        assert all(self.compat_key(r) == key for r in requests), "a packed batch must share one compat_key"
-        multiple = self.vae_scale_factor * 2
-        if p.height % multiple or p.width % multiple:
-            raise ValueError(
-                f"sampling height and width must be multiples of {multiple}, got {p.height}x{p.width}"
-            )
-        num_steps = p.num_steps
+        self.check_batch(requests, self.vae_scale_factor * 2)
         batch = len(requests)
-        channels = self.transformer.config.in_channels // 4  # the transformer sees 2x2 latent patches
-        h, w = p.height // self.vae_scale_factor, p.width // self.vae_scale_factor
-        sigmas = self.sigmas(num_steps, (h // 2) * (w // 2))  # [T + 1] host
-        sampler = WindowedSampler(requests, (channels, h, w), sigmas, self.device)
+        sigmas, sampler = prepare_latents(self, requests)
         latents = sampler.initial_latents  # [B, C, h, w]
         guided = p.guidance_scale > 1
         texts = [r.prompt for r in requests] + ([r.negative_prompt for r in requests] if guided else [])
@@ -354,7 +364,7 @@ class QwenImageAdapter:
             rows = self.encode(texts)  # [L_i, D] each: the prompts, then the negative prompts
             embeds = text_embeds(rows, batch, self.buckets, self.fused_cfg)
 
-        for i in range(num_steps):
+        for i in range(p.num_steps):
             with phase("transformer"):  # [B, C, h, w]
                 v = self.velocity(latents, sampler.sigma(i), embeds, p.guidance_scale, self.fused_cfg)
             latents = sampler.step(i, v, latents)
@@ -364,24 +374,12 @@ class QwenImageAdapter:
 
         rows = host_rows(rows)  # one copy for the batch, not one per sample
         images, latents = to_host([images, latents])
-        trajectories = []
-        for b, req in enumerate(requests):
-            sample_embeds = {"prompt_embeds": rows[b]}  # [L_b, D], unpadded: batch_embeds pads
-            if guided:
-                sample_embeds["negative_prompt_embeds"] = rows[batch + b]
-            trajectories.append(
-                Trajectory(
-                    request=req,
-                    **sampler.record(
-                        b
-                    ),  # latents, next_latents, means [K, C, h, w], step_indices, logprobs [K]
-                    sigmas=sigmas,
-                    embeds=sample_embeds,
-                    output=Output(image=images[b]),
-                    final_latents=latents[b],
-                )
-            )
-        return trajectories
+        samples = [
+            {"prompt_embeds": rows[b]} | ({"negative_prompt_embeds": rows[batch + b]} if guided else {})
+            for b in range(batch)
+        ]  # [L_b, D], unpadded: batch_embeds pads
+        outputs = [Output(image=im) for im in images]
+        return trajectories(requests, sampler, sigmas, samples, outputs, latents)
 
     def batch_embeds(self, embeds: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Pad each text to the longest of the micro-batch, with its mask (`<key>_mask`)."""
@@ -390,15 +388,3 @@ class QwenImageAdapter:
             rows = [e[key] for e in embeds]
             out[key], out[f"{key}_mask"] = collate(rows, max(len(r) for r in rows))
         return out
-
-    def lora_disabled(self):
-        if not self.lora:
-            raise ValueError("the reference policy with the LoRA off needs model.finetune 'lora'")
-        return lora_disabled(self.transformer)
-
-    def export_lora(self, out_dir: str | Path, state_dict: dict | None = None) -> None:
-        """Write the LoRA as `pytorch_lora_weights.safetensors` in the diffusers format, loadable with
-        `QwenImagePipeline.load_lora_weights`. An FSDP run passes the gathered full state dict."""
-        if not self.lora:
-            raise ValueError("export_lora needs model.finetune 'lora'")
-        save_lora(QwenImagePipeline, self.transformer, out_dir, state_dict)

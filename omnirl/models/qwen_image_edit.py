@@ -15,18 +15,15 @@ The pipeline resizes the condition image to a hard-coded 1024 * 1024 pixel area;
 are stored in `Trajectory.embeds["image_latents"]` with the prompt embeddings, so training never re-runs an
 encoder.
 
-Prompts differ in length (their embeddings also hold the condition image's vision tokens). Rows are
-zero-padded at the end and masked (`encoder_hidden_states_mask`); the text RoPE positions of a row do not
-depend on how far it is padded, so a padded row computes what it computes alone. A batch pads its texts
-to the smallest bucket (`family.prompt_length_buckets`) that holds its longest, as qwen_image.py does
-(the bucket is a property of the batch, not in the compatibility key). The edit pipeline never truncates a
-prompt, so a longer one than the largest bucket is an error, not a truncation.
+Prompts differ in length (their embeddings also hold the condition image's vision tokens): rows are padded
+and masked, and a batch pads its texts to a bucket of `family.prompt_length_buckets`, with Qwen-Image's
+functions (qwen_image.py, whose module docstring says why). The edit pipeline never truncates a prompt, so
+a longer one than the largest bucket is an error, not a truncation.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from diffusers import (
@@ -48,21 +45,21 @@ from transformers import (
 from transformers.processing_utils import ProcessorMixin
 
 from omnirl.config import Config, ConfigError
-from omnirl.distributed import DTYPES, compute_dtype, load_pretrained
+from omnirl.distributed import DTYPES, load_pretrained
 from omnirl.models.base import Output, Request, Trajectory
-from omnirl.models.diffusers_setup import check_checkpoint, make_trainable, save_lora
-from omnirl.models.flow_sde import WindowedSampler, host_rows, phase, to_host
-from omnirl.models.peft_lora import lora_disabled
+from omnirl.models.diffusers_setup import DiffusersAdapter, make_trainable, trajectories
+from omnirl.models.flow_sde import host_rows, phase, to_host
 from omnirl.models.qwen_image import (
     DECODE_ROWS,
     bucket,
     check_buckets,
     collate,
     decode,
+    packed_velocity,
     pad_to,
-    pipeline_sigmas,
+    prepare_latents,
+    row_texts,
     text_embeds,
-    true_cfg,
 )
 
 
@@ -93,13 +90,13 @@ class QwenImageEditSettings:
             raise ConfigError(f"family.condition_area must be positive, got {self.condition_area}")
 
 
-class QwenImageEditAdapter:
+class QwenImageEditAdapter(DiffusersAdapter):
     """The `DiffusionAdapter` for `QwenImageEditPipeline` checkpoints (Qwen/Qwen-Image-Edit). Every request
     carries its condition image (a PIL image) in `request.inputs["image"]`."""
 
     kind = "diffusion"  # the trainer's ops for this adapter (omnirl.ops.OPS)
     modalities = frozenset({"image"})
-    fused_cfg = True  # CFG rows in one forward; the rollout engine sets it (rollout.fused_cfg)
+    pipeline_cls = QwenImageEditPipeline
     memory_probe_rows = DECODE_ROWS  # the decode's chunk (qwen_image.decode)
     Settings = QwenImageEditSettings
     # sampling.height / width must be multiples of this (checked when the recipe loads): the VAE's 8x
@@ -107,16 +104,10 @@ class QwenImageEditAdapter:
     pixel_multiple = 16
 
     def __init__(self, cfg: Config, device: torch.device):
-        path = cfg.model.path
-        check_checkpoint(path, QwenImageEditPipeline)
+        super().__init__(cfg, device)
+        path, dtype = cfg.model.path, DTYPES[cfg.model.dtype]
         self.buckets = list(cfg.family.prompt_length_buckets)
         self.condition_area = cfg.family.condition_area
-        self.device = device
-        dtype = DTYPES[cfg.model.dtype]
-        # A fully fine-tuned transformer is trained, hence kept, in float32; a LoRA base stays in `dtype`.
-        self.lora = cfg.model.finetune == "lora"
-        self.transformer_dtype = dtype if self.lora else torch.float32
-
         self.transformer = load_pretrained(
             QwenImageTransformer2DModel, path, subfolder="transformer", torch_dtype=self.transformer_dtype
         )
@@ -146,17 +137,6 @@ class QwenImageEditAdapter:
         self.vae_scale_factor = self.pipe.vae_scale_factor
 
         make_trainable(self.transformer, cfg, device)
-
-    @property
-    def policy(self) -> nn.Module:
-        """The trained module: the one transformer."""
-        return self.transformer
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.transformer.parameters() if p.requires_grad]
-
-    def fsdp_units(self) -> list[nn.Module]:
-        return list(self.transformer.transformer_blocks)
 
     def offload_modules(self) -> list[nn.Module]:
         return [self.vae, self.text_encoder]
@@ -193,10 +173,7 @@ class QwenImageEditAdapter:
         tokens; with a fused CFG the longer of that and its negative prompt's (both rows share one forward
         and one padded length). Past the largest bucket it is an error: the pipeline does not truncate."""
         size = self.condition_size(request)
-        texts = [request.prompt]
-        if self.fused_cfg and request.params.guidance_scale > 1:
-            texts.append(request.negative_prompt)
-        lengths = {text: self.prompt_length(text, size) for text in texts}
+        lengths = {text: self.prompt_length(text, size) for text in row_texts(request, self.fused_cfg)}
         for text, length in lengths.items():
             if length > self.buckets[-1]:
                 raise ConfigError(
@@ -220,11 +197,6 @@ class QwenImageEditAdapter:
         cond_h, cond_w = self.condition_size(request)
         image = (p.height // factor) * (p.width // factor) + (cond_h // factor) * (cond_w // factor)
         return image + bucket(self.buckets, self.text_length(request))
-
-    def sigmas(self, num_steps: int, image_seq_len: int) -> torch.Tensor:
-        """The pipeline's sigma schedule: [num_steps + 1] float32 on the host, the last one 0. Its shift
-        `mu` grows with the generated image's token count (condition tokens not counted)."""
-        return pipeline_sigmas(self.scheduler, num_steps, image_seq_len)
 
     @torch.no_grad()
     def encode(self, prompts: list[str], images: list) -> list[torch.Tensor]:
@@ -283,59 +255,19 @@ class QwenImageEditAdapter:
                 )
             return out
 
-        model = policy if policy is not None else self.transformer
-        dtype = compute_dtype(model, self.transformer_dtype)  # the model's inputs: FSDP's root does not cast
-        batch, channels, h, w = latents.shape
         cond_h, cond_w = sizes[0].tolist()
-        pack = QwenImageEditPipeline._pack_latents
         condition = embeds["image_latents"][:, :, :cond_h, :cond_w]  # [B, C, h', w'] (unpad)
-        x = torch.cat(
-            [pack(latents, batch, channels, h, w), pack(condition, batch, channels, cond_h, cond_w)], dim=1
-        ).to(dtype)  # [B, S + S', 4C]: generated tokens, then condition tokens
-        num_image_tokens = (h // 2) * (w // 2)
-        img_shapes = [[(1, h // 2, w // 2), (1, cond_h // 2, cond_w // 2)]]
-        # The pipeline feeds the scheduler's timestep (sigma * 1000, float32) cast to its dtype, / 1000.
-        timestep = (sigmas.float() * self.scheduler.config.num_train_timesteps).to(dtype) / 1000  # [B]
-
-        def forward(x, t, text, mask):
-            out = model(
-                hidden_states=x,
-                timestep=t,
-                encoder_hidden_states=text.to(dtype),
-                # A mask keeps SDPA off its flash kernel: pass none when no row is padded.
-                encoder_hidden_states_mask=None if mask.all() else mask,
-                img_shapes=img_shapes * len(x),
-                return_dict=False,
-            )[0]
-            return out[:, :num_image_tokens].float()  # [B', S, 4C] the generated tokens only
-
-        v = true_cfg(forward, x, timestep, embeds, guidance_scale, fused_cfg)
-        # _unpack_latents works in pixels and adds the video VAE's frame axis.
-        pixels = self.vae_scale_factor
-        return QwenImageEditPipeline._unpack_latents(v, h * pixels, w * pixels, pixels)[:, :, 0]
+        return packed_velocity(self, latents, sigmas, embeds, guidance_scale, fused_cfg, policy, condition)
 
     @torch.no_grad()
     def rollout(self, requests: list[Request]) -> list[Trajectory]:
-        """Generate a packed batch: one transformer forward per denoising step (two if not `fused_cfg`).
-
-        Each request's own generator draws, in order: its initial latents, its SDE window start, and the
-        noise of each step inside its window; so a request's sample does not depend on its batch.
-        """
+        """Generate a packed batch of one condition size as Qwen-Image's rollout does (one transformer
+        forward per denoising step, two if not `fused_cfg`; each request's own generator), the text encoder
+        and the VAE both reading each request's condition image at that size."""
         p = requests[0].params
-        key = self.compat_key(requests[0])
-        assert all(self.compat_key(r) == key for r in requests), "a packed batch must share one compat_key"
-        cond_h, cond_w = key[-2]
-        multiple = self.vae_scale_factor * 2
-        if p.height % multiple or p.width % multiple:
-            raise ValueError(
-                f"sampling height and width must be multiples of {multiple}, got {p.height}x{p.width}"
-            )
-        num_steps = p.num_steps
+        cond_h, cond_w = self.check_batch(requests, self.vae_scale_factor * 2)[-2]
         batch = len(requests)
-        channels = self.transformer.config.in_channels // 4  # the transformer sees 2x2 latent patches
-        h, w = p.height // self.vae_scale_factor, p.width // self.vae_scale_factor
-        sigmas = self.sigmas(num_steps, (h // 2) * (w // 2))  # [T + 1] host
-        sampler = WindowedSampler(requests, (channels, h, w), sigmas, self.device)
+        sigmas, sampler = prepare_latents(self, requests)
         latents = sampler.initial_latents  # [B, C, h, w]
         guided = p.guidance_scale > 1
         # The text encoder and the VAE both see the condition image resized to the condition size.
@@ -353,7 +285,7 @@ class QwenImageEditAdapter:
             embeds["condition_size"] = torch.tensor([latent_size] * batch, device=self.device)  # [B, 2]
             embeds |= text_embeds(rows, batch, self.buckets, self.fused_cfg)
 
-        for i in range(num_steps):
+        for i in range(p.num_steps):
             with phase("transformer"):  # [B, C, h, w]
                 v = self.velocity(latents, sampler.sigma(i), embeds, p.guidance_scale, self.fused_cfg)
             latents = sampler.step(i, v, latents)
@@ -363,27 +295,13 @@ class QwenImageEditAdapter:
 
         rows = host_rows(rows)  # one copy for the batch, not one per sample
         conditions_host, images, latents = to_host([embeds["image_latents"], images, latents])
-        trajectories = []
-        for b, req in enumerate(requests):
-            sample_embeds = {
-                "prompt_embeds": rows[b],  # [L_b, D], unpadded: batch_embeds pads
-                "image_latents": conditions_host[b],  # [C, h', w']
-            }
-            if guided:
-                sample_embeds["negative_prompt_embeds"] = rows[batch + b]
-            trajectories.append(
-                Trajectory(
-                    request=req,
-                    **sampler.record(
-                        b
-                    ),  # latents, next_latents, means [K, C, h, w], step_indices, logprobs [K]
-                    sigmas=sigmas,
-                    embeds=sample_embeds,
-                    output=Output(image=images[b]),
-                    final_latents=latents[b],
-                )
-            )
-        return trajectories
+        samples = [
+            {"prompt_embeds": rows[b], "image_latents": conditions_host[b]}  # [L_b, D] unpadded, [C, h', w']
+            | ({"negative_prompt_embeds": rows[batch + b]} if guided else {})
+            for b in range(batch)
+        ]
+        outputs = [Output(image=im) for im in images]
+        return trajectories(requests, sampler, sigmas, samples, outputs, latents)
 
     def batch_embeds(self, embeds: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Pad each text to the longest of the micro-batch, with its mask (`<key>_mask`); zero-pad the
@@ -398,15 +316,3 @@ class QwenImageEditAdapter:
         cond_h, cond_w = out["condition_size"].max(dim=0).values.tolist()
         out["image_latents"] = torch.stack([pad_to(pad_to(im, cond_h), cond_w, dim=2) for im in images])
         return out
-
-    def lora_disabled(self):
-        if not self.lora:
-            raise ValueError("the reference policy with the LoRA off needs model.finetune 'lora'")
-        return lora_disabled(self.transformer)
-
-    def export_lora(self, out_dir: str | Path, state_dict: dict | None = None) -> None:
-        """Write the LoRA as `pytorch_lora_weights.safetensors` in the diffusers format, loadable with
-        `QwenImageEditPipeline.load_lora_weights`. An FSDP run passes the gathered full state dict."""
-        if not self.lora:
-            raise ValueError("export_lora needs model.finetune 'lora'")
-        save_lora(QwenImageEditPipeline, self.transformer, out_dir, state_dict)

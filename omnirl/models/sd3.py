@@ -10,7 +10,6 @@ draws the same noise as a serial run), a per-row SDE window, and the log-prob of
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from diffusers import (
@@ -25,9 +24,8 @@ from transformers import AutoTokenizer, CLIPTextModelWithProjection, T5EncoderMo
 from omnirl.config import Config, ConfigError
 from omnirl.distributed import DTYPES, compute_dtype, load_pretrained
 from omnirl.models.base import Output, Request, Trajectory
-from omnirl.models.diffusers_setup import check_checkpoint, make_trainable, save_lora
+from omnirl.models.diffusers_setup import DiffusersAdapter, guided_velocity, make_trainable, trajectories
 from omnirl.models.flow_sde import WindowedSampler, phase, to_host
-from omnirl.models.peft_lora import lora_disabled
 
 # The pipeline's default T5 length; a tokenizer with a smaller limit (the tiny model's) lowers it.
 T5_MAX_SEQUENCE_LENGTH = 256
@@ -38,12 +36,12 @@ class SD3Settings:
     """SD3 has no settings of its own: its prompts are padded to fixed lengths, its sizes are sampling.*."""
 
 
-class SD3Adapter:
+class SD3Adapter(DiffusersAdapter):
     """The `DiffusionAdapter` for `StableDiffusion3Pipeline` checkpoints (SD3 medium, SD3.5 medium/large)."""
 
     kind = "diffusion"  # the trainer's ops for this adapter (omnirl.ops.OPS)
     modalities = frozenset({"image"})
-    fused_cfg = True  # CFG rows in one forward; the rollout engine sets it (rollout.fused_cfg)
+    pipeline_cls = StableDiffusion3Pipeline
     memory_probe_rows = 1  # nothing runs in chunks: the whole batch decodes at once
     Settings = SD3Settings
     # sampling.height / width must be multiples of this (checked when the recipe loads): the VAE's 8x
@@ -51,14 +49,8 @@ class SD3Adapter:
     pixel_multiple = 16
 
     def __init__(self, cfg: Config, device: torch.device):
-        path = cfg.model.path
-        check_checkpoint(path, StableDiffusion3Pipeline)
-        self.device = device
-        dtype = DTYPES[cfg.model.dtype]
-        # A fully fine-tuned transformer is trained, hence kept, in float32; a LoRA base stays in `dtype`.
-        self.lora = cfg.model.finetune == "lora"
-        self.transformer_dtype = dtype if self.lora else torch.float32
-
+        super().__init__(cfg, device)
+        path, dtype = cfg.model.path, DTYPES[cfg.model.dtype]
         self.transformer = load_pretrained(
             SD3Transformer2DModel, path, subfolder="transformer", torch_dtype=self.transformer_dtype
         )
@@ -98,17 +90,6 @@ class SD3Adapter:
         )
 
         make_trainable(self.transformer, cfg, device)
-
-    @property
-    def policy(self) -> nn.Module:
-        """The trained module: the one transformer."""
-        return self.transformer
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.transformer.parameters() if p.requires_grad]
-
-    def fsdp_units(self) -> list[nn.Module]:
-        return list(self.transformer.transformer_blocks)
 
     def offload_modules(self) -> list[nn.Module]:
         return [self.vae, self.text_encoder, self.text_encoder_2, self.text_encoder_3]
@@ -173,21 +154,8 @@ class SD3Adapter:
             )[0]
             return out.float()
 
-        cond = (embeds["prompt_embeds"], embeds["pooled_prompt_embeds"])
-        if guidance_scale <= 1:
-            return forward(x, timestep, *cond)
-        uncond = (embeds["negative_prompt_embeds"], embeds["negative_pooled_prompt_embeds"])
-        if fused_cfg:
-            v_uncond, v_cond = forward(
-                torch.cat([x, x]),
-                torch.cat([timestep, timestep]),
-                torch.cat([uncond[0], cond[0]]),
-                torch.cat([uncond[1], cond[1]]),
-            ).chunk(2)
-        else:
-            v_uncond = forward(x, timestep, *uncond)
-            v_cond = forward(x, timestep, *cond)
-        return v_uncond + guidance_scale * (v_cond - v_uncond)
+        keys = ("prompt_embeds", "pooled_prompt_embeds")
+        return guided_velocity(forward, x, timestep, embeds, keys, guidance_scale, fused_cfg)
 
     @torch.no_grad()
     def rollout(self, requests: list[Request]) -> list[Trajectory]:
@@ -197,12 +165,7 @@ class SD3Adapter:
         noise of each step inside its window; so a request's sample does not depend on its batch.
         """
         p = requests[0].params
-        assert all(r.params.key == p.key for r in requests), "a packed batch must share one params.key"
-        multiple = self.vae_scale_factor * self.transformer.config.patch_size
-        if p.height % multiple or p.width % multiple:
-            raise ValueError(
-                f"sampling height and width must be multiples of {multiple}, got {p.height}x{p.width}"
-            )
+        self.check_batch(requests, self.vae_scale_factor * self.transformer.config.patch_size)
         num_steps = p.num_steps
         channels = self.transformer.config.in_channels
         h, w = p.height // self.vae_scale_factor, p.width // self.vae_scale_factor
@@ -228,22 +191,8 @@ class SD3Adapter:
 
         keys = list(embeds)  # one copy per tensor, not per sample
         images, latents, *values = to_host([images, latents, *embeds.values()])
-        host = dict(zip(keys, values))
-        trajectories = []
-        for b, req in enumerate(requests):
-            trajectories.append(
-                Trajectory(
-                    request=req,
-                    **sampler.record(
-                        b
-                    ),  # latents, next_latents, means [K, C, h, w], step_indices, logprobs [K]
-                    sigmas=sigmas,
-                    embeds={k: e[b] for k, e in host.items()},
-                    output=Output(image=images[b]),
-                    final_latents=latents[b],
-                )
-            )
-        return trajectories
+        rows = [{k: e[b] for k, e in zip(keys, values)} for b in range(len(requests))]
+        return trajectories(requests, sampler, sigmas, rows, [Output(image=im) for im in images], latents)
 
     def compat_key(self, request: Request) -> tuple:
         return request.params.key  # prompts are padded to fixed lengths: nothing to add
@@ -252,18 +201,3 @@ class SD3Adapter:
         p, patch = request.params, self.transformer.config.patch_size
         image = (p.height // self.vae_scale_factor // patch) * (p.width // self.vae_scale_factor // patch)
         return image + 77 + self.max_sequence_length  # CLIP tokens + T5 tokens
-
-    def batch_embeds(self, embeds: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        return {k: torch.stack([e[k] for e in embeds]) for k in embeds[0]}
-
-    def lora_disabled(self):
-        if not self.lora:
-            raise ValueError("the reference policy with the LoRA off needs model.finetune 'lora'")
-        return lora_disabled(self.transformer)
-
-    def export_lora(self, out_dir: str | Path, state_dict: dict | None = None) -> None:
-        """Write the LoRA as `pytorch_lora_weights.safetensors` in the diffusers format, loadable with
-        `StableDiffusion3Pipeline.load_lora_weights`. An FSDP run passes the gathered full state dict."""
-        if not self.lora:
-            raise ValueError("export_lora needs model.finetune 'lora'")
-        save_lora(StableDiffusion3Pipeline, self.transformer, out_dir, state_dict)

@@ -26,7 +26,6 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
-import peft
 import torch
 from diffusers import (
     AutoencoderKLWan,
@@ -41,13 +40,18 @@ from transformers import AutoTokenizer, UMT5EncoderModel
 from omnirl.config import Config, ConfigError
 from omnirl.distributed import DTYPES, compute_dtype, load_pretrained
 from omnirl.models.base import Output, Request, Trajectory
-from omnirl.models.diffusers_setup import check_checkpoint, make_trainable, sort_safetensors_header
+from omnirl.models.diffusers_setup import (
+    LORA_FILE,
+    DiffusersAdapter,
+    guided_velocity,
+    make_trainable,
+    save_lora,
+    trajectories,
+)
 from omnirl.models.flow_sde import WindowedSampler, phase, to_host
-from omnirl.models.peft_lora import lora_disabled, sorted_sets
 
 # The LoRA file of the low-noise expert; `WanPipeline.load_lora_weights(dir, weight_name=...,
 # load_into_transformer_2=True)` loads it (diffusers names both experts' LoRA keys "transformer.").
-LORA_FILE = "pytorch_lora_weights.safetensors"
 LORA_FILE_2 = "pytorch_lora_weights_transformer_2.safetensors"
 EXPERTS = ("transformer", "transformer_2")
 
@@ -102,25 +106,21 @@ class WanSettings:
             raise ConfigError(f"family.decode_rows must be at least 1, got {self.decode_rows}")
 
 
-class WanAdapter:
+class WanAdapter(DiffusersAdapter):
     """The `DiffusionAdapter` for `WanPipeline` checkpoints (one transformer or two experts)."""
 
     kind = "diffusion"
     modalities = frozenset({"video"})
-    fused_cfg = True  # CFG rows in one forward; the rollout engine sets it (rollout.fused_cfg)
+    pipeline_cls = WanPipeline
     Settings = WanSettings
     # sampling.height / width must be multiples of this (checked when the recipe loads): an 8x VAE times the
     # 2x2 patches; the rollout checks the checkpoint's own multiple (32 for TI2V-5B's 16x VAE).
     pixel_multiple = 16
 
     def __init__(self, cfg: Config, device: torch.device):
-        path = cfg.model.path
-        check_checkpoint(path, WanPipeline)
+        super().__init__(cfg, device)
+        path, dtype = cfg.model.path, DTYPES[cfg.model.dtype]
         self.settings: WanSettings = cfg.family
-        self.device = device
-        dtype = DTYPES[cfg.model.dtype]
-        self.lora = cfg.model.finetune == "lora"
-        self.transformer_dtype = dtype if self.lora else torch.float32
         index = WanPipeline.load_config(path)
         self.expand_timesteps = bool(index.get("expand_timesteps", False))
         self.boundary_ratio = index.get("boundary_ratio")
@@ -168,9 +168,6 @@ class WanAdapter:
     def memory_probe_rows(self) -> int:
         """The decode's chunk: a rollout's peak grows linearly from `decode_rows` rows on."""
         return self.settings.decode_rows
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self._policy.parameters() if p.requires_grad]
 
     def fsdp_units(self) -> list[nn.Module]:
         return [b for e in self.experts.values() for b in e.blocks]
@@ -262,18 +259,7 @@ class WanAdapter:
             out = model(hidden_states=x, timestep=t, encoder_hidden_states=text.to(dtype), return_dict=False)
             return out[0].float()
 
-        cond = embeds["prompt_embeds"]
-        if guidance_scale <= 1:
-            return forward(x, timestep, cond)
-        uncond = embeds["negative_prompt_embeds"]
-        if fused_cfg:
-            v_uncond, v_cond = forward(
-                torch.cat([x, x]), torch.cat([timestep, timestep]), torch.cat([uncond, cond])
-            ).chunk(2)
-        else:
-            v_cond = forward(x, timestep, cond)
-            v_uncond = forward(x, timestep, uncond)
-        return v_uncond + guidance_scale * (v_cond - v_uncond)
+        return guided_velocity(forward, x, timestep, embeds, ("prompt_embeds",), guidance_scale, fused_cfg)
 
     def guided(self, guidance_scale: float) -> bool:
         """Whether any expert guides: the negative prompts are encoded then."""
@@ -283,13 +269,8 @@ class WanAdapter:
     def rollout(self, requests: list[Request]) -> list[Trajectory]:
         """Generate a packed batch: one forward per denoising step (of the expert owning that step)."""
         p = requests[0].params
-        assert all(r.params.key == p.key for r in requests), "a packed batch must share one params.key"
         # The checkpoint's own multiple: its VAE's factor (8, or 16 for the TI2V-5B VAE) x the 2x2 patches.
-        multiple = self.vae_scale_factor * self.config.patch_size[1]
-        if p.height % multiple or p.width % multiple:
-            raise ValueError(
-                f"sampling height and width must be multiples of {multiple}, got {p.height}x{p.width}"
-            )
+        self.check_batch(requests, self.vae_scale_factor * self.config.patch_size[1])
         sigmas = self.sigmas(p.num_steps)
         sampler = WindowedSampler(requests, self.latent_shape(p.height, p.width), sigmas, self.device)
         latents = sampler.initial_latents  # [B, C, f, h, w]
@@ -307,18 +288,9 @@ class WanAdapter:
             videos = torch.cat([self.decode(c) for c in latents.split(self.settings.decode_rows)])
         keys = list(embeds)
         videos, latents, *values = to_host([videos, latents, *embeds.values()])
-        host = dict(zip(keys, values))
-        return [
-            Trajectory(
-                request=req,
-                **sampler.record(b),
-                sigmas=sigmas,
-                embeds={k: e[b] for k, e in host.items()},
-                output=Output(video=videos[b], fps=self.settings.fps),
-                final_latents=latents[b],
-            )
-            for b, req in enumerate(requests)
-        ]
+        rows = [{k: e[b] for k, e in zip(keys, values)} for b in range(len(requests))]
+        outputs = [Output(video=v, fps=self.settings.fps) for v in videos]
+        return trajectories(requests, sampler, sigmas, rows, outputs, latents)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents [B, C, f, h, w] -> videos [B, F, 3, H, W] in [0, 1], as WanPipeline decodes them."""
@@ -341,14 +313,6 @@ class WanAdapter:
         p_t, p_h, p_w = self.config.patch_size
         return (f // p_t) * (h // p_h) * (w // p_w)
 
-    def batch_embeds(self, embeds: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        return {k: torch.stack([e[k] for e in embeds]) for k in embeds[0]}
-
-    def lora_disabled(self):
-        if not self.lora:
-            raise ValueError("the reference policy with the LoRA off needs model.finetune 'lora'")
-        return lora_disabled(self._policy)
-
     def export_lora(self, out_dir: str | Path, state_dict: dict | None = None) -> None:
         """Write each expert's LoRA in diffusers' Wan format: `pytorch_lora_weights.safetensors` (the one
         transformer, or the high-noise expert) and, for two experts, `pytorch_lora_weights_transformer_2
@@ -361,11 +325,4 @@ class WanAdapter:
             sub = state_dict
             if state_dict is not None and two:
                 sub = {k[len(name) + 1 :]: v for k, v in state_dict.items() if k.startswith(name + ".")}
-            weight_name = LORA_FILE if name == "transformer" else LORA_FILE_2
-            WanPipeline.save_lora_weights(
-                out_dir,
-                transformer_lora_layers=peft.get_peft_model_state_dict(expert, state_dict=sub),
-                weight_name=weight_name,
-                transformer_lora_adapter_metadata=sorted_sets(expert.peft_config["default"]).to_dict(),
-            )
-            sort_safetensors_header(Path(out_dir) / weight_name)
+            save_lora(WanPipeline, expert, out_dir, sub, LORA_FILE if name == "transformer" else LORA_FILE_2)
