@@ -62,6 +62,12 @@ def device_type() -> str:
 BACKENDS = {"cuda": "cpu:gloo,cuda:nccl", "npu": "cpu:gloo,npu:hccl", "cpu": "gloo"}
 
 
+def local_device() -> torch.device:
+    """This rank's device: its accelerator (LOCAL_RANK's under torchrun, else the first), or the CPU."""
+    kind = device_type()
+    return torch.device(kind, int(os.environ.get("LOCAL_RANK", 0))) if kind != "cpu" else torch.device(kind)
+
+
 def init_distributed(timeout_s: int = 600, group: bool = False) -> DistInfo:
     """Join the torchrun process group (gloo on CPU, nccl on CUDA, hccl on Ascend) and build a 1-D mesh.
 
@@ -76,7 +82,7 @@ def init_distributed(timeout_s: int = 600, group: bool = False) -> DistInfo:
         torch.cuda.set_device(local_rank)
     elif kind == "npu":
         torch.npu.set_device(local_rank)
-    device = torch.device(kind, local_rank) if kind != "cpu" else torch.device("cpu")
+    device = local_device()
     if "RANK" not in os.environ:
         if not group:
             return DistInfo(0, 1, 0, device, None)
@@ -444,8 +450,7 @@ def load_pretrained(cls, path: str, **kwargs) -> nn.Module:
         if tensor.dtype != dtype:
             tensor.data = tensor.data.to(dtype)
     # Broadcast through the accelerator's backend (NVLink / InfiniBand), not gloo over TCP.
-    kind = device_type()
-    comm_device = None if kind == "cpu" else torch.device(kind, int(os.environ.get("LOCAL_RANK", 0)))
+    comm_device = None if device_type() == "cpu" else local_device()
     for tensor in tensors:
         if comm_device is None:
             dist.broadcast(tensor.data, src=0)

@@ -500,13 +500,13 @@ def worker(recipe: str, info: str, cap_gib: float, overrides: list[str]) -> None
 
     import torch
 
+    from omnirl.distributed import local_device
     from omnirl.memory import cap_device_memory, synchronize
     from omnirl.models.random_init import random_init_loader
     from scripts import train
 
-    rank, local = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    rank, device = int(os.environ.get("RANK", 0)), local_device()
+    cuda = device.type == "cuda"
     if cap_gib:
         cap_device_memory(cap_gib, device)  # before anything is allocated: the peaks count from it
     # A sharded frozen base: the transformer built on the host, where from_pretrained would leave it.

@@ -14,7 +14,6 @@ config-only checkpoint (`python -m scripts.gpu.two_gpu_runs checkpoint --config-
 """
 
 import argparse
-import os
 import tempfile
 from pathlib import Path
 
@@ -34,10 +33,11 @@ def main() -> None:
     if args.cap_gib:
         import torch
 
+        from omnirl.distributed import local_device
         from omnirl.memory import cap_device_memory
 
         if torch.cuda.is_available():
-            cap_device_memory(args.cap_gib, torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))
+            cap_device_memory(args.cap_gib, local_device())
     path = resolve_recipe(args.recipe)
     recipe = yaml.safe_load(path.read_text())
     recipe["reward"]["weights"]["uniform_noise"] = args.noise_weight
@@ -56,13 +56,11 @@ def random_weights(frozen_base: str) -> None:
     """The omni adapters' `load_pretrained` replaced by `random_init_loader`, seeded alike on every rank."""
     import torch
 
-    from omnirl.distributed import device_type
+    from omnirl.distributed import local_device
     from omnirl.models import qwen3_omni, qwen_vl
     from omnirl.models.random_init import random_init_loader
 
-    kind = device_type()
-    device = torch.device(kind, int(os.environ.get("LOCAL_RANK", 0))) if kind != "cpu" else torch.device(kind)
-    load = random_init_loader(device, policy_on_host=frozen_base != "replicate")
+    load = random_init_loader(local_device(), policy_on_host=frozen_base != "replicate")
 
     def seeded(cls, path, **kwargs):
         torch.manual_seed(0)
