@@ -402,7 +402,7 @@ def test_bf16_fsdp_units_recompute_in_their_forward_dtypes(tiny_wan_a14b, tmp_pa
 
     monkeypatch.setattr(FSDPState, "_pre_forward", pre_forward_of_torch_2_11)
 
-    def lora_grads(checkpointing: bool) -> dict[str, torch.Tensor]:
+    def grads(checkpointing: bool) -> dict[str, torch.Tensor]:
         cfg = config_for("wan")
         cfg.model.path, cfg.model.dtype, cfg.family.num_frames = str(tiny_wan_a14b), "bfloat16", FRAMES
         cfg.family.guidance_scale_2, cfg.model.gradient_checkpointing = GUIDANCE_2, checkpointing
@@ -419,7 +419,7 @@ def test_bf16_fsdp_units_recompute_in_their_forward_dtypes(tiny_wan_a14b, tmp_pa
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
-        plain, checkpointed = lora_grads(False), lora_grads(True)
+        plain, checkpointed = grads(False), grads(True)
     finally:
         dist.destroy_process_group()
     assert {n.split(".")[0] for n in plain} == {"transformer", "transformer_2"}, sorted(plain)[:4]

@@ -120,8 +120,7 @@ class DiffusionEngine:
         # Copies of the shortest request (the packer sorts by tokens), so shapes and keys match; index -1
         # marks them. The adapter builds a generator per row, so a dummy draws from its own generator
         # object (seeded like batch[0]'s) and no real request's noise moves.
-        dummy = dataclasses.replace(batch[0], index=-1, group_id=-1, metadata={})
-        return [dummy] * (bucket_size(len(batch), capacity) - len(batch))
+        return [self._dummy(batch[0])] * (bucket_size(len(batch), capacity) - len(batch))
 
     @contextlib.contextmanager
     def _running(self):
