@@ -166,8 +166,18 @@ def _check_vllm(cfg: Config, adapter: type) -> None:
 
 
 def _check_frozen_base(cfg: Config) -> None:
-    """distributed.frozen_base and rollout_gather against FSDP, the launcher and each other."""
+    """distributed.frozen_base and rollout_gather against FSDP, the launcher and each other, and a LoRA's
+    compute dtype against its frozen base's."""
     d = cfg.distributed
+    if d.fsdp and cfg.model.finetune == "lora" and cfg.model.dtype != d.param_dtype:
+        # The frozen base computes in model.dtype and FSDP2 casts every unit's inputs to param_dtype: a
+        # bfloat16 base fed float32 activations stops at its first layer (a dtype mismatch in a conv or
+        # matmul), a sharded one would be gathered in float32 (twice its bytes).
+        raise ConfigError(
+            f"distributed.param_dtype {d.param_dtype} with model.dtype {cfg.model.dtype} in a LoRA run: the "
+            f"frozen base computes in model.dtype, so the LoRA must too (set both to bfloat16 or both to "
+            f"float32)"
+        )
     if d.frozen_base == "replicate":
         return
     if not d.fsdp:

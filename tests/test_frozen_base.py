@@ -30,6 +30,8 @@ RECIPE = ROOT / "yaml/sd3_tiny_flowgrpo.yaml"
         ({"frozen_base": "shard", "fsdp": False}, [], "needs distributed.fsdp true"),
         ({}, ["--rollout.memory_budget_gib", "-1"], "rollout.memory_budget_gib must be a finite number"),
         ({}, ["--generation.kv_cache_fraction", "1"], "generation.kv_cache_fraction must be a number in"),
+        # a bfloat16 base fed the float32 LoRA's inputs stopped at its first conv, mid-rollout
+        ({}, ["--model.dtype", "bfloat16"], "distributed.param_dtype float32 with model.dtype bfloat16"),
     ],
 )
 def test_bad_frozen_base_settings_fail_at_load_in_one_line(tiny_sd3, tmp_path, section, overrides, message):

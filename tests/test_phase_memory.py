@@ -127,6 +127,24 @@ def test_tiny_run_of_a_wan_recipe(tmp_path):
     assert loads == ["transformer", "transformer_2", "vae", "text_encoder"]
     (step,) = summary["per_step"]
     assert list(step["phases"]) == ["rollout", "train"] and step["optimizer_steps"] == 1
+    # each phase traced as it starts and ends (what a run stopped mid-step reports)
+    traced = summary["device"]["phases"]
+    assert [p["phase"] for p in traced] == ["rollout", "train"], traced
+    assert 0 < traced[0]["start_s"] < traced[0]["end_s"] <= traced[1]["start_s"] < traced[1]["end_s"]
+
+
+def test_a_run_stopped_mid_step_names_its_phase():
+    pm = phase_memory()
+    phases = [
+        {"phase": "rollout", "start_s": 150.0, "end_s": 210.0},
+        {"phase": "train", "start_s": 211.0, "end_s": None},
+    ]
+    assert pm.last_phase({"phases": phases}, 440) == (
+        "in train phase number 1, started 211 s after the trainer did, still running at the end (440 s into "
+        "the run)"
+    )
+    assert pm.last_phase({"phases": phases[:1]}, 440).endswith("started 150 s after the trainer did, ended")
+    assert pm.last_phase({}, 10) is None and pm.last_phase({"phases": []}, 10) is None
 
 
 def test_rewards_without_their_weights_are_left_out(tmp_path):

@@ -393,6 +393,9 @@ def drive(
         )
     if len(rows) < a.steps:
         problems.append(f"{len(rows)} of {a.steps} steps logged")
+        where = last_phase(device, run_s)
+        if where:
+            problems.append(f"the run ended {where}")
     for r in rows:
         if r.get("train/updates"):
             continue
@@ -493,6 +496,42 @@ def check_plan(cfg, world: int) -> dict:
 # ---------------------------------------------------------------------------------------------- worker
 
 
+def trace_phases(record: dict, path: Path) -> None:
+    """Each trainer phase's start and end (seconds since this call) into `record["phases"]`, written to
+    `path` as it enters and leaves: a run stopped mid-step (out of --budget-s) still says which phase of
+    which step it was in, and since when."""
+    import contextlib
+
+    from omnirl import trainer
+
+    inner, t0, record["phases"] = trainer.phase, time.perf_counter(), []
+
+    @contextlib.contextmanager
+    def traced(name, *args, **kwargs):
+        entry = {"phase": name, "start_s": round(time.perf_counter() - t0, 2), "end_s": None}
+        record["phases"].append(entry)
+        path.write_text(json.dumps(record, indent=1) + "\n")
+        with inner(name, *args, **kwargs):
+            yield
+        entry["end_s"] = round(time.perf_counter() - t0, 2)
+        path.write_text(json.dumps(record, indent=1) + "\n")
+
+    trainer.phase = traced
+
+
+def last_phase(device: dict, run_s: float) -> str | None:
+    """Where a run that logged fewer steps than asked was when it ended: its last phase (the count of its
+    name so far gives the step), when it started and whether it ended; None before the first phase.
+    Phase times count from the trainer's start (models loading included), after torchrun's launch."""
+    phases = device.get("phases") or []
+    if not phases:
+        return None
+    last = phases[-1]
+    n = sum(p["phase"] == last["phase"] for p in phases)
+    state = "ended" if last["end_s"] is not None else f"still running at the end ({run_s:.0f} s into the run)"
+    return f"in {last['phase']} phase number {n}, started {last['start_s']:.0f} s after the trainer did, {state}"
+
+
 def worker(recipe: str, info: str, cap_gib: float, overrides: list[str]) -> None:
     """One rank: its device memory capped at `cap_gib` GiB (0: not capped), random-init loaders in place of
     `load_pretrained`, then scripts/train.py's `main`."""
@@ -536,6 +575,7 @@ def worker(recipe: str, info: str, cap_gib: float, overrides: list[str]) -> None
         return model
 
     path.write_text(json.dumps(record, indent=1) + "\n")
+    trace_phases(record, path)
     for module in ADAPTER_MODULES:
         importlib.import_module(module).load_pretrained = seeded_load
     train.exit_now(train.main(["--recipe", recipe, *overrides]))
