@@ -529,7 +529,8 @@ def last_phase(device: dict, run_s: float) -> str | None:
     last = phases[-1]
     n = sum(p["phase"] == last["phase"] for p in phases)
     state = "ended" if last["end_s"] is not None else f"still running at the end ({run_s:.0f} s into the run)"
-    return f"in {last['phase']} phase number {n}, started {last['start_s']:.0f} s after the trainer did, {state}"
+    started = f"started {last['start_s']:.0f} s after the trainer did"
+    return f"in {last['phase']} phase number {n}, {started}, {state}"
 
 
 def worker(recipe: str, info: str, cap_gib: float, overrides: list[str]) -> None:
