@@ -182,6 +182,33 @@ def test_a_max_num_seqs_that_cannot_fit_fails_before_the_rollout(tiny_sd3, tmp_p
     assert DiffusionOps(cfg, adapter).engine.memory_budget == 0.5 * GIB
 
 
+def test_the_memory_probes_denoise_only_the_window_and_still_give_the_peak(tiny_sd3, tmp_path):
+    """The probes run a trained window's steps and two more, not the whole schedule: 8 steps with a window
+    of 2 (placed anywhere in [0, 5)), SD3's probes of 1 and 2 rows run 4 steps each, so the transformer
+    runs 4 + 4 + 8 forwards (CFG fused) where whole probes ran 8 + 8 + 8; and the line through their peaks
+    still gives the peak of the full 8-step rollout of 8 rows (what the rollout holds across steps, the
+    window's records, does not depend on the number of steps)."""
+    cfg = tiny_cfg(tiny_sd3, tmp_path, "--rollout.prompts_per_step", "1", "--rollout.group_size", "8",
+                   "--sampling.num_steps", "8", "--sampling.sde_window_size", "2",
+                   "--sampling.sde_window_range", "0", "5")  # fmt: skip
+    dist = D.init_distributed()
+    adapter = get_adapter("sd3")(cfg, dist.device)
+    requests, _ = make_requests(cfg, load_prompts(cfg.data.train_path), 0, dist, sampling_params(cfg))
+    forwards = []
+    hook = adapter.policy.register_forward_pre_hook(lambda *_: forwards.append(1))
+    engine = DiffusionEngine(adapter, max_num_seqs=8, memory_budget=GIB)
+    try:
+        engine.generate(requests)
+    finally:
+        hook.remove()
+    assert len(forwards) == 4 + 4 + 8
+    (fixed, per_row, top), = engine.row_cost.values()  # fmt: skip
+    real = peak_bytes(lambda: adapter.rollout(requests), dist.device)
+    estimate = fixed + 8 * per_row
+    print(f"8 rows, 8 steps: {real} B measured, {estimate} B from probes of 4 steps")
+    assert top == 2 and 0.9 * estimate <= real <= 1.1 * estimate
+
+
 def test_no_budget_on_cpu_measures_nothing(tiny_sd3, tmp_path):
     """On CPU without rollout.memory_budget_gib there is no device memory to check against: no probe."""
     if D.device_type() != "cpu":
