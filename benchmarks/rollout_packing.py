@@ -43,11 +43,11 @@ from benchmarks.packing_cells import (
 )
 from benchmarks.packing_stock import interleaved, stock
 from omnirl import distributed as D
-from omnirl.config import load_config
 from omnirl.models import get_adapter
 from omnirl.models.base import Request, SamplingParams
 from omnirl.models.random_init import random_init_loader, write_random_checkpoint
 from omnirl.models.wan import WanAdapter
+from omnirl.recipe import load_config
 from omnirl.rollout.diffusion import DiffusionEngine
 
 # --model -> (recipe, adapter module whose `load_pretrained` --random-init replaces)

@@ -25,8 +25,9 @@ import time
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from omnirl.config import Config, ConfigError, load_config
+from omnirl.config import Config, ConfigError
 from omnirl.data.prompts import DataError
+from omnirl.recipe import load_config
 
 USER_ERRORS = (ConfigError, DataError)  # omnirl.checkpoint.CheckpointError is a ConfigError
 # Under torchrun, how long a rank other than 0 waits, after a user error, for the launcher to end it (rank 0

@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import T5EncoderModel
 
-from omnirl.config import load_config
 from omnirl.memory import Sleeper, module_tensors, optimizer_state, phase
+from omnirl.recipe import load_config
 from omnirl.trainer import train
 
 ROOT = Path(__file__).resolve().parent.parent

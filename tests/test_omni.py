@@ -16,10 +16,11 @@ from PIL import Image
 from safetensors import safe_open
 from transformers import AutoConfig, Qwen3OmniMoeThinkerForConditionalGeneration
 
-from omnirl.config import ConfigError, config_for, config_from_dict
+from omnirl.config import ConfigError, config_for
 from omnirl.models import get_adapter
 from omnirl.models.base import GenerationParams, Request
 from omnirl.models.lm import pad_responses
+from omnirl.recipe import config_from_dict
 from omnirl.rollout.generate import GenerationEngine, sample
 
 DEVICE = torch.device("cpu")

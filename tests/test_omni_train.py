@@ -20,13 +20,14 @@ from transformers import AutoConfig, AutoTokenizer, Qwen3OmniMoeThinkerForCondit
 from omnirl import distributed as D
 from omnirl.algos.advantages import group_advantages
 from omnirl.algos.losses import get_loss
-from omnirl.config import ConfigError, load_config
+from omnirl.config import ConfigError
 from omnirl.data.mmk12 import load_mmk12
 from omnirl.data.prompts import step_prompt_indices
 from omnirl.models import get_adapter
 from omnirl.models.base import GenerationParams, Request
 from omnirl.ops import check_before_loading, rollout_and_score
 from omnirl.ops.omni import OmniOps, generation_params
+from omnirl.recipe import load_config
 from omnirl.rewards.pool import RewardPool
 from omnirl.step import update
 from tests.test_train import ROOT, read_jsonl, torchrun

@@ -15,13 +15,13 @@ from safetensors.torch import load_file
 
 from omnirl import distributed as D
 from omnirl.algos.advantages import group_advantages
-from omnirl.config import load_config
 from omnirl.data.prompts import load_prompts, step_prompt_indices
 from omnirl.models import get_adapter
 from omnirl.models.base import derive_seed
 from omnirl.ops import check_before_loading, rollout_and_score
 from omnirl.ops.diffusion import DiffusionOps, Pair, pair_logprob, sampling_params
 from omnirl.ops.nft import NFTOps
+from omnirl.recipe import load_config
 from omnirl.rewards.pool import RewardPool
 from omnirl.step import assign_advantages, make_requests, update
 

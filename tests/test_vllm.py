@@ -59,7 +59,7 @@ def test_vllm_backend_without_vllm_is_one_clear_error(tmp_path):
 
 
 def test_vllm_backend_defaults_to_recompute_and_tis(tmp_path):
-    from omnirl.config import backend_defaults
+    from omnirl.recipe import backend_defaults
 
     cfg = omni_config(tmp_path)
     backend_defaults(cfg, set())

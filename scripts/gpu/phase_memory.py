@@ -310,7 +310,7 @@ def drive(
 ) -> int:
     import yaml
 
-    from omnirl.config import resolve_recipe
+    from omnirl.recipe import resolve_recipe
     from scripts.train import parse  # load_config, a bad override made a one-line ConfigError
 
     source = resolve_recipe(spec.tiny if a.tiny else name)

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import yaml
 
-from omnirl.config import ConfigError, resolve_recipe
+from omnirl.config import ConfigError
+from omnirl.recipe import resolve_recipe
 from scripts import train
 
 

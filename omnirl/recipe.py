@@ -1,0 +1,213 @@
+"""Reading a YAML recipe plus command-line overrides into a `Config` (`load_config`): YAML recipe -> strict
+dataclasses -> tyro CLI overrides -> the value checks.
+
+A recipe only supplies values. An unknown key, a value of the wrong type or a missing required value is
+one `ConfigError` line naming the key and the file. CLI overrides are `--section.field value` (tyro), and
+`--help` prints every field with the attribute docstrings of omnirl.config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from omnirl.config import RECIPE_DIR, Config, ConfigError, ModelConfig, config_class
+from omnirl.config_checks import check_values
+
+REQUIRED = ("model.path", "data.train_path")
+
+
+def resolve_recipe(name: str) -> Path:
+    """`--recipe NAME` is yaml/NAME.yaml, or a path to a YAML file."""
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise ConfigError(f"recipe file not found: {path}")
+        return path
+    path = RECIPE_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
+        raise ConfigError(f"unknown recipe {name!r}: no {path}; known recipes: {', '.join(known)}")
+    return path
+
+
+def _convert(tp: Any, value: Any, key: str, src: str) -> Any:
+    """Check and convert one YAML value to the annotated type, naming key and file on failure."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+
+    def bad(expected: str) -> ConfigError:
+        return ConfigError(f"{src}: {key}: expected {expected}, got {value!r} ({type(value).__name__})")
+
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise bad(f"a mapping of {tp.__name__} fields")
+        return _build(tp, value, key, src)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _convert(inner, value, key, src)
+    if origin is Literal:
+        if value not in args:
+            raise bad("one of " + ", ".join(repr(a) for a in args))
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise bad("a list")
+        return [_convert(args[0], v, f"{key}[{i}]", src) for i, v in enumerate(value)]
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise bad(f"a list of {len(args)} values")
+        return tuple(_convert(a, v, f"{key}[{i}]", src) for i, (a, v) in enumerate(zip(args, value)))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise bad("a mapping")
+        return {
+            _convert(args[0], k, key, src): _convert(args[1], v, f"{key}.{k}", src) for k, v in value.items()
+        }
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad("true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad("an integer")
+        return value
+    if tp is float:
+        # PyYAML reads 3e-4 (no dot) as a string; accept numeric strings, reject anything else.
+        if isinstance(value, bool):
+            raise bad("a number")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise bad("a number") from None
+    if tp is str:
+        if not isinstance(value, str):
+            raise bad("a string")
+        return value
+    raise AssertionError(f"unsupported config type {tp} at {key}")
+
+
+def _build(cls: type, data: dict, prefix: str, src: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for k in data:
+        if k not in names:
+            where = f"{prefix}.{k}" if prefix else k
+            raise ConfigError(f"{src}: unknown key {where!r} (known keys here: {', '.join(names)})")
+    kwargs = {}
+    for k, v in data.items():
+        kwargs[k] = _convert(hints[k], v, f"{prefix}.{k}" if prefix else k, src)
+    return cls(**kwargs)
+
+
+def recipe_adapter(data: dict, src: str) -> str:
+    """The adapter a parsed recipe names (model.adapter, else the default), checked to be a string."""
+    model = data.get("model", {})
+    adapter = model.get("adapter", ModelConfig.adapter) if isinstance(model, dict) else ModelConfig.adapter
+    if not isinstance(adapter, str):
+        raise ConfigError(f"{src}: model.adapter: expected a string, got {adapter!r}")
+    return adapter
+
+
+def config_from_dict(data: dict, src: str = "<dict>", adapter: str | None = None) -> Config:
+    """Strict conversion of a nested mapping (a parsed recipe) into a `Config` whose `family` section is
+    the settings of `adapter` (default: the recipe's model.adapter)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{src}: a recipe must be a mapping of sections, got {type(data).__name__}")
+    adapter = adapter or recipe_adapter(data, src)
+    data = {**data, "model": {**data.get("model", {}), "adapter": adapter}}
+    return _build(config_class(adapter), data, "", src)
+
+
+def check_required(cfg: Config, src: str) -> None:
+    for key in REQUIRED:
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) in ("", None):
+            raise ConfigError(f"{src}: missing required value {key!r}")
+
+
+def load_recipe(recipe: str, adapter: str | None = None) -> tuple[Config, Path]:
+    path = resolve_recipe(recipe)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    return config_from_dict(data or {}, str(path), adapter), path
+
+
+def override_adapter(overrides: list[str]) -> str | None:
+    """The value of a `--model.adapter NAME` (or `=NAME`) override: it decides the `family` section."""
+    for i, arg in enumerate(overrides):
+        if arg == "--model.adapter" and i + 1 < len(overrides):
+            return overrides[i + 1]
+        if arg.startswith("--model.adapter="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def load_config(recipe: str, overrides: list[str]) -> Config:
+    """Recipe YAML -> strict `Config` -> tyro CLI overrides (`--optim.lr 1e-4`)."""
+    import tyro
+
+    cfg, path = load_recipe(recipe, override_adapter(overrides))
+    args = bool_values(type(cfg), overrides)
+    cfg = tyro.cli(type(cfg), default=cfg, args=args, description=f"omnirl recipe {path}")
+    data = yaml.safe_load(path.read_text()) or {}
+    given = {
+        f"{section}.{key}" for section, values in data.items() if isinstance(values, dict) for key in values
+    }
+    given |= {a[2:].split("=", 1)[0] for a in overrides if a.startswith("--")}
+    backend_defaults(cfg, given)
+    check_required(cfg, str(path))
+    check_values(cfg)
+    return cfg
+
+
+def backend_defaults(cfg: Config, given: set[str]) -> None:
+    """rollout.backend vllm: vLLM's kernels are not the trainer's, so the trainer recomputes the old
+    log-probs (algo.old_logprob recompute) and corrects for the rollout's mismatch (algo.correction tis),
+    unless the recipe or the command line sets these (`given`: the "section.field" names they set). The
+    native backend keeps the dataclass defaults."""
+    if cfg.rollout.backend != "vllm":
+        return
+    if "algo.old_logprob" not in given:
+        cfg.algo.old_logprob = "recompute"
+    if "algo.correction" not in given:
+        cfg.algo.correction = "tis"
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def bool_values(config_cls: type[Config], overrides: list[str]) -> list[str]:
+    """`--section.flag true|false` (or `=true|false`, any case) as tyro's `--section.flag` /
+    `--section.no-flag`, so a boolean field of `config_cls` takes a value like every other field; other
+    arguments pass as they are."""
+    hints = typing.get_type_hints(config_cls)
+    flags = set()
+    for section in dataclasses.fields(config_cls):
+        if dataclasses.is_dataclass(hints[section.name]):
+            fields = typing.get_type_hints(hints[section.name]).items()
+            flags |= {f"{section.name}.{name}" for name, tp in fields if tp is bool}
+    out, i = [], 0
+    while i < len(overrides):
+        arg, value = overrides[i], None
+        name = arg[2:].replace("-", "_") if arg.startswith("--") else ""
+        if "=" in name:
+            name, value = name.split("=", 1)
+        elif name in flags and i + 1 < len(overrides) and overrides[i + 1].lower() in ("true", "false"):
+            value, i = overrides[i + 1], i + 1
+        if name in flags and value is not None and value.lower() in ("true", "false"):
+            section, field_name = name.split(".")
+            arg = f"--{section}.{field_name}" if value.lower() == "true" else f"--{section}.no-{field_name}"
+        out.append(arg)
+        i += 1
+    return out
