@@ -1,9 +1,10 @@
 """The stock diffusers pipeline in benchmarks.rollout_packing: diffusers' own pipeline class around the
-adapter's modules, its timed cells (`stock`), and the --interleave pairs of a packed cell and the stock
-pipeline (`interleaved`)."""
+adapter's modules, its timed cells (`stock`), and --interleave: packed cells and the stock pipeline
+timed in turn (`interleaved`)."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import torch
@@ -56,26 +57,33 @@ def stock_generate(pipe, cfg_kwargs, prompts_: list[str], negative, params, per_
         )  # fmt: skip
 
 
-def interleaved(adapter, cell: Cell, requests, texts, negative, params, a, rows, flops_total, ceiling, save):
-    """--interleave: `cell` and the stock pipeline (`--stock-batch` prompts per call, the cell's mode) on
-    the same prompts, their timed generations alternating. Compiled: both compile every shape they will
-    meet in one untimed 2-step generation of all the prompts (the transformer's inputs have the same shapes
-    at every step, so 2 steps compile what 10 run), the engine with its own compiled blocks (dynamic=False,
-    swapped in per `generate`), the stock pipeline with every block compiled in place (as
-    `compile_repeated_blocks`); then a 2-request, 2-step warm-up each. Each row is rewritten after every
+def interleaved(
+    adapter, cells: list[Cell], requests, texts, negative, params, a, rows, flops_total, ceiling, save
+):
+    """--interleave: the packed `cells` (all of one mode and prompt-bucket layout) and the stock pipeline
+    (`--stock-batch` prompts per call, the cells' mode) on the same prompts, their timed generations taken
+    in turn (each cell, then the stock pipeline, then again), so drift on a shared machine hits all alike:
+    e.g. max_num_seqs 1 (serial), 8 and 16 against the stock pipeline in one process. Compiled: each compiles
+    every shape it will meet in one untimed 2-step generation of all the prompts (the transformer's inputs
+    have the same shapes at every step, so 2 steps compile what 10 run), the engines with their own compiled
+    blocks (dynamic=False, swapped in per `generate`), the stock pipeline with every block compiled in place
+    (as `compile_repeated_blocks`); then a 2-request, 2-step warm-up each. Each row is rewritten after every
     repeat, so a run cut short keeps the repeats it finished."""
     import dataclasses
     import statistics
 
     b = a.stock_batch[0]
-    engine = DiffusionEngine(adapter, cell.max_num_seqs, fused_cfg=cell.fused_cfg, compile=cell.compile)
+    engines = [
+        DiffusionEngine(adapter, c.max_num_seqs, fused_cfg=c.fused_cfg, compile=c.compile) for c in cells
+    ]
     pipe, cfg_kwargs = stock_pipe(adapter, params)
-    mode = "compiled" if cell.compile else "eager"
+    compiled = cells[0].compile
+    mode = "compiled" if compiled else "eager"
 
     # The stock pipeline's compiled blocks, as `nn.Module.compile` makes them (`compile_repeated_blocks`),
     # set on the blocks only while it runs: the engine swaps its own compiled `forward` in per `generate`.
     units = list(adapter.fsdp_units())
-    stock_impls = [torch.compile(u._call_impl, fullgraph=True) for u in units] if cell.compile else []
+    stock_impls = [torch.compile(u._call_impl, fullgraph=True) for u in units] if compiled else []
 
     def stock_call(prompts_: list[str], steps: int = params.num_steps) -> None:
         for u, impl in zip(units, stock_impls):
@@ -89,23 +97,29 @@ def interleaved(adapter, cell: Cell, requests, texts, negative, params, a, rows,
 
     short = dataclasses.replace(params, num_steps=2, sde_window_size=1, sde_window_range=(0, 1))
     short_requests = [dataclasses.replace(r, params=short) for r in requests]
-    ours = {"name": cell.name, "scaled_from": len(requests), "generation_s_runs": []}
+    ours = [{"name": c.name, "scaled_from": len(requests), "generation_s_runs": []} for c in cells]
     theirs = {"name": f"stock {type(pipe).__name__} {b} prompts/call, {mode}", "scaled_from": len(texts)}
     theirs["generation_s_runs"] = []
-    with prompt_buckets(adapter, cell.buckets, requests):
-        if cell.compile:
-            ours["compile_s"] = timed(lambda: engine.generate(short_requests))[0]
+    mine = [*ours, theirs]
+    with prompt_buckets(adapter, cells[0].buckets, requests):
+        if compiled:
+            for row, engine in zip(ours, engines):
+                row["compile_s"] = timed(lambda engine=engine: engine.generate(short_requests))[0]
             theirs["compile_s"] = timed(lambda: stock_call(texts, 2))[0]
-        engine.check_memory(requests)  # the memory check's probes, at the timed batches' sizes
+        for engine in engines:
+            engine.check_memory(requests)  # the memory check's probes, at the timed batches' sizes
         # Warm-up (allocator, kernels, the decode) in 2 steps: the same shapes as the timed calls, and at
         # A14B's ~25 s a video a full-length warm-up would cost as much as a timed run.
-        engine.generate(short_requests[:2])
+        for engine in engines:
+            engine.generate(short_requests[:2])
         stock_call(texts[:2], 2)
         reset_peak()
-        ours["batches"] = batch_shapes(adapter, engine, requests)
+        for row, engine in zip(ours, engines):
+            row["batches"] = batch_shapes(adapter, engine, requests)
         frames = torch._dynamo.utils.counters["frames"]  # frames dynamo compiled: none may be timed
+        calls = [(row, lambda engine=engine: engine.generate(requests)) for row, engine in zip(ours, engines)]
         for _ in range(a.repeats):
-            for row, fn in ((ours, lambda: engine.generate(requests)), (theirs, lambda: stock_call(texts))):
+            for row, fn in [*calls, (theirs, lambda: stock_call(texts))]:
                 D.barrier()
                 before = frames["ok"]
                 secs = timed(fn)[0]
@@ -117,19 +131,21 @@ def interleaved(adapter, cell: Cell, requests, texts, negative, params, a, rows,
                     generation_s=gen, images_per_s=a.images / gen, mfu=flops_total / gen / ceiling,
                     **rank_columns({"generation_s": gens}),
                 )  # fmt: skip
-                rows[:] = [r for r in rows if r is not ours and r is not theirs] + [ours, theirs]
+                rows[:] = [r for r in rows if all(r is not m for m in mine)] + mine
                 D.print0(json.dumps(row))
                 save()
-        peak = max(over_ranks(peak_gib()))  # of both cells' generations (the same resident models)
-        ours["peak_gib"] = theirs["peak_gib"] = peak
+        peak = max(over_ranks(peak_gib()))  # of all the cells' generations (the same resident models)
+        for row in mine:
+            row["peak_gib"] = peak
         if a.breakdown:
-            batch = requests[: cell.max_num_seqs]
-            split = breakdown(lambda: engine.generate(batch), adapter.device)
-            ours["breakdown"] = {"requests": len(batch), **split}
+            for row, engine, cell in zip(ours, engines, cells):
+                batch = requests[: cell.max_num_seqs]
+                split = breakdown(functools.partial(engine.generate, batch), adapter.device)
+                row["breakdown"] = {"requests": len(batch), **split}
             with label_stock(pipe):
                 split = breakdown(lambda: stock_call(texts[:b]), adapter.device)
             theirs["breakdown"] = {"requests": b, **split}
-    for row in (ours, theirs):
+    for row in mine:
         row["generation_s_runs"] = [round(t, 3) for t in row["generation_s_runs"]]
 
 

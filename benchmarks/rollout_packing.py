@@ -117,6 +117,17 @@ def parse_size(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"--size {text!r}: give HxW (e.g. 704x1280) or one number") from None
 
 
+def cell_groups(a: argparse.Namespace) -> tuple[list[Cell], list[Cell]]:
+    """The packed cells the arguments name: (eager ones, compiled ones), in the order they run."""
+    eager = [Cell(n) for n in a.max_num_seqs] + [Cell(n, fused_cfg=False) for n in a.unfused_max_num_seqs]
+    eager += [Cell(n, buckets="single") for n in a.single_bucket]
+    eager += [Cell(n, fused_cfg=False, buckets="negative") for n in a.negative_bucket]
+    compiled = [Cell(n, compile=True) for n in a.compiled_max_num_seqs]
+    eager += [c for c in a.cells if not c.compile]
+    compiled += [c for c in a.cells if c.compile]
+    return eager, compiled
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(MODELS), default="qwen_image")
@@ -184,10 +195,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--interleave",
         action="store_true",
-        help="a packed cell against the stock pipeline at one --stock-batch in the same mode (one eager "
-        "cell, one compiled cell, or one of each: the eager pair first), their timed generations alternating "
-        "(ours, stock, ours, ...) so that drift on a shared machine hits both alike; the rows are written "
-        "after every repeat. Compiled pairs compile every shape in an untimed 2-step generation first",
+        help="the packed cells against the stock pipeline at one --stock-batch in the same mode (eager "
+        "cells first, then compiled ones), their timed generations taken in turn (each cell, stock, each "
+        "cell, ...) so that drift on a shared machine hits all alike, e.g. --cells 1 8 16 for serial, 8 "
+        "and 16 against the stock pipeline; the rows are written after every repeat. Compiled cells "
+        "compile every shape in an untimed 2-step generation first",
     )
     p.add_argument("--steps", type=int, default=10)
     p.add_argument(
@@ -212,16 +224,23 @@ def parse_args() -> argparse.Namespace:
     if a.repeats < 1:
         p.error(f"--repeats must be >= 1, got {a.repeats}")
     if a.interleave:
-        n_eager = len(a.max_num_seqs + a.unfused_max_num_seqs + a.single_bucket + a.negative_bucket)
-        n_eager += sum(not c.compile for c in a.cells)
-        n_compiled = len(a.compiled_max_num_seqs) + sum(c.compile for c in a.cells)
-        if not (n_eager <= 1 and n_compiled <= 1 and n_eager + n_compiled >= 1 and len(a.stock_batch) == 1):
+        if not (sum(map(len, cell_groups(a))) >= 1 and len(a.stock_batch) == 1):
             p.error(
-                "--interleave pairs a packed cell with the stock pipeline at one --stock-batch in the cell's "
-                "mode: give one --stock-batch and one eager cell, one compiled cell, or one of each"
+                "--interleave times packed cells against the stock pipeline at one --stock-batch in their "
+                "mode: give one --stock-batch and at least one cell"
             )
+        for cells in cell_groups(a):
+            layouts = {c.buckets for c in cells}
+            if len(layouts) > 1:
+                p.error(
+                    "--interleave: the cells of one mode share one prompt-bucket layout (the buckets are set "
+                    f"for the whole timed loop), got {sorted(layouts)}"
+                )
         if a.serial_requests or a.forward_only:
-            p.error("--interleave times one pair: give --serial-requests 0 and no --forward-only")
+            p.error(
+                "--interleave times packed cells against the stock pipeline (max_num_seqs 1 is the serial "
+                "rollout): give --serial-requests 0 and no --forward-only"
+            )
     if a.qwen_bpe and not (a.random_init and a.model == "qwen_image"):
         p.error("--qwen-bpe is for --random-init --model qwen_image (a real checkpoint has its tokenizer)")
     if a.model != "qwen_image" and (
@@ -350,12 +369,7 @@ def main() -> None:
         if dist.is_main:
             Path(a.out).write_text(json.dumps(results, indent=1))
 
-    eager = [Cell(n) for n in a.max_num_seqs] + [Cell(n, fused_cfg=False) for n in a.unfused_max_num_seqs]
-    eager += [Cell(n, buckets="single") for n in a.single_bucket]
-    eager += [Cell(n, fused_cfg=False, buckets="negative") for n in a.negative_bucket]
-    compiled = [Cell(n, compile=True) for n in a.compiled_max_num_seqs]
-    eager += [c for c in a.cells if not c.compile]
-    compiled += [c for c in a.cells if c.compile]
+    eager, compiled = cell_groups(a)
     if a.forward_only:
         for forced_sdpa in (False, True):
             for cell in eager + compiled:
@@ -366,10 +380,11 @@ def main() -> None:
         return
 
     if a.interleave:
-        for cell in eager + compiled:  # the eager pair first: the compiled one compiles the blocks
-            neg = s.negative_prompt
-            interleaved(adapter, cell, requests, texts, neg, params, a, rows, flops_total, ceiling, save)
-            save()
+        for cells in (eager, compiled):  # the eager cells first: the compiled ones compile the blocks
+            if cells:
+                neg = s.negative_prompt
+                interleaved(adapter, cells, requests, texts, neg, params, a, rows, flops_total, ceiling, save)
+                save()
         if dist.is_main:
             print_generation(rows)
             print(f"wrote {a.out}")

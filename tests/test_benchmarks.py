@@ -11,10 +11,12 @@ import pytest
 from tests.test_train import ROOT
 
 
-def run(cmd: list[str], timeout: int = 300) -> None:
+def run(cmd: list[str], timeout: int = 300) -> str:
+    """Run `cmd` from the repository root; its stdout (it must exit 0)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return r.stdout
 
 
 @pytest.mark.slow
@@ -265,29 +267,38 @@ def test_config_only_thinker_is_built_by_the_run(tmp_path, monkeypatch):
 
 
 def test_rollout_packing_interleaved_pair(tiny_qwen_image, tmp_path):
-    """--interleave times one packed cell and the stock pipeline alternately on the same prompts: both rows
-    hold --repeats runs and their median, nothing was compiled while timed; a second cell is refused."""
+    """--interleave times packed cells and the stock pipeline in turn on the same prompts (max_num_seqs 1,
+    the serial rollout, and 4): every row holds --repeats runs and their median, nothing was compiled while
+    timed; two stock batch sizes, or cells of one mode with different prompt buckets, are refused."""
     import statistics
 
     args = [
         *("--path", str(tiny_qwen_image), "--images", "3", "--serial-requests", "0", "--max-num-seqs"),
         *("--compiled-max-num-seqs", "--stock-batch", "2", "--logprob-check", "0", "--size", "64"),
-        *("--steps", "2", "--cells", "4:split", "--repeats", "2", "--interleave"),
+        *("--steps", "2", "--cells", "1:split", "4:split", "--repeats", "2", "--interleave"),
     ]
     script = ["-m", "benchmarks.rollout_packing"]
-    run([sys.executable, *script, *args, "--out", str(tmp_path / "pair.json")])
+    out = run([sys.executable, *script, *args, "--out", str(tmp_path / "pair.json")])
     rows = json.loads((tmp_path / "pair.json").read_text())["rows"]
     assert [r["name"] for r in rows] == [
+        "packed max_num_seqs 1, CFG 2 forwards, eager",
         "packed max_num_seqs 4, CFG 2 forwards, eager",
         "stock QwenImagePipeline 2 prompts/call, eager",
     ]
+    # taken in turn: the printed rows of the first repeat come in cell order, then the second repeat's
+    printed = [json.loads(line)["name"] for line in out.splitlines() if line.startswith('{"name"')]
+    assert printed == [r["name"] for r in rows] * 2, printed
+    assert [b[0] for b in rows[0]["batches"]] == [1, 1, 1] and [b[0] for b in rows[1]["batches"]] == [3]
     for r in rows:
         assert len(r["generation_s_runs"]) == 2 and r["compiled_while_timed"] == 0
         assert r["generation_s"] == pytest.approx(statistics.median(r["generation_s_runs"]), abs=1e-3)
-    bad = subprocess.run(
-        [sys.executable, *script, *args, "--stock-batch", "2", "4"], cwd=ROOT, capture_output=True, text=True
-    )
-    assert bad.returncode == 2 and "--interleave pairs a packed cell" in bad.stderr
+    for extra, message in (
+        (["--stock-batch", "2", "4"], "give one --stock-batch and at least one cell"),
+        (["--cells", "4:split", "4:split:single"], "share one prompt-bucket layout"),
+    ):
+        cmd = [sys.executable, *script, *args, *extra]
+        bad = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr[-2000:]
 
 
 @pytest.mark.parametrize(
