@@ -222,6 +222,45 @@ def test_random_init_builds_in_the_dtype_from_pretrained_leaves(checkpoint, requ
         assert {p.device.type for p in model.parameters()} == {"cpu" if sub in POLICY_SUBFOLDERS else "meta"}
 
 
+def test_host_builds_draw_their_random_weights_on_the_device():
+    """A policy built on the host for a sharded or offloaded run draws its random weights on the device
+    (`_draws_on`: the host's generator is serial) from the same distributions: with a CPU generator
+    standing for the device's, the torch modules and a transformers model (its `_init_weights` over the
+    modules' own init) equal a plain build seeded alike, draw for draw; tensors under `min_numel` draw in
+    place; the tensor methods are restored after."""
+    import torch
+    from transformers import Qwen2Config, Qwen2Model
+
+    from omnirl.models.random_init import _draws_on
+
+    config = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+
+    def build():
+        layers = torch.nn.Sequential(
+            torch.nn.Linear(64, 96), torch.nn.LayerNorm(96), torch.nn.Embedding(50, 8)
+        )
+        return [layers, Qwen2Model(config)]
+
+    def weights(models):
+        return [t for m in models for t in m.state_dict().values()]
+
+    torch.manual_seed(1)
+    plain = weights(build())
+    torch.manual_seed(0)
+    with _draws_on(torch.device("cpu"), generator=torch.Generator().manual_seed(1), min_numel=1):
+        drawn = weights(build())
+    assert len(drawn) == len(plain) and all(torch.equal(a, b) for a, b in zip(drawn, plain))
+    assert "uniform_" not in torch.Tensor.__dict__ and "normal_" not in torch.Tensor.__dict__
+    torch.manual_seed(0)
+    seed0 = weights(build())
+    torch.manual_seed(0)
+    with _draws_on(torch.device("cpu"), generator=torch.Generator().manual_seed(1), min_numel=10**9):
+        in_place = weights(build())
+    assert all(torch.equal(a, b) for a, b in zip(in_place, seed0))
+    assert not all(torch.equal(a, b) for a, b in zip(seed0, plain))
+
+
 def test_config_only_thinker_is_built_by_the_run(tmp_path, monkeypatch):
     """`two_gpu_runs checkpoint --config-only` writes no weights; the Qwen3-Omni adapter, its
     `load_pretrained` replaced as `train_entry --random-init` replaces it, builds the thinker from the
