@@ -65,8 +65,12 @@ def response_length(tokens: list[int], stops: set[int]) -> int:
     return len(tokens)
 
 
-def run_ours(adapter, requests, args, keep: list, cuda_graph: bool, stats: dict) -> int:
-    engine = GenerationEngine(adapter, args.max_num_seqs, args.kv_cache_gib, cuda_graph=cuda_graph)
+def run_ours(
+    adapter, requests, args, keep: list, cuda_graph: bool, stats: dict, compile: bool = False
+) -> int:
+    engine = GenerationEngine(
+        adapter, args.max_num_seqs, args.kv_cache_gib, cuda_graph=cuda_graph, compile=compile
+    )
     trajs = engine.generate(requests)
     keep[:] = trajs
     stats.clear()
@@ -197,8 +201,9 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--stop-frac", type=float, default=0.0, help="fraction of the vocabulary that stops")
     p.add_argument(
-        "--methods", default="ours,ours_eager,generate,generate_batch", help="of ours, ours_eager, vllm, "
-        "generate, generate_batch (vllm: the vLLM rollout backend; needs vllm installed)",
+        "--methods", default="ours,ours_eager,generate,generate_batch", help="of ours, ours_eager, "
+        "ours_compiled (generation.compile: decoder layers compiled in the decode step), vllm, generate, "
+        "generate_batch (vllm: the vLLM rollout backend; needs vllm installed)",
     )  # fmt: skip
     p.add_argument("--vllm-max-model-len", type=int, default=0, help="vLLM's max_model_len (0: the model's)")
     p.add_argument("--check-logprobs", action="store_true", help="re-score our responses as the trainer")
@@ -248,18 +253,22 @@ def run(args, tmp: str) -> None:
     requests = make_requests(args, stops)
     trajs: list = []
     eager_trajs: list = []
+    compiled_trajs: list = []
     vllm_trajs: list = []
     engines: list = []
     stats: dict = {}
     runs = {
         "ours": lambda reqs: run_ours(adapter, reqs, args, trajs, True, stats),
         "ours_eager": lambda reqs: run_ours(adapter, reqs, args, eager_trajs, False, stats),
+        "ours_compiled": lambda reqs: run_ours(
+            adapter, reqs, args, compiled_trajs, True, stats, compile=True
+        ),
         "vllm": lambda reqs: run_vllm(adapter, cfg, reqs, vllm_trajs, stats, engines),
         "generate": lambda reqs: run_generate(adapter, reqs, args, all_stops),
         "generate_batch": lambda reqs: run_generate_batch(adapter, reqs, args, all_stops),
     }
     # generate_batch switches the attention implementation while it runs: keep it last.
-    order = ("ours", "ours_eager", "vllm", "generate", "generate_batch")
+    order = ("ours", "ours_eager", "ours_compiled", "vllm", "generate", "generate_batch")
     methods = [m for m in order if m in args.methods.split(",")]
     if args.image_size:
         methods = [m for m in methods if m != "generate_batch"]
@@ -272,6 +281,8 @@ def run(args, tmp: str) -> None:
         try:
             if args.warmup:
                 timed(runs[name], requests[: args.warmup])
+            if args.warmup > 1 and name == "ours_compiled":  # other shapes: the dynamic compile, untimed
+                timed(runs[name], requests[: args.warmup // 2])
             tokens, seconds = timed(runs[name], requests)
         except Exception as e:  # noqa: BLE001 (recorded: the other methods still run)
             results[name] = {"error": f"{type(e).__name__}: {e}"}
@@ -286,6 +297,13 @@ def run(args, tmp: str) -> None:
             same = sum(torch.equal(a.response_ids, b.response_ids) for a, b in zip(trajs, eager_trajs))
             report["graph_vs_eager_identical_responses"] = f"{same}/{len(trajs)}"
             print(f"CUDA graph vs eager: {same}/{len(trajs)} responses identical", flush=True)
+        if name == "ours_compiled" and trajs:  # fused kernels round differently: how many samples moved?
+            same = sum(torch.equal(a.response_ids, b.response_ids) for a, b in zip(trajs, compiled_trajs))
+            report["compiled_vs_ours_identical_responses"] = f"{same}/{len(trajs)}"
+            print(f"compiled vs not: {same}/{len(trajs)} responses identical", flush=True)
+        if name == "ours_compiled" and args.check_logprobs:
+            report["compiled_logprob_check"] = check_logprobs(adapter, compiled_trajs, args.temperature)
+            print(f"trainer vs compiled rollout log-probs: {report['compiled_logprob_check']}", flush=True)
         print(f"{name}: {tokens} tokens in {seconds:.2f} s", flush=True)
         if name == "vllm":  # start, push and generate times; tokens/s of the generate alone, without the push
             results[name].update(stats)

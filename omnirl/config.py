@@ -141,6 +141,10 @@ class GenerationConfig:
     cuda_graph: bool = True
     """On CUDA, capture the decode step once per rollout as a CUDA graph and replay it (the step's
     kernels launched at once instead of one by one from Python); off runs it eagerly. No effect on CPU."""
+    compile: bool = False
+    """Run the decoder layers compiled (torch.compile, inductor) in the native engine's decode steps:
+    fewer, fused kernels per step (the CUDA graph then replays those). Compiled once per process, on the
+    first rollout; the prefill and the trainer stay eager. rollout.backend vllm compiles its own."""
 
 
 @dataclass

@@ -144,6 +144,11 @@ def _check_vllm(cfg: Config, adapter: type) -> None:
             f"rollout.backend vllm runs autoregressive (omni) adapters; model.adapter {cfg.model.adapter!r} "
             "is a diffusion adapter (rollout.backend native)"
         )
+    if cfg.generation.compile:
+        raise ConfigError(
+            "generation.compile compiles the native engine's decode step; rollout.backend vllm compiles its "
+            "own (generation.cuda_graph false makes it eager): leave generation.compile false"
+        )
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError(
             "rollout.backend vllm: the vllm package is not importable in this environment (GPU: pip "

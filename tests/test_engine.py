@@ -10,6 +10,7 @@ from omnirl.config import config_for
 from omnirl.memory import GIB
 from omnirl.models.base import Request, SamplingParams, derive_seed
 from omnirl.models.sd3 import SD3Adapter
+from omnirl.rollout import compiled as rollout_compiled
 from omnirl.rollout import diffusion
 from omnirl.rollout.diffusion import DiffusionEngine, bucket_size
 
@@ -128,7 +129,7 @@ def test_token_budget_counts_fused_cfg_rows(adapter):
 def test_compiled_rollout_does_not_recompile(adapter, monkeypatch):
     """Dynamo decides every (re)compile from its guards before a backend runs, so the test compiles with
     the 'eager' backend (inductor's CPU code generation takes ~80 s per batch size on this machine)."""
-    monkeypatch.setattr(diffusion, "COMPILE_BACKEND", "eager")
+    monkeypatch.setattr(rollout_compiled, "COMPILE_BACKEND", "eager")
     blocks = adapter.fsdp_units()
 
     def graphs() -> int:

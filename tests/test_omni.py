@@ -129,6 +129,39 @@ def test_trainer_logprobs_equal_rollout_vl(family, request):
     assert_aligned(*recompute(adapter, trajs, 1.0), f"{family} image+text")
 
 
+def test_compiled_decode_step_draws_the_eager_samples(omni, monkeypatch):
+    """generation.compile: the decoder layers run compiled in the decode steps, traced whole (fullgraph:
+    the MoE layer with the slot cache has no graph break), the prefill and the trainer eager; samples and
+    log-probs are the eager engine's. A call of other shapes (slots, KV columns) compiles once more, with
+    those sizes symbolic, and then calls of any shapes compile nothing. Compiled with the "eager"
+    backend: what is tested is dynamo's tracing and guards (inductor's CPU code generation takes minutes
+    here)."""
+    from torch._dynamo.utils import counters
+
+    from omnirl.rollout import compiled
+
+    monkeypatch.setattr(compiled, "COMPILE_BACKEND", "eager")
+    reqs = requests(6, ["text", "image"], temperature=0.8)
+    eager = GenerationEngine(omni, max_num_seqs=4, kv_cache_gib=0.1).generate(reqs)
+    start = counters["stats"]["unique_graphs"]
+    engine = GenerationEngine(omni, max_num_seqs=4, kv_cache_gib=0.1, compile=True)
+    out = engine.generate(reqs)
+    assert counters["stats"]["unique_graphs"] > start  # the decode step ran compiled
+    for a, b in zip(eager, out):
+        assert torch.equal(a.response_ids, b.response_ids)
+        assert (a.logprobs - b.logprobs).abs().max() <= 1e-6
+    assert all("forward" not in vars(layer) for layer in omni.decoder_layers())  # restored after each step
+    engine.generate(requests(3, "audio"))  # 3 slots, other KV columns: compiled again, dynamic
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        again = engine.generate(requests(5, ["image", "text"], temperature=0.8))  # other shapes again
+    assert [t.response_ids.tolist() for t in again] == [
+        t.response_ids.tolist()
+        for t in GenerationEngine(omni, max_num_seqs=4, kv_cache_gib=0.1).generate(
+            requests(5, ["image", "text"], temperature=0.8)
+        )
+    ]
+
+
 def test_sample_does_not_depend_on_batch(omni):
     """Each request alone vs all of them through 3 rows (rows leave and join): same tokens."""
     reqs = requests(7, ["text", "image", "audio", "image+audio"], top_k=40)

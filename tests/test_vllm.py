@@ -51,6 +51,13 @@ def test_vllm_backend_refuses_a_diffusion_adapter(tiny_sd3):
         check_values(cfg)
 
 
+def test_vllm_backend_refuses_the_native_engines_compile(tmp_path):
+    cfg = omni_config(tmp_path)
+    cfg.generation.compile = True
+    with pytest.raises(ConfigError, match="generation.compile compiles the native engine's decode step"):
+        check_values(cfg)
+
+
 @pytest.mark.skipif(HAVE_VLLM, reason="checks the error where vllm is missing")
 def test_vllm_backend_without_vllm_is_one_clear_error(tmp_path):
     cfg = omni_config(tmp_path)

@@ -236,6 +236,9 @@ class OmniModelBase(Protocol):
     def kv_layout(self) -> tuple[int, int, int, torch.dtype]:
         """(decoder layers, KV heads, head dim, dtype) of the decoder's KV cache, for the engine's slots."""
 
+    def decoder_layers(self) -> list[nn.Module]:
+        """The language model's decoder layers, in order: what generation.compile compiles."""
+
     def kv_bytes_per_token(self) -> int:
         """Bytes of KV cache one token takes over all decoder layers (for the engine's memory budget)."""
 

@@ -285,6 +285,9 @@ class TransformersLMAdapter:
     def kv_layout(self) -> tuple[int, int, int, torch.dtype]:
         return kv_layout(self.hf_model.model.language_model)
 
+    def decoder_layers(self) -> list[nn.Module]:
+        return list(self.hf_model.model.language_model.layers)
+
     def kv_bytes_per_token(self) -> int:
         layers, heads, dim, dtype = self.kv_layout()
         return 2 * layers * heads * dim * dtype.itemsize

@@ -33,14 +33,15 @@ largest value that fits (from k rows up the line meets the peaks at multiples of
 them by less than one chunk's step; below k it errs high); so does a probe that runs out of device
 memory.
 
-`compile` compiles the transformer's repeated blocks (`adapter.fsdp_units()`) for the rollout only:
-each block's `forward` is swapped for its compiled version while `generate` runs and restored after, so
-the trainer's forward/backward stays eager. We do not call diffusers' `compile_repeated_blocks`: it
-compiles for good (training included, FSDP2's hooks traced inside), finds blocks by class name, which
-`fully_shard` renames (FSDPQwenImageTransformerBlock), and SD3 defines no `_repeated_blocks`. Shapes are
-static (`dynamic=False`, the batch dim included), so each new batch size would compile again: batches
-are filled (not balanced) and padded up to a few bucket sizes (`bucket_size`) with dummy requests whose
-outputs are dropped. A dummy row draws its noise from its own generator, never from a real request's.
+`compile` compiles the transformer's repeated blocks (`adapter.fsdp_units()`) for the rollout only: each
+block's `forward` is swapped for its compiled version while `generate` runs and restored after
+(`omnirl.rollout.compiled`), so the trainer's forward/backward stays eager. We do not call diffusers'
+`compile_repeated_blocks`: it compiles for good (training included, FSDP2's hooks traced inside), finds
+blocks by class name, which `fully_shard` renames (FSDPQwenImageTransformerBlock), and SD3 defines no
+`_repeated_blocks`. Shapes are static (`dynamic=False`, the batch dim included), so each new batch size
+would compile again: batches are filled (not balanced) and padded up to a few bucket sizes (`bucket_size`)
+with dummy requests whose outputs are dropped. A dummy row draws its noise from its own generator, never
+from a real request's.
 """
 
 from __future__ import annotations
@@ -55,16 +56,8 @@ import torch
 from omnirl import distributed as D
 from omnirl.memory import GIB, empty_cache, free_bytes, peak_bytes
 from omnirl.models.base import DiffusionAdapter, Request, Trajectory
+from omnirl.rollout.compiled import Compiled, compile_forwards, swapped
 from omnirl.rollout.packer import RequestPacker
-
-# The torch.compile backend of `compile`. Tests use "eager": dynamo decides (re)compiles from its
-# guards before any backend runs, and inductor's CPU code generation is slow (benchmarks/RESULTS.md).
-COMPILE_BACKEND = "inductor"
-# Compiled entries all sit on the one `forward` code object of a block class: one per (block variant,
-# batch bucket, latent / text shape). SD3.5 has three variants (dual attention, plain, last block
-# without context output) and max_num_seqs 256 nineteen batch buckets (`bucket_size`); dynamo's default
-# limit of 8 would drop to eager silently after the eighth.
-RECOMPILE_LIMIT = 128
 
 
 def bucket_size(n: int, capacity: int) -> int:
@@ -102,13 +95,9 @@ class DiffusionEngine:
         self.packer = RequestPacker(max_num_seqs, max_num_batched_tokens, adapter.compat_key, self.tokens)
         # Padding to bucket sizes is what keeps a compiled rollout from recompiling; eager needs none.
         self.pad = compile
-        self.compiled: list[tuple[torch.nn.Module, Callable]] = []
+        self.compiled: Compiled = []
         if compile:
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-            self.compiled = [
-                (block, torch.compile(block.forward, fullgraph=True, dynamic=False, backend=COMPILE_BACKEND))
-                for block in adapter.fsdp_units()
-            ]
+            self.compiled = compile_forwards(adapter.fsdp_units())
 
     def tokens(self, request: Request) -> int:
         """Transformer tokens of a request in one forward: its CFG row counts too when fused."""
@@ -130,14 +119,8 @@ class DiffusionEngine:
         """What a rollout runs under: the CFG layout set, the compiled blocks swapped in, the weights
         gathered as distributed.rollout_gather says."""
         self.adapter.fused_cfg = self.fused_cfg
-        for block, fn in self.compiled:
-            block.forward = fn  # an instance attribute shadows the class's forward until deleted below
-        try:
-            with D.gathered_weights(self.adapter.policy, per_unit=self.per_unit):
-                yield
-        finally:
-            for block, _ in self.compiled:
-                del block.forward
+        with swapped(self.compiled), D.gathered_weights(self.adapter.policy, per_unit=self.per_unit):
+            yield
 
     def _plan(self, requests: list[Request]):
         """The batches of `requests`, every rank's templates, and the memory check of their keys."""

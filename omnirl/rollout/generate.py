@@ -17,7 +17,11 @@ request takes it (continuous batching).
 Each slot writes its next token's KV at its own column (its length) and attends to its columns under a
 mask, so a decode step has the same shapes from the first step to the last and updates its state in
 place: on CUDA it is captured once per call as a CUDA graph and replayed (`cuda_graph`), which removes
-the per-kernel launch cost that bounds a decode step of a batched MoE forward. Each slot keeps its own
+the per-kernel launch cost that bounds a decode step of a batched MoE forward. With `compile` the decoder
+layers run compiled in the decode step (`omnirl.rollout.compiled`: their norms, rotary embedding,
+routing and activations fused into fewer kernels; the prefill, whose shapes change with the prompts,
+stays eager; the graph then records the compiled kernels; a second compile, with the slots and KV
+columns symbolic, at the first call whose shapes differ from the first's). Each slot keeps its own
 M-RoPE position (the model's get_rope_index on the prompt, then +1 per token), so a row's computation
 does not depend on its neighbours apart from floating-point rounding of batched kernels.
 
@@ -50,6 +54,7 @@ from omnirl.distributed import fsdp_hooks_quiet, gathered_weights
 from omnirl.memory import GIB, free_bytes
 from omnirl.models.base import GenerationParams, OmniModelBase, OmniTrajectory, Request
 from omnirl.models.lm import output_logprobs
+from omnirl.rollout.compiled import compile_forwards, swapped
 
 # Decode steps between two looks at which rows finished. Each look is a device->host sync that stalls the
 # launch queue; a row that finished meanwhile computes a few throw-away tokens, which are never recorded.
@@ -105,8 +110,9 @@ class _Slots:
 class GenerationEngine:
     """`cuda_graph`: on a CUDA device, capture the decode step (forward, sampling, bookkeeping of all
     slots) once per `generate` call and replay it; the step's eager version runs elsewhere and is what
-    the graph records, so the two give the same tokens. `stats` describes the last call (slots, decode
-    steps, prefills, capture seconds)."""
+    the graph records, so the two give the same tokens. `compile`: the decoder layers (`adapter.
+    decoder_layers()`) compiled for the decode step, compiled on the first call's warm-up. `stats`
+    describes the last call (slots, decode steps, prefills, capture seconds, compile included)."""
 
     def __init__(
         self,
@@ -117,6 +123,7 @@ class GenerationEngine:
         kv_fraction: float = 0.5,
         memory_budget: float = 0.0,
         per_unit: bool = False,
+        compile: bool = False,
     ):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -130,6 +137,7 @@ class GenerationEngine:
         self.per_unit = per_unit
         self.cuda_graph = cuda_graph and self.device.type == "cuda" and not per_unit
         self.placeholders = torch.tensor(adapter.placeholder_token_ids, device=self.device)  # [K]
+        self.compiled = compile_forwards(adapter.decoder_layers(), dynamic=None) if compile else []
 
     @torch.no_grad()
     def generate(
@@ -292,7 +300,8 @@ class GenerationEngine:
         # Quiet FSDP2 hooks for the whole step, the lm_head's call in `_record` included: called outside a
         # root forward, a child unit's hook would make itself the root of a forward (stream waits, which
         # break a graph capture; and, as the first forward of a run, a lazy init FSDP then refuses).
-        with contextlib.nullcontext() if self.per_unit else fsdp_hooks_quiet(self.adapter.model):
+        quiet = contextlib.nullcontext() if self.per_unit else fsdp_hooks_quiet(self.adapter.model)
+        with quiet, swapped(self.compiled):
             hidden = self.adapter.model(
                 input_ids=slots.last[:, None],
                 attention_mask=mask,

@@ -1,0 +1,49 @@
+"""Compiled forwards for the rollout only, shared by both engines: each module's `forward` is swapped for
+its `torch.compile` version while the rollout runs and restored after, so the trainer's forward and
+backward stay eager and FSDP2's hooks (which wrap a module's call, not its forward) stay outside the
+compiled code. The diffusion engine compiles static shapes (`dynamic=False`) and pads its batches to a
+few bucket sizes. The generation engine compiles its decode step only, whose shapes are fixed within a
+call but not between calls (the slots' KV columns follow the call's longest prompt): dynamo's automatic
+dynamic shapes (`dynamic=None`) compile static shapes first and, at the first call whose shapes differ,
+once more with those sizes symbolic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+# The torch.compile backend. Tests use "eager": dynamo decides (re)compiles from its guards before any
+# backend runs, and inductor's CPU code generation is slow (benchmarks/RESULTS.md).
+COMPILE_BACKEND = "inductor"
+# Compiled entries all sit on the one `forward` code object of a module class: one per (variant, shape).
+# SD3.5 has three block variants and max_num_seqs 256 nineteen batch buckets; a decoder's layers may each
+# be an entry of their own (a layer index read in the forward is a constant of its graph). Dynamo's default
+# limit of 8 would drop to eager silently after the eighth.
+RECOMPILE_LIMIT = 128
+
+Compiled = list[tuple[nn.Module, Callable]]
+
+
+def compile_forwards(modules: Iterable[nn.Module], dynamic: bool | None = False) -> Compiled:
+    """(module, its compiled forward) for each module; nothing runs compiled until `swapped`."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    return [
+        (m, torch.compile(m.forward, fullgraph=True, dynamic=dynamic, backend=COMPILE_BACKEND))
+        for m in modules
+    ]
+
+
+@contextlib.contextmanager
+def swapped(compiled: Compiled):
+    """Run with the compiled forwards: an instance attribute shadows the class's forward until deleted."""
+    for module, fn in compiled:
+        module.forward = fn
+    try:
+        yield
+    finally:
+        for module, _ in compiled:
+            del module.forward
