@@ -143,8 +143,9 @@ class GenerationConfig:
     kernels launched at once instead of one by one from Python); off runs it eagerly. No effect on CPU."""
     compile: bool = False
     """Run the decoder layers compiled (torch.compile, inductor) in the native engine's decode steps:
-    fewer, fused kernels per step (the CUDA graph then replays those). Compiled once per process, on the
-    first rollout; the prefill and the trainer stay eager. rollout.backend vllm compiles its own."""
+    fewer, fused kernels per step (the CUDA graph then replays those). Compiled on the first rollout and
+    once more, with the slot and KV sizes symbolic, at the first rollout of other shapes; the prefill and
+    the trainer stay eager. rollout.backend vllm compiles its own."""
 
 
 @dataclass

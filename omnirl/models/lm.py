@@ -56,11 +56,10 @@ class HiddenStatesLM(nn.Module):
         return self.body(**inputs).last_hidden_state
 
 
-def kv_layout(language_model: nn.Module) -> tuple[int, int, int, torch.dtype]:
-    """(decoder layers, KV heads, head dim, dtype) of a transformers decoder's KV cache, read off the live
-    module: under FSDP2 mixed precision the dtype is that of the gathered (compute) weights, so call it
+def kv_layout(layers: list[nn.Module]) -> tuple[int, int, int, torch.dtype]:
+    """(decoder layers, KV heads, head dim, dtype) of a transformers decoder's KV cache, read off its live
+    layers: under FSDP2 mixed precision the dtype is that of the gathered (compute) weights, so call it
     inside `distributed.gathered_weights` when the cache is allocated."""
-    layers = language_model.layers
     attn = layers[0].self_attn
     k_proj = attn.k_proj  # a peft LoRA layer or a plain Linear: out_features = kv heads x head_dim
     return len(layers), k_proj.out_features // attn.head_dim, attn.head_dim, k_proj.weight.dtype
@@ -283,7 +282,7 @@ class TransformersLMAdapter:
         return sequence_logprobs(self, model_inputs, sequences, response_mask, temperature)
 
     def kv_layout(self) -> tuple[int, int, int, torch.dtype]:
-        return kv_layout(self.hf_model.model.language_model)
+        return kv_layout(self.decoder_layers())
 
     def decoder_layers(self) -> list[nn.Module]:
         return list(self.hf_model.model.language_model.layers)

@@ -145,7 +145,7 @@ class Qwen3OmniThinkerAdapter(TransformersLMAdapter):
 
     def fsdp_units(self) -> list[nn.Module]:
         body = self.thinker.model
-        return [*body.language_model.layers, body.visual, body.audio_tower, self.thinker.lm_head]
+        return [*self.decoder_layers(), body.visual, body.audio_tower, self.thinker.lm_head]
 
     def prepare(self, request: Request) -> dict[str, torch.Tensor]:
         unknown = sorted(set(request.inputs) - set(INPUT_KEYS))

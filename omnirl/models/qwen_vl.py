@@ -101,7 +101,7 @@ class QwenVLAdapter(TransformersLMAdapter):
 
     def fsdp_units(self) -> list[nn.Module]:
         body = self.hf_model.model
-        units = [*body.language_model.layers, body.visual]
+        units = [*self.decoder_layers(), body.visual]
         # A tied lm_head shares its weight with the embedding, which stays with the root.
         if self.hf_model.lm_head.weight is not body.get_input_embeddings().weight:
             units.append(self.hf_model.lm_head)

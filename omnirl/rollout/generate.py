@@ -111,8 +111,9 @@ class GenerationEngine:
     """`cuda_graph`: on a CUDA device, capture the decode step (forward, sampling, bookkeeping of all
     slots) once per `generate` call and replay it; the step's eager version runs elsewhere and is what
     the graph records, so the two give the same tokens. `compile`: the decoder layers (`adapter.
-    decoder_layers()`) compiled for the decode step, compiled on the first call's warm-up. `stats`
-    describes the last call (slots, decode steps, prefills, capture seconds, compile included)."""
+    decoder_layers()`) compiled for the decode step, in the first call's warm-up (and again, shapes
+    symbolic, in the first call of other shapes). `stats` describes the last call (slots, decode steps,
+    prefills, capture seconds, compile included)."""
 
     def __init__(
         self,
