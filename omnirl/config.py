@@ -145,7 +145,8 @@ class GenerationConfig:
     """Run the decoder layers compiled (torch.compile, inductor) in the native engine's decode steps:
     fewer, fused kernels per step (the CUDA graph then replays those). Compiled on the first rollout and
     once more, with the slot and KV sizes symbolic, at the first rollout of other shapes; the prefill and
-    the trainer stay eager. rollout.backend vllm compiles its own."""
+    the trainer stay eager. rollout.backend vllm compiles its own. Measured slower on an H200 for a MoE
+    thinker (a 12.3 ms decode step against 9.4 ms eager-with-graph; benchmarks/RESULTS.md)."""
 
 
 @dataclass
