@@ -1,4 +1,5 @@
-"""Where a rollout's time goes: the host and device time of each labelled phase, from the torch profiler.
+"""Where a rollout's time goes: the host and device time of each labelled phase, from the torch profiler
+(`breakdown`), and the kernels that took it (`kernel_table`).
 
 omnirl's denoising loops label their phases (`omnirl.models.flow_sde.phase`: encode, noise, transformer,
 sde_step (with noise nested in it), vae_decode, to_host); `label_stock` puts the same labels on a stock
@@ -50,6 +51,42 @@ def breakdown(fn: Callable[[], object], device: torch.device) -> dict:
         elif e.device_type != DeviceType.CPU:  # a kernel or copy on the device's timeline
             busy += e.device_time_total / 1e6
     return {"wall_s": wall, "device_busy_s": busy, "phases": phases}
+
+
+def kernel_table(fn: Callable[[], object], device: torch.device, top: int) -> dict:
+    """Run `fn` once under the profiler and rank what ran by its summed time: on CUDA the device's kernels
+    and copies (those a CUDA graph replays included), elsewhere the aten operators by their own host time.
+    {"wall_s", "what", "busy_s" (all of them summed), "top": [{"name", "calls", "s", "share"}], `top`
+    rows, largest first}. Profiling slows the host side a little: read the shares, not the wall time."""
+    on_device = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_device else [])]
+    synchronize = torch.cuda.synchronize if on_device else (lambda: None)
+    synchronize()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        fn()
+        synchronize()
+        wall = time.perf_counter() - start
+    rows: dict[str, list] = {}
+    for e in prof.events():
+        if on_device and e.device_type != DeviceType.CPU:
+            t = e.device_time_total
+        elif not on_device and e.name.startswith("aten::"):
+            t = e.self_cpu_time_total
+        else:
+            continue
+        row = rows.setdefault(e.name, [0, 0.0])
+        row[0] += 1
+        row[1] += t / 1e6
+    busy = sum(t for _, t in rows.values())
+    ranked = sorted(rows.items(), key=lambda kv: -kv[1][1])[:top]
+    return {
+        "wall_s": wall, "what": "device kernels" if on_device else "aten operators (own host time)",
+        "busy_s": busy,
+        "top": [
+            {"name": n[:200], "calls": c, "s": t, "share": t / busy if busy else 0.0} for n, (c, t) in ranked
+        ],
+    }  # fmt: skip
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
+from benchmarks.breakdown import kernel_table
 from omnirl.algos.correction import consistency_metrics
 from omnirl.config import config_for
 from omnirl.distributed import DTYPES, device_type
@@ -166,6 +167,12 @@ def run_generate_batch(adapter, requests, args, stops) -> int:
     return sum(response_length(o.generated_tokens, stops) for o in out.values())
 
 
+def print_kernels(name: str, table: dict) -> None:
+    print(f"{name}: {table['what']}, {table['busy_s']:.3f} s busy in {table['wall_s']:.2f} s (profiled)")
+    for r in table["top"]:
+        print(f"  {100 * r['share']:5.1f}%  {r['s']:8.4f} s  {r['calls']:7d}  {r['name'][:100]}")
+
+
 def timed(fn, *a) -> tuple[int, float]:
     synchronize()
     start = time.perf_counter()
@@ -208,6 +215,10 @@ def main() -> None:
     p.add_argument("--vllm-max-model-len", type=int, default=0, help="vLLM's max_model_len (0: the model's)")
     p.add_argument("--check-logprobs", action="store_true", help="re-score our responses as the trainer")
     p.add_argument("--warmup", type=int, default=4, help="requests of a warm-up run per method (0 = none)")
+    p.add_argument(
+        "--kernels", type=int, default=0, help="after each timed run, profile one more (untimed) and record "
+        "its N costliest device kernels (on CPU: aten operators) with their calls and share (0 = none)",
+    )  # fmt: skip
     p.add_argument("--out", default="benchmarks/generate_throughput.json")
     p.add_argument(
         "--keep-model", default="", help="write the --random-init checkpoint here (DIR/random_thinker) "
@@ -312,6 +323,12 @@ def run(args, tmp: str) -> None:
             key = "logprob_check" if name == "ours" else "vllm_logprob_check"
             report[key] = check_logprobs(adapter, trajs if name == "ours" else vllm_trajs, args.temperature)
             print(f"trainer vs {name} rollout log-probs: {report[key]}", flush=True)
+        if args.kernels:  # where the time goes: one more run of the same requests under the profiler
+            table = kernel_table(lambda name=name: runs[name](requests), device, args.kernels)
+            if name.startswith("ours"):  # per decode step (prefills, graph warm-up and capture included)
+                table["busy_ms_per_decode_step"] = 1e3 * table["busy_s"] / stats["decode_steps"]
+            results[name]["kernels"] = table
+            print_kernels(name, table)
         out.write_text(json.dumps(report, indent=2) + "\n")  # after each method: a later one may hang
     name = "random-init" if args.random_init else path
     print(f"model {name}: {params / 1e6:.1f} M parameters, {args.dtype}, {device}, loaded in {load_s:.1f} s")

@@ -390,3 +390,24 @@ def test_rollout_packing_interleaved_pairs_on_tiny_wan(layout, tiny_wan_ti2v, ti
         # 3 steps: one labelled velocity per step packed, two forwards per step in the stock pipeline.
         forwards = 3 if r["name"].startswith("packed") else 6
         assert phases["transformer"]["calls"] == forwards and phases["vae_decode"]["calls"] >= 1, r["name"]
+
+
+def test_generation_benchmark_ranks_what_its_engine_ran(tiny_qwen3_omni, tmp_path):
+    """generate_throughput --kernels: one more run of each method under the profiler, its costliest
+    operators (device kernels on CUDA) ranked with their calls and shares of the busy time, and the busy
+    time per decode step of the native engine."""
+    out = tmp_path / "tput.json"
+    run([
+        sys.executable, "-m", "benchmarks.generate_throughput", "--model", str(tiny_qwen3_omni), "--methods",
+        "ours", "--num-requests", "3", "--max-num-seqs", "2", "--max-new-tokens", "4", "--warmup", "0",
+        "--kv-cache-gib", "0.25", "--kernels", "4", "--out", str(out),
+    ])  # fmt: skip
+    ours = json.loads(out.read_text())["results"]["ours"]
+    table = ours["kernels"]
+    assert table["what"].startswith("aten operators") and len(table["top"]) == 4
+    top = table["top"]
+    assert all(r["name"].startswith("aten::") and r["calls"] > 0 and r["s"] > 0 for r in top)
+    assert [r["s"] for r in top] == sorted((r["s"] for r in top), reverse=True)
+    assert 0 < sum(r["share"] for r in top) <= 1 + 1e-9
+    assert len({r["name"] for r in top}) == 4 and table["busy_s"] <= table["wall_s"]  # one thread
+    assert table["busy_ms_per_decode_step"] == pytest.approx(1e3 * table["busy_s"] / ours["decode_steps"])
