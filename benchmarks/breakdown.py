@@ -21,21 +21,26 @@ from omnirl.models.flow_sde import phase
 PHASES = ("encode", "noise", "transformer", "sde_step", "vae_decode", "to_host")
 
 
+def profiled(fn: Callable[[], object], device: torch.device) -> tuple[profile, float]:
+    """Run `fn` once under the torch profiler (host, and the device's kernels on CUDA): the profile and
+    the wall seconds, the device drained before and after."""
+    on_device = device.type == "cuda"
+    synchronize = torch.cuda.synchronize if on_device else (lambda: None)
+    synchronize()
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_device else [])]) as prof:
+        start = time.perf_counter()
+        fn()
+        synchronize()
+        wall = time.perf_counter() - start
+    return prof, wall
+
+
 def breakdown(fn: Callable[[], object], device: torch.device) -> dict:
     """Run `fn` once under the profiler: {"wall_s", "device_busy_s" (the kernels' and copies' time summed),
     "phases": {label: {"calls", "host_s" (wall time inside the label on the host), "device_s" (the label's
     span on the device's timeline)}}}. Profiling slows the host side a little: read the shares, and take
     the times from unprofiled runs."""
-    activities = [ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    synchronize()
-    with profile(activities=activities) as prof:
-        start = time.perf_counter()
-        fn()
-        synchronize()
-        wall = time.perf_counter() - start
+    prof, wall = profiled(fn, device)
     phases: dict[str, dict] = {}
     busy = 0.0
     for e in prof.events():
@@ -59,14 +64,7 @@ def kernel_table(fn: Callable[[], object], device: torch.device, top: int) -> di
     {"wall_s", "what", "busy_s" (all of them summed), "top": [{"name", "calls", "s", "share"}], `top`
     rows, largest first}. Profiling slows the host side a little: read the shares, not the wall time."""
     on_device = device.type == "cuda"
-    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_device else [])]
-    synchronize = torch.cuda.synchronize if on_device else (lambda: None)
-    synchronize()
-    with profile(activities=activities) as prof:
-        start = time.perf_counter()
-        fn()
-        synchronize()
-        wall = time.perf_counter() - start
+    prof, wall = profiled(fn, device)
     rows: dict[str, list] = {}
     for e in prof.events():
         if on_device and e.device_type != DeviceType.CPU:
