@@ -9,7 +9,6 @@ import importlib
 import json
 import os
 import random
-import sys
 import tempfile
 from pathlib import Path
 
@@ -478,6 +477,4 @@ if __name__ == "__main__":
     if under_torchrun:  # as scripts/train.py ends: no rank tears down while another is in a collective,
         D.barrier()  # and no interpreter finalization (gloo's threads can abort it)
         D.destroy()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        D.exit_now(0)

@@ -27,6 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from omnirl.config import Config, ConfigError
 from omnirl.data.prompts import DataError
+from omnirl.distributed import exit_now
 from omnirl.recipe import load_config
 
 USER_ERRORS = (ConfigError, DataError)  # omnirl.checkpoint.CheckpointError is a ConfigError
@@ -98,16 +99,6 @@ def first_block(box: str) -> str:
                 break
             rows.append(text)
     return " ".join(r for r in rows if r) or " ".join(box.split())
-
-
-def exit_now(code: int | None) -> None:
-    """Leave without interpreter finalization. Everything is written and closed by now; but gloo's worker
-    threads can still hold work objects with Python references after destroy_process_group, and tearing
-    them down during finalization aborts the process now and then ("terminate called without an active
-    exception", seen on CPU runs here), which would turn a finished run into a failed one."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code or 0)  # None: `@record` turns a SystemExit(0) (--help) into a return of None
 
 
 if __name__ == "__main__":

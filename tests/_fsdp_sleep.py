@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from omnirl.distributed import exit_now
 from omnirl.memory import Sleeper, module_tensors, optimizer_state
 
 
@@ -87,3 +88,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_now(0)  # the checks passed: no interpreter finalization (omnirl.distributed.exit_now)

@@ -56,7 +56,9 @@ def main(path: str) -> None:
     check(path, "unit")
     check(path, "phase")
     print("unit gather OK", flush=True)
+    D.destroy()
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    D.exit_now(0)  # the checks passed: no interpreter finalization (omnirl.distributed.exit_now)
