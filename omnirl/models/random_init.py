@@ -392,10 +392,11 @@ def _draws_on(device: torch.device, generator: torch.Generator | None = None, mi
     """While models are built in host memory: a large host tensor's `uniform_` / `normal_` (what every
     torch.nn.init function ends in: the modules' own `reset_parameters` and transformers' `_init_weights`)
     is drawn on `device` (from `generator`, else the device's default one) and copied back. The host's
-    generator is serial: Qwen-Image's 20 B-parameter transformer took 143 s to build on the GPU machine's
-    host, ~7 ns an element, where a device draws at its memory speed and the copy back is one pass over
-    the host memory the build allocates anyway. Same distributions, the device's random stream; a call
-    that brings its own generator, and small tensors, draw in place."""
+    generator is serial: Qwen-Image's 20 B-parameter transformer took 143 s to build on an H200 machine's
+    host, ~7 ns an element, and 37.6 s with its draws on the H200 (benchmarks/RESULTS.md): a device draws
+    at its memory speed and the copy back is one pass over the host memory the build allocates anyway.
+    Same distributions, the device's random stream; a call that brings its own generator, and small
+    tensors, draw in place."""
     originals = {name: getattr(torch.Tensor, name) for name in ("uniform_", "normal_")}
     defined = {name: torch.Tensor.__dict__[name] for name in originals if name in torch.Tensor.__dict__}
 
