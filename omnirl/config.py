@@ -322,14 +322,15 @@ class DistributedConfig:
     rank), each forward and backward gathers one unit at a time and frees it after; 'offload': sharded as
     with 'shard' and kept in pinned host memory (FSDP2's CPUOffloadPolicy), each unit copied to the device
     when it runs; the trained parameters of those units, their gradients and AdamW state then live in
-    host memory too and the optimizer steps on the CPU. Needs distributed.fsdp and, for 'offload',
-    distributed.rollout_gather unit (docs/design.md 4b)."""
+    host memory too and the optimizer steps on the CPU. Needs distributed.fsdp (docs/design.md 4b)."""
     rollout_gather: Literal["phase", "unit"] = "phase"
-    """How the rollout reads sharded weights: 'phase' gathers all of them once for the whole rollout (a
-    whole model copy on the device; no collective inside the rollout); 'unit' gathers one FSDP unit per
-    forward and frees it after, the next unit's gather issued ahead (FSDP2 forward prefetch), so every
-    rank runs the same number of forwards (a rank with fewer batches runs padding batches). Omni models:
-    one rank only (ranks decode different numbers of steps) and no CUDA graph."""
+    """How the rollout reads sharded or offloaded weights: 'phase' gathers all of them once for the whole
+    rollout (a whole model copy on the device, also from host memory with 'offload', freed after; no
+    collective inside the rollout; a gather that cannot fit in the free memory is refused before it starts,
+    naming both sizes); 'unit' gathers one FSDP unit per forward and frees it after, the next unit's
+    gather issued ahead (FSDP2 forward prefetch), so every rank runs the same number of forwards (a rank
+    with fewer batches runs padding batches). Omni models: one rank only (ranks decode different numbers
+    of steps) and no CUDA graph."""
     timeout_s: int = 600
     """Collective timeout: a rank that hangs ends the job after this long (NCCL's watchdog takes about a
     minute more); one that raises or dies ends it at once (torchrun stops the other ranks)."""

@@ -189,11 +189,6 @@ def _check_frozen_base(cfg: Config) -> None:
         raise ConfigError(
             f"distributed.frozen_base {d.frozen_base} needs distributed.fsdp true (FSDP2 shards it)"
         )
-    if d.frozen_base == "offload" and d.rollout_gather == "phase":
-        raise ConfigError(
-            "distributed.frozen_base offload needs distributed.rollout_gather unit (phase would gather the "
-            "whole base onto the device for the rollout)"
-        )
 
 
 def _looks_local(path: str) -> bool:

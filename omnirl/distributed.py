@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_map_only
 from transformers import PreTrainedModel
 
 from omnirl.config import ConfigError
+from omnirl.memory import free_bytes
 
 
 @dataclass
@@ -396,6 +397,8 @@ def gathered_weights(model: nn.Module, per_unit: bool = False):
     training, and every rank must run the same forwards.
     """
     fsdp_modules = [] if per_unit else [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if fsdp_modules and device_type() != "cpu":
+        check_gather_fits(model, free_bytes(local_device()))
     for m in fsdp_modules:
         m.unshard()
         m.set_reshard_after_forward(False)
@@ -405,6 +408,33 @@ def gathered_weights(model: nn.Module, per_unit: bool = False):
         for m in fsdp_modules:
             m.set_reshard_after_forward(True)
             m.reshard()
+
+
+def gather_bytes(model: nn.Module) -> int:
+    """The device bytes `gathered_weights` allocates for `model`: every parameter of each FSDP2 unit not
+    gathered already, whole, in the dtype FSDP2 gathers it in (distributed.param_dtype for a floating-point
+    parameter). A root left gathered by its last forward (FSDP2 does not reshard the root) counts nothing."""
+    total = 0
+    for m in model.modules():
+        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
+        if group is None or group.is_unsharded:
+            continue
+        for fp in group.fsdp_params:
+            dtype = fp.param_dtype or fp.sharded_param.dtype
+            total += fp.sharded_param.numel() * dtype.itemsize
+    return total
+
+
+def check_gather_fits(model: nn.Module, free: int) -> None:
+    """Refuse a whole-model gather for the rollout (distributed.rollout_gather phase) that `free` bytes
+    cannot hold, before it starts, rather than running out of memory inside it."""
+    need = gather_bytes(model)
+    if need > free:
+        raise ConfigError(
+            f"distributed.rollout_gather phase gathers the whole sharded base ({need / 2**30:.1f} GiB) onto "
+            f"the device for the rollout, which has {free / 2**30:.1f} GiB free: set "
+            f"distributed.rollout_gather unit (one unit at a time) or shard over more ranks"
+        )
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ all-gather); with phase gathering every block is. Prints "unit gather OK" on eac
 import sys
 
 from omnirl import distributed as D
+from omnirl.config import ConfigError
 from omnirl.data.prompts import load_prompts
 from omnirl.models import get_adapter
 from omnirl.ops import shard
@@ -50,6 +51,20 @@ def check(path: str, mode: str) -> None:
         assert forwards[0] == 2 * forwards[1], forwards  # no padding: nothing to wait for
         assert min(seen) == len(blocks)
     assert not any(gathered(b) for b in blocks)  # resharded after the rollout
+    # What a whole-model gather allocates: every parameter whole, the frozen transformer's and the LoRA's
+    # (float32 here), against free memory before it starts (the check only runs on an accelerator).
+    ops.policy.reshard()  # FSDP2 leaves the root gathered after a forward
+    whole = sum(p.numel() * 4 for p in ops.policy.parameters())
+    assert D.gather_bytes(ops.policy) == whole
+    D.check_gather_fits(ops.policy, whole)
+    try:
+        D.check_gather_fits(ops.policy, whole - 1)
+    except ConfigError as e:
+        assert "rollout_gather phase gathers the whole sharded base" in str(
+            e
+        ) and "rollout_gather unit" in str(e)
+    else:
+        raise AssertionError("a gather larger than the free memory was not refused")
 
 
 def main(path: str) -> None:

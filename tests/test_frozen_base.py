@@ -27,7 +27,6 @@ RECIPE = ROOT / "yaml/sd3_tiny_flowgrpo.yaml"
     "section, overrides, message",
     [
         ({"frozen_base": "sharded"}, [], "distributed.frozen_base: expected one of 'replicate', 'shard'"),
-        ({"frozen_base": "offload"}, [], "needs distributed.rollout_gather unit"),
         ({"frozen_base": "shard", "fsdp": False}, [], "needs distributed.fsdp true"),
         ({}, ["--rollout.memory_budget_gib", "-1"], "rollout.memory_budget_gib must be a finite number"),
         ({}, ["--generation.kv_cache_fraction", "1"], "generation.kv_cache_fraction must be a number in"),
@@ -247,17 +246,19 @@ def test_unit_gather_prefetches_one_unit_and_pads_short_ranks(tiny_sd3):
 
 
 @pytest.mark.slow
-def test_omni_shard_on_two_ranks_and_offload_on_one_train_as_replicate_does(tiny_qwen3_omni_k12, tmp_path):
+def test_omni_shard_and_offload_train_as_replicate_does(tiny_qwen3_omni_k12, tmp_path):
     """The tiny MMK12 recipe (GSPO, LoRA) for 2 steps (an update in step 0; step 1, whose rollout samples
-    from the updated LoRA, has no group with reward spread): the thinker's base sharded on 2 ranks (rollout
-    gathering it once per phase) and offloaded on 1 rank (streamed one unit per forward, no CUDA graph)
-    give the replicated base's responses, losses and LoRA weights on as many ranks."""
+    from the updated LoRA, has no group with reward spread): the thinker's base sharded on 2 ranks and
+    offloaded to host memory on 2 ranks (the rollout gathering it onto the device once per phase), and
+    offloaded on 1 rank and streamed one unit per forward (no CUDA graph), give the replicated base's
+    responses, losses and LoRA weights on as many ranks."""
     settings = ["--model.path", str(tiny_qwen3_omni_k12), "--log.no-tensorboard", "--run.steps", "2",
                 "--validation.every", "0", "--rollout.prompts_per_step", "2",
                 "--log.image_every", "1"]  # fmt: skip
     runs = {
         (2, "replicate"): [],
         (2, "shard"): ["--distributed.frozen_base", "shard"],
+        (2, "offload"): ["--distributed.frozen_base", "offload"],
         (1, "replicate"): [],
         (1, "offload"): ["--distributed.frozen_base", "offload", "--distributed.rollout_gather", "unit"],
     }
@@ -268,7 +269,7 @@ def test_omni_shard_on_two_ranks_and_offload_on_one_train_as_replicate_does(tiny
         texts = [(run_dir / f"samples/step_{s:06d}.txt").read_text() for s in range(2)]
         lora = load_file(run_dir / "lora/adapter_model.safetensors")
         out[nproc, name] = (read_jsonl(run_dir / "metrics.jsonl"), lora, texts)
-    for nproc, name in [(2, "shard"), (1, "offload")]:
+    for nproc, name in [(2, "shard"), (2, "offload"), (1, "offload")]:
         metrics, lora, texts = out[nproc, name]
         base_metrics, base_lora, base_texts = out[nproc, "replicate"]
         assert texts == base_texts
@@ -282,6 +283,7 @@ def test_omni_shard_on_two_ranks_and_offload_on_one_train_as_replicate_does(tiny
         for k in lora:
             assert (lora[k] - base_lora[k]).abs().max().item() <= 1e-5 * moved, (name, k)
     half = out[2, "shard"][0][0]["mem/frozen_bytes/rank1"]
+    assert out[2, "offload"][0][0]["mem/frozen_bytes/rank1"] == half
     assert (
         out[2, "replicate"][0][0]["mem/frozen_bytes/rank1"] / 2
         <= half

@@ -134,7 +134,7 @@ class OmniOps:
             # audio towers only in a prefill): per-unit all-gathers would not match across ranks.
             raise ConfigError(
                 f"distributed.rollout_gather unit with an omni model needs one rank, got {world}: use "
-                "phase (or frozen_base offload on one device)"
+                "phase (the whole base on the device for the rollout, also with frozen_base offload)"
             )
         if cfg.optim.micro_batch_tokens < 0:
             raise ConfigError(f"optim.micro_batch_tokens must be >= 0, got {cfg.optim.micro_batch_tokens}")
