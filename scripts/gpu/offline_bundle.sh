@@ -2,12 +2,12 @@
 # Build an offline install of what a GPU host without internet lacks for omnirl and its vLLM backend, for
 # a host that already has CPython 3.12 and torch 2.11.0+cu130 (vLLM 0.26.0 pins that torch).
 #   bash scripts/gpu/offline_bundle.sh OUTDIR     (PYTHON: a CPython 3.12, default python3.12)
-# OUTDIR gets part_aa, part_ab, ... (60 MiB each): one xz-compressed tar of a pre-installed site directory,
+# OUTDIR gets part_aa, part_ab, ... (60 MiB each): xz-compressed tars of a pre-installed site directory,
 # omnirl's own dependencies first, then vLLM's, and qwen.tiktoken (the dashscope wheel's, for the
 # Qwen-Image recipes' random-init tokenizer). On the host, with the parts copied into one folder:
-#   cat part_a? | xz -dc | tar -x -C /tmp/site && export PYTHONPATH=/tmp/site
-# part_aa alone holds omnirl's dependencies (`xz -dc part_aa | tar -x -C /tmp/site` stops with an error
-# once it reaches vLLM's files, after writing all of them). The vLLM tree is pared down for Hopper GPUs:
+#   mkdir -p /tmp/site && cat part_a? | xz -dc | tar -x -i -C /tmp/site && export PYTHONPATH=/tmp/site
+# part_aa alone holds omnirl's dependencies: `xz -dc part_aa 2>/dev/null | tar -x -C /tmp/site` writes them
+# all and stops where vLLM's begin. The vLLM tree is pared down for Hopper GPUs:
 # FlashAttention 2's kernels (Hopper runs FlashAttention 3), the Rust frontend binary and the Blackwell-only
 # third-party sources are left out, so the bundle needs fewer parts.
 set -euo pipefail
@@ -40,10 +40,10 @@ rm -rf "$V/third_party/fmha_sm100"
 rm -rf "$WORK/site/base/bin" "$WORK/site/vllm/bin"
 mkdir -p "$OUT"
 rm -f "$OUT"/part_a?
-# One tree: base files first in the stream, so part_aa alone unpacks them.
-(cd "$WORK/site/base" && find . -mindepth 1 -maxdepth 1 -printf '%P\n' | sort >"$WORK/base.list")
-(cd "$WORK/site/vllm" && find . -mindepth 1 -maxdepth 1 -printf '%P\n' | sort >"$WORK/vllm.list")
-{ tar -C "$WORK/site/base" -cf - -T "$WORK/base.list"; } >"$WORK/a.tar"
-tar -C "$WORK/site/vllm" -rf "$WORK/a.tar" -T "$WORK/vllm.list"
-xz -T2 -6 -c "$WORK/a.tar" | split -b 60M - "$OUT/part_"
+# Two tar archives, each its own xz stream, one after the other: a decoder reads both streams as one, and
+# tar stops at the first archive's end unless told to go on (-i), so part_aa alone gives omnirl's
+# dependencies whole and nothing of vLLM's.
+tar -C "$WORK/site/base" -cf - . | xz -T2 -6 -c >"$WORK/all.xz"
+tar -C "$WORK/site/vllm" -cf - . | xz -T2 -6 -c >>"$WORK/all.xz"
+split -b 60M "$WORK/all.xz" "$OUT/part_"
 (cd "$OUT" && sha256sum part_a? >SHA256SUMS && ls -l part_a?)
