@@ -419,8 +419,9 @@ def gather_bytes(model: nn.Module) -> int:
         group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
         if group is None or group.is_unsharded:
             continue
-        for fp in group.fsdp_params:
-            dtype = fp.param_dtype or fp.sharded_param.dtype
+        for fp in group.fsdp_params:  # FSDPParam.param_dtype is only set at the first forward
+            stored = fp.sharded_param.dtype
+            dtype = (group.mp_policy.param_dtype if stored.is_floating_point else None) or stored
             total += fp.sharded_param.numel() * dtype.itemsize
     return total
 

@@ -33,6 +33,8 @@ def check(path: str, mode: str) -> None:
     dist = D.init_distributed()
     ops = DiffusionOps(cfg, get_adapter("sd3")(cfg, dist.device))
     shard(cfg, ops, dist)
+    whole = sum(p.numel() * 4 for p in ops.policy.parameters())
+    assert D.gather_bytes(ops.policy) == whole  # before the first forward (FSDP2's lazy init) too
     blocks = ops.adapter.fsdp_units()
     assert D.forward_chains(ops.policy, blocks) == list(zip(blocks, blocks[1:]))
     seen = []
@@ -54,7 +56,6 @@ def check(path: str, mode: str) -> None:
     # What a whole-model gather allocates: every parameter whole, the frozen transformer's and the LoRA's
     # (float32 here), against free memory before it starts (the check only runs on an accelerator).
     ops.policy.reshard()  # FSDP2 leaves the root gathered after a forward
-    whole = sum(p.numel() * 4 for p in ops.policy.parameters())
     assert D.gather_bytes(ops.policy) == whole
     D.check_gather_fits(ops.policy, whole)
     try:
