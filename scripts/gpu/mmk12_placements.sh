@@ -11,7 +11,7 @@
 # PLACEMENT: replicate (uncapped: the whole base on the GPU, the recipe's kv_cache_gib 32),
 # replicate_80gb (capped at 74.5 GiB = 80 GB, the recipe's 80 GB settings: kv_cache_gib 5,
 # micro_batch_tokens 8192), offload_80gb (capped; base in host memory, copied onto the GPU for the
-# rollout: rollout_gather phase; KV cache 0.7 of the memory then free), offload_unit_80gb (capped;
+# rollout: rollout_gather phase; KV cache 0.4 of the memory then free), offload_unit_80gb (capped;
 # streamed one decoder layer per forward, the decode too; 1 step of 32 tokens: each decode step copies the
 # whole base). Common settings: 2 steps (1 for offload_unit_80gb), 8 prompts x 16 responses, up to 256 new
 # tokens, the uniform_noise reward at 1e-3 beside mmk12's (scripts/gpu/train_entry.py), K12 data from
@@ -50,9 +50,9 @@ for name in "$@"; do
         replicate) extra=() ;;
         replicate_80gb) extra=(--cap-gib 74.5 --generation.kv_cache_gib 5 --optim.micro_batch_tokens 8192) ;;
         offload_80gb) extra=(--cap-gib 74.5 --distributed.frozen_base offload --generation.kv_cache_gib None
-            --generation.kv_cache_fraction 0.7) ;;
+            --generation.kv_cache_fraction 0.4) ;;
         offload_unit_80gb) extra=(--cap-gib 74.5 --distributed.frozen_base offload
-            --distributed.rollout_gather unit --generation.kv_cache_gib None --generation.kv_cache_fraction 0.7
+            --distributed.rollout_gather unit --generation.kv_cache_gib None --generation.kv_cache_fraction 0.4
             --run.steps 1 --generation.max_new_tokens 32) ;;
         *) log "unknown placement $name"; exit 2 ;;
     esac
