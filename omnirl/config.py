@@ -138,6 +138,12 @@ class GenerationConfig:
     kv_cache_fraction: float = 0.5
     """With kv_cache_gib null: the fraction of the free device memory (rollout.memory_budget_gib when set)
     the KV cache takes; the rest is left to the forwards' activations. In (0, 1)."""
+    max_prefill_tokens: int = 16384
+    """Padded prompt tokens per prefill forward of the native engine (prompts in a group x the longest of
+    them; a prompt longer than this is prefilled alone): a prefill's memory (its KV before the copy into
+    the slots, the MoE and attention work space) grows with them and is not part of the KV budget, so
+    this bounds what the rollout needs beside the weights and the KV cache. rollout.backend vllm
+    schedules its own (chunked) prefill."""
     cuda_graph: bool = True
     """On CUDA, capture the decode step once per rollout as a CUDA graph and replay it (the step's
     kernels launched at once instead of one by one from Python); off runs it eagerly. No effect on CPU."""

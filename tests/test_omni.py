@@ -162,6 +162,25 @@ def test_compiled_decode_step_draws_the_eager_samples(omni, monkeypatch):
     ]
 
 
+def test_prefill_groups_stay_within_max_prefill_tokens_and_draw_the_same_samples(omni):
+    """generation.max_prefill_tokens cuts the prefill groups (prompts x the longest of them), so more,
+    smaller prefills run; every request still draws the sample and log-probs it draws in one group."""
+    reqs = requests(6, ["text", "image", "audio"], temperature=0.8)
+    whole = GenerationEngine(omni, max_num_seqs=6, kv_cache_gib=0.1)
+    one_group = whole.generate(reqs)
+    assert whole.stats["prefills"] == 1
+    longest = whole.stats["prefill_tokens_max"] // 6
+    cut = GenerationEngine(omni, max_num_seqs=6, kv_cache_gib=0.1, max_prefill_tokens=2 * longest)
+    out = cut.generate(reqs)
+    assert cut.stats["prefills"] >= 3 and cut.stats["prefill_tokens_max"] <= 2 * longest
+    for a, b in zip(one_group, out):
+        assert torch.equal(a.response_ids, b.response_ids)
+        assert (a.logprobs - b.logprobs).abs().max() <= 1e-5
+    one = GenerationEngine(omni, max_num_seqs=6, kv_cache_gib=0.1, max_prefill_tokens=1)
+    assert [t.response_ids.tolist() for t in one.generate(reqs)] == [t.response_ids.tolist() for t in out]
+    assert one.stats["prefills"] == 6  # a prompt longer than the budget is prefilled alone
+
+
 def test_sample_does_not_depend_on_batch(omni):
     """Each request alone vs all of them through 3 rows (rows leave and join): same tokens."""
     reqs = requests(7, ["text", "image", "audio", "image+audio"], top_k=40)

@@ -104,6 +104,7 @@ class OmniOps:
                 memory_budget=r.memory_budget_gib * 2**30,
                 per_unit=cfg.distributed.rollout_gather == "unit",
                 compile=g.compile,
+                max_prefill_tokens=g.max_prefill_tokens,
             )
             self.sleepable = None  # the native engine runs on the actor's own module: nothing of its own
         self.correct = cfg.algo.old_logprob == "recompute" and cfg.algo.correction != "none"

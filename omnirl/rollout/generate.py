@@ -125,13 +125,16 @@ class GenerationEngine:
         memory_budget: float = 0.0,
         per_unit: bool = False,
         compile: bool = False,
+        max_prefill_tokens: int = 16384,
     ):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         if kv_cache_gib is not None and kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib must be > 0 or None, got {kv_cache_gib}")
         self.adapter = adapter
-        self.max_num_seqs = max_num_seqs
+        self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
         self.kv_cache_gib, self.kv_fraction, self.memory_budget = kv_cache_gib, kv_fraction, memory_budget
         self.kv_budget = 0.0  # bytes, set by each call
         self.device = adapter.device
@@ -180,7 +183,7 @@ class GenerationEngine:
                     and free
                     and (not busy or len(free) >= max(1, len(owner) // 4) or len(waiting) <= len(free))
                 ):
-                    admitted = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
+                    admitted = self._admit(waiting, len(free), prepared)
                     self._prefill(slots, free[: len(admitted)], admitted, requests, prepared)
                     stats["prefills"] += 1
                     for s, i in zip(free, admitted):
@@ -246,6 +249,24 @@ class GenerationEngine:
             tokens=full(0, torch.long, width + 1),
             logprobs=full(0.0, torch.float32, width + 1),
         )
+
+    def _admit(self, waiting: deque, free: int, prepared: list[dict]) -> list[int]:
+        """The next prefill group: waiting requests in order, at most `free` of them and as many as keep the
+        group's padded tokens (its size x its longest prompt) within max_prefill_tokens (one at least). A
+        prefill's memory (its own KV before the copy into the slots, the MoE and attention work space)
+        grows with these tokens and is not part of the KV budget, so this bounds it."""
+        admitted = [waiting.popleft()]
+        longest = len(prepared[admitted[0]]["input_ids"])
+        while waiting and len(admitted) < free:
+            n = max(longest, len(prepared[waiting[0]]["input_ids"]))
+            if (len(admitted) + 1) * n > self.max_prefill_tokens:
+                break
+            admitted.append(waiting.popleft())
+            longest = n
+        self.stats["prefill_tokens_max"] = max(
+            self.stats.get("prefill_tokens_max", 0), len(admitted) * longest
+        )
+        return admitted
 
     def _prefill(self, slots: _Slots, free: list[int], admitted: list[int], requests, prepared) -> None:
         """One forward over the admitted prompts (encoders included); their KV goes to the slots `free`
