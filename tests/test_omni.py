@@ -164,7 +164,8 @@ def test_compiled_decode_step_draws_the_eager_samples(omni, monkeypatch):
 
 def test_prefill_groups_stay_within_max_prefill_tokens_and_draw_the_same_samples(omni):
     """generation.max_prefill_tokens cuts the prefill groups (prompts x the longest of them), so more,
-    smaller prefills run; every request still draws the sample and log-probs it draws in one group."""
+    smaller prefills run, back to back until the free slots are filled; every request still draws the
+    sample and log-probs it draws in one group."""
     reqs = requests(6, ["text", "image", "audio"], temperature=0.8)
     whole = GenerationEngine(omni, max_num_seqs=6, kv_cache_gib=0.1)
     one_group = whole.generate(reqs)
@@ -173,6 +174,7 @@ def test_prefill_groups_stay_within_max_prefill_tokens_and_draw_the_same_samples
     cut = GenerationEngine(omni, max_num_seqs=6, kv_cache_gib=0.1, max_prefill_tokens=2 * longest)
     out = cut.generate(reqs)
     assert cut.stats["prefills"] >= 3 and cut.stats["prefill_tokens_max"] <= 2 * longest
+    assert cut.stats["decode_steps"] == whole.stats["decode_steps"]  # all slots filled before decoding
     for a, b in zip(one_group, out):
         assert torch.equal(a.response_ids, b.response_ids)
         assert (a.logprobs - b.logprobs).abs().max() <= 1e-5

@@ -178,16 +178,19 @@ class GenerationEngine:
                 free = [s for s, o in enumerate(owner) if o is None]
                 busy = len(owner) - len(free)
                 # Prefills come in groups: once rows run, wait for a quarter of the slots (or the queue).
+                # Then every free slot is filled, in as many groups as max_prefill_tokens needs.
                 if (
                     waiting
                     and free
                     and (not busy or len(free) >= max(1, len(owner) // 4) or len(waiting) <= len(free))
                 ):
-                    admitted = self._admit(waiting, len(free), prepared)
-                    self._prefill(slots, free[: len(admitted)], admitted, requests, prepared)
-                    stats["prefills"] += 1
-                    for s, i in zip(free, admitted):
-                        owner[s] = i
+                    while waiting and free:
+                        admitted = self._admit(waiting, len(free), prepared)
+                        self._prefill(slots, free[: len(admitted)], admitted, requests, prepared)
+                        stats["prefills"] += 1
+                        for s, i in zip(free, admitted):
+                            owner[s] = i
+                        free = free[len(admitted) :]
                 for _ in range(SYNC_EVERY):
                     step()
                 stats["decode_steps"] += SYNC_EVERY
