@@ -38,10 +38,13 @@ else
 fi
 if [[ ! -f $work/ready$shape ]]; then
     rm -rf "$work" && mkdir -p "$work"
-    python -m scripts.gpu.two_gpu_runs checkpoint --out "$work/thinker" "$shape" --config-only "${device[@]}" \
-        >"$out/prepare.log" 2>&1 &&
-        python scripts/make_k12_data.py --out "$work/k12" --train 64 --val 8 >>"$out/prepare.log" 2>&1 &&
-        touch "$work/ready$shape" || { log "prepare failed: $(tail -3 "$out/prepare.log")"; exit 1; }
+    if ! python -m scripts.gpu.two_gpu_runs checkpoint --out "$work/thinker" "$shape" --config-only \
+        "${device[@]}" >"$out/prepare.log" 2>&1 ||
+        ! python scripts/make_k12_data.py --out "$work/k12" --train 64 --val 8 >>"$out/prepare.log" 2>&1; then
+        log "prepare failed: $(tail -3 "$out/prepare.log")"
+        exit 1
+    fi
+    touch "$work/ready$shape"
 fi
 log "placements $* (commit $(git rev-parse --short HEAD 2>/dev/null || echo none), dry=$dry)"
 

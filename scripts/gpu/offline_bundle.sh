@@ -32,6 +32,7 @@ VLLM="vllm==0.26.0 annotated-types==0.8.0 apache-tvm-ffi==0.1.10 astor==0.8.1 bl
 "$PY" -m pip install -q $P --no-compile --target "$WORK/site/base" $BASE
 # shellcheck disable=SC2086
 "$PY" -m pip install -q $P --no-compile --target "$WORK/site/vllm" $VLLM
+# shellcheck disable=SC2086
 "$PY" -m pip download -q $P -d "$WORK/ds" dashscope==2.0.2
 unzip -p "$WORK"/ds/dashscope-*.whl '*/qwen.tiktoken' >"$WORK/site/base/qwen.tiktoken"
 V="$WORK/site/vllm/vllm"
