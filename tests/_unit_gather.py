@@ -61,9 +61,9 @@ def check(path: str, mode: str) -> None:
     try:
         D.check_gather_fits(ops.policy, whole - 1)
     except ConfigError as e:
-        assert "rollout_gather phase gathers the whole sharded base" in str(
-            e
-        ) and "rollout_gather unit" in str(e)
+        message = str(e)
+        assert "rollout_gather phase gathers the whole sharded base" in message, message
+        assert "rollout_gather unit" in message, message
     else:
         raise AssertionError("a gather larger than the free memory was not refused")
 

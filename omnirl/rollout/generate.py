@@ -113,7 +113,7 @@ class GenerationEngine:
     the graph records, so the two give the same tokens. `compile`: the decoder layers (`adapter.
     decoder_layers()`) compiled for the decode step, in the first call's warm-up (and again, shapes
     symbolic, in the first call of other shapes). `stats` describes the last call (slots, decode steps,
-    prefills, capture seconds, compile included)."""
+    prefills and the largest prefill group's padded tokens, capture seconds, compile included)."""
 
     def __init__(
         self,
@@ -159,7 +159,7 @@ class GenerationEngine:
         # Whether rows draw through the sorted (top-k / top-p) path: one choice for the whole call, so a
         # request's sample does not depend on which other requests share its steps.
         self._filtered = any(r.params.top_k > 0 or r.params.top_p < 1 for r in requests)
-        stats = self.stats = {"decode_steps": 0, "prefills": 0, "capture_s": 0.0}
+        stats = self.stats = {"decode_steps": 0, "prefills": 0, "prefill_tokens_max": 0, "capture_s": 0.0}
         with gathered_weights(self.adapter.model, per_unit=self.per_unit):
             if self.kv_cache_gib is not None:
                 self.kv_budget = self.kv_cache_gib * GIB
@@ -266,9 +266,7 @@ class GenerationEngine:
                 break
             admitted.append(waiting.popleft())
             longest = n
-        self.stats["prefill_tokens_max"] = max(
-            self.stats.get("prefill_tokens_max", 0), len(admitted) * longest
-        )
+        self.stats["prefill_tokens_max"] = max(self.stats["prefill_tokens_max"], len(admitted) * longest)
         return admitted
 
     def _prefill(self, slots: _Slots, free: list[int], admitted: list[int], requests, prepared) -> None:
