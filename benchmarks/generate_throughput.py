@@ -11,6 +11,7 @@ import random
 import shutil
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -297,6 +298,7 @@ def run(args, tmp: str) -> None:
             tokens, seconds = timed(runs[name], requests)
         except Exception as e:  # noqa: BLE001 (recorded: the other methods still run)
             results[name] = {"error": f"{type(e).__name__}: {e}"}
+            traceback.print_exc()  # where it failed, for the log
             print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
             out.write_text(json.dumps(report, indent=2) + "\n")
             continue

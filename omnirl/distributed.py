@@ -499,6 +499,13 @@ def load_pretrained(cls, path: str, **kwargs) -> nn.Module:
             buf = tensor.data.to(comm_device)
             dist.broadcast(buf, src=0)
             tensor.data.copy_(buf)
+    # What from_pretrained records about the checkpoint's names (its renames, a caller's key_mapping):
+    # transformers' revert_weight_conversion reads it to give checkpoint names back (a vLLM push, a save),
+    # and a meta build has none, so every rank takes rank 0's.
+    conversions = [getattr(model, "_weight_conversions", None)]
+    dist.broadcast_object_list(conversions, src=0)
+    if conversions[0] is not None:
+        model._weight_conversions = conversions[0]
     return model.eval()
 
 

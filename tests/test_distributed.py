@@ -19,8 +19,9 @@ def two_ranks(script: str, *args: str) -> str:
 
 
 @pytest.mark.slow
-def test_bf16_load_pretrained_and_per_rank_metrics_on_two_ranks(tiny_qwen_image):
-    assert two_ranks("tests/_dist_checks.py", str(tiny_qwen_image)).count("dist checks OK") == 2
+def test_bf16_load_pretrained_and_per_rank_metrics_on_two_ranks(tiny_qwen_image, tiny_qwen3_omni):
+    out = two_ranks("tests/_dist_checks.py", str(tiny_qwen_image), str(tiny_qwen3_omni))
+    assert out.count("dist checks OK") == 2
 
 
 @pytest.mark.slow

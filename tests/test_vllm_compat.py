@@ -52,7 +52,7 @@ def test_check_vllm_takes_either_lora_mapper():
 
 @pytest.mark.parametrize("value", ["1", "true", "True"])
 def test_check_vllm_refuses_the_v2_model_runner(value):
-    with pytest.raises(RuntimeError, match="1024 allowed_token_ids"):
+    with pytest.raises(RuntimeError, match="V1 model runner: unset it"):
         C.check_vllm("0.26.0", exists=present(), env={"VLLM_USE_V2_MODEL_RUNNER": value})
     C.check_vllm("0.26.0", exists=present(), env={"VLLM_USE_V2_MODEL_RUNNER": "0"})
 

