@@ -80,10 +80,12 @@ def run_ours(
     return sum(len(t.response_ids) for t in trajs)
 
 
-def run_vllm(adapter, cfg, requests, keep: list, stats: dict, engines: list) -> int:
+def run_vllm(adapter, cfg, requests, keep: list, stats: dict, engines: list, seeds: bool = True) -> int:
     """The vLLM backend, created on first use (the warm-up's call, which then also holds its start) with the
     same KV budget and max_num_seqs as ours; each generate pushes the trainer's weights first (their time is
-    `vllm/push_s` in the stats, inside the call's time)."""
+    `vllm/push_s` in the stats, inside the call's time). `seeds` False: the same engine with
+    rollout.vllm_request_seeds off (vLLM's batched sampler, no per-request seed)."""
+    cfg.rollout.vllm_request_seeds = seeds
     from omnirl.rollout.vllm_engine import VLLMEngine
 
     if not engines:
@@ -210,8 +212,9 @@ def main() -> None:
     p.add_argument("--stop-frac", type=float, default=0.0, help="fraction of the vocabulary that stops")
     p.add_argument(
         "--methods", default="ours,ours_eager,generate,generate_batch", help="of ours, ours_eager, "
-        "ours_compiled (generation.compile: decoder layers compiled in the decode step), vllm, generate, "
-        "generate_batch (vllm: the vLLM rollout backend; needs vllm installed)",
+        "ours_compiled (generation.compile: decoder layers compiled in the decode step), vllm, "
+        "vllm_unseeded, generate, generate_batch (vllm: the vLLM rollout backend, needs vllm installed; "
+        "vllm_unseeded: the same engine with rollout.vllm_request_seeds off)",
     )  # fmt: skip
     p.add_argument("--vllm-max-model-len", type=int, default=0, help="vLLM's max_model_len (0: the model's)")
     p.add_argument("--check-logprobs", action="store_true", help="re-score our responses as the trainer")
@@ -267,6 +270,7 @@ def run(args, tmp: str) -> None:
     eager_trajs: list = []
     compiled_trajs: list = []
     vllm_trajs: list = []
+    unseeded_trajs: list = []
     engines: list = []
     stats: dict = {}
     runs = {
@@ -276,11 +280,14 @@ def run(args, tmp: str) -> None:
             adapter, reqs, args, compiled_trajs, True, stats, compile=True
         ),
         "vllm": lambda reqs: run_vllm(adapter, cfg, reqs, vllm_trajs, stats, engines),
+        "vllm_unseeded": lambda reqs: run_vllm(
+            adapter, cfg, reqs, unseeded_trajs, stats, engines, seeds=False
+        ),
         "generate": lambda reqs: run_generate(adapter, reqs, args, all_stops),
         "generate_batch": lambda reqs: run_generate_batch(adapter, reqs, args, all_stops),
     }
     # generate_batch switches the attention implementation while it runs: keep it last.
-    order = ("ours", "ours_eager", "ours_compiled", "vllm", "generate", "generate_batch")
+    order = ("ours", "ours_eager", "ours_compiled", "vllm", "vllm_unseeded", "generate", "generate_batch")
     methods = [m for m in order if m in args.methods.split(",")]
     if args.image_size:
         methods = [m for m in methods if m != "generate_batch"]
@@ -318,12 +325,13 @@ def run(args, tmp: str) -> None:
             report["compiled_logprob_check"] = check_logprobs(adapter, compiled_trajs, args.temperature)
             print(f"trainer vs compiled rollout log-probs: {report['compiled_logprob_check']}", flush=True)
         print(f"{name}: {tokens} tokens in {seconds:.2f} s", flush=True)
-        if name == "vllm":  # start, push and generate times; tokens/s of the generate alone, without the push
+        if name.startswith("vllm"):  # start, push and generate times; tokens/s of the generate alone
             results[name].update(stats)
             results[name]["tokens_per_s_generate"] = tokens / stats["vllm/generate_s"]
-        if name in ("ours", "vllm") and args.check_logprobs:
-            key = "logprob_check" if name == "ours" else "vllm_logprob_check"
-            report[key] = check_logprobs(adapter, trajs if name == "ours" else vllm_trajs, args.temperature)
+        if name in ("ours", "vllm", "vllm_unseeded") and args.check_logprobs:
+            key = {"ours": "logprob_check", "vllm": "vllm_logprob_check"}.get(name, f"{name}_logprob_check")
+            kept = {"ours": trajs, "vllm": vllm_trajs, "vllm_unseeded": unseeded_trajs}[name]
+            report[key] = check_logprobs(adapter, kept, args.temperature)
             print(f"trainer vs {name} rollout log-probs: {report[key]}", flush=True)
         if args.kernels:  # where the time goes: one more run of the same requests under the profiler
             table = kernel_table(lambda name=name: runs[name](requests), device, args.kernels)

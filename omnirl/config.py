@@ -189,6 +189,12 @@ class RolloutConfig:
     """rollout.backend vllm: the longest prompt + response vLLM admits (0 = the model's own limit)."""
     vllm_push_bucket_mib: int = 512
     """rollout.backend vllm: a weight push (merged MoE LoRA, full fine-tune) goes in buckets of this size."""
+    vllm_request_seeds: bool = True
+    """rollout.backend vllm: every request samples from its own seed (run.seed and its index), so a
+    rollout is reproducible request by request, as the native engine's is. vLLM then draws each seeded
+    request's noise separately in every decode step (its batched sampler serves unseeded requests only);
+    false samples all requests from vLLM's own generator, reproducible only for the same batch and
+    schedule."""
     compile: bool = False
     """torch.compile the transformer's repeated blocks for rollout (training stays eager); batches are
     padded to a few bucket sizes (rollout.diffusion.bucket_size) so that a rollout compiles each shape once

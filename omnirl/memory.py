@@ -377,6 +377,9 @@ def phase(
     `mem/host_gib` (the host chunks) when a sleeper is given, and `time/{name}_engine_sleep_s` or
     `time/{name}_engine_wake_s` when an engine is; always `time/{name}_s` (the phase's work)
     and, on an accelerator, `mem/{name}_peak_gib` (peak allocated from after the sleep to the end).
+    An engine asleep through the phase reports `asleep_bytes`: memory it released to the driver behind
+    torch's back (vLLM's sleep unmaps the blocks of its memory pool, which torch's allocator still counts
+    as allocated), subtracted from the peak and logged as `mem/{name}_engine_asleep_gib`.
     """
     accel = _accel()
     if sleeper is not None and engine is not None and not engine_awake:
@@ -408,5 +411,8 @@ def phase(
         synchronize()
         stats[f"time/{name}_s"] = time.perf_counter() - start
         if accel is not None:
-            stats[f"mem/{name}_peak_gib"] = accel.max_memory_allocated() / GIB
+            asleep = getattr(engine, "asleep_bytes", 0) if engine is not None and not engine_awake else 0
+            stats[f"mem/{name}_peak_gib"] = (accel.max_memory_allocated() - asleep) / GIB
+            if engine is not None:
+                stats[f"mem/{name}_engine_asleep_gib"] = asleep / GIB
         empty_cache()

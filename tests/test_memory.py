@@ -171,6 +171,40 @@ def test_optimizer_state_sleeps_from_its_first_step_on():
     assert {"time/rollout_sleep_s", "time/train_wake_s", "time/rollout_s", "mem/host_gib"} <= set(stats)
 
 
+def test_a_sleeping_engines_released_memory_is_not_in_the_phase_peak(monkeypatch):
+    """vLLM's sleep releases its pool to the driver while torch's allocator still counts the blocks as
+    allocated: the phase subtracts what the engine reports (`asleep_bytes`) from the peak, only while the
+    engine sleeps through it."""
+    from omnirl import memory
+
+    class Accel:  # torch.cuda's peak counter: 50 GiB allocated, 40 of them the engine's pool
+        def reset_peak_memory_stats(self):
+            pass
+
+        def max_memory_allocated(self):
+            return 50 * 2**30
+
+    class Engine:
+        asleep_bytes = 0
+
+        def sleep(self):
+            self.asleep_bytes = 40 * 2**30
+
+        def wake(self):
+            self.asleep_bytes = 0
+
+    monkeypatch.setattr(memory, "_accel", Accel)
+    monkeypatch.setattr(memory, "synchronize", lambda: None)
+    monkeypatch.setattr(memory, "empty_cache", lambda: None)
+    engine, stats = Engine(), {}
+    with phase("train", stats, Sleeper(CPU), engine=engine, engine_awake=False):
+        pass
+    assert stats["mem/train_peak_gib"] == 10 and stats["mem/train_engine_asleep_gib"] == 40
+    with phase("rollout", stats, Sleeper(CPU), engine=engine, engine_awake=True):
+        pass
+    assert stats["mem/rollout_peak_gib"] == 50 and stats["mem/rollout_engine_asleep_gib"] == 0
+
+
 @pytest.mark.slow
 def test_fsdp2_optimizer_state_sleeps_and_wakes_bit_exact():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

@@ -108,6 +108,7 @@ class VLLMEngine:
         self.mode = "full" if cfg.model.finetune == "full" else ("merged" if self.moe else "lora")
         self.lora_layers = self._lora_layers()  # name -> peft LoraLayer
         self.asleep = False
+        self.asleep_bytes = 0  # device memory vLLM released by its last sleep (memory.phase's peaks)
         self.push_all = False  # a level-2 sleep discarded vLLM's weights: the next push sends all of them
         # The placeholder ids never sampled, as `lm.output_logprobs` masks them: a logit bias of -inf, the
         # bias vLLM adds before it samples and before its processed log-probs. (Not allowed_token_ids: 0.26
@@ -179,7 +180,7 @@ class VLLMEngine:
             params.append(
                 SamplingParams(
                     n=1,
-                    seed=r.seed,
+                    seed=r.seed if self.cfg.rollout.vllm_request_seeds else None,
                     max_tokens=p.max_new_tokens,
                     temperature=p.temperature,
                     top_p=p.top_p,
@@ -342,8 +343,10 @@ class VLLMEngine:
         self.llm.sleep(level=self.sleep_level)
         self.asleep = True
         self.push_all = self.sleep_level == 2
+        self.asleep_bytes = sleeping_pool_bytes() if self.device.type == "cuda" else 0
         note = " (a no-op on CPU: vLLM's sleep mode is CUDA-only)" if self.device.type != "cuda" else ""
-        self._log(f"vLLM sleep level {self.sleep_level}{note}: {time.perf_counter() - start:.3f} s")
+        freed = f", {self.asleep_bytes / 2**30:.2f} GiB released" if self.asleep_bytes else ""
+        self._log(f"vLLM sleep level {self.sleep_level}{note}: {time.perf_counter() - start:.3f} s{freed}")
 
     def wake(self) -> None:
         """The rollout starts: vLLM's weights and KV cache back (weights re-pushed after a level-2 sleep)."""
@@ -351,7 +354,7 @@ class VLLMEngine:
             return
         start = time.perf_counter()
         self.llm.wake_up()
-        self.asleep = False
+        self.asleep, self.asleep_bytes = False, 0
         note = " (a no-op on CPU)" if self.device.type != "cuda" else ""
         self._log(f"vLLM wake{note}: {time.perf_counter() - start:.3f} s")
 
@@ -360,6 +363,22 @@ class VLLMEngine:
         logging.getLogger("omnirl.vllm").info(msg)
         if os.environ.get("OMNIRL_VLLM_VERBOSE", "1") != "0":
             D.print0(f"[vllm] {msg}")
+
+
+def sleeping_pool_bytes() -> int:
+    """The bytes of vLLM's sleep-mode memory pool (`CuMemAllocator`: its weights and KV cache), all of which
+    a sleep of level 1 or 2 releases to the driver (weights copied to the host first at level 1). The
+    pool's blocks were allocated through torch's allocator, which keeps counting them while they are
+    released; measured on an H200 (vLLM 0.26.0): the update's peak read 43.4 GiB with vLLM asleep, 35.8 of
+    them this pool, against 6.5 GiB with the native engine."""
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+
+        pool = CuMemAllocator.get_instance().pointer_to_data.values()
+        return sum(int(data.handle[1]) for data in pool)
+    except (ImportError, AttributeError) as e:  # another vLLM's allocator: the peaks stay as torch counts
+        logging.getLogger("omnirl.vllm").warning(f"vLLM's sleeping memory unknown ({e}): peaks include it")
+        return 0
 
 
 # ---- functions that run inside vLLM's worker (llm.collective_rpc: in-process with this engine) ----
