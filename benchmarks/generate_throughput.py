@@ -329,7 +329,7 @@ def run(args, tmp: str) -> None:
             results[name].update(stats)
             results[name]["tokens_per_s_generate"] = tokens / stats["vllm/generate_s"]
         if name in ("ours", "vllm", "vllm_unseeded") and args.check_logprobs:
-            key = {"ours": "logprob_check", "vllm": "vllm_logprob_check"}.get(name, f"{name}_logprob_check")
+            key = "logprob_check" if name == "ours" else f"{name}_logprob_check"
             kept = {"ours": trajs, "vllm": vllm_trajs, "vllm_unseeded": unseeded_trajs}[name]
             report[key] = check_logprobs(adapter, kept, args.temperature)
             print(f"trainer vs {name} rollout log-probs: {report[key]}", flush=True)

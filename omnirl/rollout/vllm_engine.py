@@ -7,11 +7,12 @@ the trainer's process group stays usable), in a single process with V1 multiproc
 the native `GenerationEngine` gets: the prompt ids of the adapter's `prepare` (the placeholder runs
 collapsed to one token each, which vLLM's processor expands again from the same image or audio; the
 expanded ids it reports are checked to equal `prepare`'s) and the raw image / audio. Every `Request` is one
-vLLM request with n=1 and the request's own seed, so a group's samples are separate requests with their
-derived seeds, as in the native engine. The placeholder ids are excluded from sampling (a `logit_bias` of
--inf, as `lm.output_logprobs` masks them), and the recorded log-prob is vLLM's "processed" one: log_softmax
-of the logits after that bias and the temperature, which is the trainer's definition as long as top-k / top-p
-are off (training rollouts with this backend must keep them off: `omnirl.config_checks._check_vllm`).
+vLLM request with n=1 and the request's own seed (unless rollout.vllm_request_seeds is off), so a group's
+samples are separate requests with their derived seeds, as in the native engine. The placeholder ids are
+excluded from sampling (a `logit_bias` of -inf, as `lm.output_logprobs` masks them), and the recorded
+log-prob is vLLM's "processed" one: log_softmax of the logits after that bias and the temperature, which is
+the trainer's definition as long as top-k / top-p are off (training rollouts with this backend must keep
+them off: `omnirl.config_checks._check_vllm`).
 
 Weights (`push`, at the start of every `generate`, all ranks together: a sharded parameter is gathered):
 - a dense model's LoRA: a tensor LoRA adapter built inside the worker from the trainer's LoRA tensors and
