@@ -1,6 +1,5 @@
 """The parts of an RL step that diffusion and omni models share: one copy, used by both kinds.
 
-- `make_requests`: this rank's requests of a step, seeds from (seed, step, global request index).
 - `update`: the policy update over the rows that a kind's ops object builds (`ops.diffusion.DiffusionOps`:
   one row per (sample, trained denoising step); `ops.omni.OmniOps`: one row per response). The loop is the
   same for both: mini-batches, micro-batches of the same (all-reduced) number on every rank with
@@ -13,8 +12,6 @@
 from __future__ import annotations
 
 import math
-import time
-from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -23,87 +20,11 @@ from torch.distributed.tensor import DTensor
 
 from omnirl import distributed as D
 from omnirl.algos.advantages import group_advantages
-from omnirl.config import Config, ConfigError
-from omnirl.data.edit import open_inputs
-from omnirl.data.prompts import PromptRow, step_prompt_indices
-from omnirl.models.base import GenerationParams, Request, SamplingParams, derive_seed
-
-if TYPE_CHECKING:
-    from omnirl.ops import KindOps
-
-
-def make_requests(
-    cfg: Config,
-    rows: list[PromptRow],
-    step: int,
-    dist: D.DistInfo,
-    params: SamplingParams | GenerationParams,
-    negative_prompt: str = "",
-) -> tuple[list[Request], list[PromptRow]]:
-    """This rank's requests of a step: a contiguous share of the step's prompts, `group_size` each.
-
-    The global request index (and so the seed) depends only on the step and the prompt's position in
-    the step, never on the rank: a run on another number of ranks draws the same samples.
-    """
-    per_step, group = cfg.rollout.prompts_per_step, cfg.rollout.group_size
-    if per_step % dist.world_size:
-        raise ConfigError(
-            f"rollout.prompts_per_step ({per_step}) must divide by the number of ranks ({dist.world_size})"
-        )
-    share = per_step // dist.world_size
-    indices = step_prompt_indices(len(rows), step, per_step, cfg.run.seed)
-    requests, req_rows = [], []
-    for pos in range(dist.rank * share, (dist.rank + 1) * share):
-        row = rows[indices[pos]]
-        inputs = open_inputs(row.inputs)  # read once per step: the group's requests share its images
-        for j in range(group):
-            index = pos * group + j
-            requests.append(
-                Request(
-                    prompt=row.prompt,
-                    group_id=pos,
-                    index=index,
-                    seed=derive_seed(cfg.run.seed, step, index),
-                    params=params,
-                    negative_prompt=negative_prompt,
-                    # Negative indices are no request's: the group's seed is its own, never a sample's.
-                    group_seed=derive_seed(cfg.run.seed, step, -1 - pos),
-                    metadata=row.metadata,
-                    inputs=inputs,
-                )
-            )
-            req_rows.append(row)
-    return requests, req_rows
-
-
-def collect_scores(
-    rewards, scored: list[tuple[list, Any]], start: float, generated: float, stats: dict[str, float] | None
-) -> dict[str, np.ndarray]:
-    """Wait for the reward pool's results of `scored` ([(trajectories, pending result)], submitted during
-    the generation that ran from `start` to `generated`, perf_counter seconds), set each trajectory's
-    `reward` and return the per-reward scores in submission order. Writes into `stats`, when given,
-    `time/generate_s` (the generation, scoring overlapped) and `time/score_wait_s` (the scoring still
-    left after it)."""
-    per: dict[str, list[np.ndarray]] = {name: [] for name in rewards.weights}  # a rank may score nothing
-    for trajs, pending in scored:
-        result = rewards.result(pending)
-        for t, r in zip(trajs, result.total.tolist()):
-            t.reward = r
-        for k, v in result.per_reward.items():
-            per.setdefault(k, []).append(v)
-    if stats is not None:
-        stats["time/generate_s"] = generated - start
-        stats["time/score_wait_s"] = time.perf_counter() - generated
-    return {k: np.concatenate(v) if v else np.zeros(0) for k, v in per.items()}
-
-
-def equalise(micro_batches: list[list], pad_row: Any) -> list[list]:
-    """Every rank runs the same (all-reduced max) number of micro-batches, short ranks padding with
-    one-row micro-batches of `pad_row` (weight 0), so FSDP collectives line up and no rank's gradient is
-    biased."""
-    n = torch.tensor([len(micro_batches)])
-    D.all_reduce(n, op=torch.distributed.ReduceOp.MAX)
-    return micro_batches + [[pad_row] for _ in range(int(n) - len(micro_batches))]
+from omnirl.batching import split_mini_batches
+from omnirl.config import Config
+from omnirl.models.base import derive_seed
+from omnirl.ops import KindOps
+from omnirl.scoring import nonfinite_parts
 
 
 def update(cfg: Config, ops: KindOps, optimizer, trajs: list, keep: torch.Tensor, step: int) -> dict:
@@ -111,9 +32,10 @@ def update(cfg: Config, ops: KindOps, optimizer, trajs: list, keep: torch.Tensor
 
     `keep` [N] bool marks the samples of groups with reward spread. Losses are divided by the global count
     of the mini-batch (`ops.count` all-reduced), so the gradients summed over micro-batches and ranks are
-    the mini-batch mean. Mini-batches are cut from one shuffle of every rank's rows (`global_positions`):
-    they hold the same rows on any number of ranks, only the order of the sums differs; where groups were
-    dropped they hold unequal numbers of rows (each divided by its own count)."""
+    the mini-batch mean. Mini-batches are cut from one shuffle of every rank's rows
+    (`batching.global_positions`): they hold the same rows on any number of ranks, only the order of the
+    sums differs; where groups were dropped they hold unequal numbers of rows (each divided by its own
+    count)."""
     gen = torch.Generator().manual_seed(derive_seed(cfg.run.seed, step, -1))
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if nonfinite := nonfinite_samples(cfg, trajs, step):  # the step's update is skipped, or the run stops
@@ -160,26 +82,6 @@ def update(cfg: Config, ops: KindOps, optimizer, trajs: list, keep: torch.Tensor
     return {**summarise(reduce_metrics(sums), world), **ops.measured(steps), "rollout/nonfinite_samples": 0.0}
 
 
-def split_mini_batches(rows: list, count: int) -> list[list]:
-    """Mini-batch m holds the rows whose place in the step's shuffle (`position`) is in [m / count,
-    (m + 1) / count), on every rank: so the mini-batches hold the same rows on any number of ranks."""
-    out: list[list] = [[] for _ in range(count)]
-    for r in rows:
-        out[int(r.position * count)].append(r)
-    return out
-
-
-def global_positions(gen: torch.Generator, total: int) -> list[float]:
-    """The update's shuffle: for each of the step's `total` rows over all ranks (numbered by global request
-    index, and trained step), its place in a random permutation drawn from `gen`, as a fraction in [0, 1).
-    `gen` is seeded from (seed, step) alone, so every rank, on any number of ranks, draws the same places:
-    a row's mini-batch does not depend on the rank it is on."""
-    perm = torch.randperm(total, generator=gen)
-    where = torch.empty(total, dtype=torch.float64)
-    where[perm] = torch.arange(total, dtype=torch.float64) / total
-    return where.tolist()
-
-
 def sync_grads(cfg: Config, model: nn.Module) -> None:
     """Without FSDP on several ranks, sum the (already globally normalised) gradients by hand."""
     if cfg.distributed.fsdp or not torch.distributed.is_initialized():
@@ -195,7 +97,7 @@ class NonFiniteError(RuntimeError):
 
 
 def nonfinite_samples(cfg: Config, trajs: list, step: int) -> float:
-    """How many samples of the step, over all ranks, held NaN or infinity (`omnirl.ops.nonfinite_parts`:
+    """How many samples of the step, over all ranks, held NaN or infinity (`omnirl.scoring.nonfinite_parts`:
     they were not scored, their reward is NaN). Any at all: with train.on_nonfinite 'stop' a
     NonFiniteError naming the step and this rank's first such request; with 'skip' a warning, and the
     caller skips the step's update on every rank (a policy that makes NaN samples would only learn NaN
@@ -204,8 +106,6 @@ def nonfinite_samples(cfg: Config, trajs: list, step: int) -> float:
     total = int(D.all_reduce(torch.tensor([float(len(bad))], dtype=torch.float64)).item())
     if not total:
         return 0.0
-    from omnirl.ops import nonfinite_parts
-
     where = (
         f"; on this rank request {bad[0].request.index}: {', '.join(nonfinite_parts(bad[0]))}" if bad else ""
     )

@@ -18,8 +18,9 @@ from omnirl.config import Config
 from omnirl.data import load_data
 from omnirl.memory import Sleeper, module_tensors, optimizer_state, phase
 from omnirl.metrics import MetricsLogger
-from omnirl.ops import check_before_loading, rollout_and_score, shard, validate
+from omnirl.ops import check_before_loading, shard
 from omnirl.rewards.pool import RewardPool
+from omnirl.scoring import rollout_and_score, validate
 from omnirl.step import assign_advantages, per_rank, reward_stats, update
 
 

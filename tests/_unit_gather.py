@@ -9,13 +9,13 @@ all-gather); with phase gathering every block is. Prints "unit gather OK" on eac
 import sys
 
 from omnirl import distributed as D
+from omnirl.batching import make_requests
 from omnirl.config import ConfigError
 from omnirl.data.prompts import load_prompts
 from omnirl.models import get_adapter
 from omnirl.ops import shard
 from omnirl.ops.diffusion import DiffusionOps, sampling_params
 from omnirl.recipe import load_config
-from omnirl.step import make_requests
 
 
 def gathered(block) -> bool:

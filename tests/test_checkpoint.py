@@ -25,13 +25,14 @@ from safetensors.torch import load_file, save_file
 
 from omnirl import checkpoint
 from omnirl import distributed as D
+from omnirl.batching import make_requests
 from omnirl.checkpoint import CheckpointError
 from omnirl.data.prompts import load_prompts
 from omnirl.metrics import read_metrics
 from omnirl.models import get_adapter
 from omnirl.models.base import Request
 from omnirl.ops.diffusion import DiffusionOps, sampling_params
-from omnirl.step import NonFiniteError, make_requests, update
+from omnirl.step import NonFiniteError, update
 from tests.support_compare import max_diff
 from tests.test_sd3 import make_requests as sd3_requests
 from tests.test_sd3 import noise_free, run_pipeline
@@ -190,8 +191,8 @@ def test_nonfinite_samples_are_never_scored_and_skip_or_stop(tiny_sd3, tmp_path)
     """A policy with a NaN weight makes NaN latents and images: they are not scored (a NaN image would be
     scored as a black one), the step's update is skipped and counted (train.on_nonfinite skip), or the run
     stops naming the step (stop)."""
-    from omnirl.ops import nonfinite_parts, rollout_and_score
     from omnirl.rewards.pool import RewardPool
+    from omnirl.scoring import nonfinite_parts, rollout_and_score
     from omnirl.step import assign_advantages
 
     cfg = one_group_cfg(tiny_sd3, tmp_path)
@@ -232,7 +233,7 @@ def test_nonfinite_samples_are_never_scored_and_skip_or_stop(tiny_sd3, tmp_path)
 def test_nonfinite_parts_of_every_kind_of_sample():
     """Token log-probs (an omni model's logits), video and audio outputs are checked like latents."""
     from omnirl.models.base import GenerationParams, OmniTrajectory, Output, Trajectory
-    from omnirl.ops import nonfinite_parts
+    from omnirl.scoring import nonfinite_parts
 
     request = Request("p", 0, 0, 0, GenerationParams(max_new_tokens=4))
     ids = torch.tensor([1, 2])

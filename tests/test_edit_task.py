@@ -11,13 +11,13 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from omnirl import distributed as D
+from omnirl.batching import make_requests
 from omnirl.config import REPO_ROOT
 from omnirl.data.edit import load_edit_rows, open_inputs
 from omnirl.data.prompts import DataError
 from omnirl.ops.diffusion import sampling_params
 from omnirl.recipe import load_config
 from omnirl.rewards.text_edit import TextEditReward
-from omnirl.step import make_requests
 from scripts import make_edit_data
 from tests.test_train import read_jsonl, torchrun
 

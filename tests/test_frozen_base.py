@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from benchmarks import frozen_memory
 from omnirl import distributed as D
+from omnirl.batching import make_requests
 from omnirl.config import ConfigError, config_for
 from omnirl.data.prompts import load_prompts
 from omnirl.memory import GIB, peak_bytes
@@ -17,7 +18,6 @@ from omnirl.models import get_adapter
 from omnirl.ops.diffusion import DiffusionOps, sampling_params
 from omnirl.recipe import load_config
 from omnirl.rollout.diffusion import DiffusionEngine
-from omnirl.step import make_requests
 from tests.test_train import ROOT, read_jsonl, tiny_cfg, torchrun
 
 RECIPE = ROOT / "yaml/sd3_tiny_flowgrpo.yaml"

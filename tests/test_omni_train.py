@@ -25,10 +25,11 @@ from omnirl.data.mmk12 import load_mmk12
 from omnirl.data.prompts import step_prompt_indices
 from omnirl.models import get_adapter
 from omnirl.models.base import GenerationParams, Request
-from omnirl.ops import check_before_loading, rollout_and_score
+from omnirl.ops import check_before_loading
 from omnirl.ops.omni import OmniOps, generation_params
 from omnirl.recipe import load_config
 from omnirl.rewards.pool import RewardPool
+from omnirl.scoring import rollout_and_score
 from omnirl.step import update
 from tests.test_train import ROOT, read_jsonl, torchrun
 

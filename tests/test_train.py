@@ -15,15 +15,17 @@ from safetensors.torch import load_file
 
 from omnirl import distributed as D
 from omnirl.algos.advantages import group_advantages
+from omnirl.batching import make_requests
 from omnirl.data.prompts import load_prompts, step_prompt_indices
 from omnirl.models import get_adapter
 from omnirl.models.base import derive_seed
-from omnirl.ops import check_before_loading, rollout_and_score
+from omnirl.ops import check_before_loading
 from omnirl.ops.diffusion import DiffusionOps, Pair, pair_logprob, sampling_params
 from omnirl.ops.nft import NFTOps
 from omnirl.recipe import load_config
 from omnirl.rewards.pool import RewardPool
-from omnirl.step import assign_advantages, make_requests, update
+from omnirl.scoring import rollout_and_score
+from omnirl.step import assign_advantages, update
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -323,10 +325,10 @@ def test_mini_batches_hold_the_same_rows_on_any_number_of_ranks():
     own share of the requests, and some groups dropped), mini-batch m holds the same (sample, step) rows."""
     from types import SimpleNamespace
 
+    from omnirl.batching import split_mini_batches
     from omnirl.config import config_for
     from omnirl.models.base import Output, Request, SamplingParams, Trajectory
     from omnirl.ops.omni import OmniOps
-    from omnirl.step import split_mini_batches
 
     cfg = config_for("sd3")
     cfg.rollout.prompts_per_step, cfg.rollout.group_size = 4, 4

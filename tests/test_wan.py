@@ -343,9 +343,9 @@ def test_group_seeds_come_from_the_group_alone():
     """A group's samples share its seed, which depends on (run seed, step, the prompt's place in the step)
     only: not on the rank that runs it; validation draws its initial noise per sample."""
     from omnirl import distributed as D
+    from omnirl.batching import make_requests as step_requests
     from omnirl.data.prompts import PromptRow
     from omnirl.ops.diffusion import sampling_params
-    from omnirl.step import make_requests as step_requests
 
     cfg = config_for("wan")
     cfg.rollout.prompts_per_step, cfg.rollout.group_size = 4, 3

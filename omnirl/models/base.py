@@ -161,7 +161,7 @@ class OmniTrajectory:
     """A finished autoregressive rollout of one request, on the host (shapes without a batch dimension).
 
     `prompt_ids` + `mm_inputs` are exactly what the adapter's `prepare` made of the request, so the trainer
-    re-scores the response on the same inputs (`OmniModelBase.token_logprobs`) without the processor.
+    re-scores the response on the same inputs (`OmniAdapter.token_logprobs`) without the processor.
     """
 
     request: Request
@@ -180,11 +180,11 @@ class OmniTrajectory:
         return Output(text=self.text)
 
     def prompt_inputs(self) -> dict[str, torch.Tensor]:
-        """The prompt as `prepare` returned it: the input of `OmniModelBase.collate`."""
+        """The prompt as `prepare` returned it: the input of `OmniAdapter.collate`."""
         return {"input_ids": self.prompt_ids, **self.mm_inputs}
 
 
-class OmniModelBase(Protocol):
+class OmniAdapter(Protocol):
     """What the generation engine and the trainer need from an autoregressive omni-modal family.
 
     An adapter is built as `Adapter(cfg, device)`: it loads the model and processor named by `cfg.model`,

@@ -1,6 +1,6 @@
 """What every diffusion adapter does the same way around its own classes.
 
-- `DiffusersAdapter`: the members of the `DiffusionAdapter` Protocol that do not depend on the family
+- `DiffusersBase`: the members of the `DiffusionAdapter` Protocol that do not depend on the family
   (the trained module, its parameters and FSDP units, the LoRA off and exported, the batch checks), so
   that a family's module holds only what is its own; every diffusion adapter subclasses it.
 - `check_checkpoint`: model.path holds the family's pipeline.
@@ -33,7 +33,7 @@ from omnirl.models.peft_lora import lora_disabled, sorted_sets
 LORA_FILE = "pytorch_lora_weights.safetensors"  # diffusers' default LoRA file name
 
 
-class DiffusersAdapter:
+class DiffusersBase:
     """The family-independent part of a `DiffusionAdapter` built on a diffusers pipeline.
 
     A subclass names its pipeline (`pipeline_cls`: the checkpoints it loads, the LoRA format it writes),

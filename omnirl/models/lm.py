@@ -66,7 +66,7 @@ def kv_layout(layers: list[nn.Module]) -> tuple[int, int, int, torch.dtype]:
 
 
 def collate_prompts(inputs: list[dict[str, torch.Tensor]], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Batch per-request prompts (`OmniModelBase.prepare` outputs).
+    """Batch per-request prompts (`OmniAdapter.prepare` outputs).
 
     input_ids / attention_mask become [B, P], left-padded so that every row's last prompt token is in the
     last column (where generation continues). Every other tensor is concatenated on dim 0 in row order, the
@@ -151,7 +151,7 @@ def sequence_logprobs(
     response_mask: torch.Tensor,
     temperature: float,
 ) -> torch.Tensor:
-    """The trainer side of `OmniModelBase.token_logprobs`: one forward over prompt + response.
+    """The trainer side of `OmniAdapter.token_logprobs`: one forward over prompt + response.
 
     model_inputs: collated prompts (input_ids / attention_mask [B, P] left-padded, multimodal tensors);
     sequences: response tokens [B, T], right-padded; response_mask [B, T]. Returns [B, T] float32, 0 where
@@ -254,7 +254,7 @@ def save_merged_lm(hf_model: nn.Module, processor, out_dir, dtype: torch.dtype) 
 
 
 class TransformersLMAdapter:
-    """The `OmniModelBase` methods that the transformers-based adapters (Qwen3-Omni thinker, Qwen VL) share.
+    """The `OmniAdapter` methods that the transformers-based adapters (Qwen3-Omni thinker, Qwen VL) share.
     A subclass sets `hf_model` (the transformers model whose `model` is the body and `lm_head` the head),
     `model` (their `HiddenStatesLM`), `processor`, `pad_token_id`, `lora` and `lora_config`."""
 

@@ -1,4 +1,4 @@
-"""Qwen3-Omni (MoE): the thinker adapter (image / audio / text in, text out), an `OmniModelBase`.
+"""Qwen3-Omni (MoE): the thinker adapter (image / audio / text in, text out), an `OmniAdapter`.
 
 The model, the processor's placeholder expansion and the M-RoPE positions are transformers' own
 (`Qwen3OmniMoeThinkerForConditionalGeneration`, `Qwen3OmniMoeProcessor`, `get_rope_index`). What this file
@@ -78,7 +78,7 @@ class Qwen3OmniSettings:
 
 
 class Qwen3OmniThinkerAdapter(TransformersLMAdapter):
-    """The `OmniModelBase` for Qwen3-Omni MoE checkpoints; trains the thinker (family.stage 'thinker')."""
+    """The `OmniAdapter` for Qwen3-Omni MoE checkpoints; trains the thinker (family.stage 'thinker')."""
 
     kind = "omni"  # the trainer's ops for this adapter (omnirl.ops.OPS)
     Settings = Qwen3OmniSettings

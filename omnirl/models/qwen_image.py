@@ -37,7 +37,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 from omnirl.config import Config, ConfigError
 from omnirl.distributed import DTYPES, compute_dtype, load_pretrained
 from omnirl.models.base import Output, Request, Trajectory
-from omnirl.models.diffusers_setup import DiffusersAdapter, make_trainable, trajectories
+from omnirl.models.diffusers_setup import DiffusersBase, make_trainable, trajectories
 from omnirl.models.flow_sde import WindowedSampler, host_rows, phase, to_host
 
 # QwenImagePipeline.check_inputs rejects a longer max_sequence_length.
@@ -239,7 +239,7 @@ class QwenImageSettings:
         check_buckets(self.prompt_length_buckets, MAX_SEQUENCE_LENGTH)
 
 
-class QwenImageAdapter(DiffusersAdapter):
+class QwenImageAdapter(DiffusersBase):
     """The `DiffusionAdapter` for `QwenImagePipeline` checkpoints (Qwen/Qwen-Image)."""
 
     kind = "diffusion"  # the trainer's ops for this adapter (omnirl.ops.OPS)

@@ -47,7 +47,7 @@ from transformers.processing_utils import ProcessorMixin
 from omnirl.config import Config, ConfigError
 from omnirl.distributed import DTYPES, load_pretrained
 from omnirl.models.base import Output, Request, Trajectory
-from omnirl.models.diffusers_setup import DiffusersAdapter, make_trainable, trajectories
+from omnirl.models.diffusers_setup import DiffusersBase, make_trainable, trajectories
 from omnirl.models.flow_sde import host_rows, phase, to_host
 from omnirl.models.qwen_image import (
     DECODE_ROWS,
@@ -90,7 +90,7 @@ class QwenImageEditSettings:
             raise ConfigError(f"family.condition_area must be positive, got {self.condition_area}")
 
 
-class QwenImageEditAdapter(DiffusersAdapter):
+class QwenImageEditAdapter(DiffusersBase):
     """The `DiffusionAdapter` for `QwenImageEditPipeline` checkpoints (Qwen/Qwen-Image-Edit). Every request
     carries its condition image (a PIL image) in `request.inputs["image"]`."""
 

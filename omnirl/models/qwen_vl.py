@@ -1,4 +1,4 @@
-"""Qwen2.5-VL and Qwen3-VL (image + text in, text out): an `OmniModelBase`.
+"""Qwen2.5-VL and Qwen3-VL (image + text in, text out): an `OmniAdapter`.
 
 The model (`Qwen2_5_VLForConditionalGeneration` / `Qwen3VLForConditionalGeneration`, chosen by the
 checkpoint's model_type), the placeholder expansion and the M-RoPE positions (`get_rope_index`) are
@@ -60,7 +60,7 @@ class QwenVLSettings:
 
 
 class QwenVLAdapter(TransformersLMAdapter):
-    """The `OmniModelBase` for Qwen2.5-VL and Qwen3-VL checkpoints."""
+    """The `OmniAdapter` for Qwen2.5-VL and Qwen3-VL checkpoints."""
 
     kind = "omni"  # the trainer's ops for this adapter (omnirl.ops.OPS)
     Settings = QwenVLSettings

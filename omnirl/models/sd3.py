@@ -24,7 +24,7 @@ from transformers import AutoTokenizer, CLIPTextModelWithProjection, T5EncoderMo
 from omnirl.config import Config, ConfigError
 from omnirl.distributed import DTYPES, compute_dtype, load_pretrained
 from omnirl.models.base import Output, Request, Trajectory
-from omnirl.models.diffusers_setup import DiffusersAdapter, guided_velocity, make_trainable, trajectories
+from omnirl.models.diffusers_setup import DiffusersBase, guided_velocity, make_trainable, trajectories
 from omnirl.models.flow_sde import WindowedSampler, phase, to_host
 
 # The pipeline's default T5 length; a tokenizer with a smaller limit (the tiny model's) lowers it.
@@ -36,7 +36,7 @@ class SD3Settings:
     """SD3 has no settings of its own: its prompts are padded to fixed lengths, its sizes are sampling.*."""
 
 
-class SD3Adapter(DiffusersAdapter):
+class SD3Adapter(DiffusersBase):
     """The `DiffusionAdapter` for `StableDiffusion3Pipeline` checkpoints (SD3 medium, SD3.5 medium/large)."""
 
     kind = "diffusion"  # the trainer's ops for this adapter (omnirl.ops.OPS)

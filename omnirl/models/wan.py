@@ -42,7 +42,7 @@ from omnirl.distributed import DTYPES, compute_dtype, load_pretrained
 from omnirl.models.base import Output, Request, Trajectory
 from omnirl.models.diffusers_setup import (
     LORA_FILE,
-    DiffusersAdapter,
+    DiffusersBase,
     guided_velocity,
     make_trainable,
     save_lora,
@@ -106,7 +106,7 @@ class WanSettings:
             raise ConfigError(f"family.decode_rows must be at least 1, got {self.decode_rows}")
 
 
-class WanAdapter(DiffusersAdapter):
+class WanAdapter(DiffusersBase):
     """The `DiffusionAdapter` for `WanPipeline` checkpoints (one transformer or two experts)."""
 
     kind = "diffusion"

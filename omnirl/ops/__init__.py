@@ -6,33 +6,26 @@ step) pair) and `ops.omni.OmniOps` (a training row is one response). A loss that
 own names its ops class instead: `ops.nft.NFTOps` (diffusion_nft: a row is a clean sample, a time and a
 noise), which reuses DiffusionOps's rollout. `KindOps` lists every member the loop and
 `omnirl.step.update` call. Generation and scoring (`rollout_and_score`) and validation (`validate`) are
-written once, here, for both kinds.
+written once for both kinds, in `omnirl.scoring`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
-import math
-import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 from torch import nn
 
 from omnirl import distributed as D
 from omnirl.algos.losses import get_loss
 from omnirl.config import Config
-from omnirl.data.edit import open_inputs
 from omnirl.data.prompts import PromptRow
 from omnirl.metrics import MetricsLogger
 from omnirl.models import get_adapter
-from omnirl.models.base import Request, derive_seed
+from omnirl.models.base import Request
 from omnirl.rewards import check_modalities
-from omnirl.rewards.pool import RewardPool
-from omnirl.step import collect_scores
 
 # The ops of each adapter kind (the adapter class's `kind` attribute), and of the losses whose training
 # rows are not their kind's (keyed by the loss's name), resolved when asked for.
@@ -48,7 +41,7 @@ class KindOps(Protocol):
 
     A row is whatever the kind trains on (it has a `weight`: 1 for real rows, 0 for padding rows)."""
 
-    adapter: Any  # the DiffusionAdapter / OmniModelBase
+    adapter: Any  # the DiffusionAdapter / OmniAdapter
     policy: nn.Module  # the trained module (the FSDP root): adapter.policy
     ref_model: nn.Module | None  # the frozen reference copy of a full fine-tune with KL, else None
     sleepable: Any  # a rollout engine with weights of its own (`sleep()` / `wake()`: vLLM), else None
@@ -61,7 +54,7 @@ class KindOps(Protocol):
         """Modules only the rollout needs (text encoders, VAE): they sleep during training."""
 
     def requests(self, rows: list[PromptRow], step: int, dist: D.DistInfo) -> list[Request]:
-        """This rank's requests of a training step (`step.make_requests` with the kind's parameters)."""
+        """This rank's requests of a training step (`batching.make_requests` with the kind's parameters)."""
 
     def validation_params(self) -> Any:
         """The sampling parameters of validation requests."""
@@ -72,7 +65,7 @@ class KindOps(Protocol):
 
     def update_rows(self, trajs: list, keep: torch.Tensor, gen: torch.Generator) -> list:
         """This rank's rows of the kept samples, each with its `position` in the step's shuffle of every
-        rank's rows (`step.global_positions` with `gen`), in that order."""
+        rank's rows (`batching.global_positions` with `gen`), in that order."""
 
     def recompute_old(self, rows: list, pad_traj: Any) -> dict[str, float]:
         """Record the behaviour policy's log-probs on every row (old_logprob recompute), under no_grad,
@@ -118,81 +111,6 @@ def check_before_loading(cfg: Config) -> tuple[type, type]:
     ops_cls.check_config(cfg)
     check_modalities(cfg.reward.weights, adapter_cls.modalities, cfg.model.adapter)
     return adapter_cls, ops_cls
-
-
-def rollout_and_score(
-    ops: KindOps, rewards: RewardPool, requests: list[Request], stats: dict[str, float] | None = None
-) -> tuple[list, dict[str, np.ndarray]]:
-    """Generate and score: each finished batch (or response) is scored in the reward pool while the rest
-    generates. Sets `reward` on every trajectory; returns them in request order with the per-reward scores
-    (in finishing order, which is all the logged means need). A sample holding NaN or infinity
-    (`nonfinite_parts`) is never scored: a NaN image would be scored as a black one. Its reward stays NaN,
-    and `omnirl.step.update` handles it as train.on_nonfinite says. Writes into `stats`, when given,
-    `time/generate_s` (the generation, scoring overlapped) and `time/score_wait_s` (the scoring still left
-    after it)."""
-    scored = []
-    start = time.perf_counter()
-
-    def submit(trajs: list) -> None:
-        trajs = [t for t in trajs if not nonfinite_parts(t)]  # never scored: their reward stays NaN
-        if not trajs:
-            return
-        outputs = [t.output for t in trajs]
-        prompts, metadata = [t.request.prompt for t in trajs], [t.request.metadata for t in trajs]
-        scored.append((trajs, rewards.submit(outputs, prompts, metadata)))
-
-    trajs = ops.generate(requests, submit)
-    return trajs, collect_scores(rewards, scored, start, time.perf_counter(), stats)
-
-
-def nonfinite_parts(traj) -> list[str]:
-    """The names of a trajectory's floating-point tensors that hold NaN or infinity: its latents and
-    log-probs (an omni model's token log-probs: non-finite logits), its embeddings and inputs, and its
-    output's image, video or audio."""
-    values = {f.name: getattr(traj, f.name) for f in dataclasses.fields(traj)}
-    values |= {f"output.{m}": getattr(traj.output, m) for m in ("image", "video", "audio")}
-    for name in [n for n, v in values.items() if isinstance(v, dict)]:
-        values |= {f"{name}.{k}": v for k, v in values.pop(name).items()}
-    return [
-        name
-        for name, v in values.items()
-        if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())
-    ]
-
-
-def validate(
-    cfg: Config, ops: KindOps, rewards: RewardPool, rows: list[PromptRow], dist: D.DistInfo
-) -> dict[str, float]:
-    """validation.num_samples samples per prompt with the kind's validation parameters (diffusion: the ODE
-    sampler; omni: validation.temperature / top_p); the global mean reward. Rows are dealt to ranks
-    round-robin and seeds come from the global (row, sample) index, so the samples do not depend on the
-    number of ranks."""
-    n, params = cfg.validation.num_samples, ops.validation_params()
-    requests = []
-    for i in range(dist.rank, len(rows), dist.world_size):
-        inputs = open_inputs(rows[i].inputs)
-        for j in range(n):
-            index = i * n + j
-            seed = derive_seed(cfg.run.seed, -1, index)
-            requests.append(
-                Request(
-                    rows[i].prompt,
-                    i,
-                    index,
-                    seed,
-                    params,
-                    cfg.sampling.negative_prompt,
-                    rows[i].metadata,
-                    inputs,
-                )
-            )
-    trajs, _ = rollout_and_score(ops, rewards, requests)
-    scored = [x.reward for x in trajs if math.isfinite(x.reward)]  # non-finite samples are not scored
-    t = D.all_reduce(torch.tensor([sum(scored), float(len(scored)), float(len(trajs))], dtype=torch.float64))
-    return {
-        "val/reward": (t[0] / t[1]).item() if t[1] else math.nan,
-        "val/nonfinite_samples": (t[2] - t[1]).item(),
-    }
 
 
 def shard(cfg: Config, ops: KindOps, dist: D.DistInfo) -> dict[str, float]:

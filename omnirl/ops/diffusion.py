@@ -30,13 +30,13 @@ from torch import nn
 
 from omnirl import distributed as D
 from omnirl.algos.losses import flow_kl, get_loss
+from omnirl.batching import equalise, global_positions, make_requests
 from omnirl.config import Config
 from omnirl.data.prompts import PromptRow
 from omnirl.metrics import MetricsLogger
 from omnirl.models.base import DiffusionAdapter, Output, Request, SamplingParams, Trajectory
 from omnirl.models.flow_sde import StepOut, flow_step, sliding_start
 from omnirl.rollout.diffusion import DiffusionEngine
-from omnirl.step import equalise, global_positions, make_requests
 
 
 def sampling_params(cfg: Config, num_steps: int | None = None, ode: bool = False) -> SamplingParams:
@@ -68,7 +68,7 @@ class Pair:
     k: int
     weight: float  # 1 for real rows, 0 for the padding rows of short ranks
     old: float | None = None  # behaviour log-prob recomputed by the trainer (old_logprob: recompute)
-    position: float = 0.0  # its place in the step's shuffle of all ranks' rows (step.global_positions)
+    position: float = 0.0  # its place in the step's shuffle of all ranks' rows (batching.global_positions)
     old_mean: torch.Tensor | None = None  # [*latent] and its step mean (flow_dppo with recompute)
 
 
@@ -93,7 +93,7 @@ def pair_logprob(
 
 
 def micro_batches(pairs: list[Pair], size: int, pad_from: Trajectory) -> list[list[Pair]]:
-    """Split into micro-batches of `size` pairs, as many on every rank (step.equalise)."""
+    """Split into micro-batches of `size` pairs, as many on every rank (batching.equalise)."""
     return equalise([pairs[i : i + size] for i in range(0, len(pairs), size)], Pair(pad_from, 0, 0.0))
 
 

@@ -45,10 +45,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from omnirl.batching import equalise, global_positions
 from omnirl.config import AlgoConfig, Config
 from omnirl.models.base import DiffusionAdapter, Request, SamplingParams, Trajectory, derive_seed
 from omnirl.ops.diffusion import DiffusionOps, reference
-from omnirl.step import equalise, global_positions
 
 
 @dataclass
@@ -58,7 +58,7 @@ class NFTRow:
     traj: Trajectory
     k: int
     weight: float  # 1 for real rows, 0 for the padding rows of short ranks
-    position: float = 0.0  # its place in the step's shuffle of all ranks' rows (step.global_positions)
+    position: float = 0.0  # its place in the step's shuffle of all ranks' rows (batching.global_positions)
 
     def noise(self) -> torch.Tensor:
         """[*latent] the row's forward-process noise, from its own generator (stream -2 of the request)."""

@@ -1,4 +1,4 @@
-"""The omni half of an RL step: text-output models (`OmniModelBase` adapters) with token-level losses.
+"""The omni half of an RL step: text-output models (`OmniAdapter` adapters) with token-level losses.
 
 - Rollout: the native `GenerationEngine` on the actor's own module, or (rollout.backend vllm) the
   `VLLMEngine` with its own weights, pushed from the trainer's before every rollout; one request per
@@ -31,13 +31,13 @@ from torch import nn
 from omnirl import distributed as D
 from omnirl.algos.correction import consistency_metrics, correction_weights
 from omnirl.algos.losses import get_loss
+from omnirl.batching import equalise, global_positions, make_requests
 from omnirl.config import Config, ConfigError
 from omnirl.data.prompts import PromptRow
 from omnirl.metrics import MetricsLogger
-from omnirl.models.base import GenerationParams, OmniModelBase, OmniTrajectory, Request
+from omnirl.models.base import GenerationParams, OmniAdapter, OmniTrajectory, Request
 from omnirl.models.lm import pad_responses
 from omnirl.rollout.generate import GenerationEngine
-from omnirl.step import equalise, global_positions, make_requests
 
 
 def generation_params(cfg: Config, tokenizer) -> GenerationParams:
@@ -69,7 +69,7 @@ class TokenRow:
     weight: float  # 1 for real rows, 0 for the padding rows of short ranks
     old: torch.Tensor | None = None  # [T] behaviour log-probs recomputed by the trainer (recompute)
     is_weight: torch.Tensor | None = None  # [T] rollout-correction weights (recompute with tis / mis)
-    position: float = 0.0  # its place in the step's shuffle of all ranks' rows (step.global_positions)
+    position: float = 0.0  # its place in the step's shuffle of all ranks' rows (batching.global_positions)
 
 
 def _padded(values: list[torch.Tensor], length: int, device: torch.device) -> torch.Tensor:
@@ -83,7 +83,7 @@ def _padded(values: list[torch.Tensor], length: int, device: torch.device) -> to
 class OmniOps:
     """The omni half of an RL step (see the module docstring); `omnirl.trainer.train` runs it."""
 
-    def __init__(self, cfg: Config, adapter: OmniModelBase):
+    def __init__(self, cfg: Config, adapter: OmniAdapter):
         self.cfg, self.adapter = cfg, adapter
         self.policy: nn.Module = adapter.policy
         self.ref_model = None  # a LoRA's reference policy is the same model with the LoRA off

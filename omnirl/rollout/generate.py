@@ -52,7 +52,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from omnirl.distributed import fsdp_hooks_quiet, gathered_weights
 from omnirl.memory import GIB, free_bytes
-from omnirl.models.base import GenerationParams, OmniModelBase, OmniTrajectory, Request
+from omnirl.models.base import GenerationParams, OmniAdapter, OmniTrajectory, Request
 from omnirl.models.lm import output_logprobs
 from omnirl.rollout.compiled import compile_forwards, swapped
 
@@ -117,7 +117,7 @@ class GenerationEngine:
 
     def __init__(
         self,
-        adapter: OmniModelBase,
+        adapter: OmniAdapter,
         max_num_seqs: int,
         kv_cache_gib: float | None,
         cuda_graph: bool = True,

@@ -53,7 +53,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from omnirl import distributed as D
-from omnirl.models.base import OmniModelBase, OmniTrajectory, Request
+from omnirl.models.base import OmniAdapter, OmniTrajectory, Request
 from omnirl.rollout import vllm_compat
 from omnirl.rollout.generate import _check_params
 
@@ -93,7 +93,7 @@ def startup_memory_utilization(device: torch.device) -> float:
 class VLLMEngine:
     """See the module docstring. `stats` describes the last generate call and its push."""
 
-    def __init__(self, adapter: OmniModelBase, cfg):
+    def __init__(self, adapter: OmniAdapter, cfg):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine core
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # see vllm_compat.check_vllm
         import vllm

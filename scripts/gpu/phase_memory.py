@@ -452,12 +452,12 @@ def check_plan(cfg, world: int) -> dict:
     from torch import nn
 
     from omnirl import distributed as D
+    from omnirl.batching import make_requests
     from omnirl.data import LOADERS
     from omnirl.models import get_adapter
     from omnirl.models.random_init import random_init_loader
     from omnirl.ops.diffusion import sampling_params
     from omnirl.rollout.diffusion import DiffusionEngine
-    from omnirl.step import make_requests
 
     meta = torch.device("meta")
     for module in ADAPTER_MODULES:
