@@ -1,4 +1,4 @@
-# omnirl on NVIDIA GPUs (README.md, "Docker (CUDA)"). The entry point is torchrun: everything after the
+# omnirl on NVIDIA GPUs (docs/deploy.md, "Docker (CUDA)"). The entry point is torchrun: everything after the
 # image name is torchrun's arguments.
 #   docker build -t omnirl .
 #   docker run --gpus all --ipc=host -v /path/to/data:/data omnirl \

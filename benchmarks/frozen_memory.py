@@ -10,7 +10,7 @@ of it (FSDP2 splits dim 0 of every parameter into N chunks of ceil(dim0 / N) row
 `omnirl.distributed.sharded_bytes`); offload holds the same 1/N in host memory and on the device only what
 a forward has gathered: the root's own parameters (not in any unit; gathered for the whole forward) and
 two units at most (the running one and the next one's prefetched all-gather), whole, not 1/N. The LoRA,
-its gradients and optimizer state, activations and the KV cache come on top (README, "Memory plan").
+its gradients and optimizer state, activations and the KV cache come on top (docs/mmk12.md, memory plan).
 `--path` reads a diffusers transformer's config (`DIR/transformer`, e.g. a tiny checkpoint), which
 `tests/test_frozen_base.py` checks against a CPU run's accounting.
 """
@@ -28,7 +28,7 @@ from omnirl.distributed import DTYPES, sharded_bytes
 
 GIB = 2**30
 
-# Qwen/Qwen3-Omni-30B-A3B-Instruct's thinker (README, "Memory plan": 31.7 B parameters).
+# Qwen/Qwen3-Omni-30B-A3B-Instruct's thinker (docs/mmk12.md, "Memory plan": 31.7 B parameters).
 THINKER_TEXT = dict(
     hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
     num_experts=128, moe_intermediate_size=768, num_experts_per_tok=8, vocab_size=152064,

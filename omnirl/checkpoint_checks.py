@@ -7,7 +7,7 @@ plain data: DCP's `.metadata` goes through an unpickler that admits only DCP's o
 (`SafeReader`), its non-tensor items and the RNG states through `torch.load(weights_only=True)`
 (`SafePlanner`). The manifest guards against damage, not against tampering: whoever can write the files can
 write a matching manifest; what such a checkpoint can still do is set the trained weights and optimizer
-state (see the README).
+state (docs/failures.md).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def read_meta(path: Path) -> dict:
 
 
 def file_hash(path: Path) -> str:
-    """xxh3-128 of a file, read in 16 MiB chunks (several GB/s: a resume hashes every file once)."""
+    """xxh3-128 of a file, read in 16 MiB chunks (a resume hashes every file once)."""
     h = xxhash.xxh3_128()
     with open(path, "rb") as f:
         while chunk := f.read(16 << 20):

@@ -151,8 +151,8 @@ class GenerationConfig:
     """Run the decoder layers compiled (torch.compile, inductor) in the native engine's decode steps:
     fewer, fused kernels per step (the CUDA graph then replays those). Compiled on the first rollout and
     once more, with the slot and KV sizes symbolic, at the first rollout of other shapes; the prefill and
-    the trainer stay eager. rollout.backend vllm compiles its own. Measured slower on an H200 for a MoE
-    thinker (a 12.3 ms decode step against 9.4 ms eager-with-graph; benchmarks/RESULTS.md)."""
+    the trainer stay eager. rollout.backend vllm compiles its own. Off by default: on a MoE thinker the
+    compiled decode step is slower than the eager one replayed as a CUDA graph (benchmarks/RESULTS.md)."""
 
 
 @dataclass
@@ -180,7 +180,7 @@ class RolloutConfig:
     """Omni adapters: the rollout engine. 'native': omnirl's GenerationEngine on the actor's own module (no
     weight copy). 'vllm': vLLM in-process on every rank, its own weights pushed from memory after every
     update and verified; with it algo.old_logprob defaults to recompute and algo.correction to tis
-    (omnirl.rollout.vllm_engine; README.md, "Rollout backends")."""
+    (omnirl.rollout.vllm_engine; docs/rollout_backends.md)."""
     vllm_sleep_level: int = 1
     """rollout.backend vllm: vLLM's sleep level during training (1: weights offloaded to host memory and the
     KV cache freed; 2: both discarded, every weight re-pushed at the next rollout). CUDA only: on CPU the
@@ -334,7 +334,7 @@ class DistributedConfig:
     rank), each forward and backward gathers one unit at a time and frees it after; 'offload': sharded as
     with 'shard' and kept in pinned host memory (FSDP2's CPUOffloadPolicy), each unit copied to the device
     when it runs; the trained parameters of those units, their gradients and AdamW state then live in
-    host memory too and the optimizer steps on the CPU. Needs distributed.fsdp (docs/design.md 4b)."""
+    host memory too and the optimizer steps on the CPU. Needs distributed.fsdp (docs/memory.md)."""
     rollout_gather: Literal["phase", "unit"] = "phase"
     """How the rollout reads sharded or offloaded weights: 'phase' gathers all of them once for the whole
     rollout (a whole model copy on the device, also from host memory with 'offload', freed after; no

@@ -387,7 +387,7 @@ def compute_dtype(model: nn.Module, stored: torch.dtype) -> torch.dtype:
 
 @contextlib.contextmanager
 def gathered_weights(model: nn.Module, per_unit: bool = False):
-    """Gather an FSDP2 model's weights once for a whole rollout phase (docs/design.md 4b).
+    """Gather an FSDP2 model's weights once for a whole rollout phase (docs/memory.md).
 
     Every `FSDPModule` (root and each block) is unsharded and kept so across forwards, so the
     rollout runs no collectives and ranks may run different numbers of forwards. On exit all are

@@ -5,7 +5,7 @@ entry it puts to sleep what the phase does not need (its storage moves to host m
 the device) and wakes what it needs; on exit it frees the allocator's cached blocks. It reports the
 bytes moved and the time taken by each transition and the peak device memory of the phase.
 
-Why it is written this way (docs/design.md 4c, with the costs measured on a GPU): host<->device copies
+Why it is written this way (docs/memory.md, with the costs measured on a GPU): host<->device copies
 from pinned host memory run several times faster than from pageable memory, and pinning afresh is slow. So
 the host memory is pinned once, in fixed chunks (torch's pinned allocator rounds every allocation up to a
 power of two), and reused by every later sleep; thousands of small tensors (a LoRA's optimizer state)

@@ -4,7 +4,7 @@
   one row per (sample, trained denoising step); `ops.omni.OmniOps`: one row per response). The loop is the
   same for both: mini-batches, micro-batches of the same (all-reduced) number on every rank with
   zero-weight padding rows, losses divided by the global (all-reduced) count, gradient sync and clipping,
-  the non-finite guard, and the reduction of the metrics over ranks (docs/design.md section 4).
+  the non-finite guard, and the reduction of the metrics over ranks (docs/architecture.md, invariants).
 - `reward_stats`: the global mean of each named reward; `per_rank`: rank-local measurements of every rank.
 - `assign_advantages`: the group-relative advantage of every sample.
 """

@@ -51,7 +51,7 @@ def train(cfg: Config) -> dict[str, float]:
         stats: dict[str, float] = {}
         step_start = time.perf_counter()
         requests = ops.requests(rows, step, dist)
-        # Each phase sleeps what only the other one uses (docs/design.md 4c). The gradients are
+        # Each phase sleeps what only the other one uses (docs/memory.md). The gradients are
         # dead after a step (every update starts from zero_grad(set_to_none=True)): dropped, not carried.
         optimizer.zero_grad(set_to_none=True)
         reference = [ops.ref_model] if ops.ref_model is not None else []

@@ -176,7 +176,7 @@ def test_resume_on_fewer_ranks_draws_the_same_samples(tiny_sd3, data, reference,
     # Step 2 runs on the checkpoint's weights (resharded, not recomputed): the same samples and reward.
     assert drift["reward step 2"] == 0
     # Two updates later the weights differ at the level of float32 rounding (measured 1.4e-7); over 25
-    # steps the difference grows (benchmarks/resume_drift.py, README).
+    # steps the difference grows (benchmarks/results/resume_drift.md).
     assert drift["reward step 3"] <= 1e-4 and drift["lora max |diff|"] <= 1e-5
 
 

@@ -1,6 +1,6 @@
 """The DiffusionEngine on the tiny SD3: packing, unfused CFG, bucket padding and compile change speed, never
 results. fp32 on CPU: final latents and every recorded log-prob agree with the serial run to 1e-5
-(docs/design.md section 4; batched kernels alone differ by ~6e-7)."""
+(docs/architecture.md, invariants; batched kernels alone differ by ~6e-7)."""
 
 import pytest
 import torch

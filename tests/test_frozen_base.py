@@ -1,5 +1,5 @@
 """Where the frozen weights live (distributed.frozen_base) and how the rollout reads them
-(distributed.rollout_gather), and the memory a rollout needs known before it runs: docs/design.md 4b, 4c."""
+(distributed.rollout_gather), and the memory a rollout needs known before it runs: docs/memory.md."""
 
 import numpy as np
 import pytest

@@ -1,5 +1,5 @@
 """The Qwen-Image adapter on a tiny random-init Qwen-Image (real diffusers / transformers classes), against
-diffusers' own QwenImagePipeline. fp32 on CPU: everything must agree to 1e-5 (docs/design.md section 4).
+diffusers' own QwenImagePipeline. fp32 on CPU: everything must agree to 1e-5 (docs/architecture.md).
 
 Prompt buckets here are [16, 32, 64] text tokens, so that one batch pads prompts of different lengths
 into one bucket (and its negative prompts into a smaller one) and the trainer mixes buckets."""

@@ -1,5 +1,5 @@
 """The Qwen-Image-Edit adapter on a tiny random-init Qwen-Image-Edit (real diffusers / transformers classes),
-against diffusers' own QwenImageEditPipeline. fp32 on CPU: all must agree to 1e-5 (docs/design.md 4)."""
+against diffusers' own QwenImageEditPipeline. fp32 on CPU: all must agree to 1e-5 (docs/architecture.md)."""
 
 import re
 

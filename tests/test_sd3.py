@@ -1,5 +1,5 @@
 """The SD3 adapter on a tiny random-init SD3 (real diffusers / transformers classes), against diffusers'
-own StableDiffusion3Pipeline. fp32 on CPU: everything must agree to 1e-5 (docs/design.md section 4)."""
+own StableDiffusion3Pipeline. fp32 on CPU: everything must agree to 1e-5 (docs/architecture.md)."""
 
 import re
 

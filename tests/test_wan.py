@@ -1,6 +1,6 @@
 """The Wan adapter on tiny random-init Wan2.2 checkpoints of both layouts (TI2V-5B: one transformer with
 per-token timesteps; T2V-A14B: two experts switched at boundary_ratio), against diffusers' own WanPipeline.
-fp32 on CPU: everything must agree to 1e-5 (docs/design.md section 4)."""
+fp32 on CPU: everything must agree to 1e-5 (docs/architecture.md, invariants)."""
 
 import dataclasses
 import functools

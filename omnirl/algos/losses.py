@@ -1,7 +1,7 @@
 """RL losses: LOSSES maps a name to "module:function"; each loss returns (loss, metrics).
 
 Our own code: the clipped policy-gradient objectives of Flow-GRPO and its relatives are a few lines
-each, and the normalisation by the global pair count (docs/design.md section 4) is ours to get right.
+each, and the normalisation by the global pair count (docs/architecture.md, invariants) is ours to get right.
 
 Normalisation shared by every loss here: the trainer passes the GLOBAL (all-ranks) count of the
 mini-batch's rows as `normaliser`, and rows of weight 0 pad short ranks so that every rank runs the

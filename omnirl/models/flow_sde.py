@@ -316,8 +316,8 @@ def _to_device(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor
 
 def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Device tensors on the host, copied into pinned memory on the device's stream and waited for once:
-    a batch's trajectories cost one wait, and copies at the DMA engines' speed (fresh pageable memory was
-    measured at ~1.5 GB/s: RESULTS.md, rollout breakdown). Host tensors pass through."""
+    a batch's trajectories cost one wait, and copies at the DMA engines' speed (fresh pageable
+    memory is far slower: benchmarks/RESULTS.md, the rollout's breakdown). Host tensors pass through."""
     if not tensors or tensors[0].device.type == "cpu":
         return list(tensors)
     with phase("to_host"):

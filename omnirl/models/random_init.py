@@ -357,7 +357,7 @@ def random_init_loader(device: torch.device, policy_on_host: bool = False):
     (`POLICY_SUBFOLDERS`, or a model at the checkpoint's root) are built on the host, where `from_pretrained`
     leaves them, for a run whose frozen base FSDP2 shards (distributed.frozen_base shard / offload): the
     adapter leaves its policy there and `fully_shard` moves it to the device one unit at a time
-    (docs/design.md 4b). A `config` the adapter passes is used as given; a `RANDOM_INIT_FILE` beside the
+    (docs/memory.md). A `config` the adapter passes is used as given; a `RANDOM_INIT_FILE` beside the
     config scales the output embedding by its `head_scale` (as `write_random_thinker` does)."""
     from diffusers import ModelMixin
 
@@ -392,9 +392,9 @@ def _draws_on(device: torch.device, generator: torch.Generator | None = None, mi
     """While models are built in host memory: a large host tensor's `uniform_` / `normal_` (what every
     torch.nn.init function ends in: the modules' own `reset_parameters` and transformers' `_init_weights`)
     is drawn on `device` (from `generator`, else the device's default one) and copied back. The host's
-    generator is serial: Qwen-Image's 20 B-parameter transformer took 143 s to build on an H200 machine's
-    host, ~7 ns an element, and 37.6 s with its draws on the H200 (benchmarks/RESULTS.md): a device draws
-    at its memory speed and the copy back is one pass over the host memory the build allocates anyway.
+    generator is serial, so a 20 B-parameter transformer takes minutes to build on the host
+    (benchmarks/RESULTS.md); a device draws at its memory speed and the copy back is one pass over the
+    host memory the build allocates anyway.
     Same distributions, the device's random stream; a call that brings its own generator, and small
     tensors, draw in place."""
     originals = {name: getattr(torch.Tensor, name) for name in ("uniform_", "normal_")}

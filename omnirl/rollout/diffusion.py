@@ -18,8 +18,7 @@ an accelerator the memory free when the rollout starts), the engine measures wha
 costs: two rollouts at the recipe's shapes (text encoding, the denoising loop with the recipe's trained-step
 records, the decode), whose peaks give a fixed part and a per-row part. A probe runs only its trained
 steps and two more (`_probe`): every step's forward has the same shapes, so the peak is the same, at a
-fraction of the time (Wan2.2 A14B's probes are 2 and 4 videos, each ~20 s a video through 10 steps on an
-H200). Measured rather than computed from shapes: the activations of a forward
+fraction of the time. Measured rather than computed from shapes: the activations of a forward
 depend on the attention kernel, the VAE's decode chunking and the family's own code, which a formula
 would have to follow in every adapter. Attention rows do not see each other, so the cost grows linearly
 with the rows, except in a phase done in fixed chunks (a decode of `decode_rows` videos at a time), whose
@@ -173,8 +172,7 @@ class DiffusionEngine:
         K trained steps, dpm2's previous data prediction) depends on K, not on the number of steps. So it
         runs its K trained steps from step 0 and two steps more (an SDE step, an ODE step and a
         second-order one all occur), the decode whole; a window of every step (size 0) keeps them all.
-        What it leaves out is per-step bookkeeping of a few bytes a row (sigmas, step row indices): on
-        the tiny SD3, 32 bytes of a 6.4 MB peak."""
+        What it leaves out is per-step bookkeeping of a few bytes a row (sigmas, step row indices)."""
         p = request.params
         if not p.record_logprobs:
             steps, size, span = min(p.num_steps, 2), p.sde_window_size, p.sde_window_range

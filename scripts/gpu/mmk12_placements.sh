@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The mmk12 recipe (GSPO + LoRA r32) on one GPU with a full-size random-init Qwen3-Omni thinker text model
 # (48 layers, hidden 2048, 128 experts top 8: scripts.gpu.two_gpu_runs FULL_THINKER), one run per
-# placement of its frozen base, each capped or not; what benchmarks/RESULTS.md's "mmk12 on a full-size
-# thinker" table reports.
+# placement of its frozen base, each capped or not; what benchmarks/results/mmk12_full_thinker_one_gpu.md
+# reports.
 #
 #   bash scripts/gpu/mmk12_placements.sh OUT_DIR PLACEMENT [PLACEMENT ...]
 #   OMNIRL_DRY=1 ...                  # rehearsal on CPU: the tiny thinker, 1 step, < 1 minute a placement

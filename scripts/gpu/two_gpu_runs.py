@@ -19,9 +19,10 @@ THINKER = dict(
     vocab=151936, hidden=2048, layers=8, heads=32, kv_heads=4, head_dim=128, moe_intermediate=768,
     experts=32, experts_per_tok=8, dtype="bfloat16", head_scale=4.0,
 )  # fmt: skip
-# The text model of Qwen3-Omni-30B-A3B's thinker at full size (48 layers, 128 experts: README, "Memory
-# plan"), for the 80 GB-capped runs of distributed.frozen_base offload; its vision and audio towers stay
-# write_random_thinker's tiny ones (the MMK12 images then cost ~1.2 B parameters less than the real ones).
+# The text model of Qwen3-Omni-30B-A3B's thinker at full size (48 layers, 128 experts: docs/mmk12.md,
+# "Memory plan"), for the 80 GB-capped runs of distributed.frozen_base offload; its vision and audio towers
+# stay write_random_thinker's tiny ones (the MMK12 images then cost ~1.2 B parameters less than the
+# real ones).
 FULL_THINKER = dict(THINKER, vocab=152064, layers=48, experts=128)
 # A CPU-sized one of the same code path, for a rehearsal. head_dim stays 128: write_random_thinker's
 # M-RoPE sections (24, 20, 20) cover 64 = 128 / 2 pairs.
