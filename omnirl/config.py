@@ -242,7 +242,8 @@ class AlgoConfig:
     kl_beta's): mean over latent dims of (mu_theta - mu_ref)^2 / (2 s_t^2), s_t the SDE coefficient
     a sqrt(sigma / (1 - sigma)) before the sqrt(|dt|) factor. 'exact': the Gaussian KL, divided by the
     step's variance s_t^2 |dt|, i.e. 1 / |dt| larger (on SD3.5's 10-step shift-3 schedule 4-25x on the
-    first nine steps, ~110x on the last), so the same kl_beta weighs it that much more. Equal for CPS."""
+    first nine steps, ~110x on the last), so the same kl_beta weighs it that much more. Equal for CPS and
+    dance_sde: their references' s_t is the step's whole std (dance_sde: a sqrt(|dt|), VeRL-Omni's)."""
     dppo_tau: float = 1e-5
     """flow_dppo: the divergence D_t (the exact KL between the step Gaussians of the policy and of the
     rollout) from which a row whose ratio moved in its advantage's direction is masked out."""
@@ -260,8 +261,10 @@ class AlgoConfig:
     """diffusion_nft: the largest eta of the old policy's soft update (see nft_old_decay_rate), < 1."""
     nft_old_decay_delay: int = 0
     """diffusion_nft: optimizer steps before the old policy's eta starts to grow (see nft_old_decay_rate)."""
-    adv_clip: float = 5.0
-    """Advantages are clamped to [-adv_clip, adv_clip]."""
+    adv_clip: float | None = 5.0
+    """Advantages are clamped to [-adv_clip, adv_clip]; null leaves them unclamped (Flow-DPPO's references,
+    UniRL and VeRL-Omni: one success in a group of 48 keeps its sqrt(47) = 6.86). diffusion_nft needs a
+    number: it maps A to its optimality probability A / (2 adv_clip) + 0.5."""
     global_std: bool = False
     """Normalise advantages by the std of all rewards of the step (all ranks) instead of the group's."""
     old_logprob: Literal["rollout", "recompute"] = "rollout"

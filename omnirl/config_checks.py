@@ -52,7 +52,10 @@ RANGES = {
     "reward.timeout_s": POSITIVE,
     "algo.clip_range": POSITIVE,
     "algo.kl_beta": NON_NEGATIVE,
-    "algo.adv_clip": POSITIVE,
+    "algo.adv_clip": (
+        (lambda v: v is None or (math.isfinite(v) and v > 0)),
+        "a finite number > 0, or null (unclamped)",
+    ),
     "algo.dppo_tau": POSITIVE,
     "algo.nft_beta": POSITIVE,
     "algo.nft_old_decay_rate": NON_NEGATIVE,
@@ -132,6 +135,11 @@ def check_values(cfg: Config) -> None:
         _check_sampling(cfg.sampling, adapter, cfg.model.adapter, cfg.algo.loss)
     if cfg.algo.loss == "diffusion_nft" and cfg.algo.old_logprob == "recompute":
         raise ConfigError("algo.old_logprob recompute: algo.loss diffusion_nft uses no log-probs")
+    if cfg.algo.loss == "diffusion_nft" and cfg.algo.adv_clip is None:
+        raise ConfigError(
+            "algo.adv_clip null: algo.loss diffusion_nft needs a number (its optimality probability is "
+            "A / (2 adv_clip) + 0.5)"
+        )
     if cfg.rollout.backend == "vllm":
         _check_vllm(cfg, adapter)
 

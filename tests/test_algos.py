@@ -8,8 +8,10 @@ import torch
 
 from omnirl.algos.advantages import group_advantages
 from omnirl.algos.losses import LOSSES, diffusion_nft_loss, flow_dppo_loss, flow_grpo_loss, flow_kl, get_loss
-from omnirl.config import config_for
+from omnirl.config import ConfigError, config_for
+from omnirl.config_checks import check_values
 from omnirl.models.flow_sde import flow_step
+from omnirl.recipe import load_recipe
 from omnirl.step import combine, summarise
 
 
@@ -59,6 +61,28 @@ def test_group_advantages_clamped(global_std):
     assert adv.abs().max() == 1.5 and keep.all()
     assert metrics["adv/clip_frac"] == pytest.approx((np.abs(expected) == 1.5).sum() / 10)
     assert metrics["adv/clip_frac"] > 0
+
+
+def test_group_advantages_unclamped_for_flow_dppo():
+    """Flow-DPPO's references (UniRL, VeRL-Omni) clamp no advantage. One success in a group of 48: mean
+    1/48, population std sqrt(47) / 48, so A = (47/48) / (sqrt(47)/48 + 1e-4) = 6.85 (clamped at the
+    default adv_clip 5 it would be 5.00); the failures keep -(1/48) / std = -0.146. The DPPO recipes leave
+    them unclamped."""
+    rewards, groups = torch.tensor([1.0] + [0.0] * 47), torch.zeros(48, dtype=torch.long)
+    adv, keep, metrics = group_advantages(rewards, groups, adv_clip=None, global_std=False)
+    std = math.sqrt(47) / 48 + 1e-4
+    assert adv[0].item() == pytest.approx((47 / 48) / std) and adv[0].item() == pytest.approx(
+        6.8509, abs=1e-4
+    )
+    assert adv[1].item() == pytest.approx(-(1 / 48) / std) and metrics["adv/clip_frac"] == 0.0
+    clamped, _, _ = group_advantages(rewards, groups, adv_clip=5.0, global_std=False)
+    assert clamped[0].item() == 5.0
+    for name in ("qwen_image_flowdppo_ocr", "qwen_image_tiny_flowdppo"):
+        assert load_recipe(name)[0].algo.adv_clip is None, name
+    nft = load_recipe("sd3_tiny_nft")[0]
+    nft.algo.adv_clip = None  # NFT maps A to A / (2 adv_clip) + 0.5: it needs the bound
+    with pytest.raises(ConfigError, match="algo.adv_clip null: algo.loss diffusion_nft needs a number"):
+        check_values(nft)
 
 
 def test_zero_spread_groups_dropped_and_counted():
@@ -222,6 +246,19 @@ def test_kl_forms_by_hand(sde_type):
         torch.testing.assert_close(grpo_form, exact)
         torch.testing.assert_close(exact, torch.full((2,), 0.01 / (2 * std**2)))
     assert config_for("sd3").algo.kl_form == "flow_grpo"  # published kl_beta values mean what they say
+
+
+def test_dance_sde_kl_is_the_gaussian_kl_by_hand():
+    """Under dance_sde the KL term is VeRL-Omni's for its dance step: mean((mu - mu_ref)^2) / (2 s^2) with
+    s the step's whole std eta sqrt(sigma - sigma_next) (the std_dev_t its dance step returns), so both
+    forms are the Gaussian KL. One step from sigma 0.5 to 0.25, eta 1.2: s = 1.2 * 0.5 = 0.6; means 0.1
+    apart: 0.01 / (2 * 0.36) = 0.013889 (dividing by eta^2 alone would give 0.01 / 2.88, 4x less)."""
+    x = torch.zeros(2, 3, 2, 2)
+    out = flow_step(x, x, torch.tensor([0.5, 0.5]), torch.tensor([0.25, 0.25]), 0.9, 1.2, "dance_sde")
+    mean_ref = out.mean - 0.1
+    torch.testing.assert_close(out.std, torch.tensor([0.6, 0.6]))
+    for form in (out.std_dev_t, out.std):
+        torch.testing.assert_close(flow_kl(out.mean, mean_ref, form), torch.full((2,), 0.01 / 0.72))
 
 
 # DPPO rows: (A, ratio, divergence D) around tau = 1e-5. A row is masked when D >= tau and its ratio moved

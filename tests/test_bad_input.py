@@ -203,7 +203,10 @@ IMPOSSIBLE = {
         "generation.kv_cache_gib must be a finite number > 0",
     ),
     "negative KL": (["--algo.kl_beta", "-0.1"], "algo.kl_beta must be a finite number >= 0, got -0.1"),
-    "adv_clip 0": (["--algo.adv_clip", "0"], "algo.adv_clip must be a finite number > 0, got 0.0"),
+    "adv_clip 0": (
+        ["--algo.adv_clip", "0"],
+        "algo.adv_clip must be a finite number > 0, or null (unclamped), got 0.0",
+    ),
     "correction threshold 1": (["--algo.correction_threshold", "1"], "algo.correction_threshold must be"),
     "global std without std": (
         ["--algo.global_std", "true", "--algo.std_normalise", "false"],

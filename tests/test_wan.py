@@ -97,6 +97,17 @@ def test_noise_free_rollout_is_the_pipeline_sampler(layout, request):
     assert d_latents < 1e-5 and d_videos < 1e-5
 
 
+def test_a14b_guidance_1_guides_neither_expert_as_the_pipeline(a14b, tiny_wan_a14b):
+    """WanPipeline guides only when guidance_scale > 1, for both experts: at guidance 1 its
+    guidance_scale_2 (3 here) has no effect, and the low-noise expert runs unguided too."""
+    pipe = load_pipeline(WanPipeline, tiny_wan_a14b)
+    requests = make_requests(noise_free(guidance=1.0), n=2)
+    assert not a14b.guided(1.0) and a14b.guidance_2(1.0) == 1.0 and a14b.guidance_2(GUIDANCE) == GUIDANCE_2
+    trajs = a14b.rollout(requests)
+    ref = run_pipeline(pipe, a14b, requests, "latent", GUIDANCE_2)
+    assert max_diff(torch.stack([t.final_latents for t in trajs]), ref) < 1e-5
+
+
 @pytest.mark.parametrize("layout", ["ti2v", "a14b"])
 def test_packed_rollout_equals_serial(layout, request):
     adapter = request.getfixturevalue(layout)

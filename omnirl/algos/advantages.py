@@ -6,6 +6,8 @@ with the statistics shared by an all-reduce.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from omnirl.distributed import all_reduce
@@ -14,7 +16,7 @@ from omnirl.distributed import all_reduce
 def group_advantages(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
-    adv_clip: float,
+    adv_clip: float | None,
     global_std: bool,
     eps: float = 1e-4,
     std_normalise: bool = True,
@@ -24,7 +26,8 @@ def group_advantages(
     rewards: [N] float, group_ids: [N] long (any values; every member of a group is on this rank).
     Returns (advantages [N] in the dtype of `rewards`, keep [N] bool, metrics).
 
-    Normalisation: A_i = clamp((r_i - mean_g) / (std + eps), -adv_clip, adv_clip), where mean_g is the
+    Normalisation: A_i = clamp((r_i - mean_g) / (std + eps), -adv_clip, adv_clip) (not clamped when
+    `adv_clip` is None: Flow-DPPO's references, UniRL and VeRL-Omni, clamp nothing), where mean_g is the
     mean of sample i's group and std is the population std (ddof 0) of that group, or, with
     `global_std`, of all rewards of the step over all ranks (count, sum and sum of squares are
     all-reduced). Statistics are computed in float64. With `std_normalise` False (Dr.GRPO) there is no
@@ -42,8 +45,8 @@ def group_advantages(
     `rewards` must be on the device the process group communicates on (the rank's device).
     """
     assert rewards.dim() == 1 and group_ids.shape == rewards.shape, (rewards.shape, group_ids.shape)
-    if adv_clip <= 0:
-        raise ValueError(f"algo.adv_clip must be > 0, got {adv_clip}")
+    if adv_clip is not None and not adv_clip > 0:
+        raise ValueError(f"algo.adv_clip must be > 0 or None (unclamped), got {adv_clip}")
     if global_std and not std_normalise:
         raise ValueError("algo.global_std needs algo.std_normalise: without it no std is taken")
     finite = torch.isfinite(rewards)
@@ -72,8 +75,9 @@ def group_advantages(
         group_var = torch.zeros_like(group_mean).index_add_(0, inv, dev * dev) / counts
         denom = group_var.sqrt()[inv] + eps  # [N]
     adv = dev / denom
-    clipped = (adv.abs() > adv_clip) & keep
-    adv = torch.where(keep, adv.clamp(-adv_clip, adv_clip), 0.0)
+    bound = math.inf if adv_clip is None else adv_clip
+    clipped = (adv.abs() > bound) & keep
+    adv = torch.where(keep, adv.clamp(-bound, bound), 0.0)
 
     stats = torch.stack(
         [

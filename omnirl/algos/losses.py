@@ -103,9 +103,9 @@ def flow_kl(mean: torch.Tensor, mean_ref: torch.Tensor, std: torch.Tensor) -> to
     mean, mean_ref: [M, *latent] the means of the two Gaussians of one denoising step, std: [M] the scale
     it is measured in: mean over latent dims of (m - m_ref)^2 / (2 std^2). With the step's standard
     deviation (`StepOut.std`) it is the exact KL(N(m, s^2) || N(m_ref, s^2)) averaged over the latent
-    dims, as the log-prob is; with `StepOut.std_dev_t` (the coefficient before sqrt(|dt|)) it is
-    flow_grpo's KL term (algo.kl_form). Rows with std 0 (deterministic ODE steps) get 0. The gradient
-    flows through `mean` only.
+    dims, as the log-prob is; with `StepOut.std_dev_t` (the SDE's coefficient before sqrt(|dt|); the
+    std itself for CPS and dance_sde) it is flow_grpo's KL term (algo.kl_form). Rows with std 0
+    (deterministic ODE steps) get 0. The gradient flows through `mean` only.
     """
     sq = ((mean.float() - mean_ref.detach().float()) ** 2).flatten(1).mean(dim=1)  # [M]
     std = std.float()

@@ -17,7 +17,8 @@ sigma running from 1 (noise) to 0 (data) and the model predicting the velocity v
 - DanceGRPO (`dance_sde`): x0_hat = x - sigma * v; score = -(x - (1 - sigma) * x0_hat) / sigma^2;
   dsigma = sigma_next - sigma; mean = x + dsigma * v - 0.5 * eta^2 * score * dsigma;
   std = eta * sqrt(sigma - sigma_next); the log-prob is the Gaussian log-density averaged over latent dims
-  (as the SDE's). Its std has no 1 / (1 - sigma), so it is stable at sigma = 1.
+  (as the SDE's). Its std has no 1 / (1 - sigma), so it is stable at sigma = 1. Its `std_dev_t` is that
+  whole std, as DanceGRPO's and VeRL-Omni's dance step name it (so their KL term is the Gaussian KL).
 - Noise level a = 0 gives the ODE step exactly, and a log-prob of 0.
 
 This is our own code because no library provides a flow-matching step with a log-density.
@@ -40,8 +41,9 @@ class StepOut:
     logprob: torch.Tensor  # [B] mean over latent dims (0 for the ODE step or noise level 0)
     mean: torch.Tensor  # [B, *latent] the mean of the step's Gaussian
     std: torch.Tensor  # [B] its standard deviation (per element)
-    # [B] the step's noise coefficient before the sqrt(|dt|) factor: SDE std_dev_t, CPS the std itself
-    # (0 for the ODE step). flow_grpo's KL term divides by its square (algos.losses.flow_kl).
+    # [B] the scale the reference's own step returns as std_dev_t, whose square the flow_grpo KL term
+    # divides by (algos.losses.flow_kl): SDE the coefficient before the sqrt(|dt|) factor; CPS and
+    # dance_sde the std itself (their KL term is the Gaussian KL); 0 for the ODE step.
     std_dev_t: torch.Tensor
 
 
@@ -90,8 +92,8 @@ def flow_step(
         x0_hat = x - s * v
         score = -(x - (1 - s) * x0_hat) / s**2
         mean = x + dt * v - 0.5 * noise_level**2 * score * dt
-        std_dev_t = torch.full_like(s, noise_level)  # the coefficient before sqrt(|dt|)
-        std = std_dev_t * torch.sqrt(-dt)
+        std = noise_level * torch.sqrt(-dt)
+        std_dev_t = std  # the references' dance step returns the whole std as std_dev_t
     else:  # cps
         std = s_next * math.sin(noise_level * math.pi / 2)
         std_dev_t = std

@@ -5,7 +5,8 @@ log-probs), for both layouts of `WanPipeline` checkpoints:
   latent token, [B, tokens], instead of per row);
 - two experts (Wan2.2 T2V-A14B): `transformer` denoises while the timestep is at or above
   `boundary_ratio * num_train_timesteps`, `transformer_2` below it, each with its own guidance scale
-  (`guidance_scale` above, `guidance_scale_2` below), as in `WanPipeline.__call__`.
+  (`guidance_scale` above, `guidance_scale_2` below), as in `WanPipeline.__call__`, which guides
+  neither expert when `guidance_scale` <= 1, whatever `guidance_scale_2` is.
 
 The components, the prompt encoding (`WanPipeline.encode_prompt`: UMT5, zero-padded to
 max_sequence_length) and the latent normalisation are diffusers' own. The denoising loop is written out
@@ -95,7 +96,8 @@ class WanSettings:
     """Shift of the flow-matching sigma schedule (Wan's `flow_shift`; 5.0 at 720p, 3.0 at 480p)."""
     guidance_scale_2: float | None = None
     """Guidance of the low-noise expert `transformer_2` (None: sampling.guidance_scale, as WanPipeline).
-    Only for two-expert checkpoints."""
+    Only for two-expert checkpoints. As in WanPipeline, sampling.guidance_scale 1 turns guidance off for
+    both experts: this then has no effect."""
     max_sequence_length: int = 512
     """UMT5 prompt length (WanPipeline's default 512); the tokenizer's own limit lowers it."""
     decode_rows: int = 2
@@ -206,8 +208,9 @@ class WanAdapter(DiffusersBase):
         return out
 
     def guidance_2(self, guidance_scale: float) -> float:
+        """The low-noise expert's scale: WanPipeline guides only when guidance_scale > 1, both experts."""
         g = self.settings.guidance_scale_2
-        return guidance_scale if g is None else g
+        return guidance_scale if g is None or guidance_scale <= 1 else g
 
     def velocity(
         self,
@@ -262,8 +265,9 @@ class WanAdapter(DiffusersBase):
         return guided_velocity(forward, x, timestep, embeds, ("prompt_embeds",), guidance_scale, fused_cfg)
 
     def guided(self, guidance_scale: float) -> bool:
-        """Whether any expert guides: the negative prompts are encoded then."""
-        return guidance_scale > 1 or (self.boundary_ratio is not None and self.guidance_2(guidance_scale) > 1)
+        """Whether the experts guide (the negative prompts are encoded then): WanPipeline's rule, whatever
+        guidance_scale_2 is."""
+        return guidance_scale > 1
 
     @torch.no_grad()
     def rollout(self, requests: list[Request]) -> list[Trajectory]:
