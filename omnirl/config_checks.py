@@ -11,7 +11,7 @@ from typing import Any
 from omnirl.config import Config, ConfigError, SamplingConfig
 
 
-def _at_least(n: int) -> tuple:
+def at_least(n: int) -> tuple:
     return (lambda v: v >= n), f"an integer >= {n}"
 
 
@@ -19,36 +19,36 @@ POSITIVE = (lambda v: math.isfinite(v) and v > 0), "a finite number > 0"
 NON_NEGATIVE = (lambda v: math.isfinite(v) and v >= 0), "a finite number >= 0"
 FRACTION = (lambda v: math.isfinite(v) and 0 < v <= 1), "a number in (0, 1]"
 
-# Field -> (predicate, what is allowed). The family-specific settings (rollout.prompt_length_buckets,
-# sampling.condition_area, model.stage) are checked by their adapters.
+# Field -> (predicate, what is allowed). A family's own settings (`family.*`) have theirs in the RANGES
+# class attribute of the adapter's `Settings`, checked here in the same way.
 RANGES = {
-    "run.steps": _at_least(1),
-    "lora.rank": _at_least(1),
+    "run.steps": at_least(1),
+    "lora.rank": at_least(1),
     "lora.alpha": POSITIVE,
     "lora.dropout": ((lambda v: math.isfinite(v) and 0 <= v < 1), "a number in [0, 1)"),
-    "sampling.height": _at_least(1),
-    "sampling.width": _at_least(1),
-    "sampling.num_steps": _at_least(1),
+    "sampling.height": at_least(1),
+    "sampling.width": at_least(1),
+    "sampling.num_steps": at_least(1),
     "sampling.guidance_scale": (
         (lambda v: math.isfinite(v) and v >= 1),
         "a finite number >= 1 (1 = no guidance)",
     ),
     "sampling.noise_level": NON_NEGATIVE,
-    "sampling.sde_window_size": _at_least(0),
-    "sampling.sde_window_shift_interval": _at_least(1),
-    "sampling.sde_window_stride": _at_least(1),
+    "sampling.sde_window_size": at_least(0),
+    "sampling.sde_window_shift_interval": at_least(1),
+    "sampling.sde_window_stride": at_least(1),
     "generation.temperature": POSITIVE,
     "generation.top_p": FRACTION,
-    "generation.top_k": _at_least(0),
-    "generation.max_new_tokens": _at_least(1),
-    "generation.max_prefill_tokens": _at_least(1),
+    "generation.top_k": at_least(0),
+    "generation.max_new_tokens": at_least(1),
+    "generation.max_prefill_tokens": at_least(1),
     "generation.kv_cache_fraction": ((lambda v: math.isfinite(v) and 0 < v < 1), "a number in (0, 1)"),
     "rollout.memory_budget_gib": NON_NEGATIVE,
-    "rollout.prompts_per_step": _at_least(1),
-    "rollout.group_size": _at_least(2),  # a group of one sample never has reward spread
-    "rollout.max_num_seqs": _at_least(1),
-    "rollout.max_num_batched_tokens": _at_least(0),
-    "reward.num_workers": _at_least(1),
+    "rollout.prompts_per_step": at_least(1),
+    "rollout.group_size": at_least(2),  # a group of one sample never has reward spread
+    "rollout.max_num_seqs": at_least(1),
+    "rollout.max_num_batched_tokens": at_least(0),
+    "reward.num_workers": at_least(1),
     "reward.timeout_s": POSITIVE,
     "algo.clip_range": POSITIVE,
     "algo.kl_beta": NON_NEGATIVE,
@@ -60,33 +60,34 @@ RANGES = {
     "algo.nft_beta": POSITIVE,
     "algo.nft_old_decay_rate": NON_NEGATIVE,
     "algo.nft_old_decay_max": ((lambda v: math.isfinite(v) and 0 <= v < 1), "a number in [0, 1)"),
-    "algo.nft_old_decay_delay": _at_least(0),
+    "algo.nft_old_decay_delay": at_least(0),
     "algo.correction_threshold": ((lambda v: math.isfinite(v) and v > 1), "a finite number > 1"),
     "optim.lr": POSITIVE,
     "optim.weight_decay": NON_NEGATIVE,
     "optim.eps": POSITIVE,
     "optim.grad_clip": NON_NEGATIVE,
-    "optim.micro_batch_size": _at_least(1),
-    "optim.micro_batch_tokens": _at_least(0),
-    "optim.mini_batches": _at_least(1),
-    "optim.epochs": _at_least(1),
-    "distributed.timeout_s": _at_least(1),
-    "log.image_every": _at_least(0),
-    "validation.every": _at_least(0),
-    "validation.num_steps": _at_least(1),
-    "validation.num_samples": _at_least(1),
+    "optim.micro_batch_size": at_least(1),
+    "optim.micro_batch_tokens": at_least(0),
+    "optim.mini_batches": at_least(1),
+    "optim.epochs": at_least(1),
+    "distributed.timeout_s": at_least(1),
+    "log.image_every": at_least(0),
+    "validation.every": at_least(0),
+    "validation.num_steps": at_least(1),
+    "validation.num_samples": at_least(1),
     "validation.temperature": POSITIVE,
     "validation.top_p": FRACTION,
-    "checkpoint.every": _at_least(0),
-    "checkpoint.keep": _at_least(1),
+    "checkpoint.every": at_least(0),
+    "checkpoint.keep": at_least(1),
 }
 
 
 def check_values(cfg: Config) -> None:
     """Every value a run cannot use, found when the recipe loads (before anything is loaded or written):
-    a ConfigError naming the field, the value and what is allowed. Ranges come from `RANGES`; below them
-    the settings that must agree with each other, with the number of ranks (WORLD_SIZE, set by torchrun)
-    and with the adapter's class (`omnirl.models.get_adapter` imports its module, loads no weights)."""
+    a ConfigError naming the field, the value and what is allowed. Ranges come from `RANGES` and from the
+    `RANGES` of the adapter's `Settings` (`omnirl.models.get_adapter` imports its module, loads no
+    weights); below them the settings that must agree with each other, with the number of ranks
+    (WORLD_SIZE, set by torchrun) and with the adapter's class."""
 
     def bad(key: str, value: Any, allowed: str) -> ConfigError:
         return ConfigError(f"{key} must be {allowed}, got {value!r}")
@@ -96,6 +97,13 @@ def check_values(cfg: Config) -> None:
         value = getattr(getattr(cfg, section), name)
         if not ok(value):
             raise bad(key, value, allowed)
+    from omnirl.models import get_adapter
+
+    adapter = get_adapter(cfg.model.adapter)
+    for name, (ok, allowed) in adapter.Settings.RANGES.items():
+        value = getattr(cfg.family, name)
+        if not ok(value):
+            raise bad(f"family.{name}", value, allowed)
     for i, beta in enumerate(cfg.optim.betas):
         if not (math.isfinite(beta) and 0 <= beta < 1):
             raise bad(f"optim.betas[{i}]", beta, "a finite number in [0, 1)")
@@ -128,9 +136,6 @@ def check_values(cfg: Config) -> None:
         raise ConfigError(
             f"model.path {path!r} does not exist (a local path: it is not looked up on the hub)"
         )
-    from omnirl.models import get_adapter
-
-    adapter = get_adapter(cfg.model.adapter)
     if adapter.kind == "diffusion":
         _check_sampling(cfg.sampling, adapter, cfg.model.adapter, cfg.algo.loss)
     if cfg.algo.loss == "diffusion_nft" and cfg.algo.old_logprob == "recompute":

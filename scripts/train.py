@@ -88,17 +88,20 @@ def parse(recipe: str, overrides: list[str]) -> Config:
 
 
 def first_block(box: str) -> str:
-    """The text of a tyro error box up to its first rule ("Error parsing --optim.lr: could not convert
-    string to float: 'abc'"), or the whole text when it is not a box."""
-    rows = []
+    """The text of a tyro error box between its top border and its first rule ("Error parsing --optim.lr:
+    could not convert string to float: 'abc'"), or the whole text when it is not a box. tyro draws the
+    box in UTF-8 when stdout's encoding is UTF-8 (the title in the top border) and in ASCII dashes
+    otherwise (the title on a line above it)."""
+    rows, rules = [], 0
     for line in box.splitlines():
-        line = line.strip()
-        if line.startswith("│"):
-            text = line.strip("│ ")
-            if text and set(text) <= {"─"}:
+        text = line.strip().strip("│").strip()
+        if text.startswith("╭") or (text and set(text) <= {"─", "-"}):
+            rules += 1
+            if rules == 2:
                 break
+        elif rules == 1 and text:
             rows.append(text)
-    return " ".join(r for r in rows if r) or " ".join(box.split())
+    return " ".join(rows) or " ".join(box.split())
 
 
 if __name__ == "__main__":

@@ -105,7 +105,7 @@ def test_family_settings_are_the_adapters_and_strict(tmp_path):
     with pytest.raises(ConfigError, match="family.prompt_length_buckets: expected a list"):
         config_from_dict({"model": {"adapter": "qwen_image"}, "family": {"prompt_length_buckets": 64}})
     with pytest.raises(ConfigError, match="family.prompt_length_buckets must be distinct ascending"):
-        config_from_dict({"model": {"adapter": "qwen_image"}, "family": {"prompt_length_buckets": [64, 32]}})
+        load_config("qwen_image_tiny_flowgrpo", ["--family.prompt_length_buckets", "64", "32"])
     with pytest.raises(ConfigError, match="unknown adapter 'nope'"):
         config_from_dict({"model": {"adapter": "nope"}})
     # --model.adapter decides which family section the recipe's keys are checked against.

@@ -12,6 +12,8 @@ import torch
 from diffusers import QwenImagePipeline
 from safetensors.torch import load_file
 
+from omnirl.config import ConfigError
+from omnirl.config_checks import check_values
 from omnirl.models import get_adapter
 from omnirl.models.base import Request, SamplingParams
 from omnirl.models.flow_sde import flow_step
@@ -123,9 +125,11 @@ def test_buckets_key_and_tokens(adapter, tiny_qwen_image):
     assert adapter.num_tokens(unguided[1]) == 64 + 32 and padded_lengths(BUCKETS, [11], [], True) == (16, 0)
     # Longer than the largest bucket: truncated to it, as the pipeline's max_sequence_length does.
     assert adapter.prompt_length("word " * 40) == BUCKETS[-1]
+    cfg = tiny_config("qwen_image", tiny_qwen_image)
     for bad in ([], [32, 16], [16, 16], [0, 8], [64, 2048]):
-        with pytest.raises(ValueError, match="family.prompt_length_buckets must be"):
-            make_adapter(tiny_qwen_image, buckets=bad)
+        cfg.family.prompt_length_buckets = bad
+        with pytest.raises(ConfigError, match="family.prompt_length_buckets must be"):
+            check_values(cfg)
 
 
 def test_decode_in_chunks_equals_one_batch(adapter, monkeypatch):

@@ -10,11 +10,12 @@ import torch
 from diffusers import WanPipeline
 
 from omnirl.config import ConfigError, config_for
+from omnirl.config_checks import check_values
 from omnirl.memory import GIB, peak_bytes
 from omnirl.models import get_adapter
 from omnirl.models.base import Request, SamplingParams, derive_seed
 from omnirl.models.flow_sde import flow_step
-from omnirl.models.wan import LORA_FILE, LORA_FILE_2, WanAdapter, WanSettings
+from omnirl.models.wan import LORA_FILE, LORA_FILE_2, WanAdapter
 from omnirl.rollout.diffusion import DiffusionEngine
 from tests.support_compare import (
     export_lora_twice,
@@ -196,8 +197,9 @@ def test_registered_and_bad_frames(tiny_wan_ti2v):
     cfg.family.num_frames = 8
     with pytest.raises(ValueError, match="num_frames"):
         WanAdapter(cfg, torch.device("cpu"))
-    with pytest.raises(ConfigError, match="family.decode_rows must be at least 1, got 0"):
-        WanSettings(decode_rows=0)
+    cfg.family.num_frames, cfg.family.decode_rows = 9, 0
+    with pytest.raises(ConfigError, match="family.decode_rows must be an integer >= 1, got 0"):
+        check_values(cfg)
 
 
 def test_memory_probe_starts_where_the_decode_chunk_is_full(ti2v, monkeypatch):

@@ -196,7 +196,9 @@ class OmniAdapter(Protocol):
 
     kind: Literal["omni"]  # a class attribute: the trainer runs it with omnirl.ops.omni.OmniOps
     modalities: frozenset[str]  # a class attribute: what its outputs hold ({"text"})
-    Settings: type  # a class attribute: the dataclass of the family's own settings (the recipe's `family:`)
+    # A class attribute: the dataclass of the family's own settings (the recipe's `family:`), whose class
+    # attribute RANGES (field -> (predicate, what is allowed)) config_checks checks when the recipe loads.
+    Settings: type
     model: nn.Module  # the trained module and FSDP root: forward(**batch, position_ids, ...) -> [B, L, H]
     policy: nn.Module  # the same module: what the trainer shards, checkpoints and optimizes
     lm_head: nn.Module  # the output projection, a child of `model`, applied by callers where they need it
@@ -267,7 +269,9 @@ class DiffusionAdapter(Protocol):
         "diffusion"
     ]  # a class attribute: the trainer runs it with omnirl.ops.diffusion.DiffusionOps
     modalities: frozenset[str]  # a class attribute: what its outputs hold, e.g. {"image"}
-    Settings: type  # a class attribute: the dataclass of the family's own settings (the recipe's `family:`)
+    # A class attribute: the dataclass of the family's own settings (the recipe's `family:`), whose class
+    # attribute RANGES (field -> (predicate, what is allowed)) config_checks checks when the recipe loads.
+    Settings: type
     policy: nn.Module  # the trained module (LoRA injected or fully trainable): one transformer or experts
     fused_cfg: bool  # CFG's cond + uncond rows share one forward in rollout: the engine sets it (only there)
     # The rows from which a rollout's peak memory grows linearly: the largest chunk of any phase it runs in

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from torch import nn
@@ -76,6 +76,10 @@ class Qwen3OmniSettings:
     """The stage that is trained and run ('thinker': text out; the talker (speech) and 'all' are not
     implemented yet). Modules the stage does not use are never loaded."""
 
+    RANGES: ClassVar[dict] = {  # checked when the recipe loads (omnirl.config_checks)
+        "stage": ((lambda v: v == "thinker"), "'thinker' (the talker (speech) and 'all' are not implemented)")
+    }
+
 
 class Qwen3OmniThinkerAdapter(TransformersLMAdapter):
     """The `OmniAdapter` for Qwen3-Omni MoE checkpoints; trains the thinker (family.stage 'thinker')."""
@@ -84,11 +88,6 @@ class Qwen3OmniThinkerAdapter(TransformersLMAdapter):
     Settings = Qwen3OmniSettings
 
     def __init__(self, cfg: Config, device: torch.device):
-        if cfg.family.stage != "thinker":
-            raise ValueError(
-                f"family.stage {cfg.family.stage!r}: the Qwen3-Omni adapter implements only 'thinker' (text "
-                "output); the talker (speech) and 'all' are not supported"
-            )
         path = cfg.model.path
         try:
             config = AutoConfig.from_pretrained(path)

@@ -21,6 +21,7 @@ image tokens), a tail batch a large one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, re
 from torch import nn
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
-from omnirl.config import Config, ConfigError
+from omnirl.config import Config
 from omnirl.distributed import DTYPES, compute_dtype, load_pretrained
 from omnirl.models.base import Output, Request, Trajectory
 from omnirl.models.diffusers_setup import DiffusersBase, make_trainable, trajectories
@@ -217,13 +218,13 @@ def decode(vae, latents: torch.Tensor) -> torch.Tensor:
     return (images.float() * 0.5 + 0.5).clamp(0, 1)  # as VaeImageProcessor.postprocess
 
 
-def check_buckets(buckets: list[int], limit: int | None) -> None:
-    """Prompt-length buckets are distinct ascending positive lengths, at most `limit` (None: no limit)."""
-    if not buckets or buckets != sorted(set(buckets)) or buckets[0] < 1 or (limit and buckets[-1] > limit):
-        allowed = f"in [1, {limit}]" if limit else "positive"
-        raise ConfigError(
-            f"family.prompt_length_buckets must be distinct ascending lengths {allowed}, got {buckets}"
-        )
+def bucket_range(limit: int | None) -> tuple:
+    """The range of family.prompt_length_buckets (a `Settings.RANGES` entry): distinct ascending positive
+    lengths, at most `limit` (None: no limit)."""
+    return (
+        lambda b: bool(b) and b == sorted(set(b)) and b[0] >= 1 and (limit is None or b[-1] <= limit),
+        f"distinct ascending lengths {f'in [1, {limit}]' if limit else 'positive'}",
+    )
 
 
 @dataclass
@@ -235,8 +236,7 @@ class QwenImageSettings:
     maximum prompt length: longer prompts are truncated to it (the pipeline's max_sequence_length, at most
     1024)."""
 
-    def __post_init__(self):
-        check_buckets(self.prompt_length_buckets, MAX_SEQUENCE_LENGTH)
+    RANGES: ClassVar[dict] = {"prompt_length_buckets": bucket_range(MAX_SEQUENCE_LENGTH)}  # checked at load
 
 
 class QwenImageAdapter(DiffusersBase):

@@ -24,6 +24,7 @@ a longer one than the largest bucket is an error, not a truncation.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from diffusers import (
@@ -45,6 +46,7 @@ from transformers import (
 from transformers.processing_utils import ProcessorMixin
 
 from omnirl.config import Config, ConfigError
+from omnirl.config_checks import at_least
 from omnirl.distributed import DTYPES, load_pretrained
 from omnirl.models.base import Output, Request, Trajectory
 from omnirl.models.diffusers_setup import DiffusersBase, make_trainable, trajectories
@@ -52,7 +54,7 @@ from omnirl.models.flow_sde import host_rows, phase, to_host
 from omnirl.models.qwen_image import (
     DECODE_ROWS,
     bucket,
-    check_buckets,
+    bucket_range,
     collate,
     decode,
     packed_velocity,
@@ -84,10 +86,10 @@ class QwenImageEditSettings:
     """Pixel area the condition image is resized to (its aspect ratio kept, sides multiples of 32) before
     the VAE and the text encoder see it. QwenImageEditPipeline hard-codes 1024 * 1024."""
 
-    def __post_init__(self):
-        check_buckets(self.prompt_length_buckets, None)
-        if self.condition_area < 1:
-            raise ConfigError(f"family.condition_area must be positive, got {self.condition_area}")
+    RANGES: ClassVar[dict] = {  # checked when the recipe loads (omnirl.config_checks)
+        "prompt_length_buckets": bucket_range(None),
+        "condition_area": at_least(1),
+    }
 
 
 class QwenImageEditAdapter(DiffusersBase):

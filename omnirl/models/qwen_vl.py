@@ -11,6 +11,7 @@ language model conditioned on the image.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -57,6 +58,8 @@ class _ProcessorWithoutVideo(Qwen2_5_VLProcessor):
 class QwenVLSettings:
     """A VL model has no settings of its own: it has one stage, the language model conditioned on the
     image."""
+
+    RANGES: ClassVar[dict] = {}
 
 
 class QwenVLAdapter(TransformersLMAdapter):

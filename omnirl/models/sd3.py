@@ -10,6 +10,7 @@ draws the same noise as a serial run), a per-row SDE window, and the log-prob of
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from diffusers import (
@@ -34,6 +35,8 @@ T5_MAX_SEQUENCE_LENGTH = 256
 @dataclass
 class SD3Settings:
     """SD3 has no settings of its own: its prompts are padded to fixed lengths, its sizes are sampling.*."""
+
+    RANGES: ClassVar[dict] = {}
 
 
 class SD3Adapter(DiffusersBase):

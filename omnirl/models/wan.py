@@ -24,8 +24,10 @@ scheduler: same initial latents, same video.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from diffusers import (
@@ -39,6 +41,7 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import AutoTokenizer, UMT5EncoderModel
 
 from omnirl.config import Config, ConfigError
+from omnirl.config_checks import POSITIVE, at_least
 from omnirl.distributed import DTYPES, compute_dtype, load_pretrained
 from omnirl.models.base import Output, Request, Trajectory
 from omnirl.models.diffusers_setup import (
@@ -103,9 +106,22 @@ class WanSettings:
     decode_rows: int = 2
     """Videos the VAE decodes at once: bounds the decode's peak memory (it grows with frames x pixels)."""
 
-    def __post_init__(self):
-        if self.decode_rows < 1:
-            raise ConfigError(f"family.decode_rows must be at least 1, got {self.decode_rows}")
+    # Checked when the recipe loads (omnirl.config_checks). Every Wan VAE (2.1, 2.2) has the temporal
+    # factor 4; the adapter checks num_frames against the checkpoint's own again.
+    RANGES: ClassVar[dict] = {
+        "num_frames": (
+            (lambda v: v >= 1 and (v - 1) % 4 == 0),
+            "an integer >= 1 with num_frames - 1 divisible by 4 (the VAE's temporal factor)",
+        ),
+        "fps": POSITIVE,
+        "flow_shift": POSITIVE,
+        "guidance_scale_2": (
+            (lambda v: v is None or (math.isfinite(v) and v >= 1)),
+            "null (= sampling.guidance_scale) or a finite number >= 1 (1 = no guidance)",
+        ),
+        "max_sequence_length": at_least(1),
+        "decode_rows": at_least(1),
+    }
 
 
 class WanAdapter(DiffusersBase):
