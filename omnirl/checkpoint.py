@@ -316,8 +316,8 @@ def load_weights(path: Path, model: nn.Module) -> None:
     set_model_state_dict(model, state["model"], options=LOAD_OPTIONS)
 
 
-# Export: what `scripts/export.py` writes. The diffusers LoRA format is the hub: a checkpoint becomes one
-# through the adapter's own `export_lora`, and the peft and merged formats are made from that file.
+# Export: what `scripts/export.py` writes goes through the adapter a checkpoint was trained on (its
+# `export_lora` and `export_merged`); reading and converting LoRA directories is omnirl/export.py's.
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
 
@@ -340,58 +340,6 @@ def adapter_from_checkpoint(path: Path, model_path: str = "") -> tuple[object, C
     adapter = get_adapter(cfg.model.adapter)(cfg, torch.device("cpu"))
     load_weights(path, adapter.policy)
     return adapter, cfg
-
-
-def lora_to_peft(lora_dir: Path, out_dir: Path, model_path: str = "") -> None:
-    """A diffusers-format LoRA of the transformer -> the peft format (`adapter_config.json` +
-    `adapter_model.safetensors`), which `peft.PeftModel.from_pretrained(<the base transformer>, out_dir)`
-    loads. The LoRA's config comes from the metadata the diffusers file carries."""
-    import peft
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    from omnirl.models.peft_lora import sorted_sets
-
-    file = Path(lora_dir) / LORA_FILE
-    with safe_open(file, "pt") as f:
-        metadata = json.loads((f.metadata() or {}).get("lora_adapter_metadata", "{}"))
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    others = [k for k in tensors if not k.startswith("transformer.")]
-    if others or not metadata:
-        raise ValueError(
-            f"{file}: not a transformer LoRA with its config in the metadata, as omnirl exports it "
-            f"(keys outside the transformer: {others[:3]}; metadata present: {bool(metadata)})"
-        )
-    config = peft.LoraConfig.from_peft_type(
-        **{k.removeprefix("transformer."): v for k, v in metadata.items() if k.startswith("transformer.")}
-    )
-    config.base_model_name_or_path = model_path or None
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # PeftModel's own key layout: the wrapped model sits at base_model.model.
-    save_file(
-        {"base_model.model." + k.removeprefix("transformer."): v for k, v in tensors.items()},
-        out_dir / "adapter_model.safetensors",
-        metadata={"format": "pt"},
-    )
-    sorted_sets(config).save_pretrained(out_dir)
-
-
-def save_merged(
-    model_path: str, out_dir: Path, dtype: torch.dtype, lora_dir: Path | None = None, policy=None
-) -> None:
-    """The whole diffusers pipeline of `model_path` in safetensors, with the LoRA of `lora_dir` fused into
-    the transformer's weights (diffusers' `fuse_lora`, in float32) or with a fully fine-tuned `policy` in
-    place of the pipeline's transformer."""
-    from diffusers import DiffusionPipeline
-
-    extra = {"transformer": policy} if policy is not None else {}
-    pipe = DiffusionPipeline.from_pretrained(model_path, torch_dtype=torch.float32, **extra)
-    if lora_dir is not None:
-        pipe.load_lora_weights(lora_dir)
-        pipe.fuse_lora()
-        pipe.unload_lora_weights()
-    pipe.to(dtype).save_pretrained(out_dir, safe_serialization=True)
 
 
 def export_lora(cfg: Config, adapter, policy: nn.Module, dist) -> None:

@@ -132,7 +132,7 @@ def check_values(cfg: Config) -> None:
             f"({world}): each rank takes an equal share of the step's prompts"
         )
     path = cfg.model.path
-    if not os.path.exists(path) and _looks_local(path):
+    if not os.path.exists(path) and looks_local(path):
         raise ConfigError(
             f"model.path {path!r} does not exist (a local path: it is not looked up on the hub)"
         )
@@ -205,7 +205,7 @@ def _check_frozen_base(cfg: Config) -> None:
         )
 
 
-def _looks_local(path: str) -> bool:
+def looks_local(path: str) -> bool:
     """A path no hub id looks like (hub ids are `name` or `org/name`): absolute, relative to `.`, `..` or
     `~`, more than one `/`, or under a local directory that exists."""
     parts = path.split("/")

@@ -7,11 +7,17 @@
 SOURCE is a checkpoint directory (output_dir/checkpoints/step_NNNNNN) or a diffusers LoRA directory
 (output_dir/lora). A checkpoint names its base model in meta.json and `--model-path` replaces it; a LoRA
 directory names none, so --merge needs --model-path there. A fully fine-tuned checkpoint has no LoRA and
-exports only with --merge. Every weight file is safetensors.
+exports only with --merge. Every weight file is safetensors. OUT is a new (or empty) directory, written
+whole or not at all.
+
+The export holds every trained component: a Wan2.2 T2V-A14B run's LoRA directory holds one file per expert
+(`pytorch_lora_weights.safetensors`, `pytorch_lora_weights_transformer_2.safetensors`), all copied; its
+--merge fuses each into its expert; its peft format is one adapter per expert (OUT/transformer,
+OUT/transformer_2). A LoRA directory that lacks a file of a component of --model-path's model is refused.
 
 A checkpoint is verified against its manifest before anything is read, and trained weights that hold NaN
-or infinity (of a checkpoint or a LoRA directory) are refused: a damaged source is one line `error: ...`
-and exit status 2, and nothing is written.
+or infinity (of a checkpoint or a LoRA directory) are refused: a damaged source, a missing local model
+path or an OUT that cannot be written is one line `error: ...` and exit status 2, and nothing is written.
 
 An omni checkpoint (Qwen3-Omni thinker, Qwen-VL) exports its LoRA in the peft format (`--format peft`, as
 the run's own `lora/` directory) or, with --merge, the model as a transformers directory with the LoRA
@@ -21,21 +27,27 @@ merged into its weights (loadable as `model.path`, or with the model class's `fr
 import argparse
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
-from safetensors.torch import load_file
-
-from omnirl.checkpoint import LORA_FILE, adapter_from_checkpoint, lora_to_peft, save_merged
-from omnirl.checkpoint_checks import check_finite
+from omnirl.checkpoint import LORA_FILE, adapter_from_checkpoint
+from omnirl.checkpoint_checks import read_meta
 from omnirl.config import ConfigError
 from omnirl.distributed import DTYPES
+from omnirl.export import (
+    check_lora_dir,
+    check_model_path,
+    check_out,
+    lora_dir_files,
+    lora_dir_to_peft,
+    read_lora,
+    staged,
+)
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("source", type=Path, help="a checkpoint directory or a diffusers LoRA directory")
-    parser.add_argument("out", type=Path, help="the output directory")
+    parser.add_argument("out", type=Path, help="the output directory (new, or empty)")
     parser.add_argument("--format", choices=["diffusers", "peft"], default="diffusers", help="LoRA format")
     parser.add_argument("--merge", action="store_true", help="write the pipeline with the LoRA fused in")
     parser.add_argument("--model-path", default="", help="the base model (default: the checkpoint's)")
@@ -49,50 +61,68 @@ def main(argv: list[str]) -> int:
     if not is_checkpoint and not (args.source / LORA_FILE).is_file():
         parser.error(f"{args.source}: neither a checkpoint (meta.json) nor a LoRA directory ({LORA_FILE})")
     try:
-        return export(parser, args)
+        check_out(args.out, [args.source])
+        if args.model_path:
+            check_model_path(args.model_path, "--model-path")
+        if is_checkpoint:
+            return export_checkpoint(parser, args)
+        return export_lora_dir(parser, args)
     except ConfigError as e:  # CheckpointError included
         print(f"error: {e}", file=sys.stderr)
         return 2
 
 
-def export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    is_checkpoint = (args.source / "meta.json").is_file()
-    lora_only = not args.merge and args.format == "diffusers"
-    if not is_checkpoint:
-        check_finite(args.source / LORA_FILE, load_file(args.source / LORA_FILE))
-
-    with tempfile.TemporaryDirectory() as tmp:
-        lora_dir, model_path, policy = args.source, args.model_path, None
-        if is_checkpoint:
-            adapter, cfg = adapter_from_checkpoint(args.source, args.model_path)
-            model_path = cfg.model.path
-            if adapter.kind == "omni":
-                if args.merge:
-                    adapter.export_merged(args.out, DTYPES[args.dtype])
-                elif args.format == "peft" and cfg.model.finetune == "lora":
-                    adapter.export_lora(args.out)
-                else:
-                    parser.error(
-                        f"{args.source}: an omni model exports with --format peft (a LoRA) or --merge"
-                    )
-                print(f"wrote {args.out}")
-                return 0
-            if cfg.model.finetune == "full":
-                if not args.merge:
-                    parser.error(f"{args.source} is a full fine-tune (no LoRA): export it with --merge")
-                policy, lora_dir = adapter.policy, None
-            else:
-                lora_dir = args.out if lora_only else Path(tmp)
-                adapter.export_lora(lora_dir)
-        elif lora_only:
-            args.out.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(args.source / LORA_FILE, args.out / LORA_FILE)
+def export_checkpoint(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """A checkpoint, through the adapter it was trained on: its export_lora / export_merged."""
+    if not args.model_path:
+        recorded = read_meta(args.source)["identity"].get("model.path")
+        if isinstance(recorded, str):  # else adapter_from_checkpoint names the damage
+            check_model_path(
+                recorded, f"the model.path that {args.source}/meta.json names (--model-path replaces it)"
+            )
+    adapter, cfg = adapter_from_checkpoint(args.source, args.model_path)
+    lora = cfg.model.finetune == "lora"
+    if adapter.kind == "omni" and not args.merge and args.format != "peft":
+        parser.error(f"{args.source}: an omni model exports with --format peft (a LoRA) or --merge")
+    if not lora and not args.merge:
+        parser.error(f"{args.source} is a full fine-tune (no LoRA): export it with --merge")
+    with staged(args.out) as out:
         if args.merge:
-            if not model_path:
-                parser.error("--merge of a LoRA directory needs --model-path (the base model)")
-            save_merged(model_path, args.out, DTYPES[args.dtype], lora_dir, policy)
+            adapter.export_merged(out, DTYPES[args.dtype])
+        elif adapter.kind == "omni" or args.format == "diffusers":
+            adapter.export_lora(out)  # an omni model's LoRA is peft's format
+        else:
+            lora_dir = out / ".diffusers"
+            adapter.export_lora(lora_dir)
+            lora_dir_to_peft(lora_dir, lora_dir_files(lora_dir), out, cfg.model.path)
+            shutil.rmtree(lora_dir)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def export_lora_dir(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """A run's diffusers LoRA directory: every LoRA file in it, checked against --model-path's components
+    when it is given."""
+    if args.merge and not args.model_path:
+        parser.error("--merge of a LoRA directory needs --model-path (the base model)")
+    files = lora_dir_files(args.source)
+    adapter_cls = None
+    if args.model_path:
+        from omnirl.models import diffusion_adapter_for
+
+        adapter_cls = diffusion_adapter_for(args.model_path)
+        files = adapter_cls.lora_files(args.model_path)
+        check_lora_dir(args.source, files, args.model_path)
+    for name in files.values():
+        read_lora(args.source / name)  # readable and finite, before anything is written
+    with staged(args.out) as out:
+        if args.merge:
+            adapter_cls.merge_lora(args.model_path, args.source, out, DTYPES[args.dtype])
         elif args.format == "peft":
-            lora_to_peft(lora_dir, args.out, model_path)
+            lora_dir_to_peft(args.source, files, out, args.model_path)
+        else:
+            for name in files.values():
+                shutil.copyfile(args.source / name, out / name)
     print(f"wrote {args.out}")
     return 0
 

@@ -23,3 +23,22 @@ def get_adapter(name: str) -> type:
         raise ConfigError(f"unknown adapter {name!r}; known: {', '.join(sorted(ADAPTERS))}")
     module, cls = ADAPTERS[name].split(":")
     return getattr(importlib.import_module(module), cls)
+
+
+def diffusion_adapter_for(model_path: str) -> type:
+    """The diffusion adapter whose pipeline the diffusers checkpoint at `model_path` holds (its
+    model_index.json's class); a ConfigError when there is none."""
+    from diffusers import DiffusionPipeline
+
+    try:
+        pipeline = DiffusionPipeline.load_config(model_path).get("_class_name")
+    except OSError as e:
+        raise ConfigError(
+            f"{model_path!r} is neither a local diffusers checkpoint (a directory with model_index.json) nor "
+            f"a loadable hub id: {e}"
+        ) from None
+    for name in ADAPTERS:
+        adapter = get_adapter(name)
+        if adapter.kind == "diffusion" and adapter.pipeline_cls.__name__ == pipeline:
+            return adapter
+    raise ConfigError(f"{model_path!r} holds a {pipeline}, which no diffusion adapter of omnirl trains")

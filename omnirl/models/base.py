@@ -317,5 +317,9 @@ class DiffusionAdapter(Protocol):
         """Write the LoRA in the family's diffusers format (`load_lora_weights` reads it). An FSDP run
         passes the gathered full state dict of `policy`."""
 
+    def export_merged(self, out_dir: str, dtype: torch.dtype) -> None:
+        """Write the whole pipeline of model.path in `dtype` with every trained component's weights in it
+        (the LoRA fused in, or the fully fine-tuned modules): every expert of a family of several."""
+
     def offload_modules(self) -> list[nn.Module]:
         """Modules only the rollout needs (text encoders, VAE): they sleep during training."""

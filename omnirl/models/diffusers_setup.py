@@ -17,6 +17,7 @@ The module loading stays in each adapter: the measuring scripts replace each ada
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import peft
@@ -40,8 +41,12 @@ class DiffusersBase:
     calls `super().__init__(cfg, device)` first (it checks model.path and sets `device`, `lora` and
     `transformer_dtype`), loads its modules, sets `transformer` (the trained module) and makes it trainable
     (`make_trainable`). A family whose policy is not one transformer (Wan2.2's two experts) overrides
-    `policy`, `fsdp_units` and `export_lora`; one whose embeddings differ in length overrides
-    `batch_embeds`.
+    `policy`, `trained_modules`, `fsdp_units`, `export_lora`, `lora_files` and `load_lora`; one whose
+    embeddings differ in length overrides `batch_embeds`.
+
+    What an export holds is the adapter's: `export_lora` writes one LoRA file per trained component
+    (`lora_files` names them), `export_merged` and `merge_lora` write the whole pipeline with every trained
+    component's weights in it.
     """
 
     pipeline_cls: type
@@ -50,6 +55,7 @@ class DiffusersBase:
 
     def __init__(self, cfg: Config, device: torch.device):
         check_checkpoint(cfg.model.path, self.pipeline_cls)
+        self.model_path = cfg.model.path
         self.device = device
         # A fully fine-tuned transformer is trained, hence kept, in float32; a LoRA base stays in model.dtype.
         self.lora = cfg.model.finetune == "lora"
@@ -59,6 +65,10 @@ class DiffusersBase:
     def policy(self) -> nn.Module:
         """The trained module: the one transformer."""
         return self.transformer
+
+    def trained_modules(self) -> dict[str, nn.Module]:
+        """The pipeline's components that training changes, by their name in the pipeline."""
+        return {"transformer": self.transformer}
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.policy.parameters() if p.requires_grad]
@@ -93,6 +103,41 @@ class DiffusersBase:
         if not self.lora:
             raise ValueError("export_lora needs model.finetune 'lora'")
         save_lora(self.pipeline_cls, self.transformer, out_dir, state_dict)
+
+    def export_merged(self, out_dir: str | Path, dtype: torch.dtype) -> None:
+        """The whole pipeline of model.path in `dtype` (safetensors), every trained component in it: a LoRA
+        fused into its base (`merge_lora`), or a fully fine-tuned component in place of the base's."""
+        if self.lora:
+            with tempfile.TemporaryDirectory() as tmp:
+                self.export_lora(tmp)
+                self.merge_lora(self.model_path, Path(tmp), out_dir, dtype)
+            return
+        pipe = self.pipeline_cls.from_pretrained(
+            self.model_path, torch_dtype=torch.float32, **self.trained_modules()
+        )
+        pipe.to(dtype).save_pretrained(out_dir, safe_serialization=True)
+
+    @classmethod
+    def lora_files(cls, model_path: str) -> dict[str, str]:
+        """Component -> the file `export_lora` writes its LoRA to, for the checkpoint at `model_path`."""
+        return {"transformer": LORA_FILE}
+
+    @classmethod
+    def load_lora(cls, pipe, lora_dir: Path, component: str, weight_name: str) -> None:
+        """Load the LoRA file `weight_name` of `lora_dir` into `pipe`'s `component`."""
+        pipe.load_lora_weights(lora_dir, weight_name=weight_name)
+
+    @classmethod
+    def merge_lora(cls, model_path: str, lora_dir: Path, out_dir: str | Path, dtype: torch.dtype) -> None:
+        """The whole pipeline of `model_path` in `dtype` (safetensors) with the LoRA of `lora_dir` (every file
+        of `lora_files`) fused into each component's weights by diffusers' `fuse_lora`, in float32."""
+        files = cls.lora_files(model_path)
+        pipe = cls.pipeline_cls.from_pretrained(model_path, torch_dtype=torch.float32)
+        for component, weight_name in files.items():
+            cls.load_lora(pipe, lora_dir, component, weight_name)
+        pipe.fuse_lora(components=list(files))
+        pipe.unload_lora_weights()
+        pipe.to(dtype).save_pretrained(out_dir, safe_serialization=True)
 
 
 def check_checkpoint(path: str, pipeline_cls) -> None:

@@ -58,6 +58,21 @@ from omnirl.models.flow_sde import WindowedSampler, phase, to_host
 # load_into_transformer_2=True)` loads it (diffusers names both experts' LoRA keys "transformer.").
 LORA_FILE_2 = "pytorch_lora_weights_transformer_2.safetensors"
 EXPERTS = ("transformer", "transformer_2")
+LORA_FILES = {"transformer": LORA_FILE, "transformer_2": LORA_FILE_2}
+
+
+def experts_of(path: str) -> list[str]:
+    """The experts of the WanPipeline checkpoint at `path`: ["transformer"] or ["transformer",
+    "transformer_2"], as its model_index.json lists them, checked against its boundary_ratio."""
+    index = WanPipeline.load_config(path)
+    boundary_ratio = index.get("boundary_ratio")
+    names = [n for n in EXPERTS if (index.get(n) or [None])[0] is not None]
+    if (boundary_ratio is None) != (names == ["transformer"]):
+        raise ConfigError(
+            f"model.path {path!r}: boundary_ratio {boundary_ratio} with experts {names}; expected "
+            "one transformer without a boundary or transformer + transformer_2 with one"
+        )
+    return names
 
 
 class Experts(nn.Module):
@@ -142,12 +157,7 @@ class WanAdapter(DiffusersBase):
         index = WanPipeline.load_config(path)
         self.expand_timesteps = bool(index.get("expand_timesteps", False))
         self.boundary_ratio = index.get("boundary_ratio")
-        names = [n for n in EXPERTS if (index.get(n) or [None])[0] is not None]
-        if (self.boundary_ratio is None) != (names == ["transformer"]):
-            raise ConfigError(
-                f"model.path {path!r}: boundary_ratio {self.boundary_ratio} with experts {names}; expected "
-                "one transformer without a boundary or transformer + transformer_2 with one"
-            )
+        names = experts_of(path)
         if self.boundary_ratio is None and self.settings.guidance_scale_2 is not None:
             raise ConfigError("family.guidance_scale_2 needs a two-expert checkpoint (transformer_2)")
         experts = {
@@ -186,6 +196,9 @@ class WanAdapter(DiffusersBase):
     def memory_probe_rows(self) -> int:
         """The decode's chunk: a rollout's peak grows linearly from `decode_rows` rows on."""
         return self.settings.decode_rows
+
+    def trained_modules(self) -> dict[str, nn.Module]:
+        return dict(self.experts)
 
     def fsdp_units(self) -> list[nn.Module]:
         return [b for e in self.experts.values() for b in e.blocks]
@@ -345,4 +358,14 @@ class WanAdapter(DiffusersBase):
             sub = state_dict
             if state_dict is not None and two:
                 sub = {k[len(name) + 1 :]: v for k, v in state_dict.items() if k.startswith(name + ".")}
-            save_lora(WanPipeline, expert, out_dir, sub, LORA_FILE if name == "transformer" else LORA_FILE_2)
+            save_lora(WanPipeline, expert, out_dir, sub, LORA_FILES[name])
+
+    @classmethod
+    def lora_files(cls, model_path: str) -> dict[str, str]:
+        return {name: LORA_FILES[name] for name in experts_of(model_path)}
+
+    @classmethod
+    def load_lora(cls, pipe, lora_dir: Path, component: str, weight_name: str) -> None:
+        # diffusers names both experts' LoRA keys "transformer."; the flag picks the expert.
+        load_2 = component == "transformer_2"
+        pipe.load_lora_weights(lora_dir, weight_name=weight_name, load_into_transformer_2=load_2)
