@@ -317,9 +317,11 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     on_nonfinite: Literal["skip", "stop"] = "skip"
-    """A non-finite loss or gradient norm in an update: 'skip' drops that optimizer step on every rank
-    (counted in train/skipped_nonfinite), 'stop' raises naming the step. A non-finite reward is always an
-    error (a scorer bug, raised by the reward pool); advantages of finite rewards are finite."""
+    """A non-finite sample, loss or gradient norm in a step: 'skip' drops that optimizer step on every rank
+    (counted in train/skipped_nonfinite), 'stop' ends the run naming the step. Either way a step whose
+    every sample is non-finite, or a run that skipped every update, ends the run and exports nothing. A
+    non-finite reward is always an error (a scorer bug, raised by the reward pool); advantages of finite
+    rewards are finite."""
 
 
 @dataclass

@@ -92,28 +92,50 @@ def sync_grads(cfg: Config, model: nn.Module) -> None:
 
 
 class NonFiniteError(RuntimeError):
-    """A non-finite sample, loss or gradient norm with train.on_nonfinite 'stop'; the message names the
-    step."""
+    """Training made NaN or infinity and the run ends (scripts/train.py reports it as one `error:` line,
+    exit status 1, and nothing is exported): a non-finite sample, loss or gradient norm with
+    train.on_nonfinite 'stop'; whatever train.on_nonfinite, a step whose every sample is non-finite, or a
+    run that skipped every update. The message names the step."""
 
 
 def nonfinite_samples(cfg: Config, trajs: list, step: int) -> float:
     """How many samples of the step, over all ranks, held NaN or infinity (`omnirl.scoring.nonfinite_parts`:
-    they were not scored, their reward is NaN). Any at all: with train.on_nonfinite 'stop' a
-    NonFiniteError naming the step and this rank's first such request; with 'skip' a warning, and the
-    caller skips the step's update on every rank (a policy that makes NaN samples would only learn NaN
-    from them). Collective."""
+    they were not scored, their reward is NaN). Every one of them: a NonFiniteError, whatever
+    train.on_nonfinite (the update is skipped, so the policy that made them stays as it is and would make
+    them again). Some: with train.on_nonfinite 'stop' a NonFiniteError naming the step and this rank's
+    first such request; with 'skip' a warning, and the caller skips the step's update on every rank (a
+    policy that makes NaN samples would only learn NaN from them). Collective."""
     bad = [t for t in trajs if not math.isfinite(t.reward)]
-    total = int(D.all_reduce(torch.tensor([float(len(bad))], dtype=torch.float64)).item())
+    counts = D.all_reduce(torch.tensor([float(len(bad)), float(len(trajs))], dtype=torch.float64))
+    total, samples = (int(c) for c in counts.tolist())
     if not total:
         return 0.0
     where = (
         f"; on this rank request {bad[0].request.index}: {', '.join(nonfinite_parts(bad[0]))}" if bad else ""
     )
+    if total == samples:
+        raise NonFiniteError(
+            f"step {step}: all {total} samples hold NaN or infinity{where}: the policy makes no finite "
+            "sample (a setting such as optim.lr or the family's made it diverge), so the run stops and "
+            "exports nothing"
+        )
     msg = f"step {step}: {total} samples hold NaN or infinity, so none of them was scored{where}"
     if cfg.train.on_nonfinite == "stop":
         raise NonFiniteError(f"{msg}; the weights were not updated (train.on_nonfinite: stop)")
     D.print0(f"warning: {msg}; the update is skipped (train.on_nonfinite: skip)")
     return float(total)
+
+
+def check_learned(steps: int, updates: float, skipped: float) -> None:
+    """The end of a run of `steps` steps that applied `updates` optimizer steps and skipped `skipped` for
+    non-finite values: a NonFiniteError when it skipped every one (nothing was learned, and the LoRA is
+    not exported). A step that updates nothing because no group had reward spread skips nothing."""
+    if skipped and not updates:
+        raise NonFiniteError(
+            f"every update of the run's {steps} steps was skipped ({int(skipped)} for NaN or infinity in "
+            "samples, a loss or a gradient norm; train.on_nonfinite: skip): nothing was learned, so the run "
+            "exports nothing"
+        )
 
 
 def skip_nonfinite(cfg: Config, step: int, finite_loss: bool, grad_norm: float) -> bool:

@@ -21,7 +21,7 @@ from omnirl.metrics import MetricsLogger
 from omnirl.ops import check_before_loading, shard
 from omnirl.rewards.pool import RewardPool
 from omnirl.scoring import rollout_and_score, validate
-from omnirl.step import assign_advantages, per_rank, reward_stats, update
+from omnirl.step import assign_advantages, check_learned, per_rank, reward_stats, update
 
 
 def train(cfg: Config) -> dict[str, float]:
@@ -47,49 +47,55 @@ def train(cfg: Config) -> dict[str, float]:
     logger.progress(cfg.run.steps, initial=start)
     sleeper = Sleeper(dist.device) if cfg.memory.sleep else None
     logs: dict[str, float] = {}
-    for step in range(start, cfg.run.steps):
-        stats: dict[str, float] = {}
-        step_start = time.perf_counter()
-        requests = ops.requests(rows, step, dist)
-        # Each phase sleeps what only the other one uses (docs/memory.md). The gradients are
-        # dead after a step (every update starts from zero_grad(set_to_none=True)): dropped, not carried.
-        optimizer.zero_grad(set_to_none=True)
-        reference = [ops.ref_model] if ops.ref_model is not None else []
-        train_only = {"optimizer": optimizer_state(optimizer), "reference": module_tensors(reference)}
-        engine = ops.sleepable  # a rollout engine with weights of its own (vLLM): awake only for rollouts
-        with phase("rollout", stats, sleeper, sleep=train_only, wake=["offload"], engine=engine):
-            trajs, per_reward = rollout_and_score(ops, rewards, requests, stats)
-        keep, adv_metrics = assign_advantages(cfg, trajs)
-        rollout_only = {"offload": module_tensors(ops.offload_modules())}
-        with phase(
-            "train",
-            stats,
-            sleeper,
-            sleep=rollout_only,
-            wake=list(train_only),
-            engine=engine,
-            engine_awake=False,
-        ):
-            update_metrics = update(cfg, ops, optimizer, trajs, keep, step)
-        logs = {**reward_stats(per_reward), **adv_metrics, **update_metrics, **stats, **frozen}
-        logs["time/step_s"] = time.perf_counter() - step_start
-        if step == 0 and skipped is not None:
-            logs["data/skipped_rows"] = len(skipped)
-        if cfg.validation.every and val_rows and (step + 1) % cfg.validation.every == 0:
-            # The optimizer state stays awake: a checkpoint saved after validation reads it.
-            with phase("validate", logs, sleeper, wake=["offload"], engine=engine):
-                logs.update(validate(cfg, ops, rewards, val_rows, dist))
-        logs.update(per_rank(logs))
-        logger.log(step, logs)
-        if cfg.log.image_every and step % cfg.log.image_every == 0:
-            ops.log_samples(logger, step, trajs)
-        logger.update(step, logs["reward/mean"], logs["time/step_s"])
-        every = cfg.checkpoint.every
-        if every and ((step + 1) % every == 0 or step + 1 == cfg.run.steps):
-            checkpoint.save(cfg, step + 1, ops.policy, optimizer, dist, ops.state())
-    if cfg.export.lora_at_end and cfg.model.finetune == "lora":
-        checkpoint.export_lora(cfg, ops.adapter, ops.policy, dist)
+    updates = skipped_updates = 0.0  # of this run's steps: none applied and some skipped is an error
+    try:
+        for step in range(start, cfg.run.steps):
+            stats: dict[str, float] = {}
+            step_start = time.perf_counter()
+            requests = ops.requests(rows, step, dist)
+            # Each phase sleeps what only the other one uses (docs/memory.md). The gradients are
+            # dead after a step (every update starts from zero_grad(set_to_none=True)): dropped, not carried.
+            optimizer.zero_grad(set_to_none=True)
+            reference = [ops.ref_model] if ops.ref_model is not None else []
+            train_only = {"optimizer": optimizer_state(optimizer), "reference": module_tensors(reference)}
+            engine = ops.sleepable  # a rollout engine with weights of its own (vLLM): awake only for rollouts
+            with phase("rollout", stats, sleeper, sleep=train_only, wake=["offload"], engine=engine):
+                trajs, per_reward = rollout_and_score(ops, rewards, requests, stats)
+            keep, adv_metrics = assign_advantages(cfg, trajs)
+            rollout_only = {"offload": module_tensors(ops.offload_modules())}
+            with phase(
+                "train",
+                stats,
+                sleeper,
+                sleep=rollout_only,
+                wake=list(train_only),
+                engine=engine,
+                engine_awake=False,
+            ):
+                update_metrics = update(cfg, ops, optimizer, trajs, keep, step)
+            logs = {**reward_stats(per_reward), **adv_metrics, **update_metrics, **stats, **frozen}
+            updates += update_metrics.get("train/updates", 0.0)
+            skipped_updates += update_metrics["train/skipped_nonfinite"]
+            logs["time/step_s"] = time.perf_counter() - step_start
+            if step == 0 and skipped is not None:
+                logs["data/skipped_rows"] = len(skipped)
+            if cfg.validation.every and val_rows and (step + 1) % cfg.validation.every == 0:
+                # The optimizer state stays awake: a checkpoint saved after validation reads it.
+                with phase("validate", logs, sleeper, wake=["offload"], engine=engine):
+                    logs.update(validate(cfg, ops, rewards, val_rows, dist))
+            logs.update(per_rank(logs))
+            logger.log(step, logs)
+            if cfg.log.image_every and step % cfg.log.image_every == 0:
+                ops.log_samples(logger, step, trajs)
+            logger.update(step, logs["reward/mean"], logs["time/step_s"])
+            every = cfg.checkpoint.every
+            if every and ((step + 1) % every == 0 or step + 1 == cfg.run.steps):
+                checkpoint.save(cfg, step + 1, ops.policy, optimizer, dist, ops.state())
+        check_learned(cfg.run.steps - start, updates, skipped_updates)
+        if cfg.export.lora_at_end and cfg.model.finetune == "lora":
+            checkpoint.export_lora(cfg, ops.adapter, ops.policy, dist)
+    finally:
+        logger.close()  # ends the progress bar's line: an error reported now starts its own
     rewards.close()
-    logger.close()
     D.unlock_output_dir(cfg.run.output_dir)
     return logs

@@ -11,8 +11,10 @@ one line `error: ...` on stderr and exit status 2, raised before anything is wri
 Under torchrun rank 0 prints it and writes it to its torchelastic error file, so that the launcher's
 failure summary names it as the cause (torchrun itself exits 1); the other ranks first wait a few seconds
 for the launcher to end them, and report it themselves only where rank 0 did not fail.
-Anything else is a bug and keeps its traceback; under torchrun `@record` also puts it in the launcher's
-failure summary, so the first failing rank's cause is named there.
+A run that training drove to NaN or infinity (every sample of a step, every update skipped, or
+train.on_nonfinite stop) ends with one line `error: ...` naming the step, exit status 1, and exports
+nothing. Anything else is a bug and keeps its traceback; under torchrun `@record` also puts it in the
+launcher's failure summary, so the first failing rank's cause is named there.
 """
 
 import argparse
@@ -29,6 +31,7 @@ from omnirl.config import Config, ConfigError
 from omnirl.data.prompts import DataError
 from omnirl.distributed import exit_now
 from omnirl.recipe import load_config
+from omnirl.step import NonFiniteError
 
 USER_ERRORS = (ConfigError, DataError)  # omnirl.checkpoint.CheckpointError is a ConfigError
 # Under torchrun, how long a rank other than 0 waits, after a user error, for the launcher to end it (rank 0
@@ -59,6 +62,9 @@ def main(argv: list[str]) -> int:
     except USER_ERRORS as e:
         report("error: " + " ".join(line.strip() for line in str(e).splitlines()))
         return 2
+    except NonFiniteError as e:
+        report(f"error: {e}")
+        return 1
     return 0
 
 

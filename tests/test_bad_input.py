@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from omnirl.metrics import read_metrics
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -269,3 +271,53 @@ def test_values_that_depend_on_the_launch(tmp_path, capsys, monkeypatch):
     assert main(["--recipe", str(path), "--run.output_dir", str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err.startswith("error: reward.weights is empty")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
+
+
+# A run that training drives to NaN or infinity ends with one line and exit status 1, and exports nothing.
+SMALL_RUN = [
+    "--rollout.prompts_per_step", "1", "--rollout.group_size", "2", "--sampling.num_steps", "2",
+    "--log.image_every", "0", "--log.no-tensorboard", "--checkpoint.every", "0",
+    "--export.lora_at_end", "true",
+]  # fmt: skip
+
+
+def assert_nonfinite_run(status: int, err: str, expected: str, out_dir: Path) -> None:
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert status == 1 and "Traceback" not in err, err
+    assert len(errors) == 1 and errors[0].startswith("error: " + expected), err
+    assert (out_dir / "metrics.jsonl").exists() and not (out_dir / "lora").exists()
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # @record, under pytest's capture
+def test_a_run_that_makes_only_nan_samples_stops(tiny_sd3, tmp_path, capsys, monkeypatch):
+    """lr 1e30: step 0's update makes every sample of step 1 NaN. The run stops there, train.on_nonfinite
+    skip (the default) or not: the policy is not updated, so it would make NaN samples again."""
+    monkeypatch.chdir(ROOT)
+    out_dir = tmp_path / "out"
+    args = ["--model.path", str(tiny_sd3), "--run.output_dir", str(out_dir), "--run.steps", "3", *SMALL_RUN]
+    status = load_train_script().main(["--recipe", "sd3_tiny_flowgrpo", *args, "--optim.lr", "1e30"])
+    expected = "step 1: all 2 samples hold NaN or infinity; on this rank request 0: "
+    assert_nonfinite_run(status, capsys.readouterr().err, expected, out_dir)
+    rows = read_metrics(out_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0] and rows[0]["train/updates"] == 1
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+def test_a_run_that_skips_every_update_stops(tiny_sd3, tmp_path, capsys, monkeypatch):
+    """Finite samples but a NaN loss in every step (the flow_grpo loss times NaN): every update is skipped,
+    so the run has learned nothing and exports nothing."""
+    from omnirl.ops.diffusion import DiffusionOps
+
+    loss = DiffusionOps.loss
+
+    def nan_loss(self, *args):
+        value, metrics = loss(self, *args)
+        return value * float("nan"), metrics
+
+    monkeypatch.setattr(DiffusionOps, "loss", nan_loss)
+    monkeypatch.chdir(ROOT)
+    out_dir = tmp_path / "out"
+    args = ["--model.path", str(tiny_sd3), "--run.output_dir", str(out_dir), "--run.steps", "2", *SMALL_RUN]
+    status = load_train_script().main(["--recipe", "sd3_tiny_flowgrpo", *args])
+    expected = "every update of the run's 2 steps was skipped (2 for NaN or infinity in samples, a loss or"
+    assert_nonfinite_run(status, capsys.readouterr().err, expected, out_dir)
