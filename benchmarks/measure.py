@@ -38,7 +38,8 @@ def batch_lengths(adapter, batch: list[Request]) -> tuple[int, int]:
         return text_lengths(adapter, batch[0])
     cond, neg = zip(*(text_lengths(adapter, r) for r in batch))
     guided = batch[0].params.guidance_scale > 1
-    return padded_lengths(adapter.buckets, list(cond), list(neg) if guided else [], adapter.fused_cfg)
+    fused = batch[0].params.fused_cfg
+    return padded_lengths(adapter.buckets, list(cond), list(neg) if guided else [], fused)
 
 
 def transformer_flops(adapter, params: SamplingParams):

@@ -48,6 +48,13 @@ class Cell:
         ]
         return ", ".join(parts + ["compiled" if self.compile else "eager"])
 
+    def requests(self, requests: list[Request]) -> list[Request]:
+        """`requests` with the cell's CFG layout in their sampling parameters (`SamplingParams.fused_cfg`)."""
+        return [
+            dataclasses.replace(r, params=dataclasses.replace(r.params, fused_cfg=self.fused_cfg))
+            for r in requests
+        ]
+
 
 def parse_cell(spec: str) -> Cell:
     """A --cells entry: MAX_NUM_SEQS then options separated by ':' (see --help)."""
@@ -184,11 +191,10 @@ def forward_cell(
     variants = forward_variants(adapter, cell, forced_sdpa)
     if not variants:
         return
+    requests = cell.requests(requests)  # the adapter's keys (the negative rows' padded length) follow it
     p = requests[0].params
     guided = p.guidance_scale > 1
-    engine = DiffusionEngine(adapter, cell.max_num_seqs, fused_cfg=cell.fused_cfg, compile=cell.compile)
-    # As `engine.generate` does: the adapter's keys (the negative rows' padded length) follow the cell.
-    adapter.fused_cfg = cell.fused_cfg
+    engine = DiffusionEngine(adapter, cell.max_num_seqs, compile=cell.compile)
     with prompt_buckets(adapter, cell.buckets, requests):
         batches = []
         for idx in engine.packer.pack(requests, fill=engine.pad):

@@ -73,9 +73,7 @@ def interleaved(
     import statistics
 
     b = a.stock_batch[0]
-    engines = [
-        DiffusionEngine(adapter, c.max_num_seqs, fused_cfg=c.fused_cfg, compile=c.compile) for c in cells
-    ]
+    engines = [DiffusionEngine(adapter, c.max_num_seqs, compile=c.compile) for c in cells]
     pipe, cfg_kwargs = stock_pipe(adapter, params)
     compiled = cells[0].compile
     mode = "compiled" if compiled else "eager"
@@ -103,21 +101,24 @@ def interleaved(
     mine = [*ours, theirs]
     with prompt_buckets(adapter, cells[0].buckets, requests):
         if compiled:
-            for row, engine in zip(ours, engines):
-                row["compile_s"] = timed(lambda engine=engine: engine.generate(short_requests))[0]
+            for row, engine, cell in zip(ours, engines, cells):
+                row["compile_s"] = timed(functools.partial(engine.generate, cell.requests(short_requests)))[0]
             theirs["compile_s"] = timed(lambda: stock_call(texts, 2))[0]
-        for engine in engines:
-            engine.check_memory(requests)  # the memory check's probes, at the timed batches' sizes
+        for engine, cell in zip(engines, cells):
+            engine.check_memory(cell.requests(requests))  # the memory check's probes, at the timed sizes
         # Warm-up (allocator, kernels, the decode) in 2 steps: the same shapes as the timed calls, and at
         # A14B's ~25 s a video a full-length warm-up would cost as much as a timed run.
-        for engine in engines:
-            engine.generate(short_requests[:2])
+        for engine, cell in zip(engines, cells):
+            engine.generate(cell.requests(short_requests[:2]))
         stock_call(texts[:2], 2)
         reset_peak()
-        for row, engine in zip(ours, engines):
-            row["batches"] = batch_shapes(adapter, engine, requests)
+        for row, engine, cell in zip(ours, engines, cells):
+            row["batches"] = batch_shapes(adapter, engine, cell.requests(requests))
         frames = torch._dynamo.utils.counters["frames"]  # frames dynamo compiled: none may be timed
-        calls = [(row, lambda engine=engine: engine.generate(requests)) for row, engine in zip(ours, engines)]
+        calls = [
+            (row, functools.partial(engine.generate, cell.requests(requests)))
+            for row, engine, cell in zip(ours, engines, cells)
+        ]
         for _ in range(a.repeats):
             for row, fn in [*calls, (theirs, lambda: stock_call(texts))]:
                 D.barrier()
@@ -139,7 +140,7 @@ def interleaved(
             row["peak_gib"] = peak
         if a.breakdown:
             for row, engine, cell in zip(ours, engines, cells):
-                batch = requests[: cell.max_num_seqs]
+                batch = cell.requests(requests[: cell.max_num_seqs])
                 split = breakdown(functools.partial(engine.generate, batch), adapter.device)
                 row["breakdown"] = {"requests": len(batch), **split}
             with label_stock(pipe):

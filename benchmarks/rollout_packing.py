@@ -391,7 +391,8 @@ def main() -> None:
 
     def run_engine(cell: Cell, reqs: list[Request], scale: float, name: str = ""):
         name = name or cell.name
-        engine = DiffusionEngine(adapter, cell.max_num_seqs, fused_cfg=cell.fused_cfg, compile=cell.compile)
+        reqs = cell.requests(reqs)
+        engine = DiffusionEngine(adapter, cell.max_num_seqs, compile=cell.compile)
         with prompt_buckets(adapter, cell.buckets, reqs):
             compile_s = 0.0
             if cell.compile:

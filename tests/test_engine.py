@@ -2,6 +2,8 @@
 results. fp32 on CPU: final latents and every recorded log-prob agree with the serial run to 1e-5
 (docs/architecture.md, invariants; batched kernels alone differ by ~6e-7)."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -30,6 +32,11 @@ def make_requests(keys: list[SamplingParams]) -> list[Request]:
 
 
 MIXED = make_requests([KEY_A, KEY_B] * 3)  # the keys interleaved: A B A B A B
+
+
+def unfused(requests: list[Request]) -> list[Request]:
+    """`requests` with CFG's conditional and unconditional rows as two forwards."""
+    return [dataclasses.replace(r, params=dataclasses.replace(r.params, fused_cfg=False)) for r in requests]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +70,8 @@ def max_diffs(trajs, reference) -> tuple[float, float]:
     """Max |diff| over all latents (entering / leaving each trained step, final) and all log-probs."""
     d_latents = d_logprobs = 0.0
     for a, b in zip(trajs, reference, strict=True):
-        assert a.request == b.request
+        layout = dataclasses.replace(b.request.params, fused_cfg=a.request.params.fused_cfg)
+        assert a.request == dataclasses.replace(b.request, params=layout)  # the same, CFG layout aside
         assert a.step_indices.tolist() == b.step_indices.tolist()
         for x, y in [
             (a.latents, b.latents),
@@ -90,11 +98,11 @@ def test_packed_rollout_equals_serial(adapter, serial):
 
 def test_unfused_cfg_equals_fused(adapter, serial):
     fused, _, _ = run(DiffusionEngine(adapter, 4), MIXED)
-    unfused, _, rows = run(DiffusionEngine(adapter, 4, fused_cfg=False), MIXED)
+    split, _, rows = run(DiffusionEngine(adapter, 4), unfused(MIXED))
     assert rows == [3] * (4 * STEPS)  # two forwards of 3 rows per step
-    assert adapter.fused_cfg is False
-    d_latents, d_logprobs = max_diffs(unfused, fused)
-    d_serial = max(max_diffs(unfused, serial))
+    assert not hasattr(adapter, "fused_cfg")  # the layout travels in the requests, never on the adapter
+    d_latents, d_logprobs = max_diffs(split, fused)
+    d_serial = max(max_diffs(split, serial))
     print(
         f"unfused vs fused CFG: latents {d_latents:.2e}, logprobs {d_logprobs:.2e}; vs serial {d_serial:.2e}"
     )
@@ -119,7 +127,7 @@ def test_token_budget_counts_fused_cfg_rows(adapter):
     budget = 4 * adapter.num_tokens(MIXED[0])  # 4 rows of a KEY_A request
     four = make_requests([KEY_A] * 4)
     assert DiffusionEngine(adapter, 8, budget).packer.pack(four) == [[0, 1], [2, 3]]  # 2 requests x 2 rows
-    assert DiffusionEngine(adapter, 8, budget, fused_cfg=False).packer.pack(four) == [[0, 1, 2, 3]]
+    assert DiffusionEngine(adapter, 8, budget).packer.pack(unfused(four)) == [[0, 1, 2, 3]]
     unguided = make_requests([SamplingParams(32, 32, STEPS, 1.0, 0.7, "sde", 2, (0, 3))] * 4)
     assert DiffusionEngine(adapter, 8, budget).packer.pack(unguided) == [[0, 1, 2, 3]]
     with pytest.raises(ValueError, match=f"rollout.max_num_batched_tokens={budget // 4}"):

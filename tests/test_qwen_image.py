@@ -4,6 +4,7 @@ diffusers' own QwenImagePipeline. fp32 on CPU: everything must agree to 1e-5 (do
 Prompt buckets here are [16, 32, 64] text tokens, so that one batch pads prompts of different lengths
 into one bucket (and its negative prompts into a smaller one) and the trainer mixes buckets."""
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -112,14 +113,11 @@ def test_buckets_key_and_tokens(adapter, tiny_qwen_image):
     engine = DiffusionEngine(adapter, max_num_seqs=2)
     assert engine.packer.pack(requests) == [[3, 0], [1, 2]]
     assert padded_lengths(BUCKETS, [11, 19], [5, 11], fused_cfg=True) == (32, 16)
-    adapter.fused_cfg = False
-    try:
-        negatives = [adapter.prompt_length(n) for n in NEGATIVES]
-        assert [adapter.compat_key(r)[-1] for r in requests] == negatives
-        assert [adapter.num_tokens(r) for r in requests] == [64 + 32, 64 + 32, 64 + 32, 64 + 16]
-        assert padded_lengths(BUCKETS, [11, 19], [6, 6], fused_cfg=False) == (32, 6)  # negatives unpadded
-    finally:
-        adapter.fused_cfg = True
+    unfused = make_requests(dataclasses.replace(sde(), fused_cfg=False))
+    negatives = [adapter.prompt_length(n) for n in NEGATIVES]
+    assert [adapter.compat_key(r)[-1] for r in unfused] == negatives
+    assert [adapter.num_tokens(r) for r in unfused] == [64 + 32, 64 + 32, 64 + 32, 64 + 16]
+    assert padded_lengths(BUCKETS, [11, 19], [6, 6], fused_cfg=False) == (32, 6)  # negatives unpadded
     unguided = make_requests(SamplingParams(SIZE, SIZE, STEPS, 1.0, 1.2, "sde", 2, (0, 4)))
     assert adapter.compat_key(unguided[0])[-1] == 0  # no negative prompt: it must not split batches
     assert adapter.num_tokens(unguided[1]) == 64 + 32 and padded_lengths(BUCKETS, [11], [], True) == (16, 0)
@@ -174,11 +172,7 @@ def test_packed_rollout_equals_serial(adapter):
     serial rollout)."""
     requests = make_requests(sde())
     packed = adapter.rollout(requests)
-    adapter.fused_cfg = False
-    try:
-        serial = [adapter.rollout([r])[0] for r in requests]
-    finally:
-        adapter.fused_cfg = True
+    serial = [adapter.rollout([r])[0] for r in make_requests(dataclasses.replace(sde(), fused_cfg=False))]
     starts = [int(t.step_indices[0]) for t in packed]
     assert len(set(starts)) > 1, f"rows should sit at different window positions, got starts {starts}"
     assert len({t.embeds["prompt_embeds"].shape[0] for t in packed}) == 4  # stored unpadded

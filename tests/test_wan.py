@@ -209,7 +209,6 @@ def test_memory_probe_starts_where_the_decode_chunk_is_full(ti2v, monkeypatch):
     where the line through 1 and 2 rows would have refused both. A key whose batches are small is measured
     at their size, and again when a larger batch of it comes; `check_memory` runs the probes alone."""
     assert ti2v.memory_probe_rows == ti2v.settings.decode_rows == 2
-    monkeypatch.setattr(ti2v, "fused_cfg", True)  # as the engines below run it
     params = SamplingParams(HEIGHT, WIDTH, 2, GUIDANCE, 0.7, "sde", 1, (0, 2))
     requests = prompt_requests(params, PROMPTS * 2, NEGATIVES * 2)
     cpu = torch.device("cpu")

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
+import peft
 import torch
 from torch import nn
 
@@ -47,6 +48,8 @@ class SamplingParams:
     lora: str = "policy"
     shared_initial_noise: bool = False  # a group's samples start from one draw (its group_seed)
     sde_window_random: bool = False  # trained steps: a random subset of sde_window_range, not a window
+    # CFG's conditional and unconditional rows share one forward (rollout.fused_cfg), or run as two
+    fused_cfg: bool = True
 
     @property
     def key(self) -> tuple:
@@ -66,6 +69,7 @@ class SamplingParams:
             self.lora,
             self.shared_initial_noise,
             self.sde_window_random,
+            self.fused_cfg,
         )
 
 
@@ -194,36 +198,50 @@ class OmniAdapter(Protocol):
     `lm_head` through one definition (`omnirl.models.lm.output_logprobs`), so their log-probs agree.
     """
 
-    kind: Literal["omni"]  # a class attribute: the trainer runs it with omnirl.ops.omni.OmniOps
-    modalities: frozenset[str]  # a class attribute: what its outputs hold ({"text"})
-    # A class attribute: the dataclass of the family's own settings (the recipe's `family:`), whose class
-    # attribute RANGES (field -> (predicate, what is allowed)) config_checks checks when the recipe loads.
-    Settings: type
+    kind: ClassVar[Literal["omni"]]  # the trainer runs it with omnirl.ops.omni.OmniOps
+    modalities: ClassVar[frozenset[str]]  # what its outputs hold ({"text"})
+    # The dataclass of the family's own settings (the recipe's `family:`), whose class attribute RANGES
+    # (field -> (predicate, what is allowed)) config_checks checks when the recipe loads.
+    Settings: ClassVar[type]
+    device: torch.device  # where the model runs (the rank's accelerator, or the host)
     model: nn.Module  # the trained module and FSDP root: forward(**batch, position_ids, ...) -> [B, L, H]
-    policy: nn.Module  # the same module: what the trainer shards, checkpoints and optimizes
     lm_head: nn.Module  # the output projection, a child of `model`, applied by callers where they need it
+    # The transformers model whose `model` and `lm_head` `model` wraps: its config, generation, peft state
+    # and the names of its weights (what the vLLM engine loads and pushes).
+    hf_model: nn.Module
+    lora_config: peft.LoraConfig | None  # the injected LoRA's settings; None for a full fine-tune
     processor: Any  # the transformers processor: chat template, image / audio features, placeholders
     tokenizer: Any
     eos_token_ids: tuple[int, ...]  # generation stops on these (the checkpoint's generation_config)
     placeholder_token_ids: tuple[int, ...]  # image / video / audio pads: never emitted (see models/lm.py)
     pad_token_id: int
 
+    @property
+    def policy(self) -> nn.Module:
+        """The same module as `model`: what the trainer shards, checkpoints and optimizes."""
+        ...
+
     def fsdp_units(self) -> list[nn.Module]:
         """Modules to wrap with `fully_shard` before the root: decoder layers, encoders, `lm_head`."""
+        ...
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """The parameters the optimizer updates (the LoRA, or the whole trained stage)."""
+        ...
 
     def prepare(self, request: Request) -> dict[str, torch.Tensor]:
         """The request's prompt as host tensors without a batch dimension: input_ids [P] (chat template with
         the image / audio placeholders expanded by the processor) and the multimodal tensors."""
+        ...
 
     def collate(self, inputs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Batch `prepare` outputs for `model`: input_ids and attention_mask [B, P] left-padded, the
         multimodal tensors concatenated in row order."""
+        ...
 
     def rope_positions(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """M-RoPE positions [3, B, L] of a collated batch (padding ignored), the model's get_rope_index."""
+        ...
 
     def token_logprobs(
         self,
@@ -234,23 +252,34 @@ class OmniAdapter(Protocol):
     ) -> torch.Tensor:
         """[B, T] float32 log-probs of response tokens `sequences` [B, T] (right-padded, `response_mask`
         [B, T]) after the collated prompts `model_inputs`; 0 where the mask is 0. Differentiable."""
+        ...
 
     def kv_layout(self) -> tuple[int, int, int, torch.dtype]:
         """(decoder layers, KV heads, head dim, dtype) of the decoder's KV cache, for the engine's slots."""
+        ...
 
     def decoder_layers(self) -> list[nn.Module]:
         """The language model's decoder layers, in order: what generation.compile compiles."""
+        ...
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of KV cache one token takes over all decoder layers (for the engine's memory budget)."""
+        ...
 
     def lora_disabled(self) -> AbstractContextManager[None]:
         """A context in which `model` runs with its LoRA layers off: the reference policy of a LoRA run
         (the KL term), with no second copy of the weights."""
+        ...
 
     def export_lora(self, out_dir: str, state_dict: dict | None = None) -> None:
         """Write the LoRA as a peft adapter (adapter_config.json + adapter_model.safetensors). An FSDP run
         passes the gathered full state dict of `model`."""
+        ...
+
+    def export_merged(self, out_dir: str, dtype: torch.dtype) -> None:
+        """Write the trained model in `dtype` as a transformers directory (the LoRA merged in) with its
+        processor, loadable as model.path."""
+        ...
 
 
 class DiffusionAdapter(Protocol):
@@ -265,35 +294,46 @@ class DiffusionAdapter(Protocol):
     trainer replays a step.
     """
 
-    kind: Literal[
-        "diffusion"
-    ]  # a class attribute: the trainer runs it with omnirl.ops.diffusion.DiffusionOps
-    modalities: frozenset[str]  # a class attribute: what its outputs hold, e.g. {"image"}
-    # A class attribute: the dataclass of the family's own settings (the recipe's `family:`), whose class
-    # attribute RANGES (field -> (predicate, what is allowed)) config_checks checks when the recipe loads.
-    Settings: type
-    policy: nn.Module  # the trained module (LoRA injected or fully trainable): one transformer or experts
-    fused_cfg: bool  # CFG's cond + uncond rows share one forward in rollout: the engine sets it (only there)
+    kind: ClassVar[Literal["diffusion"]]  # the trainer runs it with omnirl.ops.diffusion.DiffusionOps
+    modalities: ClassVar[frozenset[str]]  # what its outputs hold, e.g. {"image"}
+    # The dataclass of the family's own settings (the recipe's `family:`), whose class attribute RANGES
+    # (field -> (predicate, what is allowed)) config_checks checks when the recipe loads.
+    Settings: ClassVar[type]
+    # Sampling height and width must be multiples of this many pixels (the VAE's factor times the
+    # transformer's patch): config_checks checks the recipe's before the model loads.
+    pixel_multiple: ClassVar[int]
+    device: torch.device  # where the model runs (the rank's accelerator, or the host)
     # The rows from which a rollout's peak memory grows linearly: the largest chunk of any phase it runs in
     # fixed chunks (a VAE decode of N videos at a time: N), else 1. The engine measures a batch's cost at
     # this many rows and twice as many, since a chunked phase's peak stops growing once a chunk is full.
     memory_probe_rows: int
 
+    @property
+    def policy(self) -> nn.Module:
+        """The trained module (LoRA injected or fully trainable): one transformer, or one module holding
+        the experts."""
+        ...
+
     def compat_key(self, request: Request) -> tuple:
         """Everything that must be uniform inside one forward: `request.params.key` plus what the
         family adds (a prompt-length bucket, a condition-image size)."""
+        ...
 
     def num_tokens(self, request: Request) -> int:
         """Transformer tokens of one request per forward row (image + text), for max_num_batched_tokens."""
+        ...
 
     def batch_embeds(self, embeds: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Collate per-sample `Trajectory.embeds` into a batch for `velocity` (padding where lengths vary)."""
+        ...
 
     def fsdp_units(self) -> list[nn.Module]:
         """The repeated blocks to wrap with `fully_shard` (the root is wrapped after them)."""
+        ...
 
     def rollout(self, requests: list[Request]) -> list[Trajectory]:
         """Generate every request, as one packed denoising loop; all must share `params.key`."""
+        ...
 
     def velocity(
         self,
@@ -306,20 +346,26 @@ class DiffusionAdapter(Protocol):
     ) -> torch.Tensor:
         """The guided velocity for a batch: latents [B, *latent], sigmas [B], embeds batched on dim 0.
         `policy` replaces the trained one (the frozen reference copy of a full fine-tune)."""
+        ...
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """The parameters the optimizer updates (the LoRA, or the whole transformer)."""
+        ...
 
     def lora_disabled(self) -> AbstractContextManager[None]:
         """A context in which `policy` runs with its LoRA off: the reference policy of a LoRA run."""
+        ...
 
     def export_lora(self, out_dir: str, state_dict: dict | None = None) -> None:
         """Write the LoRA in the family's diffusers format (`load_lora_weights` reads it). An FSDP run
         passes the gathered full state dict of `policy`."""
+        ...
 
     def export_merged(self, out_dir: str, dtype: torch.dtype) -> None:
         """Write the whole pipeline of model.path in `dtype` with every trained component's weights in it
         (the LoRA fused in, or the fully fine-tuned modules): every expert of a family of several."""
+        ...
 
     def offload_modules(self) -> list[nn.Module]:
         """Modules only the rollout needs (text encoders, VAE): they sleep during training."""
+        ...

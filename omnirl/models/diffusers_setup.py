@@ -51,7 +51,7 @@ class DiffusersBase:
 
     pipeline_cls: type
     transformer: nn.Module
-    fused_cfg = True  # CFG rows in one forward; the rollout engine sets it (rollout.fused_cfg)
+    device: torch.device
 
     def __init__(self, cfg: Config, device: torch.device):
         check_checkpoint(cfg.model.path, self.pipeline_cls)

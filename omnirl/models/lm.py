@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import re
 from pathlib import Path
+from typing import Any
 
 import peft
 import torch
@@ -258,7 +259,18 @@ class TransformersLMAdapter:
     A subclass sets `hf_model` (the transformers model whose `model` is the body and `lm_head` the head),
     `model` (their `HiddenStatesLM`), `processor`, `pad_token_id`, `lora` and `lora_config`."""
 
+    # What a subclass's __init__ sets (the `OmniAdapter` members and the LoRA switch).
+    device: torch.device
     hf_model: nn.Module
+    model: nn.Module
+    lm_head: nn.Module
+    processor: Any
+    tokenizer: Any
+    eos_token_ids: tuple[int, ...]
+    placeholder_token_ids: tuple[int, ...]
+    pad_token_id: int
+    lora: bool
+    lora_config: peft.LoraConfig | None
     modalities = frozenset({"text"})
 
     @property

@@ -293,7 +293,7 @@ class QwenImageAdapter(DiffusersBase):
     def text_length(self, request: Request) -> int:
         """Text tokens of the request's conditional row: its prompt's; with a fused CFG the longer of its
         prompt's and its negative prompt's, since both rows share one forward and one padded length."""
-        return max(self.prompt_length(t) for t in row_texts(request, self.fused_cfg))
+        return max(self.prompt_length(t) for t in row_texts(request, request.params.fused_cfg))
 
     def compat_key(self, request: Request) -> tuple:
         """The sampling settings and, when CFG runs as two forwards, the negative prompt's exact length: a
@@ -302,7 +302,7 @@ class QwenImageAdapter(DiffusersBase):
         benchmarks/RESULTS.md). Prompt lengths are not in the key (see the module
         docstring): a batch pads to its longest prompt's bucket."""
         guided = request.params.guidance_scale > 1
-        split = guided and not self.fused_cfg
+        split = guided and not request.params.fused_cfg
         return request.params.key + (self.prompt_length(request.negative_prompt) if split else 0,)
 
     def num_tokens(self, request: Request) -> int:
@@ -362,11 +362,11 @@ class QwenImageAdapter(DiffusersBase):
         texts = [r.prompt for r in requests] + ([r.negative_prompt for r in requests] if guided else [])
         with phase("encode"):
             rows = self.encode(texts)  # [L_i, D] each: the prompts, then the negative prompts
-            embeds = text_embeds(rows, batch, self.buckets, self.fused_cfg)
+            embeds = text_embeds(rows, batch, self.buckets, p.fused_cfg)
 
         for i in range(p.num_steps):
             with phase("transformer"):  # [B, C, h, w]
-                v = self.velocity(latents, sampler.sigma(i), embeds, p.guidance_scale, self.fused_cfg)
+                v = self.velocity(latents, sampler.sigma(i), embeds, p.guidance_scale, p.fused_cfg)
             latents = sampler.step(i, v, latents)
 
         with phase("vae_decode"):

@@ -175,7 +175,8 @@ class QwenImageEditAdapter(DiffusersBase):
         tokens; with a fused CFG the longer of that and its negative prompt's (both rows share one forward
         and one padded length). Past the largest bucket it is an error: the pipeline does not truncate."""
         size = self.condition_size(request)
-        lengths = {text: self.prompt_length(text, size) for text in row_texts(request, self.fused_cfg)}
+        texts = row_texts(request, request.params.fused_cfg)
+        lengths = {text: self.prompt_length(text, size) for text in texts}
         for text, length in lengths.items():
             if length > self.buckets[-1]:
                 raise ConfigError(
@@ -189,7 +190,7 @@ class QwenImageEditAdapter(DiffusersBase):
         """The sampling settings, the condition image's size and, when CFG runs as two forwards, the
         negative prompt's exact length (its own forward then needs no padding and no mask)."""
         size = self.condition_size(request)
-        split = request.params.guidance_scale > 1 and not self.fused_cfg
+        split = request.params.guidance_scale > 1 and not request.params.fused_cfg
         return request.params.key + (size, self.prompt_length(request.negative_prompt, size) if split else 0)
 
     def num_tokens(self, request: Request) -> int:
@@ -285,11 +286,11 @@ class QwenImageEditAdapter(DiffusersBase):
             embeds = {"image_latents": self.encode_images(conditions, cond_h, cond_w)}  # [B, C, h', w']
             latent_size = list(embeds["image_latents"].shape[2:])
             embeds["condition_size"] = torch.tensor([latent_size] * batch, device=self.device)  # [B, 2]
-            embeds |= text_embeds(rows, batch, self.buckets, self.fused_cfg)
+            embeds |= text_embeds(rows, batch, self.buckets, p.fused_cfg)
 
         for i in range(p.num_steps):
             with phase("transformer"):  # [B, C, h, w]
-                v = self.velocity(latents, sampler.sigma(i), embeds, p.guidance_scale, self.fused_cfg)
+                v = self.velocity(latents, sampler.sigma(i), embeds, p.guidance_scale, p.fused_cfg)
             latents = sampler.step(i, v, latents)
 
         with phase("vae_decode"):

@@ -182,7 +182,7 @@ class SD3Adapter(DiffusersBase):
 
         for i in range(num_steps):
             with phase("transformer"):  # [B, C, h, w]
-                v = self.velocity(latents, sampler.sigma(i), embeds, p.guidance_scale, self.fused_cfg)
+                v = self.velocity(latents, sampler.sigma(i), embeds, p.guidance_scale, p.fused_cfg)
             latents = sampler.step(i, v, latents)
 
         with phase("vae_decode"):

@@ -313,7 +313,7 @@ class WanAdapter(DiffusersBase):
         for i in range(p.num_steps):
             with phase("transformer"):
                 v = self._velocity(
-                    latents, sampler.sigma(i), embeds, p.guidance_scale, self.fused_cfg, None, balance=False
+                    latents, sampler.sigma(i), embeds, p.guidance_scale, p.fused_cfg, None, balance=False
                 )
             latents = sampler.step(i, v, latents)
 

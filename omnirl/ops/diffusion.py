@@ -57,6 +57,7 @@ def sampling_params(cfg: Config, num_steps: int | None = None, ode: bool = False
         ode_solver=s.ode_solver,
         shared_initial_noise=s.shared_initial_noise and not ode,  # validation draws per sample
         sde_window_random=s.sde_window_random,
+        fused_cfg=cfg.rollout.fused_cfg,
     )
 
 
@@ -114,7 +115,6 @@ class DiffusionOps:
             adapter,
             r.max_num_seqs,
             r.max_num_batched_tokens,
-            r.fused_cfg,
             r.compile,
             per_unit=cfg.distributed.rollout_gather == "unit",
             memory_budget=r.memory_budget_gib * 2**30,

@@ -78,13 +78,11 @@ class DiffusionEngine:
         adapter: DiffusionAdapter,
         max_num_seqs: int,
         max_num_batched_tokens: int = 0,
-        fused_cfg: bool = True,
         compile: bool = False,
         per_unit: bool = False,
         memory_budget: float = 0.0,
     ):
         self.adapter = adapter
-        self.fused_cfg = fused_cfg
         self.per_unit = per_unit
         self.memory_budget = memory_budget  # bytes; 0 = the free device memory (none checked on CPU)
         # compatibility key -> (fixed bytes, bytes per request, the rows of its larger probe): measured once,
@@ -100,7 +98,7 @@ class DiffusionEngine:
 
     def tokens(self, request: Request) -> int:
         """Transformer tokens of a request in one forward: its CFG row counts too when fused."""
-        rows = 2 if self.fused_cfg and request.params.guidance_scale > 1 else 1
+        rows = 2 if request.params.fused_cfg and request.params.guidance_scale > 1 else 1
         return rows * self.adapter.num_tokens(request)
 
     def padding(self, batch: list[Request]) -> list[Request]:
@@ -115,9 +113,8 @@ class DiffusionEngine:
 
     @contextlib.contextmanager
     def _running(self):
-        """What a rollout runs under: the CFG layout set, the compiled blocks swapped in, the weights
-        gathered as distributed.rollout_gather says."""
-        self.adapter.fused_cfg = self.fused_cfg
+        """What a rollout runs under: the compiled blocks swapped in, the weights gathered as
+        distributed.rollout_gather says."""
         with swapped(self.compiled), D.gathered_weights(self.adapter.policy, per_unit=self.per_unit):
             yield
 

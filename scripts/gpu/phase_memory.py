@@ -471,7 +471,7 @@ def check_plan(cfg, world: int) -> dict:
             if lora:
                 params[name]["lora_params_m"] = lora / 1e6
     r = cfg.rollout
-    engine = DiffusionEngine(adapter, r.max_num_seqs, r.max_num_batched_tokens, r.fused_cfg, compile=False)
+    engine = DiffusionEngine(adapter, r.max_num_seqs, r.max_num_batched_tokens, compile=False)
     rows = LOADERS[cfg.data.format](cfg.data.train_path, None)
     dist = D.DistInfo(0, world, 0, meta, None)
     sp = sampling_params(cfg)
