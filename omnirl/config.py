@@ -212,8 +212,13 @@ class DataConfig:
     instruction, optional target image, target text and region: omnirl.data.edit) or 'mmk12' (parquet or
     JSONL of image, question, answer, optional choices: omnirl.data.mmk12)."""
     on_bad_row: Literal["error", "skip"] = "error"
-    """A malformed row (not JSON, not an object, no non-empty "prompt"): 'error' stops with the file and
-    line; 'skip' drops it, warns with each file:line once at start and logs data/skipped_rows at step 0."""
+    """A malformed row (not JSON, not an object, no non-empty "prompt", an unreadable image) or one whose
+    prompt is too long for the model: 'error' stops with the file and line; 'skip' drops it, warns with
+    each file:line once at start and logs data/skipped_rows at step 0. Too long, checked once the model's
+    tokenizer is loaded (prompts are refused, not truncated): an omni model's prompt with
+    generation.max_new_tokens past the model's context, or a Qwen-Image-Edit instruction with its
+    condition image's tokens past the largest family.prompt_length_buckets. SD3, Qwen-Image and Wan
+    truncate prompts to their text encoder's limit, as their pipelines do."""
 
 
 @dataclass

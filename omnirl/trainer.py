@@ -15,7 +15,7 @@ import torch
 from omnirl import checkpoint
 from omnirl import distributed as D
 from omnirl.config import Config
-from omnirl.data import load_data
+from omnirl.data import check_prompts, load_data
 from omnirl.memory import Sleeper, module_tensors, optimizer_state, phase
 from omnirl.metrics import MetricsLogger
 from omnirl.ops import check_before_loading, shard
@@ -35,6 +35,8 @@ def train(cfg: Config) -> dict[str, float]:
     adapter_cls, ops_cls = check_before_loading(cfg)  # a typo should not cost minutes of loading
     rewards = RewardPool(cfg.reward.weights, cfg.reward.num_workers, cfg.reward.timeout_s, cfg.reward.paths)
     ops = ops_cls(cfg, adapter_cls(cfg, dist.device))
+    # Prompts too long for the model: found now that its tokenizer is loaded, before anything is written.
+    rows, val_rows = (check_prompts(r, ops.prompt_problem, skipped) for r in (rows, val_rows))
     frozen = shard(cfg, ops, dist)  # the frozen bytes each rank holds, logged every step
     o = cfg.optim
     trained = [p for p in ops.policy.parameters() if p.requires_grad]

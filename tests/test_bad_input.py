@@ -4,12 +4,15 @@ an impossible value (found when the recipe loads, before anything else is loaded
 the launch decides."""
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
+from PIL import Image
 
 from omnirl.metrics import read_metrics
 
@@ -283,7 +286,7 @@ SMALL_RUN = [
 
 def assert_nonfinite_run(status: int, err: str, expected: str, out_dir: Path) -> None:
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert status == 1 and "Traceback" not in err, err
+    assert status == 1, err  # returned: no exception escaped `main` (see `refused_run`)
     assert len(errors) == 1 and errors[0].startswith("error: " + expected), err
     assert (out_dir / "metrics.jsonl").exists() and not (out_dir / "lora").exists()
 
@@ -321,3 +324,79 @@ def test_a_run_that_skips_every_update_stops(tiny_sd3, tmp_path, capsys, monkeyp
     status = load_train_script().main(["--recipe", "sd3_tiny_flowgrpo", *args])
     expected = "every update of the run's 2 steps was skipped (2 for NaN or infinity in samples, a loss or"
     assert_nonfinite_run(status, capsys.readouterr().err, expected, out_dir)
+
+
+# Data rows the model cannot run: found at the data check (images decoded whole) or, for a prompt's length,
+# once the model's tokenizer is loaded and before anything is written.
+def noise_png(path: Path, size: tuple[int, int] = (64, 48)) -> Path:
+    pixels = np.random.default_rng(0).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path)
+    return path
+
+
+def refused_run(args: list[str], tmp_path, capsys, expected: str) -> str:
+    """Run `main`: exit 2 (so no exception escaped: in this process it would fail the test), one `error:`
+    line starting with `expected` (returned), nothing written. A model's loading progress (and, in a
+    pytest session, the logging errors of a library whose handler holds an earlier test's closed stderr)
+    may come before it on stderr."""
+    out_dir = tmp_path / "out"
+    status = load_train_script().main([*args, "--run.output_dir", str(out_dir)])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert status == 2 and len(errors) == 1, err
+    assert errors[0].startswith("error: " + expected), err
+    assert not out_dir.exists()
+    return errors[0]
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+def test_truncated_edit_image_is_refused_at_the_data_check(tmp_path, capsys, monkeypatch):
+    """Its header reads, its pixels do not: the data check decodes the image, so the run stops before the
+    model loads (here a hub id that is never fetched) instead of at step 0."""
+    monkeypatch.chdir(ROOT)  # the recipe's validation rows are relative to the repository root
+    whole = noise_png(tmp_path / "whole.png").read_bytes()
+    (tmp_path / "cut.png").write_bytes(whole[: len(whole) // 2])
+    rows = tmp_path / "edit.jsonl"
+    rows.write_text('{"image": "cut.png", "prompt": "Make the sign read \\"OPEN\\""}\n')
+    args = ["--recipe", "qwen_image_edit_tiny_flowgrpo", "--model.path", "Qwen/Qwen-Image-Edit"]
+    expected = f'{rows}:1: "image" {tmp_path / "cut.png"} is not a readable image (image file is truncated'
+    refused_run([*args, "--data.train_path", str(rows)], tmp_path, capsys, expected)
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+def test_overlong_edit_instruction_is_refused_by_row(tiny_qwen_image_edit, tmp_path, capsys, monkeypatch):
+    """The edit pipeline does not truncate: an instruction longer than the largest prompt-length bucket is
+    refused by file:row once the tokenizer is loaded, not at step 0 with the whole instruction in the
+    message."""
+    monkeypatch.chdir(ROOT)
+    noise_png(tmp_path / "a.png")
+    rows = tmp_path / "edit.jsonl"
+    instruction = "Make the sign read OPEN. " * 400  # 10 kB
+    rows.write_text(json.dumps({"image": "a.png", "prompt": "Make it red"}) + "\n")
+    rows.write_text(rows.read_text() + json.dumps({"image": "a.png", "prompt": instruction}) + "\n")
+    args = ["--recipe", "qwen_image_edit_tiny_flowgrpo", "--model.path", str(tiny_qwen_image_edit)]
+    expected = f"{rows}:2: the instruction ({len(instruction)} characters) with its "
+    err = refused_run([*args, "--data.train_path", str(rows)], tmp_path, capsys, expected)
+    assert "text tokens, more than the largest of family.prompt_length_buckets (" in err and len(err) < 400
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+def test_mmk12_question_longer_than_the_context_is_refused_by_row(
+    tiny_qwen3_omni, tmp_path, capsys, monkeypatch
+):
+    """A prompt that cannot fit the model's context with generation.max_new_tokens is refused by file:row
+    (as vLLM refuses such a request), not trained on silently or prefilled for minutes."""
+    monkeypatch.chdir(ROOT)
+    noise_png(tmp_path / "a.png")
+    question = "What is 1 + 1? " * 350  # 5 kB
+    rows = tmp_path / "mmk12.jsonl"
+    rows.write_text(
+        json.dumps({"image": "a.png", "question": "What is 1 + 1?", "answer": "2"})
+        + "\n"
+        + json.dumps({"image": "a.png", "question": question, "answer": "2"})
+        + "\n"
+    )
+    args = ["--recipe", "mmk12_tiny", "--model.path", str(tiny_qwen3_omni), "--data.train_path", str(rows)]
+    expected = f"{rows}:2: the prompt ("
+    err = refused_run(args, tmp_path, capsys, expected)
+    assert "tokens, which with generation.max_new_tokens 48 is more than the model's context of 1024" in err

@@ -3,6 +3,7 @@
 import pytest
 
 from omnirl.config import REPO_ROOT
+from omnirl.data import check_prompts
 from omnirl.data.prompts import DataError, load_prompts, step_prompt_indices
 from omnirl.rewards.ocr import target_text
 
@@ -51,6 +52,25 @@ def test_load_prompts_skips_bad_rows_when_asked(tmp_path):
         load_prompts(path)
     with pytest.raises(DataError, match="no prompts"):  # nothing left after skipping is still an error
         load_prompts(write(tmp_path, '{"prompt": ""}\n', "bad.jsonl"), [])
+
+
+def test_rows_the_model_cannot_run_are_refused_or_skipped(tmp_path):
+    """`check_prompts` with the ops' `prompt_problem` (here: more than 10 characters is too long): a DataError
+    naming the first such row, or with data.on_bad_row skip each dropped and listed; none left is an
+    error."""
+    path = write(tmp_path, '{"prompt": "a cat"}\n{"prompt": "a very long cat"}\n{"prompt": "a dog"}\n')
+    rows = load_prompts(path)
+
+    def problem(row):
+        return f"{len(row.prompt)} characters, more than 10" if len(row.prompt) > 10 else None
+
+    with pytest.raises(DataError, match=f"^{path}:2: 15 characters, more than 10$"):
+        check_prompts(rows, problem, None)
+    skipped = ["an earlier one"]
+    assert [r.prompt for r in check_prompts(rows, problem, skipped)] == ["a cat", "a dog"]
+    assert skipped == ["an earlier one", f"{path}:2: 15 characters, more than 10"]
+    with pytest.raises(DataError, match="the model can run none of the 3 rows"):
+        check_prompts(rows, lambda row: "too long", [])
 
 
 def test_load_prompts_missing_or_empty_file(tmp_path):

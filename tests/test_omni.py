@@ -17,6 +17,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, Qwen3OmniMoeThinkerForConditionalGeneration
 
 from omnirl.config import ConfigError, config_for
+from omnirl.data.prompts import PromptRow
 from omnirl.models import get_adapter
 from omnirl.models.base import GenerationParams, Request
 from omnirl.models.lm import pad_responses
@@ -127,6 +128,27 @@ def test_trainer_logprobs_equal_rollout_vl(family, request):
     trajs = GenerationEngine(adapter, max_num_seqs=3, kv_cache_gib=0.1).generate(reqs)
     assert all(t.mm_inputs["image_grid_thw"].tolist() == [[1, 4, 4]] for t in trajs)
     assert_aligned(*recompute(adapter, trajs, 1.0), f"{family} image+text")
+
+
+@pytest.mark.parametrize("family", ["qwen3_omni", "qwen2_5_vl", "qwen3_vl"])
+def test_prompt_tokens_counts_what_prepare_makes(family, request):
+    """`prompt_tokens`, which the data check runs on every row without the image processor, counts the
+    tokens `prepare` makes: the chat template and the image's vision tokens, for images of several sizes
+    and for text alone."""
+    adapter = make_adapter(
+        request.getfixturevalue(f"tiny_{family}"), *(() if family == "qwen3_omni" else ("qwen_vl",))
+    )
+    for inputs in (
+        {},
+        {"image": image(0, 64)},
+        {"image": image(1, 100)},
+        {"image": image(2, 300).resize((300, 90))},
+    ):
+        row = PromptRow(prompt="What is 12 x 12? " * 3, inputs=inputs)
+        prompt_ids = adapter.prepare(Request(row.prompt, 0, 0, 0, GenerationParams(4), inputs=inputs))[
+            "input_ids"
+        ]
+        assert adapter.prompt_tokens(row) == len(prompt_ids), inputs
 
 
 def test_compiled_decode_step_draws_the_eager_samples(omni, monkeypatch):

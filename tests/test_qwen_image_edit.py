@@ -1,6 +1,7 @@
 """The Qwen-Image-Edit adapter on a tiny random-init Qwen-Image-Edit (real diffusers / transformers classes),
 against diffusers' own QwenImageEditPipeline. fp32 on CPU: all must agree to 1e-5 (docs/architecture.md)."""
 
+import dataclasses
 import re
 
 import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit as edit_pipeline_module
@@ -10,6 +11,7 @@ import torch
 from diffusers import QwenImageEditPipeline
 from PIL import Image
 
+from omnirl.data.prompts import PromptRow
 from omnirl.models import get_adapter
 from omnirl.models.base import Request, SamplingParams
 from omnirl.models.qwen_image_edit import QwenImageEditAdapter, QwenImageEditSettings
@@ -179,8 +181,17 @@ def test_bad_requests_and_paths(adapter, tiny_qwen_image_edit, tmp_path):
     with pytest.raises(ValueError, match=r"request 3 \(edit.jsonl:4\).*inputs\['image'\]"):
         adapter.compat_key(no_image)
     too_long = Request("x" * 200, 0, 0, 0, params, inputs={"image": source_image(0)})
-    with pytest.raises(ValueError, match=r"\d+ text tokens, more than the largest .*\[288, 320, 352\]"):
+    expected = (
+        r"the prompt \(200 characters\) with a \d+x\d+ condition image is \d+ text tokens, more than the "
+    )
+    with pytest.raises(ValueError, match=expected + r"largest of family.prompt_length_buckets \(352\)"):
         adapter.num_tokens(too_long)  # the packer asks every request's tokens before any rollout
+    # The data check finds it first, by row, from the image file's header.
+    source_image(0).save(tmp_path / "a.png")
+    row = PromptRow("x" * 200, metadata={"source": "edit.jsonl:4"}, inputs={"image": tmp_path / "a.png"})
+    expected = r"the instruction \(200 characters\) with its \d+x\d+ condition image is \d+ text tokens"
+    assert re.match(expected, adapter.prompt_problem(row))
+    assert adapter.prompt_problem(dataclasses.replace(row, prompt="Make it red")) is None
     missing = tmp_path / "no_such_model"
     with pytest.raises(ValueError, match=re.escape(str(missing))):
         make_adapter(missing)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from omnirl import distributed as D
 from omnirl.config import Config
 from omnirl.data.edit import load_edit_rows
 from omnirl.data.mmk12 import load_mmk12
-from omnirl.data.prompts import PromptRow, load_prompts
+from omnirl.data.prompts import DataError, PromptRow, load_prompts
 
 LOADERS = {"prompts": load_prompts, "edit": load_edit_rows, "mmk12": load_mmk12}
 
@@ -22,3 +24,28 @@ def load_data(cfg: Config) -> tuple[list[PromptRow], list[PromptRow], list[str] 
         D.print0(f"warning: skipped {len(skipped)} malformed data rows (data.on_bad_row: skip):")
         D.print0("\n".join(f"  {e}" for e in skipped))
     return rows, val_rows, skipped
+
+
+def check_prompts(
+    rows: list[PromptRow], problem: Callable[[PromptRow], str | None], skipped: list[str] | None
+) -> list[PromptRow]:
+    """The rows whose prompt the loaded model can run: `problem(row)` (`KindOps.prompt_problem`) says why
+    one cannot (too long for the model), and such a row is a DataError naming its file and row, or, with
+    a `skipped` list (data.on_bad_row: skip), dropped with a warning and appended there."""
+    kept, dropped = [], []
+    for row in rows:
+        why = problem(row)
+        if why is None:
+            kept.append(row)
+            continue
+        message = f"{row.metadata.get('source', 'a data row')}: {why}"
+        if skipped is None:
+            raise DataError(message)
+        dropped.append(message)
+    if dropped:
+        skipped.extend(dropped)
+        D.print0(f"warning: skipped {len(dropped)} data rows the model cannot run (data.on_bad_row: skip):")
+        D.print0("\n".join(f"  {e}" for e in dropped))
+        if not kept:
+            raise DataError(f"no data row is left: the model can run none of the {len(rows)} rows")
+    return kept

@@ -8,10 +8,10 @@ paths relative to the JSONL file. "target_text" (optional) is the text the edite
 "region" (optional) the pixel box [x0, y0, x1, y1) of the source image that holds it; the `text_edit`
 reward needs both. No other key is allowed (a misspelt key would otherwise be silently ignored).
 
-Every row is checked when the file is loaded, images opened included, so a bad row stops the run before
-the first rollout with its file and line. Rows keep the resolved paths in `metadata` (rewards read the
-source image from there) and in `PromptRow.inputs` as `Path`s: `open_inputs` reads them when a step uses
-the row, so a large data set is never held in memory. `scripts/make_edit_data.py` writes such files.
+Every row is checked when the file is loaded, its images decoded whole included, so a bad row stops the
+run before the first rollout with its file and line. Rows keep the resolved paths in `metadata` (rewards
+read the source image from there) and in `PromptRow.inputs` as `Path`s: `open_inputs` reads them when a
+step uses the row, so a large data set is never held in memory. `scripts/make_edit_data.py` writes such files.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def load_edit_rows(path: str | Path, skipped: list[str] | None = None) -> list[P
 
 
 def _image_size(where: str, key: str, value: Any, base: Path) -> tuple[Path, tuple[int, int]]:
-    """The resolved path of an image key and the image's (width, height); the file is opened to check it."""
+    """The resolved path of an image key and the image's (width, height); the image is decoded whole to
+    check it (its header alone passes a truncated file, which fails only when a step decodes it)."""
     if not isinstance(value, str) or not value:
         raise DataError(
             f'{where}: "{key}" must be a non-empty path (relative to the data file), got {value!r}'
@@ -55,6 +56,7 @@ def _image_size(where: str, key: str, value: Any, base: Path) -> tuple[Path, tup
         raise DataError(f'{where}: "{key}" image file not found: {file}')
     try:
         with Image.open(file) as image:
+            image.load()
             return file, image.size
     except (UnidentifiedImageError, OSError) as e:
         raise DataError(f'{where}: "{key}" {file} is not a readable image ({e})') from None

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import peft
 import torch
 from torch import nn
+
+if TYPE_CHECKING:  # omnirl.data.prompts imports this module
+    from omnirl.data.prompts import PromptRow
 
 
 @dataclass(frozen=True)
@@ -254,6 +257,16 @@ class OmniAdapter(Protocol):
         [B, T]) after the collated prompts `model_inputs`; 0 where the mask is 0. Differentiable."""
         ...
 
+    @property
+    def context_tokens(self) -> int:
+        """The longest prompt + response the language model is made for."""
+        ...
+
+    def prompt_tokens(self, row: PromptRow) -> int:
+        """Tokens of a data row's prompt as `prepare` makes them (checked against `context_tokens` before
+        step 0), counted without running the processor on its image."""
+        ...
+
     def kv_layout(self) -> tuple[int, int, int, torch.dtype]:
         """(decoder layers, KV heads, head dim, dtype) of the decoder's KV cache, for the engine's slots."""
         ...
@@ -312,6 +325,11 @@ class DiffusionAdapter(Protocol):
     def policy(self) -> nn.Module:
         """The trained module (LoRA injected or fully trainable): one transformer, or one module holding
         the experts."""
+        ...
+
+    def prompt_problem(self, row: PromptRow) -> str | None:
+        """Why a data row's prompt cannot run (longer than the family runs without truncating), or None;
+        checked for every row before step 0."""
         ...
 
     def compat_key(self, request: Request) -> tuple:

@@ -26,6 +26,7 @@ from diffusers.training_utils import cast_training_params
 from torch import nn
 
 from omnirl.config import Config, ConfigError
+from omnirl.data.prompts import PromptRow
 from omnirl.distributed import DTYPES, place_policy
 from omnirl.models.base import Output, Request, Trajectory
 from omnirl.models.flow_sde import WindowedSampler
@@ -91,6 +92,10 @@ class DiffusersBase:
                 f"sampling height and width must be multiples of {multiple}, got {p.height}x{p.width}"
             )
         return key
+
+    def prompt_problem(self, row: PromptRow) -> str | None:
+        """None: a prompt longer than the text encoder's limit is truncated to it, as the pipeline does."""
+        return None
 
     def lora_disabled(self):
         if not self.lora:

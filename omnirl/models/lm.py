@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from omnirl.data.prompts import PromptRow
 from omnirl.models.peft_lora import lora_disabled, sorted_sets
 
 # Tokens per lm_head chunk: 1024 x 152k vocab x 4 bytes = 0.6 GB of float32 logits at a time.
@@ -292,6 +293,28 @@ class TransformersLMAdapter:
         temperature: float,
     ) -> torch.Tensor:
         return sequence_logprobs(self, model_inputs, sequences, response_mask, temperature)
+
+    def prompt_tokens(self, row: PromptRow) -> int:
+        """The tokens of the row's prompt as `prepare` makes them (the chat template, the image's vision
+        tokens), counted without processing the image: its placeholder token is expanded into as many
+        tokens as the image processor makes of an image of its size."""
+        image = row.inputs.get("image")
+        content = [{"type": "image"}] if image is not None else []
+        content.append({"type": "text", "text": row.prompt})
+        text = self.processor.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        )
+        tokens = len(self.tokenizer(text).input_ids)
+        if image is None:
+            return tokens
+        processor = self.processor.image_processor
+        patches = processor.get_number_of_image_patches(image.height, image.width, {})
+        return tokens - 1 + patches // processor.merge_size**2
+
+    @property
+    def context_tokens(self) -> int:
+        """The longest sequence (prompt and response) the language model is made for."""
+        return self.hf_model.config.get_text_config().max_position_embeddings
 
     def kv_layout(self) -> tuple[int, int, int, torch.dtype]:
         return kv_layout(self.decoder_layers())

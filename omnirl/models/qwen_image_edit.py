@@ -36,6 +36,7 @@ from diffusers import (
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import (
     calculate_dimensions,
 )
+from PIL import Image
 from torch import nn
 from transformers import (
     Qwen2_5_VLForConditionalGeneration,
@@ -47,6 +48,7 @@ from transformers.processing_utils import ProcessorMixin
 
 from omnirl.config import Config, ConfigError
 from omnirl.config_checks import at_least
+from omnirl.data.prompts import PromptRow
 from omnirl.distributed import DTYPES, load_pretrained
 from omnirl.models.base import Output, Request, Trajectory
 from omnirl.models.diffusers_setup import DiffusersBase, make_trainable, trajectories
@@ -152,13 +154,32 @@ class QwenImageEditAdapter(DiffusersBase):
                 f"request {request.index} ({request.metadata.get('source', repr(request.prompt))}): "
                 f"Qwen-Image-Edit needs a condition image in request.inputs['image']"
             )
-        width, height, _ = calculate_dimensions(self.condition_area, image.width / image.height)
-        if not (width and height):
+        return self.resized(image.width, image.height)
+
+    def resized(self, width: int, height: int) -> tuple[int, int]:
+        """(height, width) a `width` x `height` condition image is resized to (`condition_size`)."""
+        new_width, new_height, _ = calculate_dimensions(self.condition_area, width / height)
+        if not (new_width and new_height):
             raise ConfigError(
-                f"sampling.condition_area {self.condition_area} is too small for a {image.width}x"
-                f"{image.height} condition image: a side rounds to 0 (sides are multiples of 32)"
+                f"family.condition_area {self.condition_area} is too small for a {width}x{height} "
+                "condition image: a side rounds to 0 (sides are multiples of 32)"
             )
-        return height, width
+        return new_height, new_width
+
+    def prompt_problem(self, row: PromptRow) -> str | None:
+        """Why the row's instruction cannot run: with its condition image's vision tokens it is longer than
+        the largest of family.prompt_length_buckets (the edit pipeline does not truncate), or None. The
+        image's header gives its size; it is not decoded again."""
+        with Image.open(row.inputs["image"]) as image:
+            size = self.resized(*image.size)
+        length = self.prompt_length(row.prompt, size)
+        if length <= self.buckets[-1]:
+            return None
+        return (
+            f"the instruction ({len(row.prompt)} characters) with its {size[1]}x{size[0]} condition image is "
+            f"{length} text tokens, more than the largest of family.prompt_length_buckets "
+            f"({self.buckets[-1]}): shorten it or add a larger bucket (the edit pipeline does not truncate)"
+        )
 
     def prompt_length(self, prompt: str, condition_size: tuple[int, int]) -> int:
         """Text tokens the transformer sees for `prompt` with a condition image of `condition_size`: the
@@ -178,11 +199,12 @@ class QwenImageEditAdapter(DiffusersBase):
         texts = row_texts(request, request.params.fused_cfg)
         lengths = {text: self.prompt_length(text, size) for text in texts}
         for text, length in lengths.items():
-            if length > self.buckets[-1]:
+            if length > self.buckets[-1]:  # data rows are checked before step 0: the negative prompt
                 raise ConfigError(
-                    f"prompt {text!r} with a {size[1]}x{size[0]} condition image is {length} text tokens, "
-                    f"more than the largest of rollout.prompt_length_buckets {self.buckets}: add a larger "
-                    "bucket (the edit pipeline does not truncate prompts)"
+                    f"{'sampling.negative_prompt' if text == request.negative_prompt else 'the prompt'} "
+                    f"({len(text)} characters) with a {size[1]}x{size[0]} condition image is {length} text "
+                    f"tokens, more than the largest of family.prompt_length_buckets ({self.buckets[-1]}): "
+                    "shorten it or add a larger bucket (the edit pipeline does not truncate)"
                 )
         return max(lengths.values())
 

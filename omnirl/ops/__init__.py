@@ -53,6 +53,10 @@ class KindOps(Protocol):
     def offload_modules(self) -> list[nn.Module]:
         """Modules only the rollout needs (text encoders, VAE): they sleep during training."""
 
+    def prompt_problem(self, row: PromptRow) -> str | None:
+        """Why the data row's prompt cannot run on the loaded model (too long for it), or None; every row
+        is checked before step 0 (`omnirl.data.check_prompts`)."""
+
     def requests(self, rows: list[PromptRow], step: int, dist: D.DistInfo) -> list[Request]:
         """This rank's requests of a training step (`batching.make_requests` with the kind's parameters)."""
 

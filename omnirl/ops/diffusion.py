@@ -129,6 +129,9 @@ class DiffusionOps:
     def offload_modules(self) -> list[nn.Module]:
         return self.adapter.offload_modules()
 
+    def prompt_problem(self, row: PromptRow) -> str | None:
+        return self.adapter.prompt_problem(row)
+
     def requests(self, rows: list[PromptRow], step: int, dist: D.DistInfo) -> list[Request]:
         return make_requests(
             self.cfg, rows, step, dist, self.step_params(step), self.cfg.sampling.negative_prompt

@@ -148,6 +148,19 @@ class OmniOps:
     def offload_modules(self) -> list[nn.Module]:
         return []  # the encoders run in training too: the trainer re-scores responses on the images
 
+    def prompt_problem(self, row: PromptRow) -> str | None:
+        """Why the row's prompt cannot run: with generation.max_new_tokens it is longer than the model's
+        context (vLLM refuses such a request as well), or None."""
+        tokens, context = self.adapter.prompt_tokens(row), self.adapter.context_tokens
+        new = self.cfg.generation.max_new_tokens
+        if tokens + new <= context:
+            return None
+        return (
+            f"the prompt ({len(row.prompt)} characters) is {tokens} tokens, which with generation."
+            f"max_new_tokens {new} is more than the model's context of {context} tokens: shorten it or "
+            "lower generation.max_new_tokens"
+        )
+
     def requests(self, rows: list[PromptRow], step: int, dist: D.DistInfo) -> list[Request]:
         return make_requests(self.cfg, rows, step, dist, self.params)[0]
 
