@@ -87,9 +87,11 @@ class SamplingConfig:
     W = 2 trains two consecutive steps among 0-4. Needs lo + W <= hi <= num_steps."""
     sde_window_schedule: Literal["random", "sliding"] = "random"
     """Where a step's windows lie: 'random' draws each request's start in sde_window_range; 'sliding'
-    (MixGRPO) places one window for every request of a step, at lo first, moving it by sde_window_stride
-    steps every sde_window_shift_interval RL steps and back to lo once it would pass hi (the window always
-    whole inside the range)."""
+    (MixGRPO's progressive strategy) places one window for every request of a step, at lo first, moving it
+    by sde_window_stride steps every sde_window_shift_interval RL steps; at the end of the range it shrinks
+    to the steps left (W, ..., 2, 1), and once its start would reach hi it goes back to lo (the reference
+    first spends one period on an empty window, which trains nothing: skipped here). MixGRPO's range is
+    [0, num_steps - 2): it never trains the last two steps."""
     sde_window_shift_interval: int = 25
     """sliding: RL steps between two moves of the window (MixGRPO's iters_per_group)."""
     sde_window_stride: int = 1
@@ -101,8 +103,16 @@ class SamplingConfig:
     included, are exactly Euler). Steps before and inside the window are unchanged, except in a noise-free
     rollout (noise_level 0 or sde_type ode, validation's included), which takes dpm2 at every step."""
     sde_window_random: bool = False
-    """Train sde_window_size steps drawn per request without replacement from sde_window_range (the
-    original DanceGRPO's timestep subset) instead of a contiguous window."""
+    """DanceGRPO's sampling (XueZeyue/DanceGRPO): every step but the last takes the SDE step, and the
+    trained steps are sde_window_size of them drawn per request without replacement from sde_window_range
+    instead of a contiguous window. DanceGRPO's timestep_fraction f over T steps is a size of
+    int(f (T - 1)) in [0, T - 1): it trains among the first T - 1 transitions. The last step is the ODE
+    step to sigma 0, whose result is the x0 prediction DanceGRPO decodes."""
+    ode_compress_ratio: float = 0.0
+    """MixGRPO-Flash: after the window, the ODE runs on a compressed schedule: int(max(ratio (T - L), 1))
+    points (L the window's last step; at least the step to sigma 0) evenly spaced in unshifted time from
+    sigma_{L+1} to 0 and shifted as the schedule is, instead of the T - L - 1 steps left (0 = off; the
+    reference's 0.4). Needs sde_window_schedule sliding (one window per batch)."""
     shared_initial_noise: bool = False
     """All samples of a prompt start from the same initial latents, drawn from the group's own seed
     (DanceGRPO); the SDE noise stays per sample."""

@@ -37,6 +37,7 @@ RANGES = {
     "sampling.sde_window_size": at_least(0),
     "sampling.sde_window_shift_interval": at_least(1),
     "sampling.sde_window_stride": at_least(1),
+    "sampling.ode_compress_ratio": ((lambda v: math.isfinite(v) and 0 <= v <= 1), "a number in [0, 1]"),
     "generation.temperature": POSITIVE,
     "generation.top_p": FRACTION,
     "generation.top_k": at_least(0),
@@ -251,3 +252,13 @@ def _check_sampling(s: SamplingConfig, adapter: type, name: str, loss: str) -> N
         raise ConfigError(str(e)) from None
     if s.sde_window_schedule == "sliding" and s.sde_window_size == 0:
         raise ConfigError("sampling.sde_window_schedule sliding needs sampling.sde_window_size > 0")
+    if s.sde_window_random and s.sde_window_size and hi > s.num_steps - 1:
+        raise ConfigError(
+            f"sampling.sde_window_range {[lo, hi]} with sde_window_random: the last step ({s.num_steps - 1}) "
+            "is the ODE step to sigma 0 and is never trained; hi must be at most sampling.num_steps - 1"
+        )
+    if s.ode_compress_ratio and (s.sde_window_schedule != "sliding" or s.sde_window_random):
+        raise ConfigError(
+            "sampling.ode_compress_ratio needs sampling.sde_window_schedule sliding without "
+            "sde_window_random: the compressed schedule follows one window shared by the whole batch"
+        )

@@ -7,9 +7,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from omnirl.config import config_for
+from omnirl.config import ConfigError, config_for
+from omnirl.config_checks import check_values
 from omnirl.models.base import Request, SamplingParams, derive_seed
-from omnirl.models.flow_sde import WindowedSampler, dpm2_coefficients, flow_step, sliding_start, window
+from omnirl.models.flow_sde import (
+    WindowedSampler,
+    compressed_schedule,
+    dpm2_coefficients,
+    flow_step,
+    sliding_window,
+    window,
+)
 from omnirl.ops.diffusion import DiffusionOps, sampling_params
 
 torch.manual_seed(0)
@@ -164,24 +172,50 @@ def test_record_mean_and_validation_records():
     assert records[0]["step_indices"].dtype == torch.int64
 
 
+def reference_windows(
+    num_steps: int, size: int, interval: int, stride: int, rl_steps: int
+) -> list[list[int]]:
+    """MixGRPO's progressive strategy as its GRPOTrainingStates runs it (prog_overlap, roll_back), written
+    out by hand: the window of each RL step is range(cur, min(cur + size, T - 2)); cur moves by the stride
+    every `interval` RL steps and goes back to 0 once it exceeds T - 2."""
+    top, cur, count, out = num_steps - 2, 0, 0, []
+    for _ in range(rl_steps):
+        out.append(list(range(cur, min(cur + size, top))))
+        count += 1
+        if count >= interval:
+            count, cur = 0, cur + stride
+        if cur > top:
+            cur, count = 0, 0
+    return out
+
+
 def test_sliding_window_schedule_by_hand():
-    """MixGRPO's progressive window: at lo first, moved by the stride every interval RL steps, back to lo
-    once it would leave the range; the recipe's W 4 in [0, 24) every 25 steps has 21 positions."""
-    starts = [sliding_start(step, 2, (0, 6), 3, 2) for step in range(12)]
-    assert starts == [0, 0, 0, 2, 2, 2, 4, 4, 4, 0, 0, 0]
-    assert [sliding_start(s, 4, (0, 24), 25, 1) for s in (0, 24, 25, 500, 524, 525)] == [0, 0, 1, 20, 20, 0]
-    assert sliding_start(7, 2, (3, 6), 1, 1) == 4  # starts 3, 4 (a window of 2 inside [3, 6)), step 7 -> 4
-    # The step's requests all share that window (the range a window fills exactly: one start).
+    """MixGRPO's windows over whole periods: W 4 over T = 25 steps trains in [0, 23) (never steps 23 and
+    24), shrinking to 3, 2, 1 steps at the end; the reference then spends one period on an empty window
+    (start 23), which is skipped here, so a period is 23 windows, not 24."""
+    ours = [sliding_window(step, 4, (0, 23), 1, 1) for step in range(2 * 23)]
+    assert ours[:23] == [(s, 4) for s in range(20)] + [(20, 3), (21, 2), (22, 1)] and ours[23:] == ours[:23]
+    ref = [w for w in reference_windows(25, 4, 1, 1, 2 * 24) if w]  # the empty periods dropped
+    assert [list(range(start, start + size)) for start, size in ours] == ref
+    # Every 20 RL steps (MixGRPO-Flash's iters_per_group), stride 2: the same rule, period by period.
+    ours = [sliding_window(step, 4, (0, 23), 20, 2) for step in range(2 * 12 * 20)]
+    ref = [w for w in reference_windows(25, 4, 20, 2, 2 * 12 * 20) if w]
+    assert [list(range(start, start + size)) for start, size in ours] == ref
+    assert ours[11 * 20] == (22, 1) and ours[12 * 20] == (0, 4)
+    # The step's requests all share that window.
     cfg = config_for("sd3")
     s = cfg.sampling
-    s.num_steps, s.sde_window_size, s.sde_window_range = 6, 2, (0, 6)
+    s.num_steps, s.sde_window_size, s.sde_window_range = 6, 2, (0, 5)
     s.sde_window_schedule, s.sde_window_shift_interval, s.sde_window_stride = "sliding", 3, 2
     ops = SimpleNamespace(cfg=cfg, params=sampling_params(cfg))
-    params = DiffusionOps.step_params(ops, 4)
-    assert params.sde_window_range == (2, 4)
+    assert [DiffusionOps.step_params(ops, step).sde_window_range for step in (0, 3, 6, 9)] == [
+        (0, 2), (2, 4), (4, 5), (0, 2),
+    ]  # fmt: skip
+    params = DiffusionOps.step_params(ops, 7)
+    assert params.sde_window_size == 1
     requests = [Request("p", i, i, derive_seed(1, 4, i), params) for i in range(5)]
     sampler = WindowedSampler(requests, (2, 3), torch.linspace(1, 0, 7), "cpu")
-    assert sampler.step_indices.tolist() == [[2, 3]] * 5
+    assert sampler.step_indices.tolist() == [[4]] * 5
 
 
 def test_dpm2_after_the_window_by_hand():
@@ -244,3 +278,75 @@ def test_dance_sde_logprob_is_independent_gaussian_density():
     assert torch.allclose(again.logprob, out.logprob, atol=1e-6)
     ode = flow_step(v, x, s, sn, float(SIGMAS[1]), 0.0, "dance_sde", noise=noise)
     assert torch.equal(ode.prev_sample, x + (sn - s).reshape(-1, 1, 1, 1) * v)
+
+
+def test_dance_grpo_samples_every_step_and_trains_a_random_subset_by_hand():
+    """DanceGRPO (sde_window_random): every step but the last takes the SDE step, and the trained steps
+    are a random subset of the range. Written out by hand for 6 steps, a subset of 3 in [0, 5): each
+    request's generator draws its initial latents, the subset (randperm(5)[:3], sorted), then one noise
+    per step 0..4; the last step is the Euler step to sigma 0 (DanceGRPO decodes that x0 prediction)."""
+    steps = 6
+    requests = window_requests(6, 3, (0, 5), steps=steps, sde_window_random=True)
+    _, records, _, final, sigmas = run_sampler(requests, steps=steps)
+    subsets = []
+    for req, rec, fin in zip(requests, records, final):
+        g = torch.Generator().manual_seed(req.seed)
+        x = torch.randn(2, 3, generator=g)
+        subset = sorted(int(j) for j in torch.randperm(5, generator=g)[:3])
+        subsets.append(subset)
+        xs = [x]
+        for i in range(steps - 1):  # noise at every step but the last
+            noise = torch.randn(2, 3, generator=g)
+            sig = (sigmas[i : i + 1], sigmas[i + 1 : i + 2])
+            x = flow_step(0.3 * x[None] + 0.1, x[None], *sig, float(sigmas[1]), 0.7, "sde", noise=noise[None])
+            x = x.prev_sample[0]
+            xs.append(x)
+        x = x + (0.0 - sigmas[steps - 1]) * (0.3 * x + 0.1)
+        torch.testing.assert_close(fin, x)
+        assert rec["step_indices"].tolist() == subset
+        torch.testing.assert_close(rec["latents"], torch.stack([xs[k] for k in subset]))
+        torch.testing.assert_close(rec["next_latents"], torch.stack([xs[k + 1] for k in subset]))
+        assert (rec["logprobs"] != 0).all()
+    assert any(s != list(range(s[0], s[0] + 3)) for s in subsets), subsets  # not windows
+    # Packed equals serial, and the range may not reach the last step.
+    for b, req in enumerate(requests[:3]):
+        _, alone, _, final_alone, _ = run_sampler([req], steps=steps)
+        torch.testing.assert_close(final[b], final_alone[0])
+    cfg = config_for("sd3")
+    s = cfg.sampling
+    s.num_steps, s.sde_window_size, s.sde_window_range, s.sde_window_random = 6, 3, (0, 6), True
+    with pytest.raises(ConfigError, match=r"sde_window_random: the last step \(5\) is the ODE step"):
+        check_values(cfg)
+
+
+def test_mixgrpo_flash_compressed_schedule_by_hand():
+    """MixGRPO-Flash: after a window ending at step L the ODE runs on n = int(max(0.4 (T - L), 1)) points
+    from sigma_{L+1} to 0, evenly spaced in unshifted time and shifted. T = 25, shift 3 (sigma = 3 t /
+    (1 + 2 t) on t = 1 - i / 25), window 0..3: n = int(0.4 * 22) = 8 points from t = 0.84, so 4 + 7 = 11
+    steps; a window ending at 21: 0.4 * 4 = 1.6 -> 1 point, which would end at sigma_22: one step to 0 is
+    added."""
+    t = torch.linspace(1, 0, 26, dtype=torch.float64)
+    sigmas = (3 * t / (1 + 2 * t)).float()
+    out = compressed_schedule(sigmas, 3, 0.4, 3.0)
+    tail = torch.linspace(0.84, 0.0, 8, dtype=torch.float64)
+    expected = torch.cat([sigmas[:5], (3 * tail / (1 + 2 * tail)).float()[1:]])
+    assert len(out) == 12
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(
+        compressed_schedule(sigmas, 21, 0.4, 3.0), torch.cat([sigmas[:23], torch.zeros(1)])
+    )
+    # The sampler runs it: 11 steps, the window's records unchanged (its sigmas are the schedule's).
+    p = SamplingParams(8, 8, 25, 1.0, 0.7, "sde", 4, (0, 4), ode_solver="dpm2", ode_compress_ratio=0.4)
+    requests = [Request("p", i, i, derive_seed(5, 0, i), p) for i in range(2)]
+    sampler = WindowedSampler(requests, (2, 3), sigmas, "cpu", shift=3.0)
+    assert sampler.num_steps == 11
+    torch.testing.assert_close(sampler.host_sigmas, expected)
+    x = sampler.initial_latents
+    for i in range(sampler.num_steps):
+        x = sampler.step(i, 0.3 * x + 0.1, x)
+    assert sampler.step_indices.tolist() == [[0, 1, 2, 3]] * 2
+    assert torch.isfinite(x).all()
+    cfg = config_for("sd3")
+    cfg.sampling.ode_compress_ratio = 0.4
+    with pytest.raises(ConfigError, match="ode_compress_ratio needs sampling.sde_window_schedule sliding"):
+        check_values(cfg)

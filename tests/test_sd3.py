@@ -140,3 +140,28 @@ def test_bad_names_and_paths(tmp_path):
     missing = tmp_path / "no_such_model"
     with pytest.raises(ValueError, match=re.escape(str(missing))):
         make_adapter(missing)
+
+
+def test_mixgrpo_flash_rollout_on_the_compressed_schedule(adapter):
+    """MixGRPO-Flash on SD3's own schedule (shift 3): 10 steps, a window at steps 0-1, so
+    n = int(0.4 * (10 - 1)) = 3 points from sigma_2 to 0, evenly spaced in the unshifted time t = sigma /
+    (3 - 2 sigma): 2 steps after the window, 4 in all. The trainer recomputes the window's log-probs."""
+    params = SamplingParams(
+        SIZE, SIZE, 10, GUIDANCE, 0.7, "sde", 2, (0, 2), ode_solver="dpm2", ode_compress_ratio=0.4
+    )
+    trajs = adapter.rollout(make_requests(params, n=2))
+    full = adapter.sigmas(10)
+    s2 = float(full[2])
+    t = torch.linspace(s2 / (3 - 2 * s2), 0, 3, dtype=torch.float64)
+    expected = torch.cat([full[:3], (3 * t / (1 + 2 * t)).float()[1:]])
+    for traj in trajs:
+        torch.testing.assert_close(traj.sigmas, expected)
+        assert traj.step_indices.tolist() == [0, 1] and torch.isfinite(traj.final_latents).all()
+    steps = torch.cat([t.step_indices for t in trajs])
+    x, x_next = torch.cat([t.latents for t in trajs]), torch.cat([t.next_latents for t in trajs])
+    embeds = {key: torch.stack([t.embeds[key] for t in trajs for _ in range(2)]) for key in trajs[0].embeds}
+    sig = trajs[0].sigmas
+    with torch.no_grad():
+        v = adapter.velocity(x, sig[steps], embeds, GUIDANCE)
+        out = flow_step(v, x, sig[steps], sig[steps + 1], float(sig[1]), 0.7, "sde", prev_sample=x_next)
+    assert max_diff(out.logprob, torch.cat([t.logprobs for t in trajs])) < 1e-5

@@ -160,7 +160,7 @@ def test_nft_rows_and_the_old_velocity(tiny_sd3, tmp_path):
     assert torch.equal(rows[0].noise(), rows[0].noise()) and not torch.equal(rows[0].noise(), rows[1].noise())
     mb = rows[:4]
     x0 = torch.stack([r.traj.final_latents for r in mb])
-    t = torch.stack([r.traj.sigmas[r.k] for r in mb])
+    t = torch.stack([r.traj.sigmas[r.time_index()] for r in mb])
     noise = torch.stack([r.noise() for r in mb])
     x_t = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * noise
     embeds = ops.adapter.batch_embeds([r.traj.embeds for r in mb])
@@ -172,6 +172,8 @@ def test_nft_rows_and_the_old_velocity(tiny_sd3, tmp_path):
         v_moved = ops.adapter.velocity(x_t, t, embeds, 1.0)
     moved = [p.detach().clone() for p in ops.trainable()]
     _, first = ops.loss(mb, 4.0, measure=True)  # before any step the old velocity is v itself
+    for r in mb:
+        r.passes = 0  # the same rows, times and noises again
     _, later = ops.loss(mb, 4.0, measure=False)
     expected = ((v_moved - v_rollout) ** 2).flatten(1).mean(dim=1).sum().item()
     assert first["nft/old_deviate_sum"] == 0 and expected > 1e-6
@@ -185,6 +187,58 @@ def test_nft_rows_and_the_old_velocity(tiny_sd3, tmp_path):
         torch.testing.assert_close(o, 0.002 * before + 0.998 * now, rtol=1e-6, atol=0)
     assert not ops.old_is_policy() and int(ops.state()["nft_optimizer_steps"]) == 2
     assert all(torch.equal(p, q) for p, q in zip(ops.trainable(), moved))  # the policy itself untouched
+
+
+def test_nft_times_and_noises_per_pass_by_hand():
+    """DiffusionNFT's training times as its reference draws them: per sample and pass a random
+    int(0.99 T) of the T sigmas before 0 (T = 10: 9 of sigma_0 .. sigma_9, the last one included), each with
+    fresh noise, x_t = (1 - t) x0 + t noise. Written out: the sample's pass-p permutation is
+    randperm(10) of the generator seeded derive_seed(seed, -3 - p, -1), row k takes its k-th sigma and the
+    noise of derive_seed(seed, -3 - p, k)."""
+    from types import SimpleNamespace
+
+    from omnirl.algos.losses import diffusion_nft_loss
+
+    cfg = load_config("sd3_tiny_nft", [])
+    cfg.rollout.prompts_per_step, cfg.rollout.group_size = 4, 2
+    sigmas = torch.linspace(1.0, 0.0, 11)
+    trajs = [
+        SimpleNamespace(
+            request=SimpleNamespace(seed=derive_seed(3, 0, i), index=i), sigmas=sigmas,
+            final_latents=torch.full((2, 3), float(i)), embeds={}, advantage=[1.0, -1.0][i % 2],
+        )
+        for i in range(8)
+    ]  # fmt: skip
+    seen = []
+
+    def velocity(x_t, t, embeds, guidance):
+        seen.append((x_t.clone(), t.clone()))
+        return torch.zeros_like(x_t, requires_grad=True)
+
+    adapter = SimpleNamespace(device="cpu", batch_embeds=lambda embeds: {}, velocity=velocity)
+    ops = SimpleNamespace(
+        cfg=cfg, params=SimpleNamespace(num_steps=10), soft=False, _old=None, adapter=adapter,
+        ref_model=None, loss_fn=diffusion_nft_loss,
+    )  # fmt: skip
+    rows = NFTOps.update_rows(ops, trajs, torch.ones(8, dtype=torch.bool), torch.Generator().manual_seed(0))
+    assert len(rows) == 8 * 9  # int(0.99 * 10) rows per sample
+    picked = {p: {} for p in range(2)}
+    for p in range(2):  # two passes over the same rows
+        seen.clear()
+        NFTOps.loss(ops, rows, float(len(rows)), measure=True)
+        ((x_t, t),) = seen
+        for row, xt, tt in zip(rows, x_t, t):
+            seed = row.traj.request.seed
+            perm = torch.randperm(10, generator=torch.Generator().manual_seed(derive_seed(seed, -3 - p, -1)))
+            g = torch.Generator().manual_seed(derive_seed(seed, -3 - p, row.k))
+            noise = torch.randn(2, 3, generator=g)
+            assert tt == sigmas[perm[row.k]]
+            torch.testing.assert_close(xt, (1 - tt) * row.traj.final_latents + tt * noise)
+            picked[p].setdefault(row.traj.request.index, set()).add(int(perm[row.k]))
+    for p in range(2):
+        assert all(len(times) == 9 for times in picked[p].values())  # 9 distinct sigmas per sample
+        assert any(9 in times for times in picked[p].values())  # the last sigma is trained too
+    assert picked[0] != picked[1]  # a fresh subset per pass
 
 
 def test_nft_old_decay_schedule():

@@ -50,7 +50,8 @@ class SamplingParams:
     # policy, swapped into the trained parameters by its ops for the whole generate call)
     lora: str = "policy"
     shared_initial_noise: bool = False  # a group's samples start from one draw (its group_seed)
-    sde_window_random: bool = False  # trained steps: a random subset of sde_window_range, not a window
+    sde_window_random: bool = False  # DanceGRPO: SDE at every step but the last, a random subset trained
+    ode_compress_ratio: float = 0.0  # MixGRPO-Flash: the ODE after the window on a compressed schedule
     # CFG's conditional and unconditional rows share one forward (rollout.fused_cfg), or run as two
     fused_cfg: bool = True
 
@@ -72,6 +73,7 @@ class SamplingParams:
             self.lora,
             self.shared_initial_noise,
             self.sde_window_random,
+            self.ode_compress_ratio,
             self.fused_cfg,
         )
 

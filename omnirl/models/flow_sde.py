@@ -146,14 +146,34 @@ def window(num_steps: int, size: int, window_range: tuple[int, int]) -> tuple[in
     return size, lo, hi - size
 
 
-def sliding_start(step: int, size: int, window_range: tuple[int, int], interval: int, stride: int) -> int:
-    """MixGRPO's window at RL step `step`: it starts at lo, moves by `stride` every `interval` steps, and
-    goes back to lo once its start would pass hi - size (so the window is always whole inside
-    [lo, hi)). E.g. size 2 in [0, 6), interval 3, stride 2: steps 0-2 start at 0, 3-5 at 2, 6-8 at 4,
-    9-11 at 0 again."""
+def sliding_window(
+    step: int, size: int, window_range: tuple[int, int], interval: int, stride: int
+) -> tuple[int, int]:
+    """MixGRPO's window at RL step `step`, (start, size), as its progressive strategy places it: it starts
+    at lo, moves by `stride` every `interval` steps, and at the end of the range shrinks to what is left
+    of it (steps start .. hi - 1, so sizes W, ..., 3, 2, 1); once its start would reach hi, it goes back to
+    lo. The reference goes back only after one more period at start hi, whose window is empty (it trains
+    nothing then): that period is skipped here. E.g. size 2 in [0, 5), interval 3, stride 2: steps 0-2
+    train steps 0-1, 3-5 steps 2-3, 6-8 step 4 alone, 9-11 steps 0-1 again."""
     lo, hi = window_range
-    positions = (hi - size - lo) // stride + 1  # the starts lo, lo + stride, ... up to hi - size
-    return lo + stride * ((step // interval) % positions)
+    positions = (hi - lo + stride - 1) // stride  # the starts lo, lo + stride, ... below hi
+    start = lo + stride * ((step // interval) % positions)
+    return start, min(size, hi - start)
+
+
+def compressed_schedule(sigmas: torch.Tensor, last: int, ratio: float, shift: float) -> torch.Tensor:
+    """MixGRPO-Flash's schedule after a window whose last step is `last`: steps 0 .. last keep their
+    sigmas, and the ODE from sigma_{last+1} to 0 runs on n = int(max(ratio (T - last), 1)) points evenly
+    spaced in the unshifted time t (sigma = s t / (1 + (s - 1) t), s = `shift`), from the time of
+    sigma_{last+1} to 0, shifted as the schedule is: [last + 1 + n] sigmas, last + n steps. Where n is 1
+    the reference's schedule ends at sigma_{last+1}, short of 0, and its sample keeps that step's noise;
+    here a last step to 0 is added (n = 2)."""
+    num_steps = len(sigmas) - 1
+    n = max(int(max(ratio * (num_steps - last), 1)), 2)
+    start = float(sigmas[last + 1])
+    t = torch.linspace(start / (shift - (shift - 1) * start), 0.0, n, dtype=torch.float64)
+    post = (shift * t / (1 + (shift - 1) * t)).to(sigmas.dtype)
+    return torch.cat([sigmas[: last + 2], post[1:]])  # post[0] is sigma_{last+1} itself
 
 
 def dpm2_coefficients(sigma_prev: float, sigma: float, sigma_next: float) -> tuple[float, float, float]:
@@ -175,16 +195,19 @@ class WindowedSampler:
     at a step drawn uniformly from lo .. hi - W of `sde_window_range` [lo, hi), so it stays inside the range
     (flow_grpo's and VeRL-Omni's draw); size 0 trains every step but the last (flow_grpo's
     `timestep_fraction` 0.99: the last step, to sigma 0, is a very sharply peaked Gaussian), starting at 0
-    with no draw. With `sde_window_random` the trained steps are W steps drawn without replacement from
-    [lo, hi) (the original DanceGRPO's timestep subset) instead of a contiguous window. Each request's own
-    generator (seeded from `request.seed`) draws, in this order: its initial latents, its window start or
-    subset (only for W > 0), then the noise of each step inside its window. With `shared_initial_noise` the
-    initial latents come from a generator seeded by `request.group_seed` instead (every sample of a group
-    starts from the same latents, DanceGRPO's rule), and the request's own generator draws the rest. So a
-    request's sample does not depend on the batch it runs in (packed == serial). Rows inside their window
-    take `flow_step` with the request's SDE type and noise level and record (latents in, latents out, step,
-    log-prob and, with `record_mean`, the step's mean); rows outside take the ODE step and record nothing:
-    the Euler step, or after the window with `ode_solver` dpm2 DPM-Solver++ 2M (`dpm2_coefficients`).
+    with no draw. With `sde_window_random` (DanceGRPO's sampling) every step but the last takes the SDE
+    step, and the trained steps are W of them drawn without replacement from [lo, hi) instead of a
+    contiguous window. Each request's own generator (seeded from `request.seed`) draws, in this order: its
+    initial latents, its window start or subset (only for W > 0), then the noise of each SDE step. With
+    `shared_initial_noise` the initial latents come from a generator seeded by `request.group_seed`
+    instead (every sample of a group starts from the same latents, DanceGRPO's rule), and the request's own
+    generator draws the rest. So a request's sample does not depend on the batch it runs in (packed ==
+    serial). Rows at an SDE step take `flow_step` with the request's SDE type and noise level; at a trained
+    step they record (latents in, latents out, step, log-prob and, with `record_mean`, the step's mean);
+    elsewhere they take the ODE step and record nothing: the Euler step, or after the SDE steps with
+    `ode_solver` dpm2 DPM-Solver++ 2M (`dpm2_coefficients`). With `ode_compress_ratio` (MixGRPO-Flash) the
+    ODE after a window shared by the whole batch runs on the compressed schedule (`compressed_schedule`,
+    with the schedule's `shift`): `num_steps` and `sigmas` are then the sampler's, not the request's.
     A rollout that records no log-probs (validation) has no window: the ODE step everywhere. Noise is drawn
     on the host, so samples do not depend on the device either.
 
@@ -196,12 +219,18 @@ class WindowedSampler:
     the device.
     """
 
-    def __init__(self, requests: list, latent_shape: tuple[int, ...], sigmas: torch.Tensor, device):
+    def __init__(
+        self,
+        requests: list,
+        latent_shape: tuple[int, ...],
+        sigmas: torch.Tensor,
+        device,
+        shift: float | None = None,
+    ):
         p = requests[0].params
-        num_steps = p.num_steps
         # A rollout nothing is trained from (validation) has no window: no noise, no records.
         self.size, lo, last = (
-            window(num_steps, p.sde_window_size, p.sde_window_range) if p.record_logprobs else (0, 0, 0)
+            window(p.num_steps, p.sde_window_size, p.sde_window_range) if p.record_logprobs else (0, 0, 0)
         )
         self.params, self.shape, self.device = p, latent_shape, torch.device(device)
         pin = self.device.type != "cpu"  # pinned host memory: copies that do not block the host
@@ -223,21 +252,47 @@ class WindowedSampler:
             if p.sde_window_size and self.size:
                 starts = [int(torch.randint(lo, last + 1, (1,), generator=g)) for g in self.generators]
             self.trained = [list(range(s, s + self.size)) for s in starts]
-        self.sigmas = sigmas.to(device)  # [T + 1]
+        # The steps each row samples with the SDE: its trained ones; with sde_window_random every step
+        # but the last (DanceGRPO samples all of them and decodes the last one's x0 prediction, which is
+        # the ODE step to sigma 0).
+        last_sde = p.num_steps - 1
+        self.noisy = [list(range(last_sde)) if p.sde_window_random and t else t for t in self.trained]
+        if p.ode_compress_ratio and self.size:
+            ends = {t[-1] for t in self.trained}
+            if len(ends) != 1 or shift is None:
+                raise ValueError(
+                    "sampling.ode_compress_ratio needs one window for the whole batch (sde_window_schedule "
+                    "sliding) and a schedule of static shift"
+                )
+            sigmas = compressed_schedule(sigmas, ends.pop(), p.ode_compress_ratio, shift)
+        self.num_steps = num_steps = len(sigmas) - 1
+        self.host_sigmas = sigmas  # [T' + 1] the rollout's schedule on the host (T' = T but compressed)
+        self.sigmas = sigmas.to(device)
         self.sigma_max = float(sigmas[1])
         batch = len(requests)
-        # rows[i]: the rows step i trains (in row order), and each one's position k in its window.
-        self.rows = [[b for b, t in enumerate(self.trained) if i in t] for i in range(num_steps)]
-        flat = [(b, self.trained[b].index(i)) for i in range(num_steps) for b in self.rows[i]]
-        index = _to_device(torch.tensor(flat, dtype=torch.int64).reshape(-1, 2), self.device, pin)  # [N, 2]
+        # rows[i]: the rows step i samples with the SDE (in row order); index[i]: of those it trains, the
+        # position j among them, the row b and its position k among the row's trained steps.
+        self.rows = [[b for b, t in enumerate(self.noisy) if i in t] for i in range(num_steps)]
+        flat = [
+            (j, b, self.trained[b].index(i))
+            for i in range(num_steps)
+            for j, b in enumerate(self.rows[i])
+            if i in self.trained[b]
+        ]
+        index = _to_device(torch.tensor(flat, dtype=torch.int64).reshape(-1, 3), self.device, pin)  # [N, 3]
+        self.counts = [sum(i in self.trained[b] for b in rows) for i, rows in enumerate(self.rows)]
         offsets = [0]
-        for rows in self.rows:
-            offsets.append(offsets[-1] + len(rows))
-        self.index = [index[offsets[i] : offsets[i + 1]] for i in range(num_steps)]  # [R_i, 2] views
+        for n in self.counts:
+            offsets.append(offsets[-1] + n)
+        self.index = [index[offsets[i] : offsets[i + 1]] for i in range(num_steps)]  # [N_i, 3] views
+        self.sde_rows = [
+            _to_device(torch.tensor(rows, dtype=torch.int64), self.device, pin) if rows else None
+            for rows in self.rows
+        ]  # [R_i]
         self.noise = [
             _NOISE_WORKER.submit(self._draw, rows, pin) if rows else None for rows in self.rows
-        ]  # the jobs run in step order, so every generator draws in the order of the window's steps
-        # dpm2: the rows past their window at step i (every row of a noise-free rollout), where its
+        ]  # the jobs run in step order, so every generator draws in the order of its SDE steps
+        # dpm2: the rows past their SDE steps at step i (every row of a noise-free rollout), where its
         # second-order step applies (both neighbouring sigmas strictly inside (0, 1); elsewhere
         # DPM-Solver++ is the Euler step).
         s = [float(x) for x in sigmas]
@@ -245,7 +300,7 @@ class WindowedSampler:
         if p.ode_solver == "dpm2":
             noise_free = p.noise_level == 0 or p.sde_type == "ode"
             for i in range(1, num_steps):
-                rows = [b for b, t in enumerate(self.trained) if noise_free or not t or i > t[-1]]
+                rows = [b for b, t in enumerate(self.noisy) if noise_free or not t or i > t[-1]]
                 if rows and s[i - 1] < 1 and s[i + 1] > 0:
                     idx = _to_device(torch.tensor(rows, dtype=torch.int64), self.device, pin)
                     self.post[i] = (idx, dpm2_coefficients(s[i - 1], s[i], s[i + 1]))
@@ -278,24 +333,26 @@ class WindowedSampler:
         if self.noise[i] is not None:
             with phase("noise"):  # a wait only if the worker fell behind
                 noise = self.noise[i].result().to(self.device, non_blocking=True)  # [R, *latent]
-            idx, k = self.index[i][:, 0], self.index[i][:, 1]  # [R] rows, [R] their window positions
+            idx = self.sde_rows[i]  # [R] the rows of this SDE step
             out = flow_step(
                 velocity[idx], latents[idx], sigma[idx], sigma_next[idx], self.sigma_max, p.noise_level,
                 p.sde_type, noise=noise,
             )  # fmt: skip
             next_latents[idx] = out.prev_sample
-            self.x_in[idx, k] = latents[idx].float()
-            self.logprobs[idx, k] = out.logprob
+        if self.counts[i]:
+            j, b, k = self.index[i].unbind(1)  # [N] of the SDE rows, their rows, their trained positions
+            self.x_in[b, k] = latents[b].float()
+            self.logprobs[b, k] = out.logprob[j]
             if self.means is not None:
-                self.means[idx, k] = out.mean
+                self.means[b, k] = out.mean[j]
         if p.ode_solver == "dpm2":
             x0 = latents.float() - self.sigmas[i] * velocity.float()  # [B, *latent]
             if self.post[i] is not None:
                 rows, (c_x, c_0, c_1) = self.post[i]
                 next_latents[rows] = c_x * latents[rows].float() + c_0 * x0[rows] + c_1 * self.prev_x0[rows]
             self.prev_x0 = x0
-        if self.noise[i] is not None:
-            self.x_out[idx, k] = next_latents[idx]  # (a noise-free dpm2 step included)
+        if self.counts[i]:
+            self.x_out[b, k] = next_latents[b]  # (a noise-free dpm2 step included)
         return next_latents
 
     def record(self, b: int) -> dict[str, torch.Tensor | None]:

@@ -364,7 +364,7 @@ class QwenImageAdapter(DiffusersBase):
             rows = self.encode(texts)  # [L_i, D] each: the prompts, then the negative prompts
             embeds = text_embeds(rows, batch, self.buckets, p.fused_cfg)
 
-        for i in range(p.num_steps):
+        for i in range(sampler.num_steps):
             with phase("transformer"):  # [B, C, h, w]
                 v = self.velocity(latents, sampler.sigma(i), embeds, p.guidance_scale, p.fused_cfg)
             latents = sampler.step(i, v, latents)
@@ -379,7 +379,7 @@ class QwenImageAdapter(DiffusersBase):
             for b in range(batch)
         ]  # [L_b, D], unpadded: batch_embeds pads
         outputs = [Output(image=im) for im in images]
-        return trajectories(requests, sampler, sigmas, samples, outputs, latents)
+        return trajectories(requests, sampler, sampler.host_sigmas, samples, outputs, latents)
 
     def batch_embeds(self, embeds: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Pad each text to the longest of the micro-batch, with its mask (`<key>_mask`)."""

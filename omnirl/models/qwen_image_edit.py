@@ -310,7 +310,7 @@ class QwenImageEditAdapter(DiffusersBase):
             embeds["condition_size"] = torch.tensor([latent_size] * batch, device=self.device)  # [B, 2]
             embeds |= text_embeds(rows, batch, self.buckets, p.fused_cfg)
 
-        for i in range(p.num_steps):
+        for i in range(sampler.num_steps):
             with phase("transformer"):  # [B, C, h, w]
                 v = self.velocity(latents, sampler.sigma(i), embeds, p.guidance_scale, p.fused_cfg)
             latents = sampler.step(i, v, latents)
@@ -326,7 +326,7 @@ class QwenImageEditAdapter(DiffusersBase):
             for b in range(batch)
         ]
         outputs = [Output(image=im) for im in images]
-        return trajectories(requests, sampler, sigmas, samples, outputs, latents)
+        return trajectories(requests, sampler, sampler.host_sigmas, samples, outputs, latents)
 
     def batch_embeds(self, embeds: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Pad each text to the longest of the micro-batch, with its mask (`<key>_mask`); zero-pad the

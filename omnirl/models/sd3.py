@@ -173,14 +173,15 @@ class SD3Adapter(DiffusersBase):
         channels = self.transformer.config.in_channels
         h, w = p.height // self.vae_scale_factor, p.width // self.vae_scale_factor
         sigmas = self.sigmas(num_steps)  # [T + 1] host
-        sampler = WindowedSampler(requests, (channels, h, w), sigmas, self.device)
+        shift = self.scheduler.config.shift
+        sampler = WindowedSampler(requests, (channels, h, w), sigmas, self.device, shift)
         latents = sampler.initial_latents  # [B, C, h, w]
         guided = p.guidance_scale > 1
         with phase("encode"):
             negatives = [r.negative_prompt for r in requests] if guided else None
             embeds = self.encode([r.prompt for r in requests], negatives)
 
-        for i in range(num_steps):
+        for i in range(sampler.num_steps):  # num_steps but a compressed schedule's
             with phase("transformer"):  # [B, C, h, w]
                 v = self.velocity(latents, sampler.sigma(i), embeds, p.guidance_scale, p.fused_cfg)
             latents = sampler.step(i, v, latents)
@@ -195,7 +196,8 @@ class SD3Adapter(DiffusersBase):
         keys = list(embeds)  # one copy per tensor, not per sample
         images, latents, *values = to_host([images, latents, *embeds.values()])
         rows = [{k: e[b] for k, e in zip(keys, values)} for b in range(len(requests))]
-        return trajectories(requests, sampler, sigmas, rows, [Output(image=im) for im in images], latents)
+        outputs = [Output(image=im) for im in images]
+        return trajectories(requests, sampler, sampler.host_sigmas, rows, outputs, latents)
 
     def compat_key(self, request: Request) -> tuple:
         return request.params.key  # prompts are padded to fixed lengths: nothing to add

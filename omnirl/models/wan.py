@@ -305,12 +305,13 @@ class WanAdapter(DiffusersBase):
         # The checkpoint's own multiple: its VAE's factor (8, or 16 for the TI2V-5B VAE) x the 2x2 patches.
         self.check_batch(requests, self.vae_scale_factor * self.config.patch_size[1])
         sigmas = self.sigmas(p.num_steps)
-        sampler = WindowedSampler(requests, self.latent_shape(p.height, p.width), sigmas, self.device)
+        shape = self.latent_shape(p.height, p.width)
+        sampler = WindowedSampler(requests, shape, sigmas, self.device, self.settings.flow_shift)
         latents = sampler.initial_latents  # [B, C, f, h, w]
         with phase("encode"):
             negatives = [r.negative_prompt for r in requests] if self.guided(p.guidance_scale) else None
             embeds = self.encode([r.prompt for r in requests], negatives)
-        for i in range(p.num_steps):
+        for i in range(sampler.num_steps):  # num_steps but a compressed schedule's
             with phase("transformer"):
                 v = self._velocity(
                     latents, sampler.sigma(i), embeds, p.guidance_scale, p.fused_cfg, None, balance=False
@@ -323,7 +324,7 @@ class WanAdapter(DiffusersBase):
         videos, latents, *values = to_host([videos, latents, *embeds.values()])
         rows = [{k: e[b] for k, e in zip(keys, values)} for b in range(len(requests))]
         outputs = [Output(video=v, fps=self.settings.fps) for v in videos]
-        return trajectories(requests, sampler, sigmas, rows, outputs, latents)
+        return trajectories(requests, sampler, sampler.host_sigmas, rows, outputs, latents)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents [B, C, f, h, w] -> videos [B, F, 3, H, W] in [0, 1], as WanPipeline decodes them."""

@@ -35,7 +35,7 @@ from omnirl.config import Config
 from omnirl.data.prompts import PromptRow
 from omnirl.metrics import MetricsLogger
 from omnirl.models.base import DiffusionAdapter, Output, Request, SamplingParams, Trajectory
-from omnirl.models.flow_sde import StepOut, flow_step, sliding_start
+from omnirl.models.flow_sde import StepOut, flow_step, sliding_window
 from omnirl.rollout.diffusion import DiffusionEngine
 
 
@@ -57,6 +57,7 @@ def sampling_params(cfg: Config, num_steps: int | None = None, ode: bool = False
         ode_solver=s.ode_solver,
         shared_initial_noise=s.shared_initial_noise and not ode,  # validation draws per sample
         sde_window_random=s.sde_window_random,
+        ode_compress_ratio=0.0 if ode else s.ode_compress_ratio,
         fused_cfg=cfg.rollout.fused_cfg,
     )
 
@@ -138,16 +139,14 @@ class DiffusionOps:
         )[0]
 
     def step_params(self, step: int) -> SamplingParams:
-        """The sampling parameters of RL step `step`: with the sliding schedule the window range is the
-        step's window (sliding_start), the same for every request."""
+        """The sampling parameters of RL step `step`: with the sliding schedule the window is the step's
+        (`sliding_window`: its size shrinks at the end of the range), the same for every request."""
         s = self.cfg.sampling
         if s.sde_window_schedule == "random":
             return self.params
-        size = s.sde_window_size
-        start = sliding_start(
-            step, size, tuple(s.sde_window_range), s.sde_window_shift_interval, s.sde_window_stride
-        )
-        return dataclasses.replace(self.params, sde_window_range=(start, start + size))
+        span, interval, stride = tuple(s.sde_window_range), s.sde_window_shift_interval, s.sde_window_stride
+        start, size = sliding_window(step, s.sde_window_size, span, interval, stride)
+        return dataclasses.replace(self.params, sde_window_size=size, sde_window_range=(start, start + size))
 
     def validation_params(self) -> SamplingParams:
         return sampling_params(self.cfg, num_steps=self.cfg.validation.num_steps, ode=True)

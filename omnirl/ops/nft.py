@@ -7,10 +7,13 @@ update half (rows, micro-batches, the old policy's velocity, the loss) is here. 
 the class by the loss's name, so the loop still sees one interface, `KindOps`, and the Flow-GRPO path
 carries no NFT branches.
 
-A row (`NFTRow`) is (sample, time, noise): the sample's clean latents x0 (`Trajectory.final_latents`), the
-time t = the rollout schedule's sigma of step k, for every step but the last (the reference's
-timestep_fraction 0.99), and a standard-normal noise drawn from a generator seeded by (the request's seed,
-k): the same on any number of ranks and in every pass over the rows. The forward-noised
+A row (`NFTRow`) is (sample, time, noise): the sample's clean latents x0 (`Trajectory.final_latents`), a
+time t among the T sigmas of the rollout's schedule before 0 (sigma_0 = 1 .. sigma_{T-1}) and a standard-
+normal noise. As in the reference (NVlabs/DiffusionNFT, train_nft_sd3.py), each sample has
+int(0.99 T) rows (its timestep_fraction 0.99), and in every pass over the rows (optim.epochs) they take a
+fresh random subset of that many of the T sigmas (a permutation's first ones: the last sigma can be
+among them) and fresh noise. Both are drawn from generators seeded by the request's seed and the pass
+(`NFTRow.time_index`, `NFTRow.noise`), so they are the same on any number of ranks. The forward-noised
 x_t = (1 - t) x0 + t noise goes through the policy at guidance 1 (the conditional velocity: DiffusionNFT is
 CFG-free; recipes sample at guidance 1 too), the target is noise - x0, and `losses.diffusion_nft_loss`
 mixes the old velocity in.
@@ -50,19 +53,35 @@ from omnirl.config import AlgoConfig, Config
 from omnirl.models.base import DiffusionAdapter, Request, SamplingParams, Trajectory, derive_seed
 from omnirl.ops.diffusion import DiffusionOps, reference
 
+TIMESTEP_FRACTION = 0.99  # the reference's train.timestep_fraction: rows per sample int(0.99 T)
+
+
+def rows_per_sample(num_steps: int) -> int:
+    """The rows of one sample: int(0.99 T) of its T sigmas before 0, as the reference trains."""
+    return int(num_steps * TIMESTEP_FRACTION)
+
 
 @dataclass
 class NFTRow:
-    """One (sample, time, noise) row of the update: time and noise are those of the sample's step k."""
+    """One (sample, time, noise) row of the update, its k-th: in pass p (the row's `passes` so far: each
+    pass trains every row once) its time is the sigma at `time_index()`, the k-th of a permutation of the
+    sample's T sigmas before 0 drawn for that pass, and its noise `noise()` is drawn for that pass too."""
 
     traj: Trajectory
     k: int
     weight: float  # 1 for real rows, 0 for the padding rows of short ranks
     position: float = 0.0  # its place in the step's shuffle of all ranks' rows (batching.global_positions)
+    passes: int = 0  # the passes that trained it so far (NFTOps.loss counts them)
+
+    def time_index(self) -> int:
+        """The index of the row's sigma in this pass: the k-th of the pass's permutation of the T sigmas
+        before 0 (one permutation per sample and pass, stream -3 - pass of the request)."""
+        g = torch.Generator().manual_seed(derive_seed(self.traj.request.seed, -3 - self.passes, -1))
+        return int(torch.randperm(len(self.traj.sigmas) - 1, generator=g)[self.k])
 
     def noise(self) -> torch.Tensor:
-        """[*latent] the row's forward-process noise, from its own generator (stream -2 of the request)."""
-        g = torch.Generator().manual_seed(derive_seed(self.traj.request.seed, -2, self.k))
+        """[*latent] the row's forward-process noise in this pass, from its own generator."""
+        g = torch.Generator().manual_seed(derive_seed(self.traj.request.seed, -3 - self.passes, self.k))
         return torch.randn(self.traj.final_latents.shape, generator=g)
 
 
@@ -145,7 +164,7 @@ class NFTOps(DiffusionOps):
             self.old_policy()  # made before the first optimizer step: the policy that sampled step 0
         elif o.mini_batches * o.epochs > 1:  # later mini-batches need the rollout policy's velocity
             self._old = [p.detach().clone() for p in self.trainable()]
-        steps = self.params.num_steps - 1
+        steps = rows_per_sample(self.params.num_steps)
         r = self.cfg.rollout
         where = global_positions(gen, r.prompts_per_step * r.group_size * steps)
         rows = [
@@ -168,7 +187,9 @@ class NFTOps(DiffusionOps):
         device = adapter.device
         x0 = torch.stack([r.traj.final_latents for r in mb]).to(device).float()  # [M, *latent]
         noise = torch.stack([r.noise() for r in mb]).to(device)  # [M, *latent]
-        t = torch.stack([r.traj.sigmas[r.k] for r in mb]).to(device).float()  # [M]
+        t = torch.stack([r.traj.sigmas[r.time_index()] for r in mb]).to(device).float()  # [M]
+        for r in mb:
+            r.passes += 1  # its next pass draws a new time and noise
         tt = t.reshape(-1, *([1] * (x0.dim() - 1)))
         x_t = (1 - tt) * x0 + tt * noise
         embeds = {k: e.to(device) for k, e in adapter.batch_embeds([r.traj.embeds for r in mb]).items()}
