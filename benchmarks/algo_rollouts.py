@@ -97,7 +97,7 @@ def wan_cells(cfg, adapter, a) -> list[dict]:
     window = dataclasses.replace(
         dance, noise_level=1.2, sde_window_size=2, sde_window_range=(0, 5), sde_window_random=False
     )
-    engine = DiffusionEngine(adapter, a.videos, fused_cfg=cfg.rollout.fused_cfg)
+    engine = DiffusionEngine(adapter, a.videos)
     engine.generate(make_requests(PROMPTS[:1], window, ""))  # kernels warmed, untimed
     rows = []
     for name, params in (("window", window), ("dancegrpo", dance)):
@@ -109,7 +109,7 @@ def sd35_cells(cfg, adapter, a) -> list[dict]:
     s = cfg.sampling
     flash = sampling_params(cfg)
     full = dataclasses.replace(flash, ode_compress_ratio=0.0)
-    engine = DiffusionEngine(adapter, a.images, fused_cfg=cfg.rollout.fused_cfg)
+    engine = DiffusionEngine(adapter, a.images)
     engine.generate(make_requests(PROMPTS[:1], full, ""))  # kernels warmed, untimed
     rows = []
     for start in a.starts:
