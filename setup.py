@@ -32,6 +32,9 @@ setup(
         "test": [
             "pytest>=8",
             "ruff>=0.6",
+            # The type checker of scripts/test.sh (configured in pyproject.toml); its nodejs extra brings
+            # the Node.js it runs on as a wheel.
+            "pyright[nodejs]>=1.1.400",
             "rapidocr>=3.4",
             "onnxruntime>=1.18",
             "math-verify>=0.7",

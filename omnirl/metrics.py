@@ -178,15 +178,16 @@ class MetricsLogger:
                 stream.width, stream.height = padded.shape[2], padded.shape[1]
                 stream.pix_fmt = "yuv420p"  # 4:2:0, the layout every player decodes
                 stream.options = {"crf": "18"}  # x264's default, 23, smears the detail a sample is read for
+                layout = "" if audio is None else f"{audio.shape[0]}c"  # 1c is mono, 2c stereo
+                audio_stream = None
                 if audio is not None:
-                    layout = f"{audio.shape[0]}c"  # 1c is mono, 2c stereo
                     audio_stream = container.add_stream("aac", rate=sample_rate, layout=layout)
                 for t, rgb in enumerate(padded):
                     frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")  # converted to yuv420p by PyAV
                     frame.pts = t  # in the stream's time base, 1 / rate
                     container.mux(stream.encode(frame))
                 container.mux(stream.encode(None))  # the frames x264 still holds for its B-frames
-                if audio is not None:
+                if audio is not None and audio_stream is not None:
                     # One frame for the whole track: PyAV cuts it into AAC's 1024-sample frames.
                     track = av.AudioFrame.from_ndarray(audio, format="fltp", layout=layout)
                     track.sample_rate, track.pts = sample_rate, 0
@@ -203,9 +204,9 @@ class MetricsLogger:
                 image = Summary.Image(
                     height=height, width=width, colorspace=3, encoded_image_string=gif.getvalue()
                 )
-                self._tb.file_writer.add_summary(
-                    Summary(value=[Summary.Value(tag=f"{tag}/{i}", image=image)]), step
-                )
+                writer = self._tb.file_writer
+                assert writer is not None  # a SummaryWriter makes its file writer when it is made
+                writer.add_summary(Summary(value=[Summary.Value(tag=f"{tag}/{i}", image=image)]), step)
                 if audio is not None:
                     self._tb.add_audio(f"{tag}/{i}/audio", audio.mean(0), step, sample_rate=sample_rate)
         self._log_captions(step, tag, captions)

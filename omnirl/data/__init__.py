@@ -42,7 +42,7 @@ def check_prompts(
         if skipped is None:
             raise DataError(message)
         dropped.append(message)
-    if dropped:
+    if dropped and skipped is not None:  # rows are dropped only with a `skipped` list
         skipped.extend(dropped)
         D.print0(f"warning: skipped {len(dropped)} data rows the model cannot run (data.on_bad_row: skip):")
         D.print0("\n".join(f"  {e}" for e in dropped))

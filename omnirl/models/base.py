@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, Protocol, TypeVar
 
 import peft
 import torch
@@ -95,16 +95,21 @@ class GenerationParams:
     stop_token_ids: tuple[int, ...] = ()  # stop on these as well as on the model's EOS tokens
 
 
+# A request's parameters: SamplingParams (diffusion) or GenerationParams (omni, autoregressive).
+P = TypeVar("P", SamplingParams, GenerationParams)
+
+
 @dataclass
-class Request:
+class Request(Generic[P]):
     """One sample to generate. Its noise depends only on `seed` (and, for initial noise shared by a group,
-    on `group_seed`), never on which batch it lands in."""
+    on `group_seed`), never on which batch it lands in. `Request[SamplingParams]` is a diffusion model's,
+    `Request[GenerationParams]` an omni model's."""
 
     prompt: str
     group_id: int  # the prompt this sample belongs to (advantages are computed within a group)
     index: int  # global request index of the step; the seed derives from it
     seed: int  # derive_seed(base_seed, step, index)
-    params: SamplingParams | GenerationParams  # diffusion | omni (autoregressive) requests
+    params: P
     negative_prompt: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)  # the data row (e.g. the OCR target text)
     inputs: dict[str, Any] = field(default_factory=dict)  # multimodal inputs, e.g. {"image": PIL.Image}
@@ -151,7 +156,7 @@ class Trajectory:
     K is the number of trained (SDE) steps; shapes are per sample, without a batch dimension.
     """
 
-    request: Request
+    request: Request[SamplingParams]
     latents: torch.Tensor  # [K, *latent_shape] latents entering each trained step
     next_latents: torch.Tensor  # [K, *latent_shape] latents leaving each trained step
     step_indices: torch.Tensor  # [K] int64, position of each trained step in the schedule
@@ -173,7 +178,7 @@ class OmniTrajectory:
     re-scores the response on the same inputs (`OmniAdapter.token_logprobs`) without the processor.
     """
 
-    request: Request
+    request: Request[GenerationParams]
     prompt_ids: torch.Tensor  # [P] int64, chat template applied, placeholders expanded
     response_ids: torch.Tensor  # [T] int64, the stop token included when generation stopped on one
     logprobs: torch.Tensor  # [T] float32, the policy's log-prob of each token (models/lm.py output_logprobs)
@@ -211,8 +216,8 @@ class OmniAdapter(Protocol):
     device: torch.device  # where the model runs (the rank's accelerator, or the host)
     model: nn.Module  # the trained module and FSDP root: forward(**batch, position_ids, ...) -> [B, L, H]
     lm_head: nn.Module  # the output projection, a child of `model`, applied by callers where they need it
-    # The transformers model whose `model` and `lm_head` `model` wraps: its config, generation, peft state
-    # and the names of its weights (what the vLLM engine loads and pushes).
+    # The transformers model whose body and head `model` wraps: its config, generation, peft state and
+    # the names of its weights (what the vLLM engine loads and pushes).
     hf_model: nn.Module
     lora_config: peft.LoraConfig | None  # the injected LoRA's settings; None for a full fine-tune
     processor: Any  # the transformers processor: chat template, image / audio features, placeholders
@@ -234,7 +239,7 @@ class OmniAdapter(Protocol):
         """The parameters the optimizer updates (the LoRA, or the whole trained stage)."""
         ...
 
-    def prepare(self, request: Request) -> dict[str, torch.Tensor]:
+    def prepare(self, request: Request[GenerationParams]) -> dict[str, torch.Tensor]:
         """The request's prompt as host tensors without a batch dimension: input_ids [P] (chat template with
         the image / audio placeholders expanded by the processor) and the multimodal tensors."""
         ...
@@ -334,12 +339,12 @@ class DiffusionAdapter(Protocol):
         checked for every row before step 0."""
         ...
 
-    def compat_key(self, request: Request) -> tuple:
+    def compat_key(self, request: Request[SamplingParams]) -> tuple:
         """Everything that must be uniform inside one forward: `request.params.key` plus what the
         family adds (a prompt-length bucket, a condition-image size)."""
         ...
 
-    def num_tokens(self, request: Request) -> int:
+    def num_tokens(self, request: Request[SamplingParams]) -> int:
         """Transformer tokens of one request per forward row (image + text), for max_num_batched_tokens."""
         ...
 
@@ -351,7 +356,7 @@ class DiffusionAdapter(Protocol):
         """The repeated blocks to wrap with `fully_shard` (the root is wrapped after them)."""
         ...
 
-    def rollout(self, requests: list[Request]) -> list[Trajectory]:
+    def rollout(self, requests: list[Request[SamplingParams]]) -> list[Trajectory]:
         """Generate every request, as one packed denoising loop; all must share `params.key`."""
         ...
 

@@ -296,7 +296,7 @@ class WindowedSampler:
         # second-order step applies (both neighbouring sigmas strictly inside (0, 1); elsewhere
         # DPM-Solver++ is the Euler step).
         s = [float(x) for x in sigmas]
-        self.post = [None] * num_steps
+        self.post: list[tuple[torch.Tensor, tuple[float, float, float]] | None] = [None] * num_steps
         if p.ode_solver == "dpm2":
             noise_free = p.noise_level == 0 or p.sde_type == "ode"
             for i in range(1, num_steps):
@@ -330,9 +330,10 @@ class WindowedSampler:
         p = self.params
         sigma, sigma_next = self.sigma(i), self.sigmas[i + 1].expand(len(self.trained))
         next_latents = flow_step(velocity, latents, sigma, sigma_next, self.sigma_max, 0.0, "ode").prev_sample
-        if self.noise[i] is not None:
+        pending, out = self.noise[i], None
+        if pending is not None:
             with phase("noise"):  # a wait only if the worker fell behind
-                noise = self.noise[i].result().to(self.device, non_blocking=True)  # [R, *latent]
+                noise = pending.result().to(self.device, non_blocking=True)  # [R, *latent]
             idx = self.sde_rows[i]  # [R] the rows of this SDE step
             out = flow_step(
                 velocity[idx], latents[idx], sigma[idx], sigma_next[idx], self.sigma_max, p.noise_level,
@@ -340,6 +341,7 @@ class WindowedSampler:
             )  # fmt: skip
             next_latents[idx] = out.prev_sample
         if self.counts[i]:
+            assert out is not None  # a trained step is an SDE step
             j, b, k = self.index[i].unbind(1)  # [N] of the SDE rows, their rows, their trained positions
             self.x_in[b, k] = latents[b].float()
             self.logprobs[b, k] = out.logprob[j]
@@ -347,11 +349,14 @@ class WindowedSampler:
                 self.means[b, k] = out.mean[j]
         if p.ode_solver == "dpm2":
             x0 = latents.float() - self.sigmas[i] * velocity.float()  # [B, *latent]
-            if self.post[i] is not None:
-                rows, (c_x, c_0, c_1) = self.post[i]
-                next_latents[rows] = c_x * latents[rows].float() + c_0 * x0[rows] + c_1 * self.prev_x0[rows]
+            post, prev_x0 = self.post[i], self.prev_x0
+            if post is not None:
+                assert prev_x0 is not None  # a second-order step follows a first: dpm2_coefficients
+                rows, (c_x, c_0, c_1) = post
+                next_latents[rows] = c_x * latents[rows].float() + c_0 * x0[rows] + c_1 * prev_x0[rows]
             self.prev_x0 = x0
         if self.counts[i]:
+            _, b, k = self.index[i].unbind(1)
             self.x_out[b, k] = next_latents[b]  # (a noise-free dpm2 step included)
         return next_latents
 

@@ -62,7 +62,7 @@ def kv_layout(layers: list[nn.Module]) -> tuple[int, int, int, torch.dtype]:
     """(decoder layers, KV heads, head dim, dtype) of a transformers decoder's KV cache, read off its live
     layers: under FSDP2 mixed precision the dtype is that of the gathered (compute) weights, so call it
     inside `distributed.gathered_weights` when the cache is allocated."""
-    attn = layers[0].self_attn
+    attn: Any = layers[0].self_attn  # the transformers attention module, read by name
     k_proj = attn.k_proj  # a peft LoRA layer or a plain Linear: out_features = kv heads x head_dim
     return len(layers), k_proj.out_features // attn.head_dim, attn.head_dim, k_proj.weight.dtype
 
@@ -343,6 +343,7 @@ class TransformersLMAdapter:
         if state_dict is not None:  # names under HiddenStatesLM -> the model's own names
             state_dict = {re.sub(r"^body\.", "model.", k): v for k, v in state_dict.items()}
         layers = peft.get_peft_model_state_dict(self.hf_model, state_dict=state_dict)
+        assert self.lora_config is not None  # made with the LoRA (model.finetune 'lora')
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         sorted_sets(self.lora_config).save_pretrained(out_dir)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -106,6 +106,7 @@ class Qwen3OmniThinkerAdapter(TransformersLMAdapter):
         # The processor's parts and chat template from the checkpoint's files, as AutoProcessor reads them.
         self.processor = _ProcessorWithoutVideo.from_pretrained(path)
         self.tokenizer = tokenizer = self.processor.tokenizer
+        assert thinker_config is not None  # a Qwen3OmniMoeConfig always holds its thinker's
         thinker_config.vision_start_token_id = tokenizer.convert_tokens_to_ids(tokenizer.vision_bos_token)
         try:
             eos = GenerationConfig.from_pretrained(path).eos_token_id
@@ -131,6 +132,7 @@ class Qwen3OmniThinkerAdapter(TransformersLMAdapter):
         )
         self.lora_config = make_trainable_lm(thinker, cfg, path)
         self.thinker = thinker  # the transformers model: config, generation, peft state
+        self.hf_model = thinker
         # Onto the device, or left on the host for FSDP2 to place when it shards the frozen base.
         lm = HiddenStatesLM(thinker.model, thinker.lm_head)
         self.model = place_policy(lm, cfg.distributed.frozen_base, device)
@@ -138,13 +140,10 @@ class Qwen3OmniThinkerAdapter(TransformersLMAdapter):
         self.path = path
         self.device = device
 
-    @property
-    def hf_model(self) -> nn.Module:
-        return self.thinker
-
     def fsdp_units(self) -> list[nn.Module]:
-        body = self.thinker.model
-        return [*self.decoder_layers(), body.visual, body.audio_tower, self.thinker.lm_head]
+        thinker: Any = self.thinker  # the transformers model, read by name
+        body = thinker.model
+        return [*self.decoder_layers(), body.visual, body.audio_tower, thinker.lm_head]
 
     def prepare(self, request: Request) -> dict[str, torch.Tensor]:
         unknown = sorted(set(request.inputs) - set(INPUT_KEYS))

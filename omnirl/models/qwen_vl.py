@@ -49,6 +49,7 @@ class _ProcessorWithoutVideo(Qwen2_5_VLProcessor):
         ProcessorMixin.__init__(
             self, image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template
         )
+        assert tokenizer is not None  # from_pretrained passes the checkpoint's
         self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
         self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
         self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)

@@ -10,7 +10,7 @@ draws the same noise as a serial run), a per-row SDE window, and the log-prob of
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from diffusers import (
@@ -100,7 +100,9 @@ class SD3Adapter(DiffusersBase):
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """The pipeline's sigma schedule: [num_steps + 1] float32 on the host, the last one 0."""
         self.scheduler.set_timesteps(num_steps)
-        return self.scheduler.sigmas.float().cpu()
+        sigmas = self.scheduler.sigmas
+        assert sigmas is not None  # set_timesteps made them
+        return sigmas.float().cpu()
 
     @torch.no_grad()
     def encode(self, prompts: list[str], negative_prompts: list[str] | None) -> dict[str, torch.Tensor]:
@@ -119,7 +121,8 @@ class SD3Adapter(DiffusersBase):
             negative_prompt=negative_prompts,
             max_sequence_length=self.max_sequence_length,
         )
-        embeds = {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}  # [B, 77 + L, D], [B, P]
+        # [B, 77 + L, D], [B, P]
+        embeds: dict[str, Any] = {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
         if guided:
             embeds["negative_prompt_embeds"] = negative_embeds  # [B, 77 + L, D]
             embeds["negative_pooled_prompt_embeds"] = negative_pooled  # [B, P]

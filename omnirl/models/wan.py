@@ -27,7 +27,7 @@ import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from diffusers import (
@@ -88,7 +88,9 @@ class Experts(nn.Module):
             self.add_module(name, expert)
 
     def __getitem__(self, name: str) -> nn.Module:
-        return self._modules[name]
+        expert = self._modules[name]
+        assert expert is not None, name
+        return expert
 
     def __len__(self) -> int:
         return len(self._modules)
@@ -175,17 +177,17 @@ class WanAdapter(DiffusersBase):
         )
         self.scheduler = FlowMatchEulerDiscreteScheduler(shift=self.settings.flow_shift)
         self.num_train_timesteps = self.scheduler.config.num_train_timesteps
-        self.scale_temporal = self.vae.config.scale_factor_temporal
-        self.vae_scale_factor = self.vae.config.scale_factor_spatial
+        self.scale_temporal: int = self.vae.config.scale_factor_temporal
+        self.vae_scale_factor: int = self.vae.config.scale_factor_spatial
         if (self.settings.num_frames - 1) % self.scale_temporal:
             raise ConfigError(
                 f"family.num_frames - 1 must divide by {self.scale_temporal}, got {self.settings.num_frames}"
             )
         for expert in experts.values():
             make_trainable(expert, cfg, device)
-        self.experts = experts
+        self.experts: dict[str, Any] = experts  # name -> its WanTransformer3DModel
         self._policy = experts["transformer"] if len(experts) == 1 else Experts(experts)
-        self.config = experts["transformer"].config
+        self.config: Any = experts["transformer"].config  # diffusers' FrozenDict, read by field name
 
     @property
     def policy(self) -> nn.Module:
@@ -209,7 +211,9 @@ class WanAdapter(DiffusersBase):
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """The flow-matching schedule (shifted by family.flow_shift): [num_steps + 1] float32, last 0."""
         self.scheduler.set_timesteps(num_steps)
-        return self.scheduler.sigmas.float().cpu()
+        sigmas = self.scheduler.sigmas
+        assert sigmas is not None  # set_timesteps made them
+        return sigmas.float().cpu()
 
     def latent_shape(self, height: int, width: int) -> tuple[int, int, int, int]:
         frames = (self.settings.num_frames - 1) // self.scale_temporal + 1

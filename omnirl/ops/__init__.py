@@ -49,9 +49,11 @@ class KindOps(Protocol):
     @staticmethod
     def check_config(cfg: Config) -> None:
         """Settings this kind cannot run, found before the model loads (a ConfigError naming the field)."""
+        ...
 
     def offload_modules(self) -> list[nn.Module]:
         """Modules only the rollout needs (text encoders, VAE): they sleep during training."""
+        ...
 
     def prompt_problem(self, row: PromptRow) -> str | None:
         """Why the data row's prompt cannot run on the loaded model (too long for it), or None; every row
@@ -59,44 +61,55 @@ class KindOps(Protocol):
 
     def requests(self, rows: list[PromptRow], step: int, dist: D.DistInfo) -> list[Request]:
         """This rank's requests of a training step (`batching.make_requests` with the kind's parameters)."""
+        ...
 
     def validation_params(self) -> Any:
         """The sampling parameters of validation requests."""
+        ...
 
     def generate(self, requests: list[Request], on_done: Callable[[list], None]) -> list:
         """Trajectories in request order; `on_done` gets each finished group of them as soon as it is
         done (a packed batch, or one response), so rewards are scored while the rest generates."""
+        ...
 
     def update_rows(self, trajs: list, keep: torch.Tensor, gen: torch.Generator) -> list:
         """This rank's rows of the kept samples, each with its `position` in the step's shuffle of every
         rank's rows (`batching.global_positions` with `gen`), in that order."""
+        ...
 
     def recompute_old(self, rows: list, pad_traj: Any) -> dict[str, float]:
         """Record the behaviour policy's log-probs on every row (old_logprob recompute), under no_grad,
         in `micro_batches`; returns metric sums."""
+        ...
 
     def count(self, rows: list) -> float:
         """This rank's share of the loss normaliser of a mini-batch (pairs, tokens or responses)."""
+        ...
 
     def micro_batches(self, rows: list, pad_traj: Any) -> list[list]:
         """The micro-batches of `rows`, as many on every rank (`equalise`, padding rows from `pad_traj`)."""
+        ...
 
     def loss(self, micro_batch: list, normaliser: float, measure: bool) -> tuple[torch.Tensor, dict]:
         """Forward and loss of one micro-batch; `measure` is True for the first mini-batch of the update
         (the policy the rollout sampled from, before any optimizer step)."""
+        ...
 
     def measured(self, optimizer_steps: int) -> dict[str, float]:
         """The end of an update that took `optimizer_steps` optimizer steps (the same on every rank): global
         metrics of the update that are not sums (e.g. actor-rollout consistency). Collective: every rank
         calls it once per update."""
+        ...
 
     def state(self) -> dict[str, torch.Tensor]:
         """Tensors beyond the policy's weights and the optimizer that the run's state holds (DiffusionNFT's
         soft-updated old policy), by name: checkpoints save them and resuming loads into these very
         tensors. Empty for most losses."""
+        ...
 
     def log_samples(self, logger: MetricsLogger, step: int, trajs: list) -> None:
         """Write the step's sample outputs (image grid, videos, audio, texts)."""
+        ...
 
 
 def ops_class(kind: str, loss: str) -> type:

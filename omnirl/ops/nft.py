@@ -158,7 +158,9 @@ class NFTOps(DiffusionOps):
         with swapped(self.trainable(), self.old_policy()):
             return super().generate(requests, on_done)
 
-    def update_rows(self, trajs: list[Trajectory], keep: torch.Tensor, gen: torch.Generator) -> list[NFTRow]:
+    # The update's rows are NFTRow, not DiffusionOps's Pair (it reuses DiffusionOps's rollout only): the
+    # update methods override DiffusionOps's with their own row type.
+    def update_rows(self, trajs: list[Trajectory], keep: torch.Tensor, gen: torch.Generator) -> list[NFTRow]:  # pyright: ignore[reportIncompatibleMethodOverride]
         o = self.cfg.optim
         if self.soft:
             self.old_policy()  # made before the first optimizer step: the policy that sampled step 0
@@ -175,14 +177,14 @@ class NFTOps(DiffusionOps):
         ]
         return sorted(rows, key=lambda row: row.position)
 
-    def recompute_old(self, rows: list[NFTRow], pad_traj: Trajectory) -> dict[str, float]:
+    def recompute_old(self, rows: list[NFTRow], pad_traj: Trajectory) -> dict[str, float]:  # pyright: ignore[reportIncompatibleMethodOverride]
         raise AssertionError("diffusion_nft has no old log-probs (check_config refuses recompute)")
 
-    def micro_batches(self, rows: list[NFTRow], pad_traj: Trajectory) -> list[list[NFTRow]]:
+    def micro_batches(self, rows: list[NFTRow], pad_traj: Trajectory) -> list[list[NFTRow]]:  # pyright: ignore[reportIncompatibleMethodOverride]
         size = self.cfg.optim.micro_batch_size
         return equalise([rows[i : i + size] for i in range(0, len(rows), size)], NFTRow(pad_traj, 0, 0.0))
 
-    def loss(self, mb: list[NFTRow], normaliser: float, measure: bool) -> tuple[torch.Tensor, dict]:
+    def loss(self, mb: list[NFTRow], normaliser: float, measure: bool) -> tuple[torch.Tensor, dict]:  # pyright: ignore[reportIncompatibleMethodOverride]
         a, adapter = self.cfg.algo, self.adapter
         device = adapter.device
         x0 = torch.stack([r.traj.final_latents for r in mb]).to(device).float()  # [M, *latent]
@@ -197,11 +199,12 @@ class NFTOps(DiffusionOps):
         # old velocity comes first: swapping the old values into the parameters in place after v's forward
         # would change tensors v's graph saved (unsharded parameters, without FSDP2's gathered copies).
         fresh = (measure and self.old_is_policy()) if self.soft else (measure or self._old is None)
+        v_old = None
         if not fresh:
             with torch.no_grad(), swapped(self.trainable(), self._old):
                 v_old = adapter.velocity(x_t, t, embeds, 1.0)
         v = adapter.velocity(x_t, t, embeds, 1.0)  # [M, *latent] the conditional velocity: CFG-free
-        if fresh:
+        if v_old is None:  # fresh
             v_old = v.detach()
         v_ref = None
         if a.kl_beta > 0:

@@ -45,6 +45,7 @@ class Reward(Protocol):
     def __call__(self, samples: list, prompts: list[str], metadata: list[dict[str, Any]]) -> list[float]:
         """One finite score per sample; higher is better. `samples` holds each sample's `modality`, as
         `reward_inputs` makes it."""
+        ...
 
 
 def get_reward(name: str) -> type[Reward]:

@@ -76,7 +76,9 @@ class HPSv3Reward:
         self.image_processor = AutoImageProcessor.from_pretrained(path)
         vlm = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=dtype)
         vlm.resize_token_embeddings(len(self.tokenizer))
-        head = reward_head(vlm.config.text_config.hidden_size)
+        text_config = vlm.config.text_config
+        assert text_config is not None  # a Qwen2-VL config holds its language model's
+        head = reward_head(text_config.hidden_size)
         state = load_file(Path(path) / WEIGHTS)
         head.load_state_dict(
             {k.removeprefix("rm_head."): v for k, v in state.items() if k.startswith("rm_head.")}

@@ -32,7 +32,7 @@ import re
 import select
 import subprocess
 import sys
-from typing import Any
+from typing import IO, Any
 
 FORMAT_BONUS = 0.15
 MAX_SCORE = 1.0 + 2 * FORMAT_BONUS
@@ -114,9 +114,10 @@ class Mmk12Reward:
         """math-verify's verdict on gold vs predicted answer text, in the child process."""
         if self._proc is None:
             self._start()
+        stdin, _ = self._pipes()
         try:
-            self._proc.stdin.write(json.dumps([gold, pred]) + "\n")
-            self._proc.stdin.flush()
+            stdin.write(json.dumps([gold, pred]) + "\n")
+            stdin.flush()
         except BrokenPipeError:  # the child died after its last answer (e.g. killed for memory)
             self.close()
             return self.math_equal(gold, pred)
@@ -141,19 +142,26 @@ class Mmk12Reward:
             self.close()
             raise RuntimeError(f"the math-verify process did not start within {STARTUP_TIMEOUT_S} s")
 
+    def _pipes(self) -> tuple[IO[str], IO[str]]:
+        """The running child's stdin and stdout (`_start` opens both as pipes)."""
+        assert self._proc is not None and self._proc.stdin is not None and self._proc.stdout is not None
+        return self._proc.stdin, self._proc.stdout
+
     def _readline(self, timeout: float) -> str | None:
         """The child's next line, or None if it wrote none within `timeout` s or has exited."""
-        if not select.select([self._proc.stdout], [], [], timeout)[0]:
+        _, stdout = self._pipes()
+        if not select.select([stdout], [], [], timeout)[0]:
             return None
-        return self._proc.stdout.readline().strip() or None
+        return stdout.readline().strip() or None
 
     def close(self) -> None:
         """Stop the math-verify process (the next free-form answer starts a new one)."""
         if self._proc is not None:
             self._proc.kill()
             self._proc.wait()
-            self._proc.stdin.close()
-            self._proc.stdout.close()
+            stdin, stdout = self._pipes()
+            stdin.close()
+            stdout.close()
             self._proc = None
 
 

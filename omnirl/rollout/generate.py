@@ -45,6 +45,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -66,6 +67,9 @@ class _SlotLayer(DynamicLayer):
     once per `generate` call. A decode step writes each slot's new token at that slot's own column
     (`column` [S, 1, 1, 1], shared by all layers) and attends to the whole buffer under a mask, so every
     shape is fixed from step to step (the step can be captured in a CUDA graph)."""
+
+    keys: torch.Tensor  # never None here, unlike a DynamicLayer's before its first update
+    values: torch.Tensor
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, column: torch.Tensor):
         super().__init__()
@@ -203,8 +207,9 @@ class GenerationEngine:
                 for s in finished:
                     owner[s] = None
             del step  # the graph and its memory pool
-        assert all(t is not None for t in results)
-        return results
+        done = [t for t in results if t is not None]
+        assert len(done) == len(results)
+        return done
 
     def _allocate(self, requests, prepared) -> _Slots:
         """Slots for the call: max_num_seqs of them, fewer if the KV cache of that many rows of the
@@ -279,10 +284,13 @@ class GenerationEngine:
         hidden = self.adapter.model(**batch, position_ids=positions, cache=cache, use_cache=True)  # [k, P, H]
         length = batch["input_ids"].shape[1]
         lengths = [len(prepared[i]["input_ids"]) for i in admitted]
-        for layer, src in zip(slots.cache.layers, cache.layers):
+        layers: list[Any] = slots.cache.layers  # a _SlotLayer per decoder layer
+        for layer, src in zip(layers, cache.layers):
+            src_keys, src_values = src.keys, src.values
+            assert src_keys is not None and src_values is not None  # the prefill filled every layer
             for row, (s, n) in enumerate(zip(free, lengths)):
-                layer.keys[s, :, :n] = src.keys[row, :, length - n :]
-                layer.values[s, :, :n] = src.values[row, :, length - n :]
+                layer.keys[s, :, :n] = src_keys[row, :, length - n :]
+                layer.values[s, :, :n] = src_values[row, :, length - n :]
         del cache
         params = [requests[i].params for i in admitted]
         index = torch.tensor(free, device=self.device)
@@ -316,7 +324,8 @@ class GenerationEngine:
         """One decode step of every slot on its latest token: fixed shapes, in-place updates, no host
         sync. Free and finished slots compute too (their writes land in columns and scratch entries that
         no one reads)."""
-        capacity = slots.cache.layers[0].keys.shape[2]
+        first: Any = slots.cache.layers[0]  # a _SlotLayer
+        capacity = first.keys.shape[2]
         slots.column.view(-1).copy_(slots.length.clamp(max=capacity - 1))
         columns = torch.arange(capacity, device=self.device)
         mask = (columns[None] <= slots.length[:, None])[:, None, None]  # [S, 1, 1, C]: the cache + this token

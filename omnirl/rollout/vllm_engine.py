@@ -47,6 +47,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -233,7 +234,7 @@ class VLLMEngine:
 
     # ---- weights ----
 
-    def _lora_layers(self) -> dict[str, nn.Module]:
+    def _lora_layers(self) -> dict[str, Any]:
         from peft.tuners.lora import LoraLayer
 
         return {n: m for n, m in self.adapter.hf_model.named_modules() if isinstance(m, LoraLayer)}
@@ -267,7 +268,9 @@ class VLLMEngine:
         state = {k: _unwrap(v) for k, v in hf.state_dict().items() if "lora_" in k}
         layers = peft.get_peft_model_state_dict(hf, state_dict=state)
         tensors = {f"base_model.model.{k}": v.contiguous() for k, v in layers.items()}
-        config = self.adapter.lora_config.to_dict()
+        lora_config = self.adapter.lora_config
+        assert lora_config is not None  # a LoRA run's (mode "lora")
+        config = lora_config.to_dict()
         config["target_modules"] = sorted(config["target_modules"])
         results = self.llm.collective_rpc(_swap_lora, args=(LORA_ID, tensors, config))
         bound = results[0]
