@@ -59,6 +59,7 @@ def collect_scores(
     `time/generate_s` (the generation, scoring overlapped) and `time/score_wait_s` (the scoring still
     left after it)."""
     per: dict[str, list[np.ndarray]] = {name: [] for name in rewards.weights}  # a rank may score nothing
+    rewards.score_held()  # latent rewards, here, on every rank (omnirl.rewards.pool)
     for trajs, pending in scored:
         result = rewards.result(pending)
         for t, r in zip(trajs, result.total.tolist()):

@@ -33,8 +33,11 @@ def train(cfg: Config) -> dict[str, float]:
     resume = checkpoint.find_resume(cfg)  # a checkpoint of another model fails here, before any loading
     rows, val_rows, skipped = load_data(cfg)
     adapter_cls, ops_cls = check_before_loading(cfg)  # a typo should not cost minutes of loading
-    rewards = RewardPool(cfg.reward.weights, cfg.reward.num_workers, cfg.reward.timeout_s, cfg.reward.paths)
-    ops = ops_cls(cfg, adapter_cls(cfg, dist.device))
+    adapter = adapter_cls(cfg, dist.device)
+    # After the model: a latent reward reads its latent space, and may run its blocks (before FSDP wraps them)
+    r = cfg.reward
+    rewards = RewardPool(r.weights, r.num_workers, r.timeout_s, r.paths, adapter=adapter, cfg=cfg)
+    ops = ops_cls(cfg, adapter)
     # Prompts too long for the model: found now that its tokenizer is loaded, before anything is written.
     rows, val_rows = (check_prompts(r, ops.prompt_problem, skipped) for r in (rows, val_rows))
     frozen = shard(cfg, ops, dist)  # the frozen bytes each rank holds, logged every step
@@ -64,7 +67,7 @@ def train(cfg: Config) -> dict[str, float]:
             with phase("rollout", stats, sleeper, sleep=train_only, wake=["offload"], engine=engine):
                 trajs, per_reward = rollout_and_score(ops, rewards, requests, stats)
             keep, adv_metrics = assign_advantages(cfg, trajs)
-            rollout_only = {"offload": module_tensors(ops.offload_modules())}
+            rollout_only = {"offload": module_tensors(ops.offload_modules() + rewards.modules())}
             with phase(
                 "train",
                 stats,

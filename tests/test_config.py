@@ -133,7 +133,7 @@ def test_reward_of_another_modality_fails_before_loading(tmp_path):
     ]
     r = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
     assert r.returncode == 2, r.stderr
-    line = "error: reward 'mmk12' reads text outputs, but model.adapter 'sd3' produces image"
+    line = "error: reward 'mmk12' reads text outputs, but model.adapter 'sd3' produces image, latent"
     assert r.stderr.strip().splitlines()[-1] == line and "Traceback" not in r.stderr
     assert not out.exists()
 

@@ -38,7 +38,9 @@ def test_registry_resolves_every_name_and_rejects_unknown():
         if name not in (
             "clip_video",
             "hpsv3",
-        ):  # built with its local checkpoint (test_clip_video_reward_averages_frames)
+            "pickscore",
+            "dina_lrm",
+        ):  # built with its local checkpoint (test_clip_video_reward_averages_frames, test_latent_rewards)
             assert callable(get_reward(name)())
         assert get_reward(name).modality in (*MODALITIES, None), name  # None: reads no output
     with pytest.raises(ValueError, match="unknown reward 'clip'; known: .*jpeg_compressibility"):
@@ -150,8 +152,8 @@ def test_pool_weighted_sum_equals_hand_sum():
 
 
 def test_pool_unknown_reward_fails_at_construction():
-    with pytest.raises(ValueError, match="unknown reward 'pickscore'"):
-        RewardPool({"jpeg_compressibility": 1.0, "pickscore": 1.0}, num_workers=1, timeout_s=60)
+    with pytest.raises(ValueError, match="unknown reward 'aesthetic'"):
+        RewardPool({"jpeg_compressibility": 1.0, "aesthetic": 1.0}, num_workers=1, timeout_s=60)
 
 
 @pytest.mark.parametrize(

@@ -54,6 +54,9 @@ class SamplingParams:
     ode_compress_ratio: float = 0.0  # MixGRPO-Flash: the ODE after the window on a compressed schedule
     # CFG's conditional and unconditional rows share one forward (rollout.fused_cfg), or run as two
     fused_cfg: bool = True
+    # False: the outputs hold the final latents only, no VAE decode (every reward of the recipe reads
+    # latents); what is shown (sample logging) is decoded apart
+    decode: bool = True
 
     @property
     def key(self) -> tuple:
@@ -75,6 +78,7 @@ class SamplingParams:
             self.sde_window_random,
             self.ode_compress_ratio,
             self.fused_cfg,
+            self.decode,
         )
 
 
@@ -128,13 +132,25 @@ def derive_seed(base_seed: int, step: int, index: int) -> int:
     return x & (2**63 - 1)
 
 
-MODALITIES = ("image", "video", "audio", "text")
+MODALITIES = ("image", "video", "audio", "text", "latent")
+
+
+@dataclass
+class Latent:
+    """A diffusion sample before its decode, and what it was denoised with: what a latent reward reads
+    (section 10 of docs/design.md) instead of pixels. Host tensors without a batch dimension, shared with
+    the sample's `Trajectory` (no copy)."""
+
+    latents: torch.Tensor  # [*latent_shape] the final (clean) latents, in the transformer's latent space
+    embeds: dict[str, torch.Tensor]  # the conditioning the transformer was called with (Trajectory.embeds)
+    seed: int  # the request's seed: a latent reward's own noise derives from it, never from the batch
 
 
 @dataclass
 class Output:
     """What one sample produced, with its modality: an image, a video (with its fps), an audio track (with
-    its sample rate), several of them (a video and its own audio track), or the text of an omni model.
+    its sample rate), several of them (a video and its own audio track), the text of an omni model, and,
+    for a family whose rewards may read latents, its final latents with their conditioning (`latent`).
     Host tensors without a batch dimension."""
 
     image: torch.Tensor | None = None  # [3, H, W] float32 in [0, 1]
@@ -143,6 +159,7 @@ class Output:
     audio: torch.Tensor | None = None  # [C, T] float32 in [-1, 1]
     sample_rate: int = 0
     text: str | None = None
+    latent: Latent | None = None
 
     @property
     def modalities(self) -> frozenset[str]:
@@ -299,6 +316,16 @@ class OmniAdapter(Protocol):
     def export_merged(self, out_dir: str, dtype: torch.dtype) -> None:
         """Write the trained model in `dtype` as a transformers directory (the LoRA merged in) with its
         processor, loadable as model.path."""
+        ...
+
+
+class DecodesLatents(Protocol):
+    """A diffusion adapter whose outputs carry their latents ("latent" in its `modalities`): its rollout
+    skips the decode when `SamplingParams.decode` is False (every reward reads latents), and what is shown
+    is decoded apart."""
+
+    def decode(self, latents: torch.Tensor) -> list[torch.Tensor]:
+        """Images [3, H, W] in [0, 1] on the host of final latents [B, *latent_shape] (host or device)."""
         ...
 
 

@@ -30,6 +30,24 @@ def lora_disabled(model: nn.Module):
             layer.enable_adapters(True)
 
 
+@contextlib.contextmanager
+def adapter_active(modules: list[nn.Module], name: str):
+    """Run the peft LoRA layers inside `modules` with adapter `name` alone (a layer without it runs its
+    base weight), restored on exit: a reward's own LoRA over the policy's blocks (omnirl.rewards.dina_lrm).
+
+    Only the routing is switched (the layer's active adapters). peft's `set_adapter` would also flip
+    `requires_grad` on every adapter's parameters, which the optimizer's and FSDP2's parameters share."""
+    layers = [m for module in modules for m in module.modules() if isinstance(m, BaseTunerLayer)]
+    before = [layer.active_adapters for layer in layers]
+    for layer in layers:
+        layer._active_adapter = [name] if name in layer.lora_A else []
+    try:
+        yield
+    finally:
+        for layer, active in zip(layers, before):
+            layer._active_adapter = active
+
+
 def sorted_sets(config):
     """A copy of a peft config with its set fields (target_modules, ...) as sorted lists. peft and diffusers
     write a set in its iteration order, which changes with the process's hash seed, so an exported LoRA's

@@ -24,7 +24,7 @@ from transformers import AutoTokenizer, CLIPTextModelWithProjection, T5EncoderMo
 
 from omnirl.config import Config, ConfigError
 from omnirl.distributed import DTYPES, compute_dtype, load_pretrained
-from omnirl.models.base import Output, Request, Trajectory
+from omnirl.models.base import Latent, Output, Request, Trajectory
 from omnirl.models.diffusers_setup import DiffusersBase, guided_velocity, make_trainable, trajectories
 from omnirl.models.flow_sde import WindowedSampler, phase, to_host
 
@@ -43,7 +43,7 @@ class SD3Adapter(DiffusersBase):
     """The `DiffusionAdapter` for `StableDiffusion3Pipeline` checkpoints (SD3 medium, SD3.5 medium/large)."""
 
     kind = "diffusion"  # the trainer's ops for this adapter (omnirl.ops.OPS)
-    modalities = frozenset({"image"})
+    modalities = frozenset({"image", "latent"})
     pipeline_cls = StableDiffusion3Pipeline
     memory_probe_rows = 1  # nothing runs in chunks: the whole batch decodes at once
     Settings = SD3Settings
@@ -189,18 +189,27 @@ class SD3Adapter(DiffusersBase):
                 v = self.velocity(latents, sampler.sigma(i), embeds, p.guidance_scale, p.fused_cfg)
             latents = sampler.step(i, v, latents)
 
-        with phase("vae_decode"):
-            vae_in = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
-            images = self.vae.decode(vae_in.to(self.vae.dtype), return_dict=False)[
-                0
-            ]  # [B, 3, H, W] in [-1, 1]
-            images = (images.float() * 0.5 + 0.5).clamp(0, 1)  # as VaeImageProcessor.postprocess
-
+        # The decode runs only when a reward or a viewer reads pixels; every output holds its latents with
+        # their conditioning (references, no copy) for latent rewards.
+        images = self.decode(latents) if p.decode else [None] * len(requests)
         keys = list(embeds)  # one copy per tensor, not per sample
-        images, latents, *values = to_host([images, latents, *embeds.values()])
+        latents, *values = to_host([latents, *embeds.values()])
         rows = [{k: e[b] for k, e in zip(keys, values)} for b in range(len(requests))]
-        outputs = [Output(image=im) for im in images]
+        outputs = [
+            Output(image=im, latent=Latent(latents[b], rows[b], r.seed))
+            for b, (im, r) in enumerate(zip(images, requests))
+        ]
         return trajectories(requests, sampler, sampler.host_sigmas, rows, outputs, latents)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> list[torch.Tensor]:
+        """Images [3, H, W] in [0, 1] on the host of final latents [B, C, h, w] (the VAE's decode, as the
+        pipeline's; the latents may be on the host)."""
+        with phase("vae_decode"):
+            vae_in = latents.to(self.device) / self.vae.config.scaling_factor + self.vae.config.shift_factor
+            images = self.vae.decode(vae_in.to(self.vae.dtype), return_dict=False)[0]  # [B, 3, H, W], [-1, 1]
+            images = (images.float() * 0.5 + 0.5).clamp(0, 1)  # as VaeImageProcessor.postprocess
+        return list(to_host([images])[0])
 
     def compat_key(self, request: Request) -> tuple:
         return request.params.key  # prompts are padded to fixed lengths: nothing to add

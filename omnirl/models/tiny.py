@@ -54,6 +54,23 @@ def _t5_tokenizer(model_max_length: int):
     return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=model_max_length)
 
 
+TINY_SD3_TRANSFORMER = dict(
+    sample_size=16,  # the pipeline's default size: 16 latents * 8 = 128 pixels
+    patch_size=2,
+    in_channels=4,
+    out_channels=4,
+    num_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=4,
+    joint_attention_dim=32,  # = T5 d_model
+    caption_projection_dim=64,
+    pooled_projection_dim=64,  # = 2 x CLIP projection_dim
+    pos_embed_max_size=64,  # up to 64x64 patches = 1024 pixels
+    qk_norm="rms_norm",
+    dual_attention_layers=(0,),
+)
+
+
 def make_tiny_sd3(out_dir: str | Path) -> Path:
     """A tiny Stable Diffusion 3.5 (medium layout: MMDiT-X with a dual-attention block and RMS qk-norm),
     saved as a `StableDiffusion3Pipeline` checkpoint under `out_dir`.
@@ -77,21 +94,7 @@ def make_tiny_sd3(out_dir: str | Path) -> Path:
     t5_tok = _t5_tokenizer(model_max_length=32)
 
     torch.manual_seed(0)
-    transformer = SD3Transformer2DModel(
-        sample_size=16,  # the pipeline's default size: 16 latents * 8 = 128 pixels
-        patch_size=2,
-        in_channels=4,
-        out_channels=4,
-        num_layers=2,
-        attention_head_dim=16,
-        num_attention_heads=4,
-        joint_attention_dim=32,  # = T5 d_model
-        caption_projection_dim=64,
-        pooled_projection_dim=64,  # = 2 x CLIP projection_dim
-        pos_embed_max_size=64,  # up to 64x64 patches = 1024 pixels
-        qk_norm="rms_norm",
-        dual_attention_layers=(0,),
-    )
+    transformer = SD3Transformer2DModel(**TINY_SD3_TRANSFORMER)
     vae = AutoencoderKL(
         in_channels=3,
         out_channels=3,
@@ -394,6 +397,68 @@ def _make_tiny_qwen3_omni_k12(out_dir: str | Path) -> Path:
     return make_tiny_qwen3_omni_k12(out_dir)
 
 
+def make_tiny_pickscore(out_dir: str | Path) -> Path:
+    """A tiny random PickScore in the layout `reward.paths.pickscore` names: a `CLIPModel` (2 layers, hidden
+    32, 32 px images) with its `CLIPProcessor` (the character-level CLIP tokenizer) in one directory."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    out_dir = Path(out_dir)
+    tok = _clip_tokenizer()
+    torch.manual_seed(0)
+    text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=77, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  image_size=32, patch_size=8)  # fmt: skip
+    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).save_pretrained(out_dir)
+    images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    CLIPProcessor(image_processor=images, tokenizer=tok).save_pretrained(out_dir)
+    return out_dir
+
+
+def make_tiny_dina_lrm(out_dir: str | Path, visual=(0, 1), text=(1,), seed: int = 0) -> Path:
+    """A tiny random DiNa-LRM for the tiny SD3, in the published layout (`omnirl.rewards.dina_lrm`):
+    config.json, checkpoint/backbone_lora/ (a peft adapter over the first block, saved by peft from a
+    model of the embedders and that block, as the reference saves it) and checkpoint/rm_head.pt. Every
+    weight is random, the LoRA's B and the head's zero-initialised layers included, so that each one
+    changes the score."""
+    import json
+
+    import peft
+    from diffusers import SD3Transformer2DModel
+    from torch import nn
+
+    from omnirl.rewards.dina_lrm import Backbone, RewardHead
+
+    out_dir = Path(out_dir)
+    n = max(visual + text)
+    head_options = dict(use_proj_in=False, width=-1, out_dim=1, num_queries=4, num_attn_heads=8, dropout=0.0)
+    config = dict(num_transformer_layers=n, use_lora=True, freeze_backbone=False, use_logistic=False,
+                  visual_head_idx=list(visual), text_head_idx=list(text),
+                  reward_head=head_options)  # fmt: skip
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps({"model": config}, indent=4))
+    torch.manual_seed(seed)
+    backbone = Backbone(SD3Transformer2DModel(**TINY_SD3_TRANSFORMER), n)
+    targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+    lora = peft.get_peft_model(backbone, peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets))
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.1)
+    lora.save_pretrained(out_dir / "checkpoint" / "backbone_lora")
+    dim = TINY_SD3_TRANSFORMER["num_attention_heads"] * TINY_SD3_TRANSFORMER["attention_head_dim"]
+    head = RewardHead(dim, len(visual), len(text), head_options)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.2)
+        for m in head.modules():
+            if isinstance(m, nn.RMSNorm):
+                m.weight.fill_(1.0)
+    torch.save(head.state_dict(), out_dir / "checkpoint" / "rm_head.pt")
+    return out_dir
+
+
 TINY_MODELS = {
     "sd3": make_tiny_sd3,
     "qwen_image": make_tiny_qwen_image,
@@ -404,4 +469,6 @@ TINY_MODELS = {
     "qwen2_5_vl": make_tiny_qwen_vl,
     "qwen3_vl": lambda out_dir: make_tiny_qwen_vl(out_dir, "qwen3_vl"),
     "qwen3_omni_k12": _make_tiny_qwen3_omni_k12,
+    "pickscore": make_tiny_pickscore,
+    "dina_lrm": make_tiny_dina_lrm,
 }

@@ -24,6 +24,7 @@ import copy
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -34,14 +35,19 @@ from omnirl.batching import equalise, global_positions, make_requests
 from omnirl.config import Config
 from omnirl.data.prompts import PromptRow
 from omnirl.metrics import MetricsLogger
-from omnirl.models.base import DiffusionAdapter, Output, Request, SamplingParams, Trajectory
+from omnirl.models.base import DecodesLatents, DiffusionAdapter, Output, Request, SamplingParams, Trajectory
 from omnirl.models.flow_sde import StepOut, flow_step, sliding_window
+from omnirl.rewards import get_reward
 from omnirl.rollout.diffusion import DiffusionEngine
+
+SHOWN = 8  # samples a logging step writes (log.image_every)
 
 
 def sampling_params(cfg: Config, num_steps: int | None = None, ode: bool = False) -> SamplingParams:
     """The rollout's settings (the ODE sampler with `ode`, validation's). A flow_dppo rollout records each
-    trained step's mean too, unless the old policy is recomputed (then the recompute pass gives it)."""
+    trained step's mean too, unless the old policy is recomputed (then the recompute pass gives it). When
+    every reward reads latents nothing is decoded (validation shows nothing; logged samples are decoded
+    apart, `DiffusionOps.generate`)."""
     s, a = cfg.sampling, cfg.algo
     return SamplingParams(
         height=s.height,
@@ -59,6 +65,7 @@ def sampling_params(cfg: Config, num_steps: int | None = None, ode: bool = False
         sde_window_random=s.sde_window_random,
         ode_compress_ratio=0.0 if ode else s.ode_compress_ratio,
         fused_cfg=cfg.rollout.fused_cfg,
+        decode=not all(get_reward(name).modality == "latent" for name in cfg.reward.weights),
     )
 
 
@@ -121,6 +128,7 @@ class DiffusionOps:
             memory_budget=r.memory_budget_gib * 2**30,
         )
         self._gap = self._no_gap()
+        self._shown: list[Request] = []  # this step's requests whose samples are logged, to decode
 
     @staticmethod
     def check_config(cfg: Config) -> None:
@@ -134,9 +142,13 @@ class DiffusionOps:
         return self.adapter.prompt_problem(row)
 
     def requests(self, rows: list[PromptRow], step: int, dist: D.DistInfo) -> list[Request]:
-        return make_requests(
+        requests = make_requests(
             self.cfg, rows, step, dist, self.step_params(step), self.cfg.sampling.negative_prompt
         )[0]
+        every = self.cfg.log.image_every
+        logged = every and step % every == 0 and not self.params.decode
+        self._shown = requests[:SHOWN] if logged else []
+        return requests
 
     def step_params(self, step: int) -> SamplingParams:
         """The sampling parameters of RL step `step`: with the sliding schedule the window is the step's
@@ -152,7 +164,17 @@ class DiffusionOps:
         return sampling_params(self.cfg, num_steps=self.cfg.validation.num_steps, ode=True)
 
     def generate(self, requests: list[Request], on_done: Callable[[list], None]) -> list[Trajectory]:
-        return self.engine.generate(requests, on_batch=on_done)
+        trajs = self.engine.generate(requests, on_batch=on_done)
+        # A rollout that skipped the decode (every reward reads latents) still decodes the samples a
+        # logging step shows, here, while the VAE is awake (it sleeps through the update).
+        shown = [t for t in trajs if any(t.request is r for r in self._shown)]
+        if shown:
+            decoder = cast(DecodesLatents, self.adapter)
+            images = decoder.decode(torch.stack([t.final_latents for t in shown]))
+            for t, image in zip(shown, images):
+                t.output.image = image
+        self._shown = []
+        return trajs
 
     def update_rows(self, trajs: list[Trajectory], keep: torch.Tensor, gen: torch.Generator) -> list[Pair]:
         k_steps = len(trajs[0].logprobs)  # trained steps per sample: the same for every sample of a step
@@ -256,7 +278,8 @@ class DiffusionOps:
         return out
 
     def log_samples(self, logger: MetricsLogger, step: int, trajs: list[Trajectory]) -> None:
-        log_outputs(logger, step, [t.output for t in trajs[:8]], [t.request.prompt for t in trajs[:8]])
+        shown = trajs[:SHOWN]
+        log_outputs(logger, step, [t.output for t in shown], [t.request.prompt for t in shown])
 
 
 def log_outputs(logger: MetricsLogger, step: int, outputs: list[Output], captions: list[str]) -> None:

@@ -1,12 +1,23 @@
 """Rewards: name -> "module:Class", imported only when named, so heavy dependencies (OCR models, CLIP,
 a VLM judge) load only in runs that use them.
 
-A reward is a class constructed with no arguments whose instances are called on a batch:
-`reward(samples, prompts, metadata) -> list[float]`, one finite float per sample. The class declares the
-modality it reads (`modality`: "image", "video", "audio" or "text"), and `samples` holds that part of each
-sample's `Output` (`reward_inputs`): PIL images, videos [F, 3, H, W] in [0, 1] with their fps, audio
-tracks [C, T] with their sample rate, or response texts. A recipe that pairs a reward with a model that
-cannot produce its modality fails when it loads (`check_modalities`). `metadata[i]` is the data row of
+A reward is a class constructed with no arguments (or its local checkpoint directory, `reward.paths`)
+whose instances are called on a batch: `reward(samples, prompts, metadata) -> list[float]`, one finite
+float per sample. The class declares the modality it reads (`modality`: "image", "video", "audio", "text"
+or "latent"), and `samples` holds that part of each sample's `Output` (`reward_inputs`): PIL images,
+videos [F, 3, H, W] in [0, 1] with their fps, audio tracks [C, T] with their sample rate, response texts,
+or `Latent` records (a diffusion sample's final latents with the conditioning it was denoised with). A
+recipe that pairs a reward with a model that cannot produce its modality fails when it loads
+(`check_modalities`).
+
+A latent reward reads the model's own latent space, so it is built with the model too,
+`Reward(path, adapter, cfg)`, and may run the policy's own module (`dina_lrm` runs the policy's first
+blocks under a LoRA of its own). It is therefore never called from a worker thread while the rollout runs
+the policy: the pool holds its batches and scores them in the trainer's thread after the generation
+(`RewardPool.score_held`), every rank at once, so a reward whose forwards are collectives (a sharded
+policy) runs them in step. When every reward of a recipe reads latents the rollout skips the decode.
+What a reward holds as `nn.Module` attributes sleeps in host memory during the update, with the text
+encoders and the VAE (`reward_modules`). `metadata[i]` is the data row of
 sample i (`omnirl.data.prompts.PromptRow.metadata`, with "source" = "file.jsonl:LINE" for error
 messages). `omnirl.rewards.pool.RewardPool` combines several rewards with weights and never calls one
 reward instance from two threads at once.
@@ -19,6 +30,7 @@ from typing import Any, Protocol
 
 import torch
 from PIL import Image
+from torch import nn
 
 from omnirl.config import ConfigError
 from omnirl.models.base import Output
@@ -34,12 +46,14 @@ REWARDS = {
     "clip_video": "omnirl.rewards.clip_video:ClipVideoAlignment",
     "hpsv3": "omnirl.rewards.hpsv3:HPSv3Reward",
     "video_temporal_smoothness": "omnirl.rewards.video:VideoTemporalSmoothness",
+    "pickscore": "omnirl.rewards.pickscore:PickScore",
+    "dina_lrm": "omnirl.rewards.dina_lrm:DinaLRM",
 }
 
 
 class Reward(Protocol):
-    # A class attribute: the part of an Output it reads ("image", "video", "audio", "text"), or None for a
-    # reward that reads no output (a noise or constant score) and is called with the Output records.
+    # A class attribute: the part of an Output it reads ("image", "video", "audio", "text", "latent"), or
+    # None for a reward that reads no output (a noise or constant score) and is called with the Outputs.
     modality: str | None
 
     def __call__(self, samples: list, prompts: list[str], metadata: list[dict[str, Any]]) -> list[float]:
@@ -67,6 +81,12 @@ def check_modalities(names, modalities: frozenset[str], adapter: str) -> None:
             )
 
 
+def reward_modules(reward: Reward) -> list[nn.Module]:
+    """The modules a reward holds as attributes (its model, head, processor-side networks): what sleeps in
+    host memory while the policy trains and wakes for the rollout, like the text encoders and the VAE."""
+    return [m for m in vars(reward).values() if isinstance(m, nn.Module)]
+
+
 def to_pil(image: torch.Tensor) -> Image.Image:
     """An image [3, H, W] in [0, 1] as an 8-bit PIL image (what image rewards and files see)."""
     array = (image.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()  # [H, W, 3]
@@ -75,8 +95,8 @@ def to_pil(image: torch.Tensor) -> Image.Image:
 
 def reward_inputs(outputs: list[Output], modality: str | None) -> list:
     """What a reward of `modality` is called with: PIL images, (video [F, 3, H, W], fps) pairs, (audio
-    [C, T], sample rate) pairs or texts, one per output (None: the outputs themselves). An output without
-    that modality is an error."""
+    [C, T], sample rate) pairs, texts or `Latent` records, one per output (None: the outputs themselves).
+    An output without that modality is an error."""
     if modality is None:
         return list(outputs)
     for i, out in enumerate(outputs):
@@ -88,4 +108,6 @@ def reward_inputs(outputs: list[Output], modality: str | None) -> list:
         return [(o.video, o.fps) for o in outputs]
     if modality == "audio":
         return [(o.audio, o.sample_rate) for o in outputs]
+    if modality == "latent":
+        return [o.latent for o in outputs]
     return [o.text for o in outputs]

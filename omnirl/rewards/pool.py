@@ -5,6 +5,10 @@ denoising; `result` waits, checks every score and combines them. Each reward's c
 job; different rewards and batches run in parallel, but one reward instance is never called from two
 threads at once (so a reward need not be thread-safe).
 
+A latent reward (one that reads `Latent` records, omnirl.rewards) is not given to the threads: it may run
+the policy's own module, which the rollout is running. Its batches are held and scored in the caller's
+thread by `score_held`, which every rank calls once after its generation (`omnirl.step.collect_scores`).
+
 A reward that raises, returns the wrong number of scores or a non-finite score, or runs past `timeout_s`
 on one batch is a `RewardError` naming it: a sample is never silently scored 0. The workers are daemon
 threads, because a thread cannot be killed: a scorer that hangs must not also keep the process alive
@@ -22,10 +26,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from torch import nn
 
 from omnirl.config import ConfigError
 from omnirl.models.base import Output
-from omnirl.rewards import Reward, get_reward, reward_inputs
+from omnirl.rewards import Reward, get_reward, reward_inputs, reward_modules
 
 
 class RewardError(RuntimeError):
@@ -63,16 +68,26 @@ class RewardPool:
         num_workers: int,
         timeout_s: float,
         paths: dict[str, str] | None = None,
+        adapter: Any = None,
+        cfg: Any = None,
     ):
         """`weights`: reward name (omnirl.rewards.REWARDS) -> weight; each reward is built once, here, with
-        its local checkpoint from `paths` when it has one there."""
+        its local checkpoint from `paths` when it has one there, and a latent reward also with the model's
+        `adapter` and the run's `cfg` (it reads that model's latent space)."""
         paths = paths or {}
         for name in weights:
             get_reward(name)  # every unknown name fails before any reward is built
         for name in paths:
             if name not in weights:
                 raise ConfigError(f"reward.paths names {name!r}, which reward.weights does not use")
-        built = {n: (get_reward(n)(*([paths[n]] if n in paths else [])), w) for n, w in weights.items()}
+        built = {}
+        for name, weight in weights.items():
+            cls, args = get_reward(name), [paths[name]] if name in paths else []
+            if cls.modality == "latent":
+                if adapter is None:
+                    raise ValueError(f"reward {name!r} reads latents: the pool needs the model's adapter")
+                args = [paths.get(name), adapter, cfg]
+            built[name] = (cls(*args), weight)
         self._start(built, num_workers, timeout_s)
 
     @classmethod
@@ -100,6 +115,7 @@ class RewardPool:
         self._locks = {name: threading.Lock() for name in rewards}
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._pending: list[PendingScores] = []  # submitted, not yet returned by `result`
+        self._held: list[_Job] = []  # latent rewards' jobs, run by `score_held` in the caller's thread
         self._closed = False
         self._workers = [threading.Thread(target=self._work, daemon=True) for _ in range(num_workers)]
         for t in self._workers:
@@ -134,13 +150,46 @@ class RewardPool:
             for name, reward in self.rewards.items()
         ]
         for job in jobs:
-            self._queue.put(job)
+            if self.rewards[job.name].modality == "latent":
+                self._held.append(job)
+            else:
+                self._queue.put(job)
         pending = PendingScores(jobs)
         self._pending.append(pending)
         return pending
 
+    def score_held(self) -> None:
+        """Score the held batches of every latent reward, here, in one call per reward (all its batches
+        together; an empty call when there are none, so that every rank makes the same calls: a reward
+        whose forwards are collectives runs them in step). Every rank calls it once after its generation,
+        before `result`."""
+        held, self._held = self._held, []
+        for name, reward in self.rewards.items():
+            if reward.modality != "latent":
+                continue
+            jobs = [job for job in held if job.name == name]
+            samples, prompts, rows = ([x for job in jobs for x in job.args[i]] for i in range(3))
+            for job in jobs:
+                job.future.set_running_or_notify_cancel()
+                job.started = time.monotonic()
+            try:
+                scores = reward(samples, prompts, rows)
+            except BaseException as e:
+                for job in jobs:
+                    job.future.set_exception(e)
+                continue
+            if not isinstance(scores, (list, tuple, np.ndarray)) or len(scores) != len(samples):
+                for job in jobs:  # `_check` reports it, naming the reward, when `result` reaches the job
+                    job.future.set_result(scores)
+                continue
+            at = 0
+            for job in jobs:
+                job.future.set_result(scores[at : at + len(job.args[0])])
+                at += len(job.args[0])
+
     def result(self, pending: PendingScores) -> RewardResult:
         """Wait for a submitted batch, check every reward's scores and combine them."""
+        assert not any(job in self._held for job in pending.jobs), "score_held() before result()"
         jobs = pending.jobs
         n = len(jobs[0].args[0])
         for job in jobs:
@@ -172,6 +221,10 @@ class RewardPool:
         total = sum(self.weights[name] * scores for name, scores in per_reward.items())
         return RewardResult(total=np.asarray(total, dtype=np.float64), per_reward=per_reward)
 
+    def modules(self) -> list[nn.Module]:
+        """Every reward's modules (`reward_modules`): they sleep with the rollout-only modules."""
+        return [m for reward in self.rewards.values() for m in reward_modules(reward)]
+
     @staticmethod
     def _is_running(job: _Job) -> bool:
         return job.started is not None and not job.future.done()
@@ -202,7 +255,9 @@ class RewardPool:
     def score(
         self, outputs: list[Output], prompts: list[str], metadata: list[dict[str, Any]]
     ) -> RewardResult:
-        return self.result(self.submit(outputs, prompts, metadata))
+        pending = self.submit(outputs, prompts, metadata)
+        self.score_held()
+        return self.result(pending)
 
     def close(self) -> None:
         """Stop the workers once the queued jobs are done; a hung job's daemon thread is abandoned."""
