@@ -172,7 +172,8 @@ def main(argv=None) -> dict:
     prompts_file.write_text(
         "".join(json.dumps({"prompt": f"a photo of thing number {i}"}) + "\n" for i in range(14))
     )
-    base = [*overrides, "--data.train_path", str(prompts_file), "--run.output_dir", str(tmp / "out")]
+    base = [*overrides, "--data.train_path", str(prompts_file), "--data.val_path", str(prompts_file),
+            "--run.output_dir", str(tmp / "out")]  # fmt: skip
     cfg = load_config(recipe, base + ["--reward.paths.dina_lrm", str(tmp / "dina")])
     start = time.perf_counter()
     adapter = get_adapter("sd3")(cfg, device)
