@@ -242,6 +242,8 @@ def main(argv=None) -> dict:
     }
     dina = pick = adapter = shared = None  # freed before the whole-step run loads its own
     empty_cache()
+    if a.out:  # the reward's measurements stand alone: written before the longer whole-step run
+        Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
     if a.steps:
         result["step_dtype"] = a.step_dtype
         result["step"] = whole_step(a, recipe, base + ["--reward.paths.dina_lrm", str(tmp / "dina")], device)
@@ -257,7 +259,8 @@ def whole_step(a, recipe: str, overrides: list[str], device: torch.device) -> li
     from omnirl.trainer import train
 
     out = Path(overrides[overrides.index("--run.output_dir") + 1])
-    steps = ["--run.steps", str(a.steps), "--model.dtype", a.step_dtype, "--rollout.prompts_per_step", "2",
+    steps = ["--run.steps", str(a.steps), "--model.dtype", a.step_dtype,
+             "--distributed.param_dtype", a.step_dtype, "--rollout.prompts_per_step", "2",
              "--validation.every", "0", "--checkpoint.every", "0", "--log.image_every", "0",
              "--export.lora_at_end", "false"]  # fmt: skip
     train(load_config(recipe, overrides + steps))
