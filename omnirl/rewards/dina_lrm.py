@@ -196,6 +196,7 @@ def lora_modules(
     """The saved adapter's config and tensors by the policy's module name, after checking that its keys are
     exactly the LoRA pairs of the modules its config targets in the first `n` blocks."""
     config = peft.LoraConfig.from_pretrained(str(path / LORA_DIR))
+    assert isinstance(config, peft.LoraConfig)
     if config.use_dora or config.use_rslora:
         raise ConfigError(f"{path / LORA_DIR}: a DoRA / rsLoRA adapter is not supported")
     first = re.compile(r"transformer_blocks\.(\d+)\.")
@@ -294,8 +295,10 @@ class DinaLRM:
             self.copy.to(adapter.device, dtype=D.DTYPES[cfg.model.dtype])
 
         scheduler = FlowMatchEulerDiscreteScheduler.from_config(adapter.scheduler.config)
-        at = int((scheduler.sigmas - NOISE_U).abs().argmin())
-        self.sigma, self.timestep = float(scheduler.sigmas[at]), float(scheduler.timesteps[at])
+        sigmas, timesteps = scheduler.sigmas, scheduler.timesteps  # set by the scheduler's constructor
+        assert sigmas is not None and timesteps is not None
+        at = int((sigmas - NOISE_U).abs().argmin())
+        self.sigma, self.timestep = float(sigmas[at]), float(timesteps[at])
 
     def modules_and_dtype(self) -> tuple[nn.Module, torch.dtype]:
         """The module that holds the embedders and blocks the reward runs, and its compute dtype."""
