@@ -54,10 +54,12 @@ from omnirl.checkpoint_checks import (
     checkpoint_files,
     file_hash,
     read_meta,
+    read_rng_and_history,
     read_state,
     verify,
 )
 from omnirl.config import Config, config_for
+from omnirl.config_checks import check_model_path
 
 STEP_DIR = re.compile(r"step_(\d{6,})")
 # Only trainable parameters are saved: the frozen base of a LoRA comes from model.path on every start.
@@ -285,6 +287,9 @@ def load(
     Returns (the step to continue at, the metrics rows of the steps before it)."""
     meta = check_meta(path, cfg)
     check_tensors(path, model, extra or {})
+    # A rank beyond the saved world size takes a saved rank's state; no rollout noise comes from these
+    # generators (requests have their own), so this only matters to whatever else draws from them.
+    rng, history = read_rng_and_history(path, dist.rank % meta["world_size"])
     # The recipe's optimizer settings win over the checkpoint's (a resumed run may lower the lr).
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     state = {
@@ -298,11 +303,10 @@ def load(
     set_optimizer_state_dict(model, optimizer, state["optim"], options=LOAD_OPTIONS)
     for group, h in zip(optimizer.param_groups, hyper):
         group.update(h)
-    # A rank beyond the saved world size takes a saved rank's state; no rollout noise comes from these
-    # generators (requests have their own), so this only matters to whatever else draws from them.
-    rank = dist.rank % meta["world_size"]
-    D.set_rng_state(torch.load(path / "rng" / f"rank_{rank:05d}.pt", weights_only=True))
-    history = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line]
+    try:
+        D.set_rng_state(rng)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path}/rng: an RNG state this process cannot take ({e})") from None
     D.print0(f"resumed from {path} at step {meta['step']} (saved on {meta['world_size']} ranks)")
     return meta["step"], history
 
@@ -329,6 +333,15 @@ def adapter_from_checkpoint(path: Path, model_path: str = "") -> tuple[object, C
     meta = read_meta(path)
     ident = meta["identity"]
     cfg = config_for(ident["model.adapter"])
+    fields = {"model.adapter": str, "model.path": str, "model.finetune": str}
+    if ident.get("model.finetune") == "lora":
+        fields |= {"lora.rank": int, "lora.alpha": (int, float), "lora.target_modules": list}
+    for key, tp in fields.items():
+        if not isinstance(ident.get(key), tp):
+            raise CheckpointError(f"{path}/meta.json: identity[{key!r}] is missing or of the wrong type")
+    if not model_path:
+        what = f"model.path (recorded in {path}/meta.json; --model-path replaces it)"
+        check_model_path(ident["model.path"], what)
     cfg.model.path = model_path or ident["model.path"]
     cfg.model.finetune = ident["model.finetune"]
     cfg.model.dtype = meta["model_dtype"]

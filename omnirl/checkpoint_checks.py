@@ -180,6 +180,25 @@ class SafeReader(FileSystemReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    def read_data(self, plan, planner):
+        """DCP's read, a shard that cannot be parsed (replaced bytes under a rewritten manifest: the manifest
+        guards against damage, not tampering) a CheckpointError naming its files instead of a traceback."""
+        try:
+            return super().read_data(plan, planner)
+        except CheckpointError:
+            raise
+        except Exception as e:  # any failure to parse these untrusted bytes means they are not a shard
+            files = sorted({self.storage_data[item.storage_index].relative_path for item in plan.items})
+            raise CheckpointError(
+                f"{Path(self.path) / files[0] if len(files) == 1 else Path(self.path)}: not a checkpoint "
+                f"shard omnirl wrote, so nothing was loaded ({_first_line(e)})"
+            ) from None
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
+
 
 class SafePlanner(DefaultLoadPlanner):
     """DCP's default load planner, its non-tensor items (the optimizer's param groups: numbers, strings,
@@ -212,6 +231,37 @@ def read_state(path: Path, state: dict) -> None:
                 raise exc from None
         raise
     check_finite(path, state)
+
+
+def read_rng_and_history(path: Path, rank: int) -> tuple[dict, list[dict]]:
+    """The RNG states of saved rank `rank` (`torch.load(weights_only=True)`) and the metrics rows of the
+    checkpoint at `path`, each checked to be what omnirl writes; else a CheckpointError naming the file, on
+    every rank (collective when there is a process group)."""
+    problems, rng, history = [], {}, []
+    rng_file = path / "rng" / f"rank_{rank:05d}.pt"
+    try:
+        rng = torch.load(rng_file, weights_only=True)
+    except Exception as e:  # any failure to parse these untrusted bytes means they are not an RNG file
+        problems.append(f"{rng_file}: not an RNG state file omnirl wrote ({_first_line(e)})")
+    else:
+        if not (isinstance(rng, dict) and {"python", "numpy", "torch"} <= rng.keys()):
+            problems.append(
+                f"{rng_file}: not an RNG state file omnirl wrote (no python / numpy / torch states)"
+            )
+    metrics = path / "metrics.jsonl"
+    try:
+        for i, line in enumerate(metrics.read_text().splitlines(), 1):
+            if line:
+                row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise ValueError(f"line {i} is a {type(row).__name__}, not a metrics row")
+                history.append(row)
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
+        problems.append(f"{metrics}: not metrics rows omnirl wrote ({_first_line(e)})")
+    problems = [p for part in D.all_gather_object(problems) for p in part]
+    if problems:
+        raise CheckpointError(f"{path} is damaged, so nothing was loaded: " + "; ".join(problems[:3]))
+    return rng, history
 
 
 def check_finite(path: Path, state: dict) -> None:

@@ -132,11 +132,7 @@ def check_values(cfg: Config) -> None:
             f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must divide by the number of ranks "
             f"({world}): each rank takes an equal share of the step's prompts"
         )
-    path = cfg.model.path
-    if not os.path.exists(path) and looks_local(path):
-        raise ConfigError(
-            f"model.path {path!r} does not exist (a local path: it is not looked up on the hub)"
-        )
+    check_model_path(cfg.model.path)
     if adapter.kind == "diffusion":
         _check_sampling(cfg.sampling, adapter, cfg.model.adapter, cfg.algo.loss)
     if cfg.algo.loss == "diffusion_nft" and cfg.algo.old_logprob == "recompute":
@@ -204,6 +200,13 @@ def _check_frozen_base(cfg: Config) -> None:
         raise ConfigError(
             f"distributed.frozen_base {d.frozen_base} needs distributed.fsdp true (FSDP2 shards it)"
         )
+
+
+def check_model_path(path: str, what: str = "model.path") -> None:
+    """A local-looking `path` (see `looks_local`) that does not exist is a ConfigError naming `what`, at
+    once: it is never looked up on the hub."""
+    if not os.path.exists(path) and looks_local(path):
+        raise ConfigError(f"{what} {path!r} does not exist (a local path: it is not looked up on the hub)")
 
 
 def looks_local(path: str) -> bool:

@@ -20,6 +20,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -125,54 +126,90 @@ def exit_with_parent() -> None:
 
 
 LOCK_FILE = ".lock"
-_locks: dict[str, int | None] = {}  # output_dir (real path) -> the open lock file on rank 0, None elsewhere
+# output_dir (real path) -> (the open lock file on rank 0, None elsewhere; the directories its lock created,
+# deepest first)
+_locks: dict[str, tuple[int | None, list[str]]] = {}
 
 
-def lock_output_dir(output_dir: str, create: bool = True) -> None:
+def lock_output_dir(output_dir: str) -> None:
     """Hold `output_dir`/.lock (an exclusive flock, taken by rank 0) until `unlock_output_dir` or the end of
     the process (the kernel releases it however the process ends, SIGKILL included), so that a second run
     on the same directory fails at once with a ConfigError naming the holder instead of writing over this
-    run's files. With `create` False a directory that does not exist yet is left alone: nothing is written
-    before the run's inputs are checked, and a directory nobody made holds no run. Collective."""
+    run's files. Called first thing in a run, before any model loads: of two runs started together on a
+    new directory, the second is refused before it loads anything. A directory that cannot be created or
+    written (under a file, on a read-only file system) is a ConfigError too. Collective."""
     key = os.path.realpath(output_dir)
     if key in _locks:
         return
     rank, world = rank_and_world()
     status: list = [None, False]  # [error, locked]
-    if rank == 0 and (create or os.path.isdir(key)):
-        os.makedirs(key, exist_ok=True)
-        fd = os.open(os.path.join(key, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = (
-                os.read(fd, 4096).decode(errors="replace").strip()
-                or "a process that has not named itself yet"
-            )
-            os.close(fd)
-            status[0] = (
-                f"run.output_dir {output_dir!r} is in use by another run ({holder}): wait for it to end, "
-                "stop it, or choose another run.output_dir"
-            )
-        else:
-            os.ftruncate(fd, 0)
-            since = time.strftime("%Y-%m-%d %H:%M:%S")
-            os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {since}\n".encode())
-            _locks[key] = fd
-            status[1] = True
+    if rank == 0:
+        status = _take_lock(output_dir, key)
     if world > 1:
         dist.broadcast_object_list(status, src=0)
     if status[0]:
         raise ConfigError(status[0])
     if status[1] and rank != 0:
-        _locks[key] = None
+        _locks[key] = (None, [])
+
+
+def _take_lock(output_dir: str, key: str) -> list:
+    """[error or None, locked] for rank 0; on success `_locks[key]` holds the lock."""
+    made = [p for p in [key, *map(str, Path(key).parents)] if not os.path.lexists(p)]  # deepest first
+    lock = os.path.join(key, LOCK_FILE)
+    try:
+        os.makedirs(key, exist_ok=True)
+        while True:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 4096).decode(errors="replace").strip()
+                os.close(fd)
+                return [
+                    f"run.output_dir {output_dir!r} is in use by another run "
+                    f"({holder or 'a process that has not named itself yet'}): wait for it to end, stop it, "
+                    "or choose another run.output_dir",
+                    False,
+                ]
+            # A run that ended removed the file between our open and flock: lock the file there now.
+            if os.path.exists(lock) and os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        since = time.strftime("%Y-%m-%d %H:%M:%S")
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {since}\n".encode())
+    except OSError as e:
+        _remove_empty(made)
+        return [
+            f"run.output_dir {output_dir!r} cannot be written: {e.strerror or e} ({e.filename or key})",
+            False,
+        ]
+    _locks[key] = (fd, made)
+    return [None, True]
 
 
 def unlock_output_dir(output_dir: str) -> None:
-    """Release what `lock_output_dir` took (a no-op where nothing is held)."""
-    fd = _locks.pop(os.path.realpath(output_dir), None)
-    if fd is not None:
-        os.close(fd)
+    """Release what `lock_output_dir` took (a no-op where nothing is held): the lock file goes, and so do
+    the directories the lock created when the run left them empty (a run refused before writing)."""
+    fd, made = _locks.pop(os.path.realpath(output_dir), (None, []))
+    if fd is None:
+        return
+    lock = os.path.join(os.path.realpath(output_dir), LOCK_FILE)
+    with contextlib.suppress(OSError):
+        if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+            os.unlink(lock)  # still holding it: no other run can have taken this file
+    os.close(fd)
+    _remove_empty(made)
+
+
+def _remove_empty(dirs: list[str]) -> None:
+    """rmdir each of `dirs` (deepest first) until one is not empty."""
+    for d in dirs:
+        try:
+            os.rmdir(d)
+        except OSError:
+            return
 
 
 def destroy() -> None:

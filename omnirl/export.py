@@ -20,7 +20,6 @@ from safetensors import SafetensorError, safe_open
 
 from omnirl.checkpoint_checks import check_finite
 from omnirl.config import ConfigError
-from omnirl.config_checks import looks_local
 from omnirl.models.diffusers_setup import LORA_FILE
 
 STEM = LORA_FILE.removesuffix(".safetensors")
@@ -113,13 +112,6 @@ def lora_dir_to_peft(lora_dir: Path, files: dict[str, str], out_dir: Path, model
     for component, name in files.items():
         target = out_dir if list(files) == ["transformer"] else out_dir / component
         lora_to_peft(lora_dir / name, target, model_path)
-
-
-def check_model_path(path: str, what: str) -> None:
-    """A local-looking `path` (absolute, ./, ../, ~, or under an existing directory) that does not exist is
-    a ConfigError at once: it is never looked up on the hub."""
-    if not os.path.exists(path) and looks_local(path):
-        raise ConfigError(f"{what} {path!r} does not exist (a local path: it is not looked up on the hub)")
 
 
 def check_out(out: Path, sources: list[Path]) -> None:

@@ -29,7 +29,15 @@ def train(cfg: Config) -> dict[str, float]:
     # A sharded or offloaded frozen base runs FSDP2, which needs a process group also on one device.
     dist = D.init_distributed(cfg.distributed.timeout_s, group=cfg.distributed.frozen_base != "replicate")
     D.seed_everything(cfg.run.seed)
-    D.lock_output_dir(cfg.run.output_dir, create=False)  # a run already there: fail before reading its files
+    # First: a run already there, or an output_dir that cannot be written, fails before anything loads.
+    D.lock_output_dir(cfg.run.output_dir)
+    try:
+        return _train(cfg, dist)
+    finally:
+        D.unlock_output_dir(cfg.run.output_dir)  # a run refused before writing leaves no directory
+
+
+def _train(cfg: Config, dist: D.DistInfo) -> dict[str, float]:
     resume = checkpoint.find_resume(cfg)  # a checkpoint of another model fails here, before any loading
     rows, val_rows, skipped = load_data(cfg)
     adapter_cls, ops_cls = check_before_loading(cfg)  # a typo should not cost minutes of loading
@@ -44,7 +52,6 @@ def train(cfg: Config) -> dict[str, float]:
     o = cfg.optim
     trained = [p for p in ops.policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-    D.lock_output_dir(cfg.run.output_dir)  # the inputs are fine: from here on this run writes output_dir
     start, history = (0, [])
     if resume:
         start, history = checkpoint.load(resume, cfg, ops.policy, optimizer, dist, ops.state())
@@ -102,5 +109,4 @@ def train(cfg: Config) -> dict[str, float]:
     finally:
         logger.close()  # ends the progress bar's line: an error reported now starts its own
     rewards.close()
-    D.unlock_output_dir(cfg.run.output_dir)
     return logs

@@ -30,12 +30,11 @@ import sys
 from pathlib import Path
 
 from omnirl.checkpoint import LORA_FILE, adapter_from_checkpoint
-from omnirl.checkpoint_checks import read_meta
 from omnirl.config import ConfigError
+from omnirl.config_checks import check_model_path
 from omnirl.distributed import DTYPES
 from omnirl.export import (
     check_lora_dir,
-    check_model_path,
     check_out,
     lora_dir_files,
     lora_dir_to_peft,
@@ -74,12 +73,6 @@ def main(argv: list[str]) -> int:
 
 def export_checkpoint(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """A checkpoint, through the adapter it was trained on: its export_lora / export_merged."""
-    if not args.model_path:
-        recorded = read_meta(args.source)["identity"].get("model.path")
-        if isinstance(recorded, str):  # else adapter_from_checkpoint names the damage
-            check_model_path(
-                recorded, f"the model.path that {args.source}/meta.json names (--model-path replaces it)"
-            )
     adapter, cfg = adapter_from_checkpoint(args.source, args.model_path)
     lora = cfg.model.finetune == "lora"
     if adapter.kind == "omni" and not args.merge and args.format != "peft":

@@ -17,6 +17,7 @@ The module loading stays in each adapter: the measuring scripts replace each ada
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -158,6 +159,15 @@ def check_checkpoint(path: str, pipeline_cls) -> None:
         raise ConfigError(
             f"model.path {path!r} holds a {index.get('_class_name')}, not a {pipeline_cls.__name__}"
         )
+    if not os.path.isdir(path):
+        return  # a hub id: the hub's snapshot is complete
+    for name, entry in index.items():
+        if not name.startswith("_") and isinstance(entry, list) and entry[0] is not None:
+            if not os.path.isdir(os.path.join(path, name)):
+                raise ConfigError(
+                    f"model.path {path!r}: its model_index.json lists the component {name} "
+                    f"({entry[-1]}), but there is no folder {os.path.join(path, name)}"
+                )
 
 
 def make_trainable(transformer: nn.Module, cfg: Config, device: torch.device) -> None:

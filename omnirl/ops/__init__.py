@@ -25,7 +25,7 @@ from omnirl.data.prompts import PromptRow
 from omnirl.metrics import MetricsLogger
 from omnirl.models import get_adapter
 from omnirl.models.base import Request
-from omnirl.rewards import check_modalities
+from omnirl.rewards import check_modalities, check_reward_paths
 
 # The ops of each adapter kind (the adapter class's `kind` attribute), and of the losses whose training
 # rows are not their kind's (keyed by the loss's name), resolved when asked for.
@@ -121,12 +121,14 @@ def ops_class(kind: str, loss: str) -> type:
 def check_before_loading(cfg: Config) -> tuple[type, type]:
     """Everything about the recipe's names and pairings that can be checked before any weights load: the
     adapter, the loss and the kind of model it trains, the kind's own settings, and that every reward reads
-    a modality the model produces. Returns (adapter class, ops class)."""
+    a modality the model produces and finds what it loads at its `reward.paths`. Returns (adapter class, ops
+    class)."""
     adapter_cls = get_adapter(cfg.model.adapter)
     get_loss(cfg.algo.loss, adapter_cls.kind)
     ops_cls = ops_class(adapter_cls.kind, cfg.algo.loss)
     ops_cls.check_config(cfg)
     check_modalities(cfg.reward.weights, adapter_cls.modalities, cfg.model.adapter)
+    check_reward_paths(cfg.reward.weights, cfg.reward.paths)
     return adapter_cls, ops_cls
 
 

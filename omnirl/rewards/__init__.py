@@ -26,6 +26,9 @@ reward instance from two threads at once.
 from __future__ import annotations
 
 import importlib
+import json
+import os
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -49,6 +52,78 @@ REWARDS = {
     "pickscore": "omnirl.rewards.pickscore:PickScore",
     "dina_lrm": "omnirl.rewards.dina_lrm:DinaLRM",
 }
+
+
+@dataclass(frozen=True)
+class LocalCheckpoint:
+    """What a reward loads from its `reward.paths` directory: for each group of `files` one of its files
+    (paths relative to the directory) and, unless `model_type` is None, a transformers config.json of that
+    model type."""
+
+    model_type: str | None
+    files: tuple[tuple[str, ...], ...]
+
+    def check(self, name: str, path: str) -> None:
+        """A ConfigError naming reward.paths.<name> unless `path` is such a directory. Reward paths are local
+        (nothing is downloaded), so a path that does not exist is never looked up on the hub."""
+        key = f"reward.paths.{name}"
+        if not os.path.isdir(path):
+            what = "is not a directory" if os.path.exists(path) else "does not exist"
+            raise ConfigError(f"{key} {path!r} {what} (a local checkpoint directory: nothing is downloaded)")
+        if self.model_type is not None:
+            try:
+                with open(os.path.join(path, "config.json")) as f:
+                    model_type = json.load(f).get("model_type")
+            except (OSError, ValueError, AttributeError) as e:
+                raise ConfigError(f"{key} {path!r}: no readable transformers config.json ({e})") from None
+            if model_type != self.model_type:
+                wanted = self.model_type
+                raise ConfigError(f"{key} {path!r} holds a {model_type!r} model; reward {name} loads a {wanted!r} one")
+        for group in self.files:
+            if not any(os.path.isfile(os.path.join(path, f)) for f in group):
+                raise ConfigError(f"{key} {path!r} lacks {' or '.join(group)}, which reward {name} loads")
+
+
+_WEIGHTS = (
+    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"
+)  # fmt: skip
+_TOKENIZER = ("tokenizer.json", "vocab.json")
+_PROCESSOR = ("preprocessor_config.json", "processor_config.json")  # transformers 5 writes the second
+
+# The rewards that load a local checkpoint (their `reward.paths` entry), and what they load from it.
+LOCAL_CHECKPOINTS = {
+    "clip_video": LocalCheckpoint("clip", (_WEIGHTS, _PROCESSOR, _TOKENIZER)),
+    "hpsv3": LocalCheckpoint("qwen2_vl", (("HPSv3.safetensors",), _WEIGHTS, _PROCESSOR, _TOKENIZER)),
+    "pickscore": LocalCheckpoint("clip", (_WEIGHTS, _PROCESSOR, _TOKENIZER)),
+    # DiNa-LRM's config.json is its training config, not a transformers one.
+    "dina_lrm": LocalCheckpoint(
+        None,
+        (
+            ("config.json",),
+            ("checkpoint/backbone_lora/adapter_model.safetensors",),
+            ("checkpoint/rm_head.pt",),
+        ),
+    ),
+}
+
+
+def check_reward_paths(weights: dict[str, float], paths: dict[str, str]) -> None:
+    """`reward.paths` against the rewards of `reward.weights`, before any reward loads: every reward that
+    loads a local checkpoint has a path to a directory holding what it loads, and no path names a reward
+    that is not used or loads nothing; else a ConfigError naming the reward path."""
+    for name in paths:
+        if name not in weights:
+            raise ConfigError(f"reward.paths names {name!r}, which reward.weights does not use")
+        if name not in LOCAL_CHECKPOINTS:
+            raise ConfigError(f"reward.paths names {name!r}, a reward that loads no checkpoint")
+    for name in weights:
+        if name in LOCAL_CHECKPOINTS:
+            if name not in paths:
+                raise ConfigError(
+                    f"reward {name} needs reward.paths.{name}: a local {LOCAL_CHECKPOINTS[name].model_type} "
+                    "checkpoint directory"
+                )
+            LOCAL_CHECKPOINTS[name].check(name, paths[name])
 
 
 class Reward(Protocol):

@@ -28,9 +28,8 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from omnirl.config import ConfigError
 from omnirl.models.base import Output
-from omnirl.rewards import Reward, get_reward, reward_inputs, reward_modules
+from omnirl.rewards import Reward, check_reward_paths, get_reward, reward_inputs, reward_modules
 
 
 class RewardError(RuntimeError):
@@ -77,9 +76,7 @@ class RewardPool:
         paths = paths or {}
         for name in weights:
             get_reward(name)  # every unknown name fails before any reward is built
-        for name in paths:
-            if name not in weights:
-                raise ConfigError(f"reward.paths names {name!r}, which reward.weights does not use")
+        check_reward_paths(weights, paths)  # every local checkpoint's files, before any reward loads
         built = {}
         for name, weight in weights.items():
             cls, args = get_reward(name), [paths[name]] if name in paths else []
