@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, Protocol, TypeVar
 
 import peft
@@ -416,6 +417,18 @@ class DiffusionAdapter(Protocol):
     def export_merged(self, out_dir: str, dtype: torch.dtype) -> None:
         """Write the whole pipeline of model.path in `dtype` with every trained component's weights in it
         (the LoRA fused in, or the fully fine-tuned modules): every expert of a family of several."""
+        ...
+
+    @classmethod
+    def lora_files(cls, model_path: str) -> dict[str, str]:
+        """Component -> the file `export_lora` writes its LoRA to, for the checkpoint at `model_path` (one
+        per expert of a family of several): what an export of a run's LoRA directory must find there."""
+        ...
+
+    @classmethod
+    def merge_lora(cls, model_path: str, lora_dir: Path, out_dir: str | Path, dtype: torch.dtype) -> None:
+        """Write the whole pipeline of `model_path` in `dtype` with the LoRA directory's files (`lora_files`)
+        fused into their components: the merged export of a run's LoRA directory."""
         ...
 
     def offload_modules(self) -> list[nn.Module]:

@@ -77,8 +77,10 @@ class LocalCheckpoint:
             except (OSError, ValueError, AttributeError) as e:
                 raise ConfigError(f"{key} {path!r}: no readable transformers config.json ({e})") from None
             if model_type != self.model_type:
-                wanted = self.model_type
-                raise ConfigError(f"{key} {path!r} holds a {model_type!r} model; reward {name} loads a {wanted!r} one")
+                raise ConfigError(
+                    f"{key} {path!r} holds a {model_type!r} model; reward {name} loads a "
+                    f"{self.model_type!r} one"
+                )
         for group in self.files:
             if not any(os.path.isfile(os.path.join(path, f)) for f in group):
                 raise ConfigError(f"{key} {path!r} lacks {' or '.join(group)}, which reward {name} loads")
