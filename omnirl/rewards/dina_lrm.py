@@ -196,6 +196,7 @@ def lora_modules(
     """The saved adapter's config and tensors by the policy's module name, after checking that its keys are
     exactly the LoRA pairs of the modules its config targets in the first `n` blocks."""
     config = peft.LoraConfig.from_pretrained(str(path / LORA_DIR))
+    assert isinstance(config, peft.LoraConfig)  # LoraConfig.from_pretrained builds its own class
     assert isinstance(config, peft.LoraConfig)
     if config.use_dora or config.use_rslora:
         raise ConfigError(f"{path / LORA_DIR}: a DoRA / rsLoRA adapter is not supported")

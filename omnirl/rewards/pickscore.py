@@ -58,6 +58,7 @@ class PickScore:
             image = self.model.get_image_features(**pixels.to(self.device)).pooler_output  # [N, P]
             prompt = self.model.get_text_features(**text.to(self.device)).pooler_output  # [N, P]
             assert image is not None and prompt is not None  # the projected embeddings
+            assert image is not None and prompt is not None  # CLIP's projections always pool
             cosine = torch.nn.functional.cosine_similarity(image.float(), prompt.float(), dim=-1)  # [N]
             scores += (self.model.logit_scale.exp() * cosine / SCALE).tolist()
         return scores
