@@ -108,6 +108,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, tiny_sd3, tmp_pat
     assert not out_dir.exists()
 
 
+@pytest.mark.slow
 def test_bad_input_exit_status_from_the_command_line(tmp_path):
     r = subprocess.run(
         [sys.executable, "scripts/train.py", "--recipe", "sd3_tiny_flowgrpo", "--optim.lr", "abc"],
@@ -291,6 +292,7 @@ def assert_nonfinite_run(status: int, err: str, expected: str, out_dir: Path) ->
     assert (out_dir / "metrics.jsonl").exists() and not (out_dir / "lora").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # @record, under pytest's capture
 def test_a_run_that_makes_only_nan_samples_stops(tiny_sd3, tmp_path, capsys, monkeypatch):
     """lr 1e30: step 0's update makes every sample of step 1 NaN. The run stops there, train.on_nonfinite
@@ -305,6 +307,7 @@ def test_a_run_that_makes_only_nan_samples_stops(tiny_sd3, tmp_path, capsys, mon
     assert [r["step"] for r in rows] == [0] and rows[0]["train/updates"] == 1
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 def test_a_run_that_skips_every_update_stops(tiny_sd3, tmp_path, capsys, monkeypatch):
     """Finite samples but a NaN loss in every step (the flow_grpo loss times NaN): every update is skipped,

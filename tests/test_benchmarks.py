@@ -56,6 +56,7 @@ ENTRIES = sorted(
 ) + ["scripts.gpu.phase_memory", "scripts.gpu.two_gpu_runs"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", ENTRIES)
 def test_entry_runs_as_a_module_from_the_repo_root(module):
     """Every benchmark (and GPU script) runs as `python -m NAME` from the repository root, with nothing on
@@ -67,6 +68,7 @@ def test_entry_runs_as_a_module_from_the_repo_root(module):
     assert r.returncode == 0 and "usage:" in r.stdout, r.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_two_gpu_report_of_a_gpu_run(tmp_path):
     """scripts.gpu.two_gpu_runs mmk12 on the keys a 2-GPU run logs (per-rank peaks exist only on an
     accelerator, so the CPU rehearsal never shows them): every rank's peak and generation time, the time
@@ -91,6 +93,7 @@ def test_two_gpu_report_of_a_gpu_run(tmp_path):
     assert step["train_peak_gib_per_rank"] == [40.0, 41.0] and step["other_s"] == 1.5
 
 
+@pytest.mark.slow
 def test_rollout_packing_cells_option(tiny_qwen_image, tmp_path):
     """--cells adds packed configurations by name; a malformed one is refused before any model loads.
     --repeats times each cell several times and reports the median."""
@@ -261,6 +264,7 @@ def test_host_builds_draw_their_random_weights_on_the_device():
     assert not all(torch.equal(a, b) for a, b in zip(seed0, plain))
 
 
+@pytest.mark.slow
 def test_config_only_thinker_is_built_by_the_run(tmp_path, monkeypatch):
     """`two_gpu_runs checkpoint --config-only` writes no weights; the Qwen3-Omni adapter, its
     `load_pretrained` replaced as `train_entry --random-init` replaces it, builds the thinker from the
@@ -305,6 +309,7 @@ def test_config_only_thinker_is_built_by_the_run(tmp_path, monkeypatch):
     assert torch.equal(heads[0], heads[1] * TINY_THINKER["head_scale"])
 
 
+@pytest.mark.slow
 def test_rollout_packing_interleaved_pair(tiny_qwen_image, tmp_path):
     """--interleave times packed cells and the stock pipeline in turn on the same prompts (max_num_seqs 1,
     the serial rollout, and 4): every row holds --repeats runs and their median, nothing was compiled while
@@ -340,6 +345,7 @@ def test_rollout_packing_interleaved_pair(tiny_qwen_image, tmp_path):
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr[-2000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "model, experts, billions",
     [("wan22_ti2v", ["_policy"], (4.9, 5.1)), ("wan22_a14b", ["transformer", "transformer_2"], (14.1, 14.5))],
@@ -360,6 +366,7 @@ def test_rollout_packing_dry_run_counts_the_wan_models(model, experts, billions)
     assert "TFLOP per image" in r.stdout and "MFU of an H200" in r.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["ti2v", "a14b"])
 def test_rollout_packing_interleaved_pairs_on_tiny_wan(layout, tiny_wan_ti2v, tiny_wan_a14b, tmp_path):
     """The Wan GPU commands rehearsed on the tiny checkpoints: --size HxW, --frames, and --interleave pairs
@@ -392,6 +399,7 @@ def test_rollout_packing_interleaved_pairs_on_tiny_wan(layout, tiny_wan_ti2v, ti
         assert phases["transformer"]["calls"] == forwards and phases["vae_decode"]["calls"] >= 1, r["name"]
 
 
+@pytest.mark.slow
 def test_generation_benchmark_ranks_what_its_engine_ran(tiny_qwen3_omni, tmp_path):
     """generate_throughput --kernels: one more run of each method under the profiler, its costliest
     operators (device kernels on CUDA) ranked with their calls and shares of the busy time, and the busy

@@ -1,6 +1,7 @@
 """The rollout time breakdown on the tiny SD3 (CPU): every labelled phase of ours and of the stock pipeline
 is counted as often as it runs (the times themselves are measured on GPUs)."""
 
+import pytest
 import torch
 from diffusers import StableDiffusion3Pipeline
 
@@ -11,6 +12,7 @@ from tests.test_sd3 import make_adapter
 STEPS = 3
 
 
+@pytest.mark.slow
 def test_ours_and_stock_break_down_into_the_same_phases(tiny_sd3):
     adapter = make_adapter(tiny_sd3)
     params = SamplingParams(32, 32, STEPS, 4.5, 0.7, "sde", 0, (0, 1))

@@ -84,6 +84,7 @@ def reseal(path: Path) -> None:
     (path / checkpoint.MANIFEST).write_text(json.dumps(manifest))
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_model_fails_before_loading(adapter, tiny_sd3, tmp_path):
     path = save_checkpoint(adapter, tiny_sd3, tmp_path / "out")
     # The RNG states come back on resume.
@@ -140,6 +141,7 @@ def one_group_cfg(tiny_sd3, tmp_path):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_is_skipped_or_stops(adapter, tiny_sd3, tmp_path):
     cfg = one_group_cfg(tiny_sd3, tmp_path)
     dist = D.init_distributed()
@@ -186,6 +188,7 @@ class CountingReward:
         return self.jpeg(images, prompts, metadata)
 
 
+@pytest.mark.slow
 def test_nonfinite_samples_are_never_scored_and_skip_or_stop(tiny_sd3, tmp_path):
     """A policy with a NaN weight makes NaN latents and images: they are not scored (a NaN image would be
     scored as a black one). Some NaN samples in a step: its update is skipped and counted
@@ -270,6 +273,7 @@ def run_export(*args: str) -> None:
     assert export_status(*args) == 0
 
 
+@pytest.mark.slow
 def test_export_loads_in_diffusers_and_peft_and_merges(saved, adapter, tiny_sd3, tmp_path):
     path = saved
     run_export(path, tmp_path / "diffusers")
@@ -320,6 +324,7 @@ def test_export_loads_in_diffusers_and_peft_and_merges(saved, adapter, tiny_sd3,
     assert list((tmp_path / "merged/transformer").glob("*.safetensors"))
 
 
+@pytest.mark.slow
 def test_export_merges_a_full_finetune(tiny_sd3, tmp_path):
     cfg = tiny_cfg(tiny_sd3, tmp_path, "--model.finetune", "full")
     cfg.run.output_dir = str(tmp_path / "out")
@@ -344,6 +349,7 @@ def resume_cfg(tiny_sd3, path: Path, out: Path):
     return tiny_cfg(tiny_sd3, out, *ADAPTER_LORA, "--checkpoint.resume", str(path))
 
 
+@pytest.mark.slow
 def test_flipped_byte_in_a_shard_is_found_before_loading(saved, tiny_sd3, tmp_path, capsys):
     path = saved
     manifest = json.loads((path / checkpoint.MANIFEST).read_text())["files"]
@@ -372,6 +378,7 @@ def test_flipped_byte_in_a_shard_is_found_before_loading(saved, tiny_sd3, tmp_pa
         checkpoint.find_resume(resume_cfg(tiny_sd3, path, tmp_path / "run"))
 
 
+@pytest.mark.slow
 def test_nan_bytes_in_a_tensor_are_refused_on_resume_and_export(saved, adapter, tiny_sd3, tmp_path, capsys):
     """64 NaN bytes over one LoRA tensor's data: the manifest catches it; with a manifest written over the
     damaged files (the damage came first), the finite check after loading names the tensor."""

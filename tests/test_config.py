@@ -65,6 +65,7 @@ def test_cli_overrides():
     assert cfg.optim.lr == 1e-4 and cfg.sampling.sde_window_range == (1, 3)
 
 
+@pytest.mark.slow
 def test_train_script_errors_are_one_line():
     root = Path(__file__).resolve().parent.parent
     r = subprocess.run(
@@ -83,6 +84,7 @@ def test_train_script_errors_are_one_line():
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "unknown recipe" in r.stderr
 
 
+@pytest.mark.slow
 def test_help_documents_every_field():
     root = Path(__file__).resolve().parent.parent
     r = subprocess.run(
@@ -113,6 +115,7 @@ def test_family_settings_are_the_adapters_and_strict(tmp_path):
         load_config("qwen_image_tiny_flowgrpo", ["--model.adapter", "sd3"])
 
 
+@pytest.mark.slow
 def test_reward_of_another_modality_fails_before_loading(tmp_path):
     """An image model paired with a text reward: one error line naming both, before any model loads."""
     root = Path(__file__).resolve().parent.parent

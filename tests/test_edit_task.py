@@ -107,6 +107,7 @@ def test_requests_carry_the_rows_source_image(tmp_path):
     assert requests[0].inputs["image"] is requests[2].inputs["image"] is not requests[3].inputs["image"]
 
 
+@pytest.mark.slow
 def test_text_edit_reward_prefers_the_right_text_and_an_untouched_background(tmp_path):
     size, words = 256, ("CLOSED", "OPEN")
     scene = make_edit_data.scene(random.Random(3), size, words)

@@ -83,6 +83,7 @@ def max_diffs(trajs, reference) -> tuple[float, float]:
     return d_latents, d_logprobs
 
 
+@pytest.mark.slow
 def test_packed_rollout_equals_serial(adapter, serial):
     packed, seen, rows = run(DiffusionEngine(adapter, 4), MIXED)
     assert seen == [[0, 2, 4], [1, 3, 5]]  # grouped by key over the whole queue, not first-in-first-out
@@ -96,6 +97,7 @@ def test_packed_rollout_equals_serial(adapter, serial):
     assert d_latents < 1e-5 and d_logprobs < 1e-5
 
 
+@pytest.mark.slow
 def test_unfused_cfg_equals_fused(adapter, serial):
     fused, _, _ = run(DiffusionEngine(adapter, 4), MIXED)
     split, _, rows = run(DiffusionEngine(adapter, 4), unfused(MIXED))
@@ -109,6 +111,7 @@ def test_unfused_cfg_equals_fused(adapter, serial):
     assert d_latents < 1e-5 and d_logprobs < 1e-5 and d_serial < 1e-5
 
 
+@pytest.mark.slow
 def test_padded_bucket_batch_equals_unpadded(adapter, serial):
     engine = DiffusionEngine(adapter, 4)
     engine.pad = True  # what compile turns on, here without compiling
@@ -134,6 +137,7 @@ def test_token_budget_counts_fused_cfg_rows(adapter):
         DiffusionEngine(adapter, 8, budget // 4).packer.pack(four)
 
 
+@pytest.mark.slow
 def test_compiled_rollout_does_not_recompile(adapter, monkeypatch):
     """Dynamo decides every (re)compile from its guards before a backend runs, so the test compiles with
     the 'eager' backend (inductor's CPU code generation takes ~80 s per batch size on this machine)."""
@@ -166,6 +170,7 @@ def test_compiled_rollout_does_not_recompile(adapter, monkeypatch):
     assert graphs() - start == 4
 
 
+@pytest.mark.slow
 def test_a_probe_that_runs_out_of_memory_names_what_does_not_fit(adapter, monkeypatch):
     """A probe rollout that runs out of device memory stops the rollout before any batch runs with the
     ValueError of a batch that does not fit, raised after the allocator's error is dropped and the cached

@@ -43,6 +43,7 @@ def a14b_lora(tiny_wan_a14b):
     return adapter, cfg
 
 
+@pytest.mark.slow
 def test_a14b_lora_exports_both_experts(a14b_lora, tiny_wan_a14b, tmp_path):
     adapter, cfg = a14b_lora
     ckpt = save(adapter, cfg, tmp_path / "run")
@@ -96,6 +97,7 @@ def test_a14b_lora_exports_both_experts(a14b_lora, tiny_wan_a14b, tmp_path):
         assert max_diff(run_pipeline(pipe, adapter, requests, "latent", GUIDANCE_2), expected) < 1e-5
 
 
+@pytest.mark.slow
 def test_a14b_full_finetune_merges_both_experts(tiny_wan_a14b, tmp_path):
     cfg = a14b_cfg(tiny_wan_a14b, "full")
     adapter = WanAdapter(cfg, torch.device("cpu"))

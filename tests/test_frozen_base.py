@@ -145,6 +145,7 @@ def test_sharded_bytes_pads_dim0_as_fsdp2_does():
     assert D.sharded_bytes([((5, 3), 4)], 1) == 60
 
 
+@pytest.mark.slow
 def test_a_max_num_seqs_that_cannot_fit_fails_before_the_rollout(tiny_sd3, tmp_path):
     """A measured per-request cost (a rollout of one row and one of two, live tensor bytes on CPU) against
     rollout.memory_budget_gib: 8 requests per batch do not fit, the error names the largest
@@ -182,6 +183,8 @@ def test_a_max_num_seqs_that_cannot_fit_fails_before_the_rollout(tiny_sd3, tmp_p
     assert DiffusionOps(cfg, adapter).engine.memory_budget == 0.5 * GIB
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "window, extra, probe_steps",
     [
@@ -221,6 +224,7 @@ def test_the_memory_probes_denoise_only_the_window_and_still_give_the_peak(
     assert top == 2 and 0.9 * estimate <= real <= 1.1 * estimate
 
 
+@pytest.mark.slow
 def test_no_budget_on_cpu_measures_nothing(tiny_sd3, tmp_path):
     """On CPU without rollout.memory_budget_gib there is no device memory to check against: no probe."""
     if D.device_type() != "cpu":
@@ -291,6 +295,7 @@ def test_omni_shard_and_offload_train_as_replicate_does(tiny_qwen3_omni_k12, tmp
     )
 
 
+@pytest.mark.slow
 def test_unit_gather_of_an_omni_model_needs_one_rank(tiny_qwen3_omni_k12, monkeypatch):
     """The generation engine's ranks decode different numbers of steps: per-unit gathering, a collective
     in every forward, is refused on several ranks before the model loads, and accepted on one."""

@@ -125,6 +125,7 @@ def test_small_tensors_cross_packed_in_one_copy():
     assert torch.equal(torch.cat([t.view(torch.uint8) for t in tensors]), flat)
 
 
+@pytest.mark.slow
 def test_modules_sleep_and_give_the_same_output(tiny_sd3):
     """The tiny SD3 VAE and T5 as loaded from disk: on CPU their storages are mmap'd from the safetensors
     files and cannot be resized, so the first sleep also moves them to storages that can."""
@@ -147,6 +148,7 @@ def test_modules_sleep_and_give_the_same_output(tiny_sd3):
     assert t5.shared.weight is t5.encoder.embed_tokens.weight  # tied weights stay tied
 
 
+@pytest.mark.slow
 def test_optimizer_state_sleeps_from_its_first_step_on():
     model = torch.nn.Linear(8, 8)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

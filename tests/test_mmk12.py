@@ -179,6 +179,8 @@ def test_answer_parsing_helpers():
 S = 1 / 1.3  # one point of reward, in the reward's units
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "response, gold, expected",
     [
@@ -212,6 +214,7 @@ def test_reward_bad_input_names_the_row(reward):
         reward([Image.new("RGB", (2, 2))], ["p"], [{"answer": "1", "source": "d.jsonl:4"}])
 
 
+@pytest.mark.slow
 def test_reward_in_the_pools_threads():
     # math-verify's own timeouts need the main thread: the reason the reward runs it in a child process.
     from math_verify import parse
@@ -245,6 +248,7 @@ def _raises(fn) -> str:
     return ""
 
 
+@pytest.mark.slow
 def test_reward_survives_an_answer_that_hangs_sympy():
     reward = get_reward("mmk12")()
     reward.timeout_s = 1.0
@@ -272,6 +276,7 @@ def _rect_sides(image: Image.Image) -> tuple[int, int]:
     return xs.max() - xs.min(), ys.max() - ys.min()
 
 
+@pytest.mark.slow
 def test_k12_generator_writes_valid_data_whose_answers_match(tmp_path, reward):
     subprocess.run(
         [sys.executable, "scripts/make_k12_data.py", "--out", str(tmp_path), "--train", "10", "--val", "5"],

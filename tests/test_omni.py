@@ -151,6 +151,7 @@ def test_prompt_tokens_counts_what_prepare_makes(family, request):
         assert adapter.prompt_tokens(row) == len(prompt_ids), inputs
 
 
+@pytest.mark.slow
 def test_compiled_decode_step_draws_the_eager_samples(omni, monkeypatch):
     """generation.compile: the decoder layers run compiled in the decode steps, traced whole (fullgraph:
     the MoE layer with the slot cache has no graph break), the prefill and the trainer eager; samples and

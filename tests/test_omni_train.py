@@ -83,6 +83,7 @@ def lora_and_base(model):
     return {n for n in names if "lora_" in n}, {n for n in names if "lora_" not in n}
 
 
+@pytest.mark.slow
 def test_update_moves_lora_only_and_recomputed_logprobs_match(tiny_qwen3_omni_k12, tmp_path):
     cfg = omni_cfg(
         tiny_qwen3_omni_k12, tmp_path,
@@ -124,6 +125,7 @@ def test_update_moves_lora_only_and_recomputed_logprobs_match(tiny_qwen3_omni_k1
     assert all(torch.equal(model.get_parameter(n), before[n]) for n in base)
 
 
+@pytest.mark.slow
 def test_bypass_consistency_and_nonfinite_guard(tiny_qwen3_omni_k12, tmp_path):
     cfg = omni_cfg(
         tiny_qwen3_omni_k12, tmp_path, "--algo.old_logprob", "rollout", "--optim.mini_batches", "1"
@@ -160,6 +162,7 @@ def score(adapter, rows, length=12):
     return adapter.token_logprobs(batch, seqs, torch.ones_like(seqs, dtype=torch.bool), 1.0)
 
 
+@pytest.mark.slow
 def test_kl_reference_is_the_model_without_lora(tiny_qwen3_omni_k12, tmp_path):
     adapter = get_adapter("qwen3_omni_thinker")(omni_cfg(tiny_qwen3_omni_k12, tmp_path), DEVICE)
     random_lora(adapter)
@@ -175,6 +178,7 @@ def test_kl_reference_is_the_model_without_lora(tiny_qwen3_omni_k12, tmp_path):
     assert torch.equal(off, zero) and (on - off).abs().max() > 1e-3
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_recomputes_decoder_layers(tiny_qwen3_omni_k12, tmp_path):
     rows = load_mmk12(ROOT / "data/mmk12_tiny/val.jsonl")[:2]
     grads, calls = {}, {}
@@ -302,6 +306,7 @@ def test_zero_spread_rank_matches_single_rank(tiny_qwen3_omni_k12, tmp_path):
         assert torch.allclose(w1[k], w2[k], atol=1e-6), k
 
 
+@pytest.mark.slow
 def test_omni_checkpoint_exports_peft_and_merged(tiny_qwen3_omni, tmp_path):
     """scripts/export.py on an omni checkpoint: the peft LoRA equals the adapter's own export, and the merged
     transformers directory loads back as a model whose logits equal the LoRA model's."""

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 MODULE = "scripts.gpu.phase_memory"
 
@@ -26,6 +28,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
     return r
 
 
+@pytest.mark.slow
 def test_tiny_run_reports_rollout_and_train_phases(tmp_path):
     """The SD3.5 recipe's dry mode: the tiny SD3 recipe through the same data generator, random-init loader
     and trainer entry, 2 prompts x max_num_seqs / 2 images per step, two steps; the table and the JSON."""
@@ -55,6 +58,7 @@ def test_tiny_run_reports_rollout_and_train_phases(tmp_path):
         assert "| rollout | " in text and "| train | " in text
 
 
+@pytest.mark.slow
 def test_check_plans_the_edit_recipe_on_full_size_models(tmp_path):
     """--check for Qwen-Image-Edit: the config-only checkpoint (random_init's Qwen-Image-Edit layout) builds
     the full-size models on the meta device, and every step's 32 requests (512 px sign sources from
@@ -116,6 +120,7 @@ def test_table_of_a_gpu_row():
     ]
 
 
+@pytest.mark.slow
 def test_tiny_run_of_a_wan_recipe(tmp_path):
     """The Wan2.2 A14B recipe's dry mode: its tiny two-expert recipe through the random-init loader
     (both experts, the VAE and UMT5 built by it) and the trainer, one step with an update."""

@@ -130,6 +130,7 @@ def test_buckets_key_and_tokens(adapter, tiny_qwen_image):
             check_values(cfg)
 
 
+@pytest.mark.slow
 def test_decode_in_chunks_equals_one_batch(adapter, monkeypatch):
     """`decode` runs the VAE on DECODE_ROWS images at a time (a 64-image batch ran out of the H200's memory
     in one decode); each image decodes on its own, so chunks give what one batch gives."""
@@ -151,6 +152,7 @@ def test_decode_in_chunks_equals_one_batch(adapter, monkeypatch):
     assert max_diff(chunked, whole) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("guidance", [1.0, TRUE_CFG])
 def test_noise_free_rollout_is_the_pipeline_sampler(adapter, tiny_qwen_image, guidance):
     """True-CFG with its norm rescaling, prompts padded to their bucket (the pipeline pads to the longest)."""
@@ -166,6 +168,7 @@ def test_noise_free_rollout_is_the_pipeline_sampler(adapter, tiny_qwen_image, gu
     assert d_latents < 1e-5 and d_images < 1e-5
 
 
+@pytest.mark.slow
 def test_packed_rollout_equals_serial(adapter):
     """Packed: 4 requests (prompts of buckets 16 and 32, all padded to 32), their cond and negative rows in
     one forward. Serial: one request at a time, its True-CFG as two batch-1 forwards (the reference's
@@ -181,6 +184,7 @@ def test_packed_rollout_equals_serial(adapter):
     assert d_latents < 1e-5 and d_logprobs < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sde_type", ["sde", "cps"])
 def test_recomputed_logprob_equals_rollout(adapter, sde_type):
     """The trainer's micro-batch mixes two rollouts of different prompt buckets: every (sample, trained
@@ -220,6 +224,7 @@ def test_recomputed_logprob_equals_rollout(adapter, sde_type):
     assert diffs["unmasked padding"] > 1e-4
 
 
+@pytest.mark.slow
 def test_exported_lora_loads_into_the_pipeline(tiny_qwen_image, tmp_path):
     # alpha != rank: the export must carry the scale; the reference recipe's targets, MLPs included.
     adapter = make_adapter(tiny_qwen_image, rank=4, alpha=8.0, target_modules=LORA_TARGETS)

@@ -105,6 +105,7 @@ def pipeline_outputs(pipe, adapter, requests):
     return unpacked, images
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("guidance", [1.0, GUIDANCE])
 def test_noise_free_rollout_is_the_pipeline_sampler(adapter, pipeline, guidance):
     requests = make_requests(noise_free(guidance), [source_image(0), source_image(1)], n=2)
@@ -118,6 +119,7 @@ def test_noise_free_rollout_is_the_pipeline_sampler(adapter, pipeline, guidance)
     assert d_latents < 1e-5 and d_images < 1e-5
 
 
+@pytest.mark.slow
 def test_packed_rollout_equals_serial(adapter):
     params = SamplingParams(SIZE, SIZE, STEPS, GUIDANCE, 1.2, "sde", 2, (0, 3))
     requests = make_requests(params, [source_image(0), source_image(1)])
@@ -136,6 +138,7 @@ def test_packed_rollout_equals_serial(adapter):
     assert d_latents < 1e-5 and d_logprobs < 1e-5
 
 
+@pytest.mark.slow
 def test_recomputed_logprob_equals_rollout(adapter):
     """The trainer's recomputation (trainer.pair_logprob: batch_embeds + velocity) of every stored step in
     one batch that mixes prompt lengths and condition sizes (a 96x32 source is conditioned at 64x32: another
@@ -154,6 +157,7 @@ def test_recomputed_logprob_equals_rollout(adapter):
     assert diff.max() < 1e-5
 
 
+@pytest.mark.slow
 def test_exported_lora_loads_into_the_pipeline(tiny_qwen_image_edit, pipeline, tmp_path):
     adapter = make_adapter(tiny_qwen_image_edit, rank=4, alpha=8.0)  # alpha != rank: the scale must travel
     perturb_lora(adapter, 0.1)

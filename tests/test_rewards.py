@@ -100,6 +100,7 @@ def test_ocr_missing_quoted_text_names_the_row():
     assert reward._engine is None  # the row was rejected before any OCR ran
 
 
+@pytest.mark.slow
 def test_ocr_reward_with_rapidocr():
     images = [render("Hello World"), render("OPEN 24 HOURS"), Image.new("RGB", (512, 128), "white")]
     prompts = ['A sign that reads "hello WORLD"', 'A sign that reads "OPEN 25 HOURS"', 'A sign "Hello"']
@@ -324,6 +325,7 @@ def make_tiny_hpsv3(out_dir):
     return model, head, tok
 
 
+@pytest.mark.slow
 def test_hpsv3_scores_frames_and_averages_them(tmp_path, monkeypatch):
     import omnirl.rewards.hpsv3 as H
 

@@ -62,6 +62,7 @@ def adapter(tiny_sd3):
     return make_adapter(tiny_sd3)  # LoRA with B = 0: the policy equals the base model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("guidance", [1.0, GUIDANCE])
 def test_noise_free_rollout_is_the_pipeline_sampler(adapter, tiny_sd3, guidance):
     pipe = load_pipeline(StableDiffusion3Pipeline, tiny_sd3)
@@ -76,6 +77,7 @@ def test_noise_free_rollout_is_the_pipeline_sampler(adapter, tiny_sd3, guidance)
     assert d_latents < 1e-5 and d_images < 1e-5
 
 
+@pytest.mark.slow
 def test_packed_rollout_equals_serial(adapter):
     params = SamplingParams(SIZE, SIZE, STEPS, GUIDANCE, 0.7, "sde", 2, (0, 3))
     requests = make_requests(params)
@@ -88,6 +90,7 @@ def test_packed_rollout_equals_serial(adapter):
     assert d_latents < 1e-5 and d_logprobs < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sde_type", ["sde", "cps"])
 def test_recomputed_logprob_equals_rollout(adapter, sde_type):
     params = SamplingParams(SIZE, SIZE, STEPS, GUIDANCE, 0.7, sde_type, 2, (0, 3))
@@ -111,6 +114,7 @@ def test_recomputed_logprob_equals_rollout(adapter, sde_type):
             assert diff < 1e-5
 
 
+@pytest.mark.slow
 def test_exported_lora_loads_into_the_pipeline(tiny_sd3, tmp_path):
     adapter = make_adapter(tiny_sd3, rank=4, alpha=8.0)  # alpha != rank: the export must carry the scale
     perturb_lora(adapter, 0.05)

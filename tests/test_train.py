@@ -37,6 +37,7 @@ def tiny_cfg(tiny_sd3, tmp_path, *overrides):
     )
 
 
+@pytest.mark.slow
 def test_update_moves_lora_only_and_recomputed_logprobs_match(tiny_sd3, tmp_path):
     cfg = tiny_cfg(tiny_sd3, tmp_path, "--rollout.prompts_per_step", "2", "--rollout.group_size", "4")
     dist = D.init_distributed()
@@ -73,6 +74,7 @@ def test_update_moves_lora_only_and_recomputed_logprobs_match(tiny_sd3, tmp_path
     assert len(moved) >= len(lora) // 2
 
 
+@pytest.mark.slow
 def test_dppo_records_the_rollout_mean_and_logs_per_timestep_consistency(tiny_sd3, tmp_path):
     """flow_dppo: the rollout records each trained step's mean (mu_old) and it equals the trainer's
     recomputation for the unchanged policy (fp32, 1e-5), so DPPO needs no old-policy pass; the update logs
@@ -116,6 +118,7 @@ def test_dppo_records_the_rollout_mean_and_logs_per_timestep_consistency(tiny_sd
     assert "consistency/t03/logprob_abs_diff_max" not in logs  # the last step is not trained
 
 
+@pytest.mark.slow
 def test_dppo_with_recomputed_old_policy(tiny_sd3, tmp_path):
     """With old_logprob recompute the rollout records no means: the recompute pass gives DPPO's mu_old."""
     cfg = tiny_cfg(
@@ -138,6 +141,7 @@ def test_dppo_with_recomputed_old_policy(tiny_sd3, tmp_path):
     assert logs["consistency/logprob_abs_diff_max"] < 1e-5
 
 
+@pytest.mark.slow
 def test_nft_rows_and_the_old_velocity(tiny_sd3, tmp_path):
     """NFT rows are (sample, every step's time but the last, a noise of the row's own generator); after an
     optimizer step the old velocity is the rollout policy's (its parameters swapped in, then restored)."""

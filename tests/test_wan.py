@@ -78,6 +78,7 @@ def a14b(tiny_wan_a14b):
     return make_adapter(tiny_wan_a14b, guidance_2=GUIDANCE_2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["ti2v", "a14b"])
 def test_noise_free_rollout_is_the_pipeline_sampler(layout, request):
     adapter = request.getfixturevalue(layout)
@@ -98,6 +99,7 @@ def test_noise_free_rollout_is_the_pipeline_sampler(layout, request):
     assert d_latents < 1e-5 and d_videos < 1e-5
 
 
+@pytest.mark.slow
 def test_a14b_guidance_1_guides_neither_expert_as_the_pipeline(a14b, tiny_wan_a14b):
     """WanPipeline guides only when guidance_scale > 1, for both experts: at guidance 1 its
     guidance_scale_2 (3 here) has no effect, and the low-noise expert runs unguided too."""
@@ -109,6 +111,7 @@ def test_a14b_guidance_1_guides_neither_expert_as_the_pipeline(a14b, tiny_wan_a1
     assert max_diff(torch.stack([t.final_latents for t in trajs]), ref) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["ti2v", "a14b"])
 def test_packed_rollout_equals_serial(layout, request):
     adapter = request.getfixturevalue(layout)
@@ -123,6 +126,7 @@ def test_packed_rollout_equals_serial(layout, request):
     assert d_latents < 1e-5 and d_logprobs < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["ti2v", "a14b"])
 def test_recomputed_logprob_equals_rollout(layout, request):
     adapter = request.getfixturevalue(layout)
@@ -169,6 +173,7 @@ def test_policy_and_lora_cover_both_experts(a14b, ti2v):
     assert FRAMES in a14b.compat_key(req)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["ti2v", "a14b"])
 def test_exported_lora_loads_into_the_pipeline(layout, request, tmp_path):
     path = request.getfixturevalue(f"tiny_wan_{layout}")
@@ -202,6 +207,7 @@ def test_registered_and_bad_frames(tiny_wan_ti2v):
         check_values(cfg)
 
 
+@pytest.mark.slow
 def test_memory_probe_starts_where_the_decode_chunk_is_full(ti2v, monkeypatch):
     """The VAE decodes `decode_rows` (2) videos at a time, so a rollout's peak (live tensor bytes on CPU)
     grows by a whole decode from 1 to 2 rows and by little after. The engine measures at 2 and 4 rows
@@ -255,6 +261,7 @@ def test_memory_probe_starts_where_the_decode_chunk_is_full(ti2v, monkeypatch):
     assert probes == [2, 4, 4]
 
 
+@pytest.mark.slow
 def test_group_shared_initial_noise_and_random_step_subsets(ti2v):
     """DanceGRPO's sampling: a group's samples start from the same latents (its own seed) and part after
     the first SDE step; trained steps a random subset; packed still equals serial."""
@@ -293,6 +300,7 @@ def test_group_shared_initial_noise_and_random_step_subsets(ti2v):
     assert max_diff(a.next_latents[0], b.next_latents[0]) > 1e-3
 
 
+@pytest.mark.slow
 def test_trainer_logprob_of_a_micro_batch_of_both_experts(a14b):
     """The trainer's recomputation (`ops.diffusion.pair_logprob`) of one micro-batch holding rows of both
     experts equals the rollout's log-probs."""
@@ -310,6 +318,7 @@ def test_trainer_logprob_of_a_micro_batch_of_both_experts(a14b):
     assert max_diff(lp, recorded) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "recipe, layout",
     [("wan22_ti2v_tiny_dancegrpo", "ti2v"), ("wan22_a14b_tiny_flowgrpo_lora", "a14b")],
@@ -334,6 +343,7 @@ def test_tiny_recipes_under_torchrun_fsdp(recipe, layout, request, tmp_path):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_experts_under_fsdp_with_rows_of_one_expert_per_rank(tiny_wan_a14b):
     import os
     import subprocess
@@ -383,6 +393,7 @@ def test_group_seeds_come_from_the_group_alone():
     assert {r.group_seed for r in one}.isdisjoint({r.group_seed for r in seeds(1, 1)})
 
 
+@pytest.mark.slow
 def test_bf16_fsdp_units_recompute_in_their_forward_dtypes(tiny_wan_a14b, tmp_path, monkeypatch):
     """A gradient-checkpointed unit under FSDP2 with param_dtype bfloat16 recomputes in the dtypes its
     forward ran in. FSDP2 of torch 2.11 casts a unit's float inputs in the forward but not in the
