@@ -94,6 +94,7 @@ def flags(policy, ours: set[str]) -> dict[str, bool]:
     }
 
 
+@pytest.mark.slow
 def test_dina_lrm_in_process_equals_a_merged_copy_and_leaves_the_policy_alone(tiny_sd3, tiny_dina, tmp_path):
     cfg = cfg_for(tiny_sd3, tmp_path, tiny_dina)
     adapter = get_adapter("sd3")(cfg, torch.device("cpu"))
@@ -188,6 +189,7 @@ def test_dina_lrm_checkpoint_with_a_missing_or_extra_key_fails_naming_it(tiny_sd
         DinaLRM(str(tmp_path / "nowhere"), adapter, cfg)
 
 
+@pytest.mark.slow
 def test_latent_only_rollout_runs_no_decode_and_logging_decodes_what_it_shows(tiny_sd3, tiny_dina, tmp_path):
     cfg = cfg_for(tiny_sd3, tmp_path, tiny_dina, "--rollout.prompts_per_step", "2", "--rollout.group_size",
                   "3", "--log.image_every", "2")  # fmt: skip

@@ -200,6 +200,7 @@ def test_gradient_checkpointing_recomputes_decoder_layers(tiny_qwen3_omni_k12, t
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[False], grads[True]))
 
 
+@pytest.mark.slow
 def test_bad_settings_are_named(tiny_qwen3_omni_k12, tmp_path):
     with pytest.raises(ConfigError, match="omni models train with grpo, gspo"):
         check_before_loading(omni_cfg(tiny_qwen3_omni_k12, tmp_path, "--algo.loss", "flow_grpo"))
