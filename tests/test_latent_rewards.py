@@ -131,7 +131,7 @@ def test_dina_lrm_in_process_equals_a_merged_copy_and_leaves_the_policy_alone(ti
     assert (scores - expected).abs().max() < 1e-5
     assert len(set(scores.tolist())) == 3
     assert reward(latents, ["a"] * 3, [{}] * 3) == scores.tolist()  # the same samples score the same
-    # alone or in a batch: the same noise (batched kernels round differently, docs/design.md 4)
+    # alone or in a batch: the same noise (batched kernels round differently, docs/architecture.md)
     assert reward(latents[1:2], ["a"], [{}]) == pytest.approx(scores.tolist()[1:2], abs=1e-6)
 
     assert all(torch.equal(p, params[n]) for n, p in policy.named_parameters())

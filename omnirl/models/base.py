@@ -139,8 +139,8 @@ MODALITIES = ("image", "video", "audio", "text", "latent")
 @dataclass
 class Latent:
     """A diffusion sample before its decode, and what it was denoised with: what a latent reward reads
-    (section 10 of docs/design.md) instead of pixels. Host tensors without a batch dimension, shared with
-    the sample's `Trajectory` (no copy)."""
+    (docs/extending.md, "How to add a reward") instead of pixels. Host tensors without a batch dimension,
+    shared with the sample's `Trajectory` (no copy)."""
 
     latents: torch.Tensor  # [*latent_shape] the final (clean) latents, in the transformer's latent space
     embeds: dict[str, torch.Tensor]  # the conditioning the transformer was called with (Trajectory.embeds)
