@@ -28,6 +28,9 @@ CHANGED = {
     "lora": "reference",
     "shared_initial_noise": True,
     "sde_window_random": True,
+    "ode_compress_ratio": 0.5,
+    "fused_cfg": False,
+    "decode": False,
 }
 VARIANTS = [BASE] + [dataclasses.replace(BASE, **{k: v}) for k, v in CHANGED.items()]
 
