@@ -273,3 +273,40 @@ def test_pool_scores_latent_rewards_in_the_callers_thread_after_generation(tiny_
     )
     pool.score_held()  # nothing held: an empty call, as a rank with no samples makes
     pool.close()
+
+
+@pytest.mark.slow
+def test_tiny_dinalrm_recipe_learns_under_torchrun(tiny_sd3, tiny_dina, tmp_path):
+    """sd3_tiny_flowgrpo_dinalrm on 2 ranks (FSDP, the reward's LoRA in the replicated frozen base): the
+    reward scored in process rises. Measured on 2 CPU cores over 60 steps: 0.76 (mean of steps 0-9) ->
+    3.32 (steps 50-59); the mean of steps 9-11 is held above that of steps 0-2 by 0.3 (measured: +0.75)."""
+    from tests.test_train import ROOT, read_jsonl, torchrun
+
+    out = tmp_path / "run"
+    r = torchrun(2, ROOT / "yaml/sd3_tiny_flowgrpo_dinalrm.yaml", "--model.path", str(tiny_sd3),
+                 "--reward.paths.dina_lrm", str(tiny_dina), "--run.output_dir", str(out), "--run.steps", "12",
+                 "--log.image_every", "11", timeout=1200)  # fmt: skip
+    metrics = read_jsonl(out / "metrics.jsonl")
+    rewards = [m["reward/mean"] for m in metrics]
+    print("reward/mean by step:", [round(x, 3) for x in rewards])
+    assert all(m["train/updates"] == 1 for m in metrics)
+    assert sum(rewards[9:12]) / 3 > sum(rewards[:3]) / 3 + 0.3
+    assert (out / "samples/step_000011.png").is_file()  # the logging step decoded what it shows
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_tiny_pickscore_recipe_runs_under_torchrun(tiny_sd3, tmp_path):
+    """sd3_tiny_flowgrpo_pickscore on 2 ranks: decoded images scored by the tiny PickScore, which sleeps
+    during the update, and the LoRA updated each step."""
+    from tests.test_train import ROOT, read_jsonl, torchrun
+
+    out = tmp_path / "run"
+    pickscore = make_tiny_pickscore(tmp_path / "pickscore")
+    torchrun(2, ROOT / "yaml/sd3_tiny_flowgrpo_pickscore.yaml", "--model.path", str(tiny_sd3),
+             "--reward.paths.pickscore", str(pickscore), "--run.output_dir", str(out), "--run.steps", "3",
+             timeout=900)  # fmt: skip
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert all(m["train/updates"] == 1 for m in metrics)
+    assert all(-1 < m["reward/mean"] < 1 and m["reward/std"] > 0 for m in metrics)
+    assert metrics[-1]["mem/train_sleep_gib"] > 0  # the text encoders, the VAE and PickScore's CLIP
