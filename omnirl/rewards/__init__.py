@@ -121,10 +121,9 @@ def check_reward_paths(weights: dict[str, float], paths: dict[str, str]) -> None
     for name in weights:
         if name in LOCAL_CHECKPOINTS:
             if name not in paths:
-                raise ConfigError(
-                    f"reward {name} needs reward.paths.{name}: a local {LOCAL_CHECKPOINTS[name].model_type} "
-                    "checkpoint directory"
-                )
+                model_type = LOCAL_CHECKPOINTS[name].model_type
+                kind = f"{model_type} checkpoint" if model_type else "checkpoint"  # None: no transformers one
+                raise ConfigError(f"reward {name} needs reward.paths.{name}: a local {kind} directory")
             LOCAL_CHECKPOINTS[name].check(name, paths[name])
 
 
