@@ -22,7 +22,7 @@ from omnirl.rollout.diffusion import DiffusionEngine
 # ---------------------------------------------------------------------------------------------- cells
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Cell:
     """One packed configuration: what `rollout.*` a recipe would set."""
 
@@ -30,12 +30,13 @@ class Cell:
     fused_cfg: bool = True
     compile: bool = False
     buckets: str = "recipe"  # "recipe" | "single" (the largest only) | "negative" (+ the negative's length)
+    precision: str = "bf16"  # rollout.precision: "bf16" | "fp8"
 
     @property
     def spec(self) -> str:
         """The --cells spelling of this cell."""
         cfg, compiled = "fused" if self.fused_cfg else "split", "compiled" if self.compile else "eager"
-        return f"{self.max_num_seqs}:{cfg}:{self.buckets}:{compiled}"
+        return f"{self.max_num_seqs}:{cfg}:{self.buckets}:{compiled}:{self.precision}"
 
     @property
     def name(self) -> str:
@@ -46,6 +47,7 @@ class Cell:
         parts += {"recipe": [], "single": ["one bucket"], "negative": ["negative-length bucket"]}[
             self.buckets
         ]
+        parts += ["fp8"] if self.precision == "fp8" else []
         return ", ".join(parts + ["compiled" if self.compile else "eager"])
 
     def requests(self, requests: list[Request]) -> list[Request]:
@@ -67,6 +69,8 @@ def parse_cell(spec: str) -> Cell:
             kwargs["buckets"] = option
         elif option in ("eager", "compiled"):
             kwargs["compile"] = option == "compiled"
+        elif option in ("bf16", "fp8"):
+            kwargs["precision"] = option
         else:
             raise argparse.ArgumentTypeError(f"cell {spec!r}: unknown option {option!r}")
     try:

@@ -5,6 +5,7 @@ benchmarks/README.md."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -73,8 +74,8 @@ def prompts(n: int, seed: int) -> list[str]:
     ]
 
 
-def logprob_gap(adapter, trajs, clip_range: float) -> dict:
-    """For the unchanged policy: the trainer's recomputed log-prob of every trained step (micro-batches of 8,
+def logprob_gap(adapter, trajs, clip_range: float, micro_batch: int = 8) -> dict:
+    """For the unchanged policy: the trainer's recomputed log-prob of every trained step (in micro-batches,
     as the recipe trains) against the rollout's, per timestep; and the clip fraction that gap alone would
     give the first update (ratio outside 1 +- clip_range)."""
     from omnirl.ops.diffusion import Pair, pair_logprob
@@ -82,8 +83,8 @@ def logprob_gap(adapter, trajs, clip_range: float) -> dict:
     pairs = [Pair(t, k, 1.0) for t in trajs for k in range(len(t.logprobs))]
     diffs, steps = [], []
     with torch.no_grad():
-        for i in range(0, len(pairs), 8):
-            mb = pairs[i : i + 8]
+        for i in range(0, len(pairs), micro_batch):
+            mb = pairs[i : i + micro_batch]
             lp = pair_logprob(adapter, mb, trajs[0].request.params).logprob
             diffs += (lp.cpu() - torch.stack([p.traj.logprobs[p.k] for p in mb])).tolist()
             steps += [int(p.traj.step_indices[p.k]) for p in mb]
@@ -102,6 +103,34 @@ def logprob_gap(adapter, trajs, clip_range: float) -> dict:
         "mean_abs": d.mean().item(), "max_abs": d.max().item(), "per_step": per_step,
         "clip_frac_first_update": ((ratio - 1).abs() > clip_range).float().mean().item(),
     }  # fmt: skip
+
+
+def precision_gap(adapter, trajs, reference, clip_range: float, micro_batch: int) -> dict:
+    """An FP8 cell's rollouts against the trainer: the trainer's recomputed log-prob of every trained step
+    against the FP8 rollout's, per timestep (the gap the rollout correction weights), the seconds that
+    recompute takes (what algo.old_logprob recompute adds to an RL step: the trainer's eager forward of
+    every trained step, `micro_batch` samples at a time, as the recipe trains), and the pixel difference of
+    the final images (or videos) from those of the policy's own precision (`reference`: the same cell in
+    bf16, the same requests and seeds; None when it did not run)."""
+    recompute_s, gap = timed(lambda: logprob_gap(adapter, trajs, clip_range, micro_batch))
+    out = {"recompute_s": recompute_s, "logprob_gap": gap}
+    if reference:
+        diff = torch.stack([
+            (pixels(a) - pixels(b)).abs().mean() for a, b in zip(trajs, reference, strict=True)
+        ])  # fmt: skip
+        mse = torch.stack([((pixels(a) - pixels(b)) ** 2).mean() for a, b in zip(trajs, reference)]).mean()
+        out["pixels"] = {
+            "mean_abs": diff.mean().item(), "max_sample_mean_abs": diff.max().item(),
+            "max_abs": max((pixels(a) - pixels(b)).abs().max().item() for a, b in zip(trajs, reference)),
+            "psnr_db": (10 * torch.log10(1 / mse)).item(),
+        }  # fmt: skip
+    return out
+
+
+def pixels(traj) -> torch.Tensor:
+    """A trajectory's output in [0, 1], float32: its image [3, H, W] or its video [F, 3, H, W]."""
+    o = traj.output
+    return (o.image if o.image is not None else o.video).float()
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -156,7 +185,8 @@ def parse_args() -> argparse.Namespace:
         nargs="*",
         default=[],
         type=parse_cell,
-        help="more packed cells, each MAX_NUM_SEQS[:fused|split][:recipe|single|negative][:eager|compiled], "
+        help="more packed cells, each MAX_NUM_SEQS[:fused|split][:recipe|single|negative][:eager|compiled]"
+        "[:bf16|fp8], "
         "e.g. 32:split:single:compiled (defaults: fused, recipe buckets, eager)",
     )
     p.add_argument(
@@ -392,7 +422,7 @@ def main() -> None:
     def run_engine(cell: Cell, reqs: list[Request], scale: float, name: str = ""):
         name = name or cell.name
         reqs = cell.requests(reqs)
-        engine = DiffusionEngine(adapter, cell.max_num_seqs, compile=cell.compile)
+        engine = DiffusionEngine(adapter, cell.max_num_seqs, compile=cell.compile, precision=cell.precision)
         with prompt_buckets(adapter, cell.buckets, reqs):
             compile_s = 0.0
             if cell.compile:
@@ -429,17 +459,31 @@ def main() -> None:
             name,
             lambda: run_engine(serial, requests[: a.serial_requests], a.images / a.serial_requests, name),
         )
-    for cell in eager:
-        trajs = guarded(rows, cell.name, lambda cell=cell: run_engine(cell, requests, 1.0))
+    # FP8 cells and their bf16 twins keep their rollouts for the precision comparison.
+    fp8 = [c for c in eager + compiled if c.precision == "fp8"]
+    twins = {dataclasses.replace(c, precision="bf16") for c in fp8}
+    kept: dict[Cell, list] = {}
+
+    def run_cell(cell: Cell) -> None:
+        trajs = guarded(rows, cell.name, lambda: run_engine(cell, requests, 1.0))
         if trajs and cell == Cell(a.logprob_check):  # rank 0's rollouts (every rank runs it: FSDP)
             results["logprob_check"] = logprob_gap(adapter, trajs, cfg.algo.clip_range)
             D.print0(json.dumps(results["logprob_check"]))
-        del trajs
+        if trajs and cell.precision == "fp8":
+            ref = kept.pop(dataclasses.replace(cell, precision="bf16"), None)
+            gap = precision_gap(adapter, trajs, ref, cfg.algo.clip_range, cfg.optim.micro_batch_size)
+            results.setdefault("precision", {})[cell.spec] = gap
+            D.print0(json.dumps({"precision": cell.spec, **gap}))
+        elif trajs and cell in twins:
+            kept[cell] = trajs
         save()
+
+    for cell in eager:
+        run_cell(cell)
     if not a.no_stock_eager:
         stock(adapter, texts, s.negative_prompt, params, a, rows, flops_total / ceiling, save, compiled=False)
     for cell in compiled:
-        guarded(rows, cell.name, lambda cell=cell: run_engine(cell, requests, 1.0))
+        run_cell(cell)
     if a.serial_requests and a.serial_compiled:
         name = "serial (max_num_seqs 1, CFG 2 forwards, compiled)"
         serial = Cell(1, fused_cfg=False, compile=True)

@@ -209,6 +209,18 @@ class RolloutConfig:
     """torch.compile the transformer's repeated blocks for rollout (training stays eager); batches are
     padded to a few bucket sizes (rollout.diffusion.bucket_size) so that a rollout compiles each shape once
     and never recompiles."""
+    precision: Literal["bf16", "fp8"] = "bf16"
+    """Diffusion adapters: the precision of the transformer blocks' linear layers in the rollout. 'fp8':
+    float8 e4m3 with per-row weight and activation scales (omnirl.rollout.fp8; each family states which
+    block layers stay in bf16), on NVIDIA GPUs of compute capability 8.9 or newer (the CPU emulates it);
+    it pays with rollout.compile. Training stays in the model's precision: with fp8 algo.old_logprob
+    defaults to recompute and algo.correction to tis, which weight each trained step by the ratio of the
+    trainer's to the rollout's probability (omnirl.algos.correction)."""
+    fp8_select: int = 0
+    """rollout.precision fp8: 0 trains on the FP8 samples themselves. K > 0 is Sol-RL's two stages: of
+    each group, the K best and the K worst FP8 samples by reward are generated again in bf16 from the
+    same seeds and scored again, and the update trains on those 2K samples alone (rollout.group_size must
+    exceed 2K; no correction is needed, they come from the trained precision)."""
 
 
 @dataclass

@@ -49,6 +49,7 @@ RANGES = {
     "rollout.group_size": at_least(2),  # a group of one sample never has reward spread
     "rollout.max_num_seqs": at_least(1),
     "rollout.max_num_batched_tokens": at_least(0),
+    "rollout.fp8_select": at_least(0),
     "reward.num_workers": at_least(1),
     "reward.timeout_s": POSITIVE,
     "algo.clip_range": POSITIVE,
@@ -144,6 +145,37 @@ def check_values(cfg: Config) -> None:
         )
     if cfg.rollout.backend == "vllm":
         _check_vllm(cfg, adapter)
+    _check_precision(cfg, adapter)
+
+
+def _check_precision(cfg: Config, adapter: type) -> None:
+    """rollout.precision fp8 and Sol-RL's selection (rollout.fp8_select): a diffusion adapter, weights the
+    rollout can quantise once per phase, and old log-probs of the trained precision."""
+    r, a = cfg.rollout, cfg.algo
+    if r.precision == "bf16":
+        if r.fp8_select:
+            raise ConfigError("rollout.fp8_select needs rollout.precision fp8 (it selects among FP8 samples)")
+        return
+    if adapter.kind != "diffusion":
+        raise ConfigError(
+            f"rollout.precision fp8 runs diffusion adapters only; model.adapter {cfg.model.adapter!r} is an "
+            f"{adapter.kind} model"
+        )
+    if cfg.distributed.rollout_gather == "unit":
+        raise ConfigError(
+            "rollout.precision fp8 quantises the gathered weights once per rollout phase: it needs "
+            "distributed.rollout_gather phase, not unit"
+        )
+    if r.fp8_select and 2 * r.fp8_select >= r.group_size:
+        raise ConfigError(
+            f"rollout.fp8_select {r.fp8_select}: the {r.fp8_select} best and worst samples of a group must "
+            f"be fewer than rollout.group_size ({r.group_size})"
+        )
+    if not r.fp8_select and a.loss != "diffusion_nft" and a.old_logprob == "rollout":
+        raise ConfigError(
+            "algo.old_logprob rollout: with rollout.precision fp8 the rollout's log-probs are not the "
+            "trainer's; the trainer recomputes them (algo.old_logprob recompute, the default with fp8)"
+        )
 
 
 def _check_vllm(cfg: Config, adapter: type) -> None:

@@ -60,6 +60,20 @@ def device_type() -> str:
     return "npu" if torch.npu.is_available() else "cpu"
 
 
+def check_fp8_matmul(device: torch.device) -> None:
+    """rollout.precision fp8 needs FP8 matrix multiplies: NVIDIA compute capability 8.9 or newer (Ada,
+    Hopper, Blackwell), else a ConfigError naming the device. The CPU emulates them (the tests run there)."""
+    if device.type == "cpu":
+        return
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
+        return
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    raise ConfigError(
+        f"rollout.precision fp8: the device {device} ({name}) has no FP8 matrix multiplies (NVIDIA compute "
+        f"capability 8.9 or newer needed); use rollout.precision bf16"
+    )
+
+
 # Small host-side collectives (counts, metrics) run on gloo; tensors on the accelerator on nccl / hccl.
 BACKENDS = {"cuda": "cpu:gloo,cuda:nccl", "npu": "cpu:gloo,npu:hccl", "cpu": "gloo"}
 

@@ -171,11 +171,14 @@ def load_config(recipe: str, overrides: list[str]) -> Config:
 
 
 def backend_defaults(cfg: Config, given: set[str]) -> None:
-    """rollout.backend vllm: vLLM's kernels are not the trainer's, so the trainer recomputes the old
+    """rollout.backend vllm, and rollout.precision fp8 with a log-prob loss trained on the FP8 samples
+    (rollout.fp8_select 0): the rollout's kernels are not the trainer's, so the trainer recomputes the old
     log-probs (algo.old_logprob recompute) and corrects for the rollout's mismatch (algo.correction tis),
-    unless the recipe or the command line sets these (`given`: the "section.field" names they set). The
-    native backend keeps the dataclass defaults."""
-    if cfg.rollout.backend != "vllm":
+    unless the recipe or the command line sets these (`given`: the "section.field" names they set).
+    Otherwise the dataclass defaults stay."""
+    r = cfg.rollout
+    fp8 = r.precision == "fp8" and not r.fp8_select and cfg.algo.loss != "diffusion_nft"
+    if r.backend != "vllm" and not fp8:
         return
     if "algo.old_logprob" not in given:
         cfg.algo.old_logprob = "recompute"

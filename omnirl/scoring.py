@@ -2,6 +2,7 @@
 
 - `rollout_and_score`: a kind's generation with each finished batch scored in the reward pool meanwhile.
 - `collect_scores`: the reward pool's results, set on the trajectories.
+- `regenerate_selected`: Sol-RL's bf16 regeneration of the FP8 samples chosen for training.
 - `nonfinite_parts`: which tensors of a sample hold NaN or infinity (such a sample is never scored).
 - `validate`: the validation samples and their global mean reward.
 """
@@ -70,6 +71,33 @@ def collect_scores(
         stats["time/generate_s"] = generated - start
         stats["time/score_wait_s"] = time.perf_counter() - generated
     return {k: np.concatenate(v) if v else np.zeros(0) for k, v in per.items()}
+
+
+def regenerate_selected(
+    ops: Any, rewards: RewardPool, trajs: list, k: int, stats: dict[str, float]
+) -> tuple[list, dict[str, np.ndarray]]:
+    """Sol-RL's second stage (rollout.fp8_select k, an FP8 diffusion rollout: `ops` is a DiffusionOps):
+    of each group of FP8 samples `trajs`, the k best and the k worst by reward (among the scored ones; a
+    group with fewer than 2k scored samples keeps all of them) are generated again in bf16 from the same
+    requests, hence from the same seeds and noise, and scored again. Returns the regenerated trajectories
+    and their per-reward scores: what the update trains on. Writes rollout/explore_reward_mean (the FP8
+    pool's) and time/regenerate_s into `stats`."""
+    groups: dict[int, list] = {}
+    for t in trajs:
+        if math.isfinite(t.reward):
+            groups.setdefault(t.request.group_id, []).append(t)
+    chosen = []
+    for members in groups.values():
+        ranked = sorted(members, key=lambda t: t.reward)
+        chosen += ranked if len(ranked) <= 2 * k else ranked[:k] + ranked[-k:]
+    chosen.sort(key=lambda t: t.request.index)
+    scored = [t.reward for t in trajs if math.isfinite(t.reward)]
+    stats["rollout/explore_reward_mean"] = sum(scored) / len(scored) if scored else math.nan
+    again: dict[str, float] = {}
+    with ops.engine.in_bf16():
+        out = rollout_and_score(ops, rewards, [t.request for t in chosen], again)
+    stats["time/regenerate_s"] = again["time/generate_s"] + again["time/score_wait_s"]
+    return out
 
 
 def nonfinite_parts(traj) -> list[str]:

@@ -20,7 +20,7 @@ from omnirl.memory import Sleeper, module_tensors, optimizer_state, phase
 from omnirl.metrics import MetricsLogger
 from omnirl.ops import check_before_loading, shard
 from omnirl.rewards.pool import RewardPool
-from omnirl.scoring import rollout_and_score, validate
+from omnirl.scoring import regenerate_selected, rollout_and_score, validate
 from omnirl.step import assign_advantages, check_learned, per_rank, reward_stats, update
 
 
@@ -73,6 +73,9 @@ def _train(cfg: Config, dist: D.DistInfo) -> dict[str, float]:
             engine = ops.sleepable  # a rollout engine with weights of its own (vLLM): awake only for rollouts
             with phase("rollout", stats, sleeper, sleep=train_only, wake=["offload"], engine=engine):
                 trajs, per_reward = rollout_and_score(ops, rewards, requests, stats)
+                if cfg.rollout.fp8_select:  # Sol-RL: explore in FP8, train on bf16 regenerations
+                    k = cfg.rollout.fp8_select
+                    trajs, per_reward = regenerate_selected(ops, rewards, trajs, k, stats)
             keep, adv_metrics = assign_advantages(cfg, trajs)
             rollout_only = {"offload": module_tensors(ops.offload_modules() + rewards.modules())}
             with phase(

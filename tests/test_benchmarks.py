@@ -96,21 +96,27 @@ def test_two_gpu_report_of_a_gpu_run(tmp_path):
 @pytest.mark.slow
 def test_rollout_packing_cells_option(tiny_qwen_image, tmp_path):
     """--cells adds packed configurations by name; a malformed one is refused before any model loads.
-    --repeats times each cell several times and reports the median."""
+    --repeats times each cell several times and reports the median. An FP8 cell reports the trainer's
+    log-prob gap per timestep, the recompute's seconds and its images' difference from its bf16 twin's."""
     import statistics
 
     args = [
         *("--path", str(tiny_qwen_image), "--images", "3", "--serial-requests", "0", "--max-num-seqs"),
         *("--compiled-max-num-seqs", "--stock-batch", "--logprob-check", "0", "--size", "64", "--steps", "2"),
-        *("--cells", "4:split", "4:split:single", "--repeats", "3"),
+        *("--cells", "4:split", "4:split:single", "4:split:fp8", "--repeats", "3"),
     ]
     script = ["-m", "benchmarks.rollout_packing"]
     run([sys.executable, *script, *args, "--out", str(tmp_path / "cells.json")])
-    rows = json.loads((tmp_path / "cells.json").read_text())["rows"]
+    results = json.loads((tmp_path / "cells.json").read_text())
+    rows = results["rows"]
     assert [r["name"] for r in rows] == [
         "packed max_num_seqs 4, CFG 2 forwards, eager",
         "packed max_num_seqs 4, CFG 2 forwards, one bucket, eager",
+        "packed max_num_seqs 4, CFG 2 forwards, fp8, eager",
     ]
+    fp8 = results["precision"]["4:split:recipe:eager:fp8"]
+    assert fp8["recompute_s"] > 0 and fp8["logprob_gap"]["per_step"] and fp8["logprob_gap"]["max_abs"] > 0
+    assert 0 < fp8["pixels"]["mean_abs"] <= fp8["pixels"]["max_abs"] and fp8["pixels"]["psnr_db"] > 0
     for r in rows:
         assert len(r["generation_s_runs"]) == 3 and all(t > 0 for t in r["generation_s_runs"])
         assert r["generation_s"] == statistics.median(r["generation_s_runs"])

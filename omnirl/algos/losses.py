@@ -63,16 +63,18 @@ def flow_grpo_loss(
     normaliser: float,
     kl: torch.Tensor | None = None,
     kl_beta: float = 0.0,
+    is_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Flow-GRPO clipped policy loss over M rows, each one (sample, trained denoising step) pair.
 
     logprob: [M] the current policy's log-prob of the stored transition (the only input with gradient);
     old_logprob: [M] the behaviour policy's; advantages: [M] the sample's advantage; weights: [M] 1 for
     real rows, 0 for padding rows (padding rows must hold finite values: 0 * inf is NaN);
-    kl: [M] optional per-row KL to the reference policy (see `flow_kl`), with gradient.
+    kl: [M] optional per-row KL to the reference policy (see `flow_kl`), with gradient; is_weight: [M]
+    optional rollout-correction weights c_i (omnirl.algos.correction: an FP8 rollout), 1 without.
 
     r_i = exp(logprob_i - old_logprob_i), policy_i = max(-A_i r_i, -A_i clip(r_i, 1 - eps, 1 + eps)),
-    loss = (sum_i w_i policy_i + kl_beta * sum_i w_i kl_i) / normaliser,
+    loss = (sum_i w_i c_i policy_i + kl_beta * sum_i w_i kl_i) / normaliser,
     with `normaliser` the global number of real pairs of the mini-batch (see the module docstring).
 
     Metrics (sums over real rows; divide by the summed "loss/count"): loss/policy_sum, loss/ratio_sum,
@@ -87,6 +89,8 @@ def flow_grpo_loss(
     log_ratio = logprob - old_logprob.detach()
     ratio = torch.exp(log_ratio)
     policy = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_range, 1 + clip_range))  # [M]
+    if is_weight is not None:
+        policy = policy * is_weight.detach().to(policy.dtype)
     sums = {
         "loss/policy_sum": (w * policy).sum(),
         "loss/ratio_sum": (w * ratio).sum(),
@@ -123,17 +127,18 @@ def flow_dppo_loss(
     normaliser: float,
     kl: torch.Tensor | None = None,
     kl_beta: float = 0.0,
+    is_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Flow-DPPO over M rows, each one (sample, trained denoising step) pair: the ratio objective with a
     divergence mask in place of the ratio clip.
 
-    logprob, old_logprob, advantages, weights, kl: as `flow_grpo_loss`. divergence: [M] D, the exact KL
-    between the step Gaussians of the current and the behaviour policy (`flow_kl` of the two means with
-    the step's std; detached here: the mask carries no gradient); tau: its threshold.
+    logprob, old_logprob, advantages, weights, kl, is_weight: as `flow_grpo_loss`. divergence: [M] D, the
+    exact KL between the step Gaussians of the current and the behaviour policy (`flow_kl` of the two means
+    with the step's std; detached here: the mask carries no gradient); tau: its threshold.
 
     r_i = exp(logprob_i - old_logprob_i); row i is masked when it has left the trust region (D_i >= tau)
     and its ratio moved the way its advantage pushes (A_i > 0 and r_i > 1, or A_i < 0 and r_i < 1);
-    loss = (sum_i w_i where(mask_i, 0, -A_i r_i) + kl_beta * sum_i w_i kl_i) / normaliser, with
+    loss = (sum_i w_i c_i where(mask_i, 0, -A_i r_i) + kl_beta * sum_i w_i kl_i) / normaliser, with
     `normaliser` the global number of real pairs of the mini-batch. A is used as it comes (not clamped
     again).
 
@@ -156,6 +161,8 @@ def flow_dppo_loss(
     outside = d >= tau
     mask = outside & (pos | neg)  # [M]
     policy = torch.where(mask, 0.0, -adv * ratio)  # [M]
+    if is_weight is not None:
+        policy = policy * is_weight.detach().to(policy.dtype)
     real = w > 0
     sums = {
         "loss/policy_sum": (w * policy).sum(),

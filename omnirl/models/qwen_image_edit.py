@@ -101,6 +101,9 @@ class QwenImageEditAdapter(DiffusersBase):
     kind = "diffusion"  # the trainer's ops for this adapter (omnirl.ops.OPS)
     modalities = frozenset({"image"})
     pipeline_cls = QwenImageEditPipeline
+    # rollout.precision fp8 keeps these block layers in bf16: the modulation of the image and text streams,
+    # as Qwen-Image's.
+    fp8_keep_bf16 = ("img_mod.1", "txt_mod.1")
     memory_probe_rows = DECODE_ROWS  # the decode's chunk (qwen_image.decode)
     Settings = QwenImageEditSettings
     # sampling.height / width must be multiples of this (checked when the recipe loads): the VAE's 8x

@@ -45,6 +45,9 @@ class SD3Adapter(DiffusersBase):
     kind = "diffusion"  # the trainer's ops for this adapter (omnirl.ops.OPS)
     modalities = frozenset({"image", "latent"})
     pipeline_cls = StableDiffusion3Pipeline
+    # rollout.precision fp8 keeps these block layers in bf16: the AdaLN modulation of the image and text
+    # streams (AdaLayerNormZero; the last block's text stream: AdaLayerNormContinuous).
+    fp8_keep_bf16 = ("norm1.linear", "norm1_context.linear")
     memory_probe_rows = 1  # nothing runs in chunks: the whole batch decodes at once
     Settings = SD3Settings
     # sampling.height / width must be multiples of this (checked when the recipe loads): the VAE's 8x

@@ -147,6 +147,9 @@ class WanAdapter(DiffusersBase):
     kind = "diffusion"
     modalities = frozenset({"video"})
     pipeline_cls = WanPipeline
+    # rollout.precision fp8 keeps these block layers in bf16: none. A Wan block modulates with a learned
+    # table (scale_shift_table) and the time embedding made outside the blocks, not with a linear layer.
+    fp8_keep_bf16 = ()
     Settings = WanSettings
     # sampling.height / width must be multiples of this (checked when the recipe loads): an 8x VAE times the
     # 2x2 patches; the rollout checks the checkpoint's own multiple (32 for TI2V-5B's 16x VAE).

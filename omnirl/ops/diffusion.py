@@ -12,6 +12,13 @@
   optional KL term to the reference policy (the LoRA off, or a full fine-tune's frozen copy).
 - Every update measures the trainer-vs-rollout log-prob gap per trained timestep index (mean and max over
   the first mini-batch, whose forwards run the policy the rollout sampled from: no extra forward).
+- rollout.precision fp8: the rollout runs the blocks' linear layers in FP8 (`omnirl.rollout.fp8`), the
+  trainer in the policy's precision. The behaviour policy is then the FP8 one: the trainer recomputes the
+  old log-probs in its own precision (algo.old_logprob recompute, enforced when the recipe loads) and the
+  loss weights each row by the truncated (tis) or masked (mis) ratio of the recomputed to the rollout's
+  probability (`omnirl.algos.correction`; correction_level token: per trained step, sequence: per sample,
+  the product over its trained steps). The logged per-timestep gap is then the FP8-vs-trainer gap. Sol-RL
+  (rollout.fp8_select) trains on bf16 regenerations instead (`regenerate_selected`): nothing to correct.
 
 DiffusionNFT trains on other rows (a clean sample, a time, a noise: no transitions) and has its own update
 half, `omnirl.ops.nft.NFTOps`, which reuses this rollout half.
@@ -30,6 +37,7 @@ import torch
 from torch import nn
 
 from omnirl import distributed as D
+from omnirl.algos.correction import correction_weights
 from omnirl.algos.losses import flow_kl, get_loss
 from omnirl.batching import equalise, global_positions, make_requests
 from omnirl.config import Config
@@ -79,6 +87,7 @@ class Pair:
     old: float | None = None  # behaviour log-prob recomputed by the trainer (old_logprob: recompute)
     position: float = 0.0  # its place in the step's shuffle of all ranks' rows (batching.global_positions)
     old_mean: torch.Tensor | None = None  # [*latent] and its step mean (flow_dppo with recompute)
+    is_weight: float = 1.0  # the rollout correction's weight (rollout.precision fp8 with algo.correction)
 
 
 def pair_logprob(
@@ -126,7 +135,16 @@ class DiffusionOps:
             r.compile,
             per_unit=cfg.distributed.rollout_gather == "unit",
             memory_budget=r.memory_budget_gib * 2**30,
+            precision=r.precision,
         )
+        a = cfg.algo
+        # Only an FP8 rollout trained on its own samples has a behaviour policy other than the trainer's.
+        self.correct = r.precision == "fp8" and not r.fp8_select and a.correction != "none"
+        if a.correction != "none" and not self.correct and a.loss != "diffusion_nft":
+            D.print0(
+                f"warning: algo.correction {a.correction!r} is ignored: a diffusion rollout samples with the "
+                "trainer's weights in its precision unless rollout.precision is fp8 (and fp8_select 0)"
+            )
         self._gap = self._no_gap()
         self._shown: list[Request] = []  # this step's requests whose samples are logged, to decode
 
@@ -136,7 +154,9 @@ class DiffusionOps:
         what the recipe's values are checked for when it loads (`config_checks.check_values`)."""
 
     def offload_modules(self) -> list[nn.Module]:
-        return self.adapter.offload_modules()
+        """The adapter's rollout-only modules, and an FP8 rollout's FP8 weights."""
+        fp8 = self.engine.fp8.modules() if self.engine.fp8 is not None else []
+        return self.adapter.offload_modules() + fp8
 
     def prompt_problem(self, row: PromptRow) -> str | None:
         return self.adapter.prompt_problem(row)
@@ -195,7 +215,27 @@ class DiffusionOps:
             means = out.mean.cpu() if self.dppo else [None] * len(mb)  # [M, *latent]: one copy
             for p, v, mean in zip(mb, out.logprob.tolist(), means):
                 p.old, p.old_mean = v, mean
-        return {}
+        return self._correct(pairs) if self.correct else {}
+
+    def _correct(self, pairs: list[Pair]) -> dict[str, float]:
+        """Set each row's `is_weight` from its recomputed and its rollout log-prob; returns the
+        correction's metric sums. Rows are laid out [samples, trained steps] for the sequence level."""
+        a = self.cfg.algo
+        trajs = list({id(p.traj): p.traj for p in pairs}.values())
+        row = {id(t): i for i, t in enumerate(trajs)}
+        k_steps = len(pairs[0].traj.logprobs) if pairs else 1
+        old = torch.zeros(len(trajs), k_steps, dtype=torch.float64)  # [B, K]
+        rollout = torch.zeros_like(old)
+        mask = torch.zeros_like(old, dtype=torch.bool)
+        for p in pairs:
+            i = row[id(p.traj)]
+            old[i, p.k], rollout[i, p.k], mask[i, p.k] = p.old, float(p.traj.logprobs[p.k]), True
+        weights, sums = correction_weights(
+            old, rollout, mask, a.correction, a.correction_level, a.correction_threshold
+        )
+        for p in pairs:
+            p.is_weight = weights[row[id(p.traj)], p.k].item()
+        return sums
 
     def count(self, pairs: list[Pair]) -> float:
         return float(len(pairs))
@@ -213,6 +253,7 @@ class DiffusionOps:
         )
         adv = torch.tensor([p.traj.advantage for p in mb], device=device)
         w = torch.tensor([p.weight for p in mb], device=device)
+        is_weight = torch.tensor([p.is_weight for p in mb], device=device) if self.correct else None
         if measure:
             steps = torch.stack([p.traj.step_indices[p.k] for p in mb]).to(device)
             self._measure_gap(out.logprob.detach(), rollout, steps, w)
@@ -224,9 +265,28 @@ class DiffusionOps:
         if self.dppo:
             divergence = flow_kl(out.mean, self._old_means(mb, out.mean), out.std)  # the exact KL
             return self.loss_fn(
-                out.logprob, old, adv, w, divergence, a.dppo_tau, normaliser, kl=kl, kl_beta=a.kl_beta
+                out.logprob,
+                old,
+                adv,
+                w,
+                divergence,
+                a.dppo_tau,
+                normaliser,
+                kl=kl,
+                kl_beta=a.kl_beta,
+                is_weight=is_weight,
             )
-        return self.loss_fn(out.logprob, old, adv, w, a.clip_range, normaliser, kl=kl, kl_beta=a.kl_beta)
+        return self.loss_fn(
+            out.logprob,
+            old,
+            adv,
+            w,
+            a.clip_range,
+            normaliser,
+            kl=kl,
+            kl_beta=a.kl_beta,
+            is_weight=is_weight,
+        )
 
     @staticmethod
     def _old_means(mb: list[Pair], mean: torch.Tensor) -> torch.Tensor:

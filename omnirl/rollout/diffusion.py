@@ -32,6 +32,9 @@ largest value that fits (from k rows up the line meets the peaks at multiples of
 them by less than one chunk's step; below k it errs high); so does a probe that runs out of device
 memory.
 
+`precision` fp8 runs the blocks' linear layers in FP8 (`omnirl.rollout.fp8`), quantised from the policy's
+weights when a rollout starts; `in_bf16` runs a call in the policy's own precision.
+
 `compile` compiles the transformer's repeated blocks (`adapter.fsdp_units()`) for the rollout only: each
 block's `forward` is swapped for its compiled version while `generate` runs and restored after
 (`omnirl.rollout.compiled`), so the trainer's forward/backward stays eager. We do not call diffusers'
@@ -56,6 +59,7 @@ from omnirl import distributed as D
 from omnirl.memory import GIB, empty_cache, free_bytes, peak_bytes
 from omnirl.models.base import DiffusionAdapter, Request, Trajectory
 from omnirl.rollout.compiled import Compiled, compile_forwards, swapped
+from omnirl.rollout.fp8 import Fp8Rollout
 from omnirl.rollout.packer import RequestPacker
 
 
@@ -81,6 +85,7 @@ class DiffusionEngine:
         compile: bool = False,
         per_unit: bool = False,
         memory_budget: float = 0.0,
+        precision: str = "bf16",
     ):
         self.adapter = adapter
         self.per_unit = per_unit
@@ -95,6 +100,11 @@ class DiffusionEngine:
         self.compiled: Compiled = []
         if compile:
             self.compiled = compile_forwards(adapter.fsdp_units())
+        self.fp8: Fp8Rollout | None = None
+        if precision == "fp8":
+            D.check_fp8_matmul(adapter.device)
+            self.fp8 = Fp8Rollout(adapter.fsdp_units(), adapter.fp8_keep_bf16)
+        self.use_fp8 = self.fp8 is not None  # `in_bf16` turns it off for a call
 
     def tokens(self, request: Request) -> int:
         """Transformer tokens of a request in one forward: its CFG row counts too when fused."""
@@ -112,10 +122,25 @@ class DiffusionEngine:
         return [self._dummy(batch[0])] * (bucket_size(len(batch), capacity) - len(batch))
 
     @contextlib.contextmanager
+    def in_bf16(self):
+        """Run the rollouts inside in the policy's own precision, also in an FP8 engine (validation, and
+        Sol-RL's regeneration of the samples it trains on)."""
+        use, self.use_fp8 = self.use_fp8, False
+        try:
+            yield
+        finally:
+            self.use_fp8 = use
+
+    @contextlib.contextmanager
     def _running(self):
         """What a rollout runs under: the compiled blocks swapped in, the weights gathered as
-        distributed.rollout_gather says."""
-        with swapped(self.compiled), D.gathered_weights(self.adapter.policy, per_unit=self.per_unit):
+        distributed.rollout_gather says, and (rollout.precision fp8) the blocks' FP8 layers, quantised from
+        the gathered weights."""
+        with (
+            swapped(self.compiled),
+            D.gathered_weights(self.adapter.policy, per_unit=self.per_unit),
+            self.fp8.swapped() if self.use_fp8 else contextlib.nullcontext(),
+        ):
             yield
 
     def _plan(self, requests: list[Request]):

@@ -1,0 +1,158 @@
+"""FP8 rollout (rollout.precision fp8): the transformer blocks' linear layers in float8 while it runs.
+
+While the rollout runs, every `nn.Linear` inside the transformer's repeated blocks (`fsdp_units`) is
+replaced by a `Float8Linear` that holds its weight in float8 e4m3 with one scale per output row, and
+multiplies it with the activations quantised on the fly, one scale per row (token), through torch's own
+scaled matmul (`torch._scaled_mm`: cuBLASLt's row-wise FP8 GEMM on Hopper, emulated on CPU). Everything
+else stays as it is: the embedders, the final norm and projection, attention itself, the norms, the VAE,
+and inside the blocks the layers the family names in `fp8_keep_bf16` (the AdaLN modulation, which
+quantising wrecks image quality for Qwen-Image and FLUX-like models), the LoRA branches (a LoRA layer's
+`base_layer` runs FP8, its A and B matrices stay bf16), and any layer whose input or output width is not a
+multiple of 16 (the GEMM's constraint on Hopper). Leaving the rollout puts the original layers back, so
+the trainer's forward and backward never see FP8.
+
+Weights are quantised from the policy's current ones when the rollout starts (inside the gathered weights
+of an FSDP run), a trainable weight at every rollout phase, a frozen one (a LoRA run's base) once per run:
+its FP8 copy is kept, and sleeps with the other rollout-only tensors during training (a trainable
+weight's copy is dropped when the rollout ends).
+
+The quantisation is a few tensor operations that `generation.compile`'s inductor fuses into the kernels
+around the GEMM (FP8 pays only compiled). All blocks of a class share one compiled code: the FP8 weights
+are buffers of the replacing modules, which dynamo lifts to graph inputs as it does parameters.
+
+Why not torchao's float8 config: it refuses devices without CUDA FP8 (0.18 asserts compute capability
+8.9, MI300 or XPU), so the tests could not run the code the GPU runs, and it converts the weights in
+place, where the trainer needs its bf16 weights untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+# The smallest scale: an all-zero row (a padding row) quantises to zeros instead of dividing by zero.
+MIN_AMAX = 1e-12
+
+
+def quantise_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K] float8 e4m3, scale [M, 1] float32) with x ~= q * scale: each row scaled so
+    that its largest magnitude maps to the format's largest value (448), then rounded to nearest."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=MIN_AMAX)  # [M, 1]
+    scale = amax / FP8_MAX
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def dequantise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 values q * scale of `quantise_rows`' output."""
+    return q.float() * scale
+
+
+def fp8_linear(
+    x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [..., K] @ W.T + b with W [N, K] given as float8 rows `weight_q` and their scales `weight_scale`
+    [1, N]; x quantised per row here. The result in x's dtype, [..., N]."""
+    shape = x.shape
+    q, scale = quantise_rows(x.reshape(-1, shape[-1]))  # [M, K], [M, 1]
+    # mat2 column-major ([N, K] row-major, transposed), as the FP8 GEMM requires.
+    y = torch._scaled_mm(
+        q,
+        weight_q.t(),
+        scale_a=scale,
+        scale_b=weight_scale,
+        bias=None if bias is None else bias.to(x.dtype),
+        out_dtype=x.dtype,
+    )
+    return y.reshape(*shape[:-1], weight_q.shape[0])
+
+
+class Float8Linear(nn.Module):
+    """Stands in for one `nn.Linear` during an FP8 rollout: its weight as float8 rows with per-row scales
+    (buffers, quantised by `load`), its bias as it is."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight_q", None, persistent=False)  # [N, K] float8 e4m3
+        self.register_buffer("weight_scale", None, persistent=False)  # [1, N] float32
+        self.register_buffer("bias", None, persistent=False)  # [N], the layer's own bias tensor
+        self.loaded = False
+
+    @torch.no_grad()
+    def load(self, linear: nn.Linear) -> None:
+        """Quantise `linear`'s current weight (the gathered one under FSDP) and take its bias."""
+        q, scale = quantise_rows(linear.weight.detach())
+        self.weight_q, self.weight_scale = q, scale.reshape(1, -1)
+        # A copy: under FSDP2 the gathered bias's storage is freed when the weights are resharded.
+        self.bias = None if linear.bias is None else linear.bias.detach().clone()
+        self.loaded = True
+
+    def unload(self) -> None:
+        self.weight_q = self.weight_scale = self.bias = None
+        self.loaded = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight_q, self.weight_scale, self.bias)
+
+
+def fp8_layers(blocks: list[nn.Module], keep_bf16: tuple[str, ...]) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute name, layer) of every linear layer an FP8 rollout runs in FP8: each `nn.Linear`
+    inside `blocks` except those whose name within its block is in `keep_bf16` (a peft LoRA layer's
+    `base_layer` goes by the name of the layer it wraps), a LoRA's own A and B matrices, and those whose
+    widths are not multiples of 16."""
+    from peft.tuners.lora import LoraLayer
+
+    lora_branches = {
+        id(m)
+        for block in blocks
+        for layer in block.modules()
+        if isinstance(layer, LoraLayer)
+        for attr in LoraLayer.adapter_layer_names
+        for m in getattr(layer, attr).modules()
+    }
+    out = []
+    for block in blocks:
+        for parent_name, parent in block.named_modules():
+            for attr, child in parent.named_children():
+                name = f"{parent_name}.{attr}" if parent_name else attr
+                if (
+                    isinstance(child, nn.Linear)
+                    and id(child) not in lora_branches
+                    and name.removesuffix(".base_layer") not in keep_bf16
+                    and child.in_features % 16 == 0
+                    and child.out_features % 16 == 0
+                ):
+                    out.append((parent, attr, child))
+    return out
+
+
+class Fp8Rollout:
+    """The FP8 layers of a policy's blocks and their FP8 stand-ins, swapped in by `swapped`."""
+
+    def __init__(self, blocks: list[nn.Module], keep_bf16: tuple[str, ...]):
+        self.layers = fp8_layers(blocks, keep_bf16)
+        self.stand_ins = [Float8Linear(linear) for _, _, linear in self.layers]
+
+    def modules(self) -> list[nn.Module]:
+        """The stand-ins: what only the rollout needs (their FP8 weights sleep during training)."""
+        return list(self.stand_ins)
+
+    @contextlib.contextmanager
+    def swapped(self):
+        """Quantise what needs it (a trainable weight every time, a frozen one the first time) and run with
+        the stand-ins in place of the layers; the layers are put back on exit."""
+        for (parent, attr, linear), stand_in in zip(self.layers, self.stand_ins):
+            if linear.weight.requires_grad or not stand_in.loaded:
+                stand_in.load(linear)
+            setattr(parent, attr, stand_in)
+        try:
+            yield
+        finally:
+            for (parent, attr, linear), stand_in in zip(self.layers, self.stand_ins):
+                setattr(parent, attr, linear)
+                if linear.weight.requires_grad:  # quantised again next time: not held through training
+                    stand_in.unload()
