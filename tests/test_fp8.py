@@ -12,18 +12,19 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from omnirl import distributed as D
+from omnirl.batching import make_requests
 from omnirl.config import ConfigError
 from omnirl.data.prompts import load_prompts
 from omnirl.models import get_adapter
 from omnirl.models.base import SamplingParams
-from omnirl.scoring import regenerate_selected, rollout_and_score
 from omnirl.ops.diffusion import DiffusionOps
 from omnirl.recipe import load_config
 from omnirl.rewards.pool import RewardPool
 from omnirl.rollout import compiled as rollout_compiled
 from omnirl.rollout.diffusion import DiffusionEngine
 from omnirl.rollout.fp8 import FP8_MAX, Float8Linear, Fp8Rollout, dequantise, fp8_linear, quantise_rows
-from omnirl.step import assign_advantages, make_requests, update
+from omnirl.scoring import regenerate_selected, rollout_and_score
+from omnirl.step import assign_advantages, update
 from tests.support_compare import tiny_config
 from tests.test_engine import make_requests as engine_requests
 from tests.test_engine import max_diffs, run

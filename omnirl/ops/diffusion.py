@@ -150,8 +150,11 @@ class DiffusionOps:
 
     @staticmethod
     def check_config(cfg: Config) -> None:
-        """Settings this kind cannot run, found before the model loads: none beyond the loss's kind and
-        what the recipe's values are checked for when it loads (`config_checks.check_values`)."""
+        """Settings this kind cannot run, found before the model loads, beyond the loss's kind and what the
+        recipe's values are checked for when it loads (`config_checks.check_values`): an FP8 rollout on a
+        device without FP8 matrix multiplies."""
+        if cfg.rollout.precision == "fp8":
+            D.check_fp8_matmul(D.local_device())
 
     def offload_modules(self) -> list[nn.Module]:
         """The adapter's rollout-only modules, and an FP8 rollout's FP8 weights."""
