@@ -355,9 +355,9 @@ class DiffusionAdapter(Protocol):
     # fixed chunks (a VAE decode of N videos at a time: N), else 1. The engine measures a batch's cost at
     # this many rows and twice as many, since a chunked phase's peak stops growing once a chunk is full.
     memory_probe_rows: int
-    # A class attribute: the linear layers of a block (`fsdp_units`), by their names within it, that an FP8
-    # rollout keeps in bf16 (rollout.precision fp8: omnirl.rollout.fp8); the AdaLN modulation.
-    fp8_keep_bf16: tuple[str, ...]
+    # The linear layers of a block (`fsdp_units`), by their names within it, that an FP8 rollout keeps in
+    # bf16 (rollout.precision fp8: omnirl.rollout.fp8): the AdaLN modulation.
+    fp8_keep_bf16: ClassVar[tuple[str, ...]]
 
     @property
     def policy(self) -> nn.Module:
