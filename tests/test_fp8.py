@@ -93,6 +93,7 @@ KEPT_BF16 = {
 }
 
 
+@pytest.mark.slow  # tiny models and their rollouts: more than a few seconds on 2 cores
 @pytest.mark.parametrize(
     "family,fixture",
     [
@@ -144,6 +145,7 @@ def sd3(tiny_sd3):
     return get_adapter("sd3")(tiny_config("sd3", tiny_sd3), torch.device("cpu"))
 
 
+@pytest.mark.slow  # tiny models and their rollouts: more than a few seconds on 2 cores
 def test_fp8_rollout_is_close_to_bf16_and_leaves_the_policy_alone(sd3):
     """The FP8 rollout's samples are near the policy's own (same seeds) but not equal to them; the policy's
     weights are untouched; a LoRA run's frozen base is quantised once per run, its trainable layers (here
@@ -182,6 +184,7 @@ def test_fp8_rollout_is_close_to_bf16_and_leaves_the_policy_alone(sd3):
         layer.weight.requires_grad_(False)
 
 
+@pytest.mark.slow  # tiny models and their rollouts: more than a few seconds on 2 cores
 def test_fp8_rollout_compiles_one_code_for_all_blocks(sd3, monkeypatch):
     """Compiled (dynamo's decisions, the 'eager' backend as in test_engine), the FP8 stand-ins compile
     once per block variant, not once per block, and a second rollout (the stand-ins loaded again) does not
@@ -230,6 +233,7 @@ def test_fp8_recomputes_old_logprobs_and_refuses_the_rollouts(tiny_sd3, tmp_path
             tiny_cfg(tiny_sd3, tmp_path, *args)
 
 
+@pytest.mark.slow  # tiny models and their rollouts: more than a few seconds on 2 cores
 @pytest.mark.parametrize("precision,level", [("fp8", "token"), ("fp8", "sequence"), ("bf16", "token")])
 def test_correction_weights_apply_where_and_only_where_fp8_is_on(tiny_sd3, tmp_path, precision, level):
     """An update after an FP8 rollout recomputes the old log-probs in the trainer's precision and passes
@@ -290,6 +294,7 @@ def test_correction_weights_apply_where_and_only_where_fp8_is_on(tiny_sd3, tmp_p
     assert logs["correction/clip_frac"] > 0 and logs["correction/weight_mean"] < 1.00002
 
 
+@pytest.mark.slow  # tiny models and their rollouts: more than a few seconds on 2 cores
 def test_sol_rl_regenerates_the_best_and_worst_in_bf16_from_the_same_seeds(tiny_sd3, tmp_path):
     """Sol-RL: of each FP8 group the best and the worst sample are generated again in the policy's
     precision from the same requests: equal to a bf16 rollout of those requests, unlike the FP8 ones."""
