@@ -310,3 +310,29 @@ def test_tiny_pickscore_recipe_runs_under_torchrun(tiny_sd3, tmp_path):
     assert all(m["train/updates"] == 1 for m in metrics)
     assert all(-1 < m["reward/mean"] < 1 and m["reward/std"] > 0 for m in metrics)
     assert metrics[-1]["mem/train_sleep_gib"] > 0  # the text encoders, the VAE and PickScore's CLIP
+
+
+@pytest.mark.slow
+def test_tiny_dinalrm_scores_the_same_with_the_frozen_base_sharded_or_offloaded(
+    tiny_sd3, tiny_dina, tmp_path
+):
+    """The in-process reward on 2 ranks with the frozen base replicated, sharded with one unit gathered per
+    forward (the reward's chunks padded to the same count on both ranks, the root's embedders gathered for
+    it) and offloaded: the same samples, the same rewards (2 steps, to 1e-6)."""
+    from tests.test_train import ROOT, read_jsonl, torchrun
+
+    rewards = {}
+    placements = {
+        "replicate": [],
+        "shard_unit": ["--distributed.frozen_base", "shard", "--distributed.rollout_gather", "unit"],
+        "offload": ["--distributed.frozen_base", "offload"],
+    }
+    for name, placement in placements.items():
+        out = tmp_path / name
+        torchrun(2, ROOT / "yaml/sd3_tiny_flowgrpo_dinalrm.yaml", "--model.path", str(tiny_sd3),
+                 "--reward.paths.dina_lrm", str(tiny_dina), "--run.output_dir", str(out), "--run.steps", "2",
+                 *placement, timeout=900)  # fmt: skip
+        rewards[name] = [m["reward/mean"] for m in read_jsonl(out / "metrics.jsonl")]
+    assert len(rewards["replicate"]) == 2
+    for name in ("shard_unit", "offload"):
+        assert rewards[name] == pytest.approx(rewards["replicate"], abs=1e-6), (name, rewards)
