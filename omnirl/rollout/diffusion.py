@@ -139,7 +139,7 @@ class DiffusionEngine:
         with (
             swapped(self.compiled),
             D.gathered_weights(self.adapter.policy, per_unit=self.per_unit),
-            self.fp8.swapped() if self.use_fp8 else contextlib.nullcontext(),
+            self.fp8.swapped() if self.fp8 is not None and self.use_fp8 else contextlib.nullcontext(),
         ):
             yield
 
