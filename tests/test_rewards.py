@@ -251,21 +251,10 @@ def test_video_rewards_on_known_videos():
 def test_clip_video_reward_averages_frames(tmp_path):
     """A tiny random CLIP of the real classes, saved and loaded from its local path: the score is the mean
     over frames of the per-frame cosine similarity, computed here frame by frame."""
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
-
-    from omnirl.models.tiny import _clip_tokenizer
+    from omnirl.models.tiny import make_tiny_pickscore
     from omnirl.rewards.clip_video import ClipVideoAlignment
 
-    tok = _clip_tokenizer()
-    torch.manual_seed(0)
-    text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, max_position_embeddings=77, bos_token_id=tok.bos_token_id,
-                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  image_size=32, patch_size=8)  # fmt: skip
-    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).save_pretrained(tmp_path)
-    images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    CLIPProcessor(image_processor=images, tokenizer=tok).save_pretrained(tmp_path)
+    make_tiny_pickscore(tmp_path)  # a tiny random CLIPModel + CLIPProcessor, as a CLIP checkpoint is laid out
     with pytest.raises(ConfigError, match="reward.paths.clip_video"):
         ClipVideoAlignment()
     reward = ClipVideoAlignment(str(tmp_path))
