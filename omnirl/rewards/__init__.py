@@ -51,6 +51,7 @@ REWARDS = {
     "video_temporal_smoothness": "omnirl.rewards.video:VideoTemporalSmoothness",
     "pickscore": "omnirl.rewards.pickscore:PickScore",
     "dina_lrm": "omnirl.rewards.dina_lrm:DinaLRM",
+    "audio_loudness": "omnirl.rewards.audio:AudioLoudness",
 }
 
 
