@@ -10,7 +10,7 @@ from PIL import Image, ImageDraw, ImageFont
 from omnirl.config import ConfigError
 from omnirl.data.prompts import DataError
 from omnirl.models.base import MODALITIES, Output
-from omnirl.rewards import REWARDS, check_modalities, get_reward, reward_inputs, to_pil
+from omnirl.rewards import LOCAL_CHECKPOINTS, REWARDS, check_modalities, get_reward, reward_inputs, to_pil
 from omnirl.rewards.jpeg import JpegCompressibility, JpegIncompressibility, jpeg_kb
 from omnirl.rewards.ocr import OcrReward, ocr_score, target_text
 from omnirl.rewards.pool import RewardError, RewardPool
@@ -35,12 +35,7 @@ def render(text):
 
 def test_registry_resolves_every_name_and_rejects_unknown():
     for name in REWARDS:
-        if name not in (
-            "clip_video",
-            "hpsv3",
-            "pickscore",
-            "dina_lrm",
-        ):  # built with its local checkpoint (test_clip_video_reward_averages_frames, test_latent_rewards)
+        if name not in LOCAL_CHECKPOINTS:  # those are built with their checkpoint, in their own tests
             assert callable(get_reward(name)())
         assert get_reward(name).modality in (*MODALITIES, None), name  # None: reads no output
     with pytest.raises(ValueError, match="unknown reward 'clip'; known: .*jpeg_compressibility"):

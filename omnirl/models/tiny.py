@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from omnirl.models.tiny_omni import make_tiny_qwen3_omni, make_tiny_qwen_vl
+from omnirl.models.tiny_rewards import make_tiny_clap
 
 
 def tiny_t5_config(tokenizer) -> dict:
@@ -471,4 +472,5 @@ TINY_MODELS = {
     "qwen3_omni_k12": _make_tiny_qwen3_omni_k12,
     "pickscore": make_tiny_pickscore,
     "dina_lrm": make_tiny_dina_lrm,
+    "clap": make_tiny_clap,
 }

@@ -52,6 +52,7 @@ REWARDS = {
     "pickscore": "omnirl.rewards.pickscore:PickScore",
     "dina_lrm": "omnirl.rewards.dina_lrm:DinaLRM",
     "audio_loudness": "omnirl.rewards.audio:AudioLoudness",
+    "clap": "omnirl.rewards.clap:ClapAlignment",
 }
 
 
@@ -98,6 +99,7 @@ LOCAL_CHECKPOINTS = {
     "clip_video": LocalCheckpoint("clip", (_WEIGHTS, _PROCESSOR, _TOKENIZER)),
     "hpsv3": LocalCheckpoint("qwen2_vl", (("HPSv3.safetensors",), _WEIGHTS, _PROCESSOR, _TOKENIZER)),
     "pickscore": LocalCheckpoint("clip", (_WEIGHTS, _PROCESSOR, _TOKENIZER)),
+    "clap": LocalCheckpoint("clap", (_WEIGHTS, _PROCESSOR, _TOKENIZER)),
     # DiNa-LRM's config.json is its training config, not a transformers one.
     "dina_lrm": LocalCheckpoint(
         None,

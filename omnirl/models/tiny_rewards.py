@@ -1,0 +1,47 @@
+"""Tiny random-init versions of the audio rewards' models, in the layouts their `reward.paths` name.
+
+Like the tiny families (`omnirl.models.tiny`): the real classes, a few layers of width 16-32, tokenizers
+built in memory, seeded weights, saved as a user's checkpoint is laid out and loaded back by the same code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def _roberta_tokenizer():
+    """A byte-level RoBERTa BPE with no merges (one token per byte-level character), CLAP's text tokenizer
+    class: the five special tokens first, as RoBERTa numbers them."""
+    from tokenizers import pre_tokenizers
+    from transformers import RobertaTokenizer
+
+    vocab = {t: i for i, t in enumerate(["<s>", "<pad>", "</s>", "<unk>", "<mask>"])}
+    vocab.update({c: len(vocab) + i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))})
+    return RobertaTokenizer(vocab=vocab, merges=[], model_max_length=77)
+
+
+def make_tiny_clap(out_dir: str | Path) -> Path:
+    """A tiny random CLAP in the layout `reward.paths.clap` names (laion/larger_clap_general's): a
+    `ClapModel` (HTSAT audio tower of two stages, RoBERTa text tower of 2 layers, width 32) with its
+    `ClapProcessor`, whose feature extractor takes 1 s of 16 kHz audio as 16 mel bins (the real one: 10 s at
+    48 kHz, 64 bins)."""
+    from transformers import ClapConfig, ClapFeatureExtractor, ClapModel, ClapProcessor
+
+    out_dir = Path(out_dir)
+    tok = _roberta_tokenizer()
+    torch.manual_seed(0)
+    text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=2, max_position_embeddings=80, pad_token_id=tok.pad_token_id,
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)  # fmt: skip
+    audio = dict(spec_size=64, num_mel_bins=16, window_size=8, patch_size=4, patch_stride=(4, 4),
+                 depths=[1, 1], num_attention_heads=[2, 2], patch_embeds_hidden_size=16,
+                 hidden_size=32)  # fmt: skip
+    ClapModel(ClapConfig(text_config=text, audio_config=audio, projection_dim=16)).save_pretrained(out_dir)
+    features = ClapFeatureExtractor(
+        feature_size=16, sampling_rate=16000, hop_length=160, max_length_s=1, fft_window_size=400,
+        frequency_max=8000, truncation="rand_trunc",
+    )  # fmt: skip
+    ClapProcessor(feature_extractor=features, tokenizer=tok).save_pretrained(out_dir)
+    return out_dir
