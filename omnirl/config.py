@@ -85,8 +85,10 @@ class SamplingConfig:
     """[lo, hi): the steps a window of W > 0 may cover. Its start is drawn per request, uniformly from
     lo .. hi - W, so the window stays inside the range (flow_grpo's and VeRL-Omni's draw): [0, 5) with
     W = 2 trains two consecutive steps among 0-4. Needs lo + W <= hi <= num_steps."""
-    sde_window_schedule: Literal["random", "sliding"] = "random"
-    """Where a step's windows lie: 'random' draws each request's start in sde_window_range; 'sliding'
+    sde_window_schedule: Literal["random", "sliding", "subset"] = "random"
+    """Where a step's windows lie: 'random' draws each request's start in sde_window_range; 'subset' draws
+    each request's sde_window_size trained steps without replacement from sde_window_range, not contiguous,
+    and takes the ODE step elsewhere (VeRL-Omni's LTX-2 Flow-GRPO: 3 of the first 10 steps); 'sliding'
     (MixGRPO's progressive strategy) places one window for every request of a step, at lo first, moving it
     by sde_window_stride steps every sde_window_shift_interval RL steps; at the end of the range it shrinks
     to the steps left (W, ..., 2, 1), and once its start would reach hi it goes back to lo (the reference

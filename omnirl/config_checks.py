@@ -285,8 +285,10 @@ def _check_sampling(s: SamplingConfig, adapter: type, name: str, loss: str) -> N
         window(s.num_steps, s.sde_window_size, tuple(s.sde_window_range))
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if s.sde_window_schedule == "sliding" and s.sde_window_size == 0:
-        raise ConfigError("sampling.sde_window_schedule sliding needs sampling.sde_window_size > 0")
+    if s.sde_window_schedule in ("sliding", "subset") and s.sde_window_size == 0:
+        raise ConfigError(
+            f"sampling.sde_window_schedule {s.sde_window_schedule} needs sampling.sde_window_size > 0"
+        )
     if s.sde_window_random and s.sde_window_size and hi > s.num_steps - 1:
         raise ConfigError(
             f"sampling.sde_window_range {[lo, hi]} with sde_window_random: the last step ({s.num_steps - 1}) "

@@ -66,6 +66,15 @@ def tiny_qwen3_omni_k12(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_ltx2(tmp_path_factory) -> Path:
+    """The tiny random-init LTX-2.3 (video + audio; real diffusers/transformers classes), built once."""
+    from omnirl.models.tiny_ltx2 import make_tiny_ltx2
+
+    torch.set_num_threads(2)  # the CI machine has 2 cores, shared
+    return make_tiny_ltx2(tmp_path_factory.mktemp("tiny") / "ltx2")
+
+
+@pytest.fixture(scope="session")
 def tiny_wan_ti2v(tmp_path_factory) -> Path:
     """The tiny random-init Wan2.2 in the TI2V-5B layout (one transformer, expand_timesteps), built once."""
     from omnirl.models.tiny import make_tiny_wan

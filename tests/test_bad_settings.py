@@ -20,13 +20,17 @@ RECIPES = {
     "qwen_image": "qwen_image_tiny_flowgrpo",
     "qwen_image_edit": "qwen_image_edit_tiny_flowgrpo",
     "wan": "wan22_a14b_tiny_flowgrpo_lora",
+    "ltx2": "ltx23_tiny_t2av_flowgrpo",
     "qwen3_omni_thinker": "mmk12_tiny",
 }
 NUMBERS = (int, float, float | None, list[int])
-# (adapter, field, value) -> why a run can use that value; such a case is left out below. None today: each
+# (adapter, field, value) -> why a run can use that value; such a case is left out below. Otherwise each
 # family number is a count (frames, rows, tokens, pixels), a frame rate, a shift or a guidance scale, none
 # of which may be 0 or negative. NaN is never a value.
-LEGITIMATE: dict[tuple[str, str, str], str] = {}
+LEGITIMATE: dict[tuple[str, str, str], str] = {
+    ("ltx2", "guidance_rescale", "0"): "0 turns the rescale off (LTX2Pipeline's guidance_rescale 0)",
+    ("ltx2", "audio_guidance_rescale", "0"): "0 turns the audio stream's rescale off",
+}
 
 
 def numeric_fields(adapter: str) -> list[str]:

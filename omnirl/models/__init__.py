@@ -14,6 +14,7 @@ ADAPTERS = {
     "qwen_vl": "omnirl.models.qwen_vl:QwenVLAdapter",
     "qwen_image_edit": "omnirl.models.qwen_image_edit:QwenImageEditAdapter",
     "wan": "omnirl.models.wan:WanAdapter",
+    "ltx2": "omnirl.models.ltx2:LTX2Adapter",
 }
 
 

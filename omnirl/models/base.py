@@ -24,6 +24,7 @@ from torch import nn
 
 if TYPE_CHECKING:  # omnirl.data.prompts imports this module
     from omnirl.data.prompts import PromptRow
+    from omnirl.models.flow_sde import Pool
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class SamplingParams:
     lora: str = "policy"
     shared_initial_noise: bool = False  # a group's samples start from one draw (its group_seed)
     sde_window_random: bool = False  # DanceGRPO: SDE at every step but the last, a random subset trained
+    sde_window_subset: bool = False  # the trained (and only SDE) steps: a random subset of the range
     ode_compress_ratio: float = 0.0  # MixGRPO-Flash: the ODE after the window on a compressed schedule
     # CFG's conditional and unconditional rows share one forward (rollout.fused_cfg), or run as two
     fused_cfg: bool = True
@@ -77,6 +79,7 @@ class SamplingParams:
             self.lora,
             self.shared_initial_noise,
             self.sde_window_random,
+            self.sde_window_subset,
             self.ode_compress_ratio,
             self.fused_cfg,
             self.decode,
@@ -184,6 +187,9 @@ class Trajectory:
     output: Output  # the decoded sample (an image [3, H, W] for the image families)
     final_latents: torch.Tensor  # [*latent_shape]
     means: torch.Tensor | None = None  # [K, *latent_shape] each trained step's mean (params.record_mean)
+    # [K, S] each stream's log-prob of each trained step, for a latent that joins S streams (the adapter's
+    # `logprob_pool`: LTX-2's video and audio); `logprobs` is their weighted sum
+    stream_logprobs: torch.Tensor | None = None
     reward: float = float("nan")
     advantage: float = 0.0
 
@@ -385,6 +391,11 @@ class DiffusionAdapter(Protocol):
 
     def fsdp_units(self) -> list[nn.Module]:
         """The repeated blocks to wrap with `fully_shard` (the root is wrapped after them)."""
+        ...
+
+    def logprob_pool(self, params: SamplingParams) -> Pool | None:
+        """How a step's log-prob pools a latent that joins several streams (`flow_sde.Pool`: LTX-2's video
+        and audio tokens), the same in the rollout and the trainer; None: the mean over all latent dims."""
         ...
 
     def rollout(self, requests: list[Request[SamplingParams]]) -> list[Trajectory]:

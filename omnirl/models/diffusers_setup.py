@@ -30,7 +30,7 @@ from omnirl.config import Config, ConfigError
 from omnirl.data.prompts import PromptRow
 from omnirl.distributed import DTYPES, place_policy
 from omnirl.models.base import Output, Request, Trajectory
-from omnirl.models.flow_sde import WindowedSampler
+from omnirl.models.flow_sde import Pool, WindowedSampler
 from omnirl.models.peft_lora import lora_disabled, sorted_sets
 
 LORA_FILE = "pytorch_lora_weights.safetensors"  # diffusers' default LoRA file name
@@ -77,6 +77,10 @@ class DiffusersBase:
 
     def fsdp_units(self) -> list[nn.Module]:
         return list(self.transformer.transformer_blocks)
+
+    def logprob_pool(self, params) -> Pool | None:
+        """None: one latent stream, its log-prob the mean over all latent dims."""
+        return None
 
     def batch_embeds(self, embeds: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Stacked: every sample's embeddings have one length per key (the text encoder pads them)."""

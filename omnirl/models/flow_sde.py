@@ -20,6 +20,8 @@ sigma running from 1 (noise) to 0 (data) and the model predicting the velocity v
   (as the SDE's). Its std has no 1 / (1 - sigma), so it is stable at sigma = 1. Its `std_dev_t` is that
   whole std, as DanceGRPO's and VeRL-Omni's dance step name it (so their KL term is the Gaussian KL).
 - Noise level a = 0 gives the ODE step exactly, and a log-prob of 0.
+- A family whose latent joins several streams (LTX-2's video and audio tokens) pools the log-prob by
+  `Pool`: each stream's elements averaged alone, the log-prob the weighted sum of those means.
 
 This is our own code because no library provides a flow-matching step with a log-density.
 """
@@ -35,6 +37,17 @@ import torch
 SDE_TYPES = ("ode", "sde", "cps", "dance_sde")
 
 
+@dataclass(frozen=True)
+class Pool:
+    """How a step's log-prob pools the elements of a latent that joins several streams: the flattened
+    latent is `sizes` consecutive segments (named `names`), each averaged alone, and the log-prob is
+    sum_s weights[s] * mean_s. Weights proportional to the sizes give the plain mean over all elements."""
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]  # elements of each stream; they sum to the latent's numel
+    weights: tuple[float, ...]
+
+
 @dataclass
 class StepOut:
     prev_sample: torch.Tensor  # [B, *latent] the latents after the step
@@ -45,6 +58,7 @@ class StepOut:
     # divides by (algos.losses.flow_kl): SDE the coefficient before the sqrt(|dt|) factor; CPS and
     # dance_sde the std itself (their KL term is the Gaussian KL); 0 for the ODE step.
     std_dev_t: torch.Tensor
+    streams: torch.Tensor | None = None  # [B, S] each stream's mean log-prob (with a `Pool`), else None
 
 
 def _expand(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -61,12 +75,14 @@ def flow_step(
     sde_type: str,
     noise: torch.Tensor | None = None,
     prev_sample: torch.Tensor | None = None,
+    pool: Pool | None = None,
 ) -> StepOut:
     """One denoising step for a batch, per-row sigmas.
 
     velocity, latents: [B, *latent]; sigma, sigma_next: [B]; sigma_max: the schedule's second sigma.
     Pass `noise` ([B, *latent], standard normal) to sample x', or `prev_sample` to score a stored x'
-    (the trainer's recomputation). With neither, the step is taken without noise (the mean).
+    (the trainer's recomputation). With neither, the step is taken without noise (the mean). `pool`: the
+    streams of a joined latent (`Pool`), else the log-prob is the mean over all latent dims.
     """
     if sde_type not in SDE_TYPES:
         raise ValueError(f"sde_type must be one of {SDE_TYPES}, got {sde_type!r}")
@@ -81,7 +97,8 @@ def flow_step(
     if sde_type == "ode" or noise_level == 0:
         mean = x + dt * v
         out = mean if prev_sample is None else prev_sample.float()
-        return StepOut(out, zero, mean, zero, zero)
+        streams = None if pool is None else zero[:, None].expand(-1, len(pool.sizes))
+        return StepOut(out, zero, mean, zero, zero, streams)
 
     if sde_type == "sde":
         denom = 1 - torch.where(s == 1, torch.full_like(s, sigma_max), s)
@@ -106,12 +123,17 @@ def flow_step(
     prev_sample = prev_sample.float()
     dims = tuple(range(1, x.dim()))
     if sde_type in ("sde", "dance_sde"):
-        logprob = (
-            -((prev_sample - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
-        ).mean(dim=dims)
+        density = -((prev_sample - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
     else:
-        logprob = -((prev_sample - mean) ** 2).mean(dim=dims)
-    return StepOut(prev_sample, logprob, mean, std.reshape(batch), std_dev_t.reshape(batch))
+        density = -((prev_sample - mean) ** 2)
+    streams = None
+    if pool is None:
+        logprob = density.mean(dim=dims)
+    else:
+        parts = density.reshape(batch, -1).split(list(pool.sizes), dim=1)
+        streams = torch.stack([part.mean(dim=1) for part in parts], dim=1)  # [B, S]
+        logprob = streams @ torch.tensor(pool.weights, dtype=streams.dtype, device=streams.device)
+    return StepOut(prev_sample, logprob, mean, std.reshape(batch), std_dev_t.reshape(batch), streams)
 
 
 def phase(name: str):
@@ -197,7 +219,8 @@ class WindowedSampler:
     `timestep_fraction` 0.99: the last step, to sigma 0, is a very sharply peaked Gaussian), starting at 0
     with no draw. With `sde_window_random` (DanceGRPO's sampling) every step but the last takes the SDE
     step, and the trained steps are W of them drawn without replacement from [lo, hi) instead of a
-    contiguous window. Each request's own generator (seeded from `request.seed`) draws, in this order: its
+    contiguous window; with `sde_window_subset` the same draw, but only the trained steps take the SDE step
+    (ODE elsewhere). Each request's own generator (seeded from `request.seed`) draws, in this order: its
     initial latents, its window start or subset (only for W > 0), then the noise of each SDE step. With
     `shared_initial_noise` the initial latents come from a generator seeded by `request.group_seed`
     instead (every sample of a group starts from the same latents, DanceGRPO's rule), and the request's own
@@ -226,8 +249,10 @@ class WindowedSampler:
         sigmas: torch.Tensor,
         device,
         shift: float | None = None,
+        pool: Pool | None = None,
     ):
         p = requests[0].params
+        self.pool = pool
         # A rollout nothing is trained from (validation) has no window: no noise, no records.
         self.size, lo, last = (
             window(p.num_steps, p.sde_window_size, p.sde_window_range) if p.record_logprobs else (0, 0, 0)
@@ -241,7 +266,7 @@ class WindowedSampler:
                 first = [torch.Generator("cpu").manual_seed(r.group_seed) for r in requests]
             initial = torch.stack([torch.randn(latent_shape, generator=g) for g in first])
             self.initial_latents = _to_device(initial, self.device, pin)  # [B, *latent]
-        if p.sde_window_random and self.size:
+        if (p.sde_window_random or p.sde_window_subset) and self.size:
             hi = last + self.size
             self.trained = [
                 sorted(lo + int(j) for j in torch.randperm(hi - lo, generator=g)[: self.size])
@@ -311,6 +336,10 @@ class WindowedSampler:
         self.logprobs = torch.zeros((batch, self.size), device=device)  # [B, K]
         # The step means, for losses that compare the policy's mean with the rollout's (flow_dppo).
         self.means = torch.empty((batch, self.size, *latent_shape), device=device) if p.record_mean else None
+        # Each stream's log-prob of each trained step (a latent of several streams: `pool`), [B, K, S].
+        self.streams = None
+        if pool is not None:
+            self.streams = torch.zeros((batch, self.size, len(pool.sizes)), device=device)
         self._host: dict[str, torch.Tensor] | None = None
 
     def _draw(self, rows: list[int], pin: bool) -> torch.Tensor:
@@ -337,7 +366,7 @@ class WindowedSampler:
             idx = self.sde_rows[i]  # [R] the rows of this SDE step
             out = flow_step(
                 velocity[idx], latents[idx], sigma[idx], sigma_next[idx], self.sigma_max, p.noise_level,
-                p.sde_type, noise=noise,
+                p.sde_type, noise=noise, pool=self.pool,
             )  # fmt: skip
             next_latents[idx] = out.prev_sample
         if self.counts[i]:
@@ -345,6 +374,9 @@ class WindowedSampler:
             j, b, k = self.index[i].unbind(1)  # [N] of the SDE rows, their rows, their trained positions
             self.x_in[b, k] = latents[b].float()
             self.logprobs[b, k] = out.logprob[j]
+            if self.streams is not None:
+                assert out.streams is not None  # flow_step pools by streams when given a Pool
+                self.streams[b, k] = out.streams[j]
             if self.means is not None:
                 self.means[b, k] = out.mean[j]
         if p.ode_solver == "dpm2":
@@ -367,10 +399,13 @@ class WindowedSampler:
             buffers = {"latents": self.x_in, "next_latents": self.x_out, "logprobs": self.logprobs.float()}
             if self.means is not None:
                 buffers["means"] = self.means
+            if self.streams is not None:
+                buffers["stream_logprobs"] = self.streams
             # [B, K, *latent] latents, next_latents and means, [B, K] logprobs: one copy and one wait
             self._host = dict(zip(buffers, to_host(list(buffers.values()))))
         rows = {k: v[b] for k, v in self._host.items()}
-        return {"means": None, **rows, "step_indices": self.step_indices[b]}  # step_indices [K] int64
+        # step_indices [K] int64; stream_logprobs [K, S] with a pool
+        return {"means": None, "stream_logprobs": None, **rows, "step_indices": self.step_indices[b]}
 
 
 def _to_device(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:

@@ -398,6 +398,13 @@ def _make_tiny_qwen3_omni_k12(out_dir: str | Path) -> Path:
     return make_tiny_qwen3_omni_k12(out_dir)
 
 
+def _make_tiny_ltx2(out_dir: str | Path) -> Path:
+    """The tiny LTX-2.3 text to video + audio (omnirl.models.tiny_ltx2)."""
+    from omnirl.models.tiny_ltx2 import make_tiny_ltx2
+
+    return make_tiny_ltx2(out_dir)
+
+
 def make_tiny_pickscore(out_dir: str | Path) -> Path:
     """A tiny random PickScore in the layout `reward.paths.pickscore` names: a `CLIPModel` (2 layers, hidden
     32, 32 px images) with its `CLIPProcessor` (the character-level CLIP tokenizer) in one directory."""
@@ -466,6 +473,7 @@ TINY_MODELS = {
     "qwen_image_edit": make_tiny_qwen_image_edit,
     "wan22_ti2v": make_tiny_wan,
     "wan22_a14b": lambda out_dir: make_tiny_wan(out_dir, "a14b"),
+    "ltx2": _make_tiny_ltx2,
     "qwen3_omni": make_tiny_qwen3_omni,
     "qwen2_5_vl": make_tiny_qwen_vl,
     "qwen3_vl": lambda out_dir: make_tiny_qwen_vl(out_dir, "qwen3_vl"),

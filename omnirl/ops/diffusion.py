@@ -71,6 +71,7 @@ def sampling_params(cfg: Config, num_steps: int | None = None, ode: bool = False
         ode_solver=s.ode_solver,
         shared_initial_noise=s.shared_initial_noise and not ode,  # validation draws per sample
         sde_window_random=s.sde_window_random,
+        sde_window_subset=s.sde_window_schedule == "subset" and not ode,
         ode_compress_ratio=0.0 if ode else s.ode_compress_ratio,
         fused_cfg=cfg.rollout.fused_cfg,
         decode=not all(get_reward(name).modality == "latent" for name in cfg.reward.weights),
@@ -106,8 +107,9 @@ def pair_logprob(
     embeds = {k: e.to(device) for k, e in adapter.batch_embeds([t.embeds for t in trajs]).items()}
     v = adapter.velocity(x, sigma, embeds, params.guidance_scale, policy=policy)
     return flow_step(
-        v, x, sigma, sigma_next, float(sig[1]), params.noise_level, params.sde_type, prev_sample=nxt
-    )
+        v, x, sigma, sigma_next, float(sig[1]), params.noise_level, params.sde_type, prev_sample=nxt,
+        pool=adapter.logprob_pool(params),
+    )  # fmt: skip
 
 
 def micro_batches(pairs: list[Pair], size: int, pad_from: Trajectory) -> list[list[Pair]]:
@@ -177,7 +179,7 @@ class DiffusionOps:
         """The sampling parameters of RL step `step`: with the sliding schedule the window is the step's
         (`sliding_window`: its size shrinks at the end of the range), the same for every request."""
         s = self.cfg.sampling
-        if s.sde_window_schedule == "random":
+        if s.sde_window_schedule != "sliding":
             return self.params
         span, interval, stride = tuple(s.sde_window_range), s.sde_window_shift_interval, s.sde_window_stride
         start, size = sliding_window(step, s.sde_window_size, span, interval, stride)
@@ -260,6 +262,13 @@ class DiffusionOps:
         if measure:
             steps = torch.stack([p.traj.step_indices[p.k] for p in mb]).to(device)
             self._measure_gap(out.logprob.detach(), rollout, steps, w)
+        streams = {}  # each stream's log-prob of a latent of several (LTX-2's video and audio), logged apart
+        if (pool := self.adapter.logprob_pool(self.params)) is not None:
+            assert out.streams is not None  # flow_step pools by streams when given a Pool
+            streams = {
+                f"loss/logprob_{name}_sum": (w * out.streams[:, i].detach()).sum()
+                for i, name in enumerate(pool.names)
+            }
         kl = None
         if a.kl_beta > 0:
             with torch.no_grad(), reference(self.adapter, self.ref_model) as ref:
@@ -267,7 +276,7 @@ class DiffusionOps:
             kl = flow_kl(out.mean, mean_ref, out.std_dev_t if a.kl_form == "flow_grpo" else out.std)
         if self.dppo:
             divergence = flow_kl(out.mean, self._old_means(mb, out.mean), out.std)  # the exact KL
-            return self.loss_fn(
+            loss, metrics = self.loss_fn(
                 out.logprob,
                 old,
                 adv,
@@ -279,17 +288,19 @@ class DiffusionOps:
                 kl_beta=a.kl_beta,
                 is_weight=is_weight,
             )
-        return self.loss_fn(
-            out.logprob,
-            old,
-            adv,
-            w,
-            a.clip_range,
-            normaliser,
-            kl=kl,
-            kl_beta=a.kl_beta,
-            is_weight=is_weight,
-        )
+        else:
+            loss, metrics = self.loss_fn(
+                out.logprob,
+                old,
+                adv,
+                w,
+                a.clip_range,
+                normaliser,
+                kl=kl,
+                kl_beta=a.kl_beta,
+                is_weight=is_weight,
+            )
+        return loss, {**metrics, **streams}
 
     @staticmethod
     def _old_means(mb: list[Pair], mean: torch.Tensor) -> torch.Tensor:

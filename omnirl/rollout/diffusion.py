@@ -205,8 +205,9 @@ class DiffusionEngine:
             size = p.sde_window_size
             steps, span = min(p.num_steps, size + 2), (0, size)
         params = dataclasses.replace(
-            p, num_steps=steps, sde_window_size=size, sde_window_range=span, sde_window_random=False
-        )
+            p, num_steps=steps, sde_window_size=size, sde_window_range=span, sde_window_random=False,
+            sde_window_subset=False,
+        )  # fmt: skip
         return dataclasses.replace(cls._dummy(request), params=params)
 
     def _templates(self, batches: list[list[Request]]) -> list[tuple[int, list[tuple[Request, int]]]]:
