@@ -8,6 +8,7 @@ import math
 import os
 from typing import Any
 
+from omnirl.algos.losses import check_loss, loss_spec
 from omnirl.config import Config, ConfigError, SamplingConfig
 
 
@@ -135,14 +136,8 @@ def check_values(cfg: Config) -> None:
         )
     check_model_path(cfg.model.path)
     if adapter.kind == "diffusion":
-        _check_sampling(cfg.sampling, adapter, cfg.model.adapter, cfg.algo.loss)
-    if cfg.algo.loss == "diffusion_nft" and cfg.algo.old_logprob == "recompute":
-        raise ConfigError("algo.old_logprob recompute: algo.loss diffusion_nft uses no log-probs")
-    if cfg.algo.loss == "diffusion_nft" and cfg.algo.adv_clip is None:
-        raise ConfigError(
-            "algo.adv_clip null: algo.loss diffusion_nft needs a number (its optimality probability is "
-            "A / (2 adv_clip) + 0.5)"
-        )
+        _check_sampling(cfg.sampling, adapter, cfg.model.adapter, loss_spec(cfg.algo.loss).logprobs)
+    check_loss(cfg.algo)
     if cfg.rollout.backend == "vllm":
         _check_vllm(cfg, adapter)
     _check_precision(cfg, adapter)
@@ -171,7 +166,7 @@ def _check_precision(cfg: Config, adapter: type) -> None:
             f"rollout.fp8_select {r.fp8_select}: the {r.fp8_select} best and worst samples of a group must "
             f"be fewer than rollout.group_size ({r.group_size})"
         )
-    if not r.fp8_select and a.loss != "diffusion_nft" and a.old_logprob == "rollout":
+    if not r.fp8_select and loss_spec(a.loss).logprobs and a.old_logprob == "rollout":
         raise ConfigError(
             "algo.old_logprob rollout: with rollout.precision fp8 the rollout's log-probs are not the "
             "trainer's; the trainer recomputes them (algo.old_logprob recompute, the default with fp8)"
@@ -253,8 +248,9 @@ def looks_local(path: str) -> bool:
     )
 
 
-def _check_sampling(s: SamplingConfig, adapter: type, name: str, loss: str) -> None:
-    """The diffusion rollout's settings against each other, the family's latent grid and the loss."""
+def _check_sampling(s: SamplingConfig, adapter: type, name: str, logprobs: bool) -> None:
+    """The diffusion rollout's settings against each other, the family's latent grid and the loss (whether
+    it reads the rollout's log-probs: `LossSpec.logprobs`)."""
     multiple = adapter.pixel_multiple
     for key, value in (("sampling.height", s.height), ("sampling.width", s.width)):
         if value % multiple:
@@ -262,7 +258,7 @@ def _check_sampling(s: SamplingConfig, adapter: type, name: str, loss: str) -> N
                 f"{key} must be a multiple of {multiple} for model.adapter {name!r} (one latent "
                 f"token per {multiple}x{multiple} pixels), got {value}"
             )
-    if (s.sde_type == "ode" or s.noise_level == 0) and loss != "diffusion_nft":  # NFT takes any sampler
+    if (s.sde_type == "ode" or s.noise_level == 0) and logprobs:  # a loss without log-probs takes any
         raise ConfigError(
             f"sampling.sde_type {s.sde_type!r} with sampling.noise_level {s.noise_level}: a training rollout "
             "needs a stochastic step (sde or cps, noise_level > 0); the ODE step has no log-prob to train"

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
+from omnirl.algos.losses import loss_spec
 from omnirl.config import RECIPE_DIR, Config, ConfigError, ModelConfig, config_class
 from omnirl.config_checks import check_values
 
@@ -177,7 +178,7 @@ def backend_defaults(cfg: Config, given: set[str]) -> None:
     unless the recipe or the command line sets these (`given`: the "section.field" names they set).
     Otherwise the dataclass defaults stay."""
     r = cfg.rollout
-    fp8 = r.precision == "fp8" and not r.fp8_select and cfg.algo.loss != "diffusion_nft"
+    fp8 = r.precision == "fp8" and not r.fp8_select and loss_spec(cfg.algo.loss).logprobs
     if r.backend != "vllm" and not fp8:
         return
     if "algo.old_logprob" not in given:

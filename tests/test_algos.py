@@ -7,8 +7,17 @@ import pytest
 import torch
 
 from omnirl.algos.advantages import group_advantages
-from omnirl.algos.losses import LOSSES, diffusion_nft_loss, flow_dppo_loss, flow_grpo_loss, flow_kl, get_loss
-from omnirl.config import ConfigError, config_for
+from omnirl.algos.losses import (
+    LOSSES,
+    NFTInputs,
+    RowInputs,
+    diffusion_nft_loss,
+    flow_dppo_loss,
+    flow_grpo_loss,
+    flow_kl,
+    get_loss,
+)
+from omnirl.config import AlgoConfig, ConfigError, config_for
 from omnirl.config_checks import check_values
 from omnirl.models.flow_sde import flow_step
 from omnirl.recipe import load_recipe
@@ -134,7 +143,9 @@ def test_flow_grpo_loss_hand_values_and_gradient():
     old.requires_grad_()
     adv.requires_grad_()
     weights = torch.ones(6, dtype=torch.float64, requires_grad=True)
-    loss, metrics = flow_grpo_loss(logprob, old, adv, weights, clip_range=0.2, normaliser=6)
+    loss, metrics = flow_grpo_loss(
+        RowInputs(logprob, old, adv, weights), AlgoConfig(clip_range=0.2), normaliser=6
+    )
     assert loss.item() == pytest.approx(sum(POLICY) / 6)
     loss.backward()
     # d(-A r)/d logprob = -A r where the unclipped term is active, 0 where the clipped one is.
@@ -157,7 +168,9 @@ def test_flow_grpo_loss_kl_term():
     logprob, old, adv = _rows()
     kl = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], dtype=torch.float64, requires_grad=True)
     weights = torch.tensor([1, 1, 1, 1, 1, 0], dtype=torch.float64)
-    loss, metrics = flow_grpo_loss(logprob, old, adv, weights, 0.2, normaliser=5, kl=kl, kl_beta=0.5)
+    loss, metrics = flow_grpo_loss(
+        RowInputs(logprob, old, adv, weights, kl=kl), AlgoConfig(clip_range=0.2, kl_beta=0.5), 5
+    )
     assert loss.item() == pytest.approx((sum(POLICY[:5]) + 0.5 * 1.5) / 5)
     assert metrics["loss/kl_sum"] == pytest.approx(1.5)
     loss.backward()
@@ -167,14 +180,15 @@ def test_flow_grpo_loss_kl_term():
 def test_zero_weight_rows_contribute_nothing():
     logprob, old, adv = _rows()
     ones = torch.ones(6, dtype=torch.float64)
-    ref, ref_metrics = flow_grpo_loss(logprob, old, adv, ones, 0.2, normaliser=6)
+    ref, ref_metrics = flow_grpo_loss(RowInputs(logprob, old, adv, ones), AlgoConfig(clip_range=0.2), 6)
     ref.backward()
     ref_grad = logprob.grad.clone()
     # Append three padding rows (copies of real rows, with large values) of weight 0.
     pad_lp, pad_old, pad_adv = _rows(ratio=[3.0, 0.1, 1.0], adv=[50.0, -50.0, 7.0])
     lp = torch.cat([logprob.detach(), pad_lp.detach()]).requires_grad_()
     weights = torch.cat([ones, torch.zeros(3, dtype=torch.float64)])
-    loss, metrics = flow_grpo_loss(lp, torch.cat([old, pad_old]), torch.cat([adv, pad_adv]), weights, 0.2, 6)
+    padded = RowInputs(lp, torch.cat([old, pad_old]), torch.cat([adv, pad_adv]), weights)
+    loss, metrics = flow_grpo_loss(padded, AlgoConfig(clip_range=0.2), 6)
     assert loss.item() == pytest.approx(ref.item(), abs=1e-12)
     assert metrics == pytest.approx(ref_metrics, abs=1e-12)
     loss.backward()
@@ -186,16 +200,17 @@ def test_micro_batches_with_global_normaliser_sum_to_one_batch():
     logprob, old, adv = _rows()
     kl = torch.linspace(0.0, 1.0, 6, dtype=torch.float64)
     ones = torch.ones(6, dtype=torch.float64)
-    whole, _ = flow_grpo_loss(logprob, old, adv, ones, 0.2, normaliser=6, kl=kl, kl_beta=0.1)
+    algo = AlgoConfig(clip_range=0.2, kl_beta=0.1)
+    whole, _ = flow_grpo_loss(RowInputs(logprob, old, adv, ones, kl=kl), algo, normaliser=6)
     whole.backward()
     whole_grad = logprob.grad.clone()
     logprob.grad = None
     # Two micro-batches of 4 and 2 real rows, the second padded to 4 with zero-weight rows.
     pad = torch.arange(4) % 2
-    first, _ = flow_grpo_loss(logprob[:4], old[:4], adv[:4], ones[:4], 0.2, 6, kl=kl[:4], kl_beta=0.1)
+    first, _ = flow_grpo_loss(RowInputs(logprob[:4], old[:4], adv[:4], ones[:4], kl=kl[:4]), algo, 6)
     idx = torch.cat([torch.tensor([4, 5]), pad[:2]])
     w = torch.tensor([1.0, 1.0, 0.0, 0.0], dtype=torch.float64)
-    second, _ = flow_grpo_loss(logprob[idx], old[idx], adv[idx], w, 0.2, 6, kl=kl[idx], kl_beta=0.1)
+    second, _ = flow_grpo_loss(RowInputs(logprob[idx], old[idx], adv[idx], w, kl=kl[idx]), algo, 6)
     (first + second).backward()
     torch.testing.assert_close(first + second, whole)
     torch.testing.assert_close(logprob.grad, whole_grad)
@@ -273,7 +288,9 @@ def test_flow_dppo_loss_and_mask_by_hand():
     lp, old, adv = _rows(ratio=DPPO_RATIO, adv=DPPO_ADV)
     divergence = torch.tensor(DPPO_D, dtype=torch.float64, requires_grad=True)
     weights = torch.tensor([1.0] * 6 + [0.0], dtype=torch.float64)  # the last row pads
-    loss, m = flow_dppo_loss(lp, old, adv, weights, divergence, 1e-5, normaliser=6)
+    loss, m = flow_dppo_loss(
+        RowInputs(lp, old, adv, weights, divergence=divergence), AlgoConfig(dppo_tau=1e-5), 6
+    )
     # -A r of the unmasked real rows, summed, over 6: rows 1, 2, 4, 5.
     unmasked = [-a * r for a, r, msk in zip(DPPO_ADV[:6], DPPO_RATIO[:6], DPPO_MASK[:6]) if not msk]
     assert unmasked == [-3.0, -1.0, 0.5, 1.5]
@@ -308,7 +325,8 @@ def test_diffusion_nft_loss_by_hand():
     v_old = torch.tensor([[0.0, 0.0], [0.0, 1.0]])
     target = torch.tensor([[1.0, -1.0], [0.0, 2.0]])
     t, adv, w = torch.tensor([0.5, 1.0]), torch.tensor([2.5, -5.0]), torch.ones(2)
-    loss, m = diffusion_nft_loss(v, v_old, target, t, adv, w, beta=0.5, adv_clip=5.0, normaliser=2)
+    nft = AlgoConfig(nft_beta=0.5, adv_clip=5.0)
+    loss, m = diffusion_nft_loss(NFTInputs(v, v_old, target, t, adv, w), nft, normaliser=2)
     assert loss.item() == pytest.approx((35 / 6 + 10) / 2)
     assert m["nft/positive_sum"] == pytest.approx(0.5 + 1.0) and m["nft/negative_sum"] == pytest.approx(
         5 / 6 + 1
@@ -323,6 +341,6 @@ def test_diffusion_nft_loss_by_hand():
     # over the normaliser 2. Both push v (2, 0) towards the target (1, -1).
     torch.testing.assert_close(v.grad[0], torch.tensor([5 / 12, 5 / 3]))
     # With v_old = v everywhere the loss is the plain regression of v on the target, whatever r.
-    same, _ = diffusion_nft_loss(v_old, v_old, target, t, adv, w, 0.5, 5.0, 2)
+    same, _ = diffusion_nft_loss(NFTInputs(v_old, v_old, target, t, adv, w), nft, 2)
     plain = [(5 / 0.5) * ((0.5**2 * (1 + 1) / 2) / (0.5 * 1)), 10 * ((0.0 + 1.0) / 2) / 0.5]
     assert same.item() == pytest.approx(sum(plain) / 2)

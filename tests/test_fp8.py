@@ -255,9 +255,9 @@ def test_correction_weights_apply_where_and_only_where_fp8_is_on(tiny_sd3, tmp_p
     seen = []
     loss_fn = ops.loss_fn
 
-    def spy(*args, **kwargs):
-        seen.append(kwargs["is_weight"])
-        return loss_fn(*args, **kwargs)
+    def spy(inputs, algo, normaliser):
+        seen.append(inputs.is_weight)
+        return loss_fn(inputs, algo, normaliser)
 
     ops.loss_fn = spy
     recomputed = []
@@ -323,19 +323,23 @@ def test_sol_rl_regenerates_the_best_and_worst_in_bf16_from_the_same_seeds(tiny_
 def test_flow_losses_weight_the_policy_term_by_the_correction():
     """flow_grpo and flow_dppo multiply each row's policy term (not its KL) by its correction weight;
     weights of 1 change nothing."""
-    from omnirl.algos.losses import flow_dppo_loss, flow_grpo_loss
+    from omnirl.algos.losses import RowInputs, flow_dppo_loss, flow_grpo_loss
+    from omnirl.config import AlgoConfig
 
     torch.manual_seed(2)
     lp, old, adv = torch.randn(6) * 1e-3, torch.randn(6) * 1e-3, torch.randn(6)
     w, c, kl = torch.tensor([1.0, 1, 1, 1, 1, 0]), torch.tensor([0.5, 1, 2, 0.9, 1.1, 3]), torch.rand(6)
-    base, _ = flow_grpo_loss(lp, old, adv, w, 1e-3, 5.0, kl=kl, kl_beta=0.1)
-    weighted, _ = flow_grpo_loss(lp, old, adv, w, 1e-3, 5.0, kl=kl, kl_beta=0.1, is_weight=c)
+    algo = AlgoConfig(clip_range=1e-3, kl_beta=0.1)
+    base, _ = flow_grpo_loss(RowInputs(lp, old, adv, w, kl=kl), algo, 5.0)
+    weighted, _ = flow_grpo_loss(RowInputs(lp, old, adv, w, kl=kl, is_weight=c), algo, 5.0)
     ratio = torch.exp(lp - old)
     policy = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - 1e-3, 1 + 1e-3))
     assert weighted.item() == pytest.approx(((w * c * policy).sum() + 0.1 * (w * kl).sum()).item() / 5.0)
     assert base.item() == pytest.approx(((w * policy).sum() + 0.1 * (w * kl).sum()).item() / 5.0)
-    ones, _ = flow_grpo_loss(lp, old, adv, w, 1e-3, 5.0, kl=kl, kl_beta=0.1, is_weight=torch.ones(6))
+    ones, _ = flow_grpo_loss(RowInputs(lp, old, adv, w, kl=kl, is_weight=torch.ones(6)), algo, 5.0)
     assert ones.item() == base.item()
     d = torch.zeros(6)  # inside the trust region: nothing masked, the policy term is -A r
-    dppo, _ = flow_dppo_loss(lp, old, adv, w, d, 1e-5, 5.0, is_weight=c)
+    dppo, _ = flow_dppo_loss(
+        RowInputs(lp, old, adv, w, is_weight=c, divergence=d), AlgoConfig(dppo_tau=1e-5), 5.0
+    )
     assert dppo.item() == pytest.approx((w * c * -adv * ratio).sum().item() / 5.0)

@@ -11,7 +11,8 @@ import torch.multiprocessing as mp
 
 from omnirl.algos.advantages import group_advantages
 from omnirl.algos.correction import consistency_metrics, correction_weights
-from omnirl.algos.losses import LOSSES, get_loss, grpo_loss, gspo_loss
+from omnirl.algos.losses import LOSSES, TokenInputs, get_loss, grpo_loss, gspo_loss
+from omnirl.config import AlgoConfig
 
 F64 = torch.float64
 MASK = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
@@ -30,6 +31,11 @@ def grpo_rows(ratio=RATIO):
     return logprob, old
 
 
+def algo(eps_low, eps_high, aggregation, kl_beta=0.0):
+    """The AlgoConfig of a token loss: clip range eps_low / eps_high (clip-higher), aggregation and KL."""
+    return AlgoConfig(clip_range=eps_low, clip_range_high=eps_high, aggregation=aggregation, kl_beta=kl_beta)
+
+
 def test_registry():
     assert get_loss("grpo") is grpo_loss and get_loss("gspo") is gspo_loss
     assert {"grpo", "gspo"} <= set(LOSSES)
@@ -38,7 +44,9 @@ def test_registry():
 def test_grpo_clip_higher_token_mean_by_hand():
     logprob, old = grpo_rows()
     ones = torch.ones(2, dtype=F64)
-    loss, metrics = grpo_loss(logprob, old, ADV, MASK, ones, 0.2, 0.28, "token_mean", normaliser=5)
+    loss, metrics = grpo_loss(
+        TokenInputs(logprob, old, ADV, MASK, ones), algo(0.2, 0.28, "token_mean"), normaliser=5
+    )
     assert loss.item() == pytest.approx((-1.25 - 1.28 - 0.7 + 2.2 + 1.6) / 5)
     loss.backward()
     torch.testing.assert_close(logprob.grad, torch.tensor(DPOLICY, dtype=F64) / 5)
@@ -54,7 +62,7 @@ def test_grpo_clip_higher_token_mean_by_hand():
     )
     # Clip-higher is what lets the A > 0 token at ratio 1.25 keep its gradient: a symmetric 0.2 clips it.
     logprob.grad = None
-    sym, _ = grpo_loss(logprob, old, ADV, MASK, ones, 0.2, 0.2, "token_mean", normaliser=5)
+    sym, _ = grpo_loss(TokenInputs(logprob, old, ADV, MASK, ones), algo(0.2, 0.2, "token_mean"), normaliser=5)
     sym.backward()
     assert sym.item() == pytest.approx((-1.2 - 1.2 - 0.7 + 2.2 + 1.6) / 5)
     assert logprob.grad[0, 0] == 0 and logprob.grad[0, 2] == pytest.approx(-0.7 / 5)
@@ -63,14 +71,15 @@ def test_grpo_clip_higher_token_mean_by_hand():
 def test_grpo_seq_mean_and_dr_grpo_by_hand():
     logprob, old = grpo_rows()
     ones = torch.ones(2, dtype=F64)
-    loss, _ = grpo_loss(logprob, old, ADV, MASK, ones, 0.2, 0.28, "seq_mean", normaliser=2)
+    loss, _ = grpo_loss(TokenInputs(logprob, old, ADV, MASK, ones), algo(0.2, 0.28, "seq_mean"), normaliser=2)
     assert loss.item() == pytest.approx(((-1.25 - 1.28 - 0.7) / 3 + (2.2 + 1.6) / 2) / 2)
     loss.backward()
     lengths = torch.tensor([[3.0], [2.0]], dtype=F64)
     torch.testing.assert_close(logprob.grad, torch.tensor(DPOLICY, dtype=F64) / lengths / 2)
     logprob.grad = None
     # Dr.GRPO: token sums over the constant max length 4, averaged over the 2 responses.
-    loss, metrics = grpo_loss(logprob, old, ADV, MASK, ones, 0.2, 0.28, "dr_grpo", normaliser=2, max_length=4)
+    inputs = TokenInputs(logprob, old, ADV, MASK, ones, max_length=4)
+    loss, metrics = grpo_loss(inputs, algo(0.2, 0.28, "dr_grpo"), normaliser=2)
     assert loss.item() == pytest.approx(0.57 / (4 * 2))
     loss.backward()
     torch.testing.assert_close(logprob.grad, torch.tensor(DPOLICY, dtype=F64) / 8)
@@ -91,7 +100,9 @@ def test_gspo_by_hand():
     logprob, old, mask, adv = gspo_rows()
     ones = torch.ones(3, dtype=F64)
     s0, s1, s2 = math.exp(0.1), math.exp(1e-4), math.exp(-0.3)
-    loss, metrics = gspo_loss(logprob, old, adv, mask, ones, 3e-4, 4e-4, "seq_mean", normaliser=3)
+    loss, metrics = gspo_loss(
+        TokenInputs(logprob, old, adv, mask, ones), algo(3e-4, 4e-4, "seq_mean"), normaliser=3
+    )
     # Row 0: -A clip(s0) = -1.0004; row 1: -A s1 = 2 s1; row 2: max(-0.5 s2, -0.5 * 0.9997) = -0.5 s2.
     assert loss.item() == pytest.approx((-1.0004 + 2 * s1 - 0.5 * s2) / 3)
     loss.backward()
@@ -107,7 +118,9 @@ def test_gspo_by_hand():
 def test_gspo_gradient_equals_the_sequence_objective():
     logprob, old, mask, adv = gspo_rows()
     ones = torch.ones(3, dtype=F64)
-    loss, _ = gspo_loss(logprob, old, adv, mask, ones, 3e-4, 4e-4, "seq_mean", normaliser=3)
+    loss, _ = gspo_loss(
+        TokenInputs(logprob, old, adv, mask, ones), algo(3e-4, 4e-4, "seq_mean"), normaliser=3
+    )
     (grad_token_form,) = torch.autograd.grad(loss, logprob)
     # The paper's sequence-level objective written directly: s_i = exp(masked mean of the log-ratios).
     m = mask.to(F64)
@@ -118,7 +131,9 @@ def test_gspo_gradient_equals_the_sequence_objective():
     torch.testing.assert_close(grad_token_form, grad_seq)
     # With token_mean the per-token gradient is -A s_i / N_tokens: s_it's derivative is s_i itself.
     logprob.grad = None
-    loss, _ = gspo_loss(logprob, old, adv, mask, ones, 3e-4, 4e-4, "token_mean", normaliser=8)
+    loss, _ = gspo_loss(
+        TokenInputs(logprob, old, adv, mask, ones), algo(3e-4, 4e-4, "token_mean"), normaliser=8
+    )
     loss.backward()
     assert logprob.grad[2, 0].item() == pytest.approx(-0.5 * math.exp(-0.3) / 8)
 
@@ -128,10 +143,9 @@ def test_kl_k3_term_by_hand():
     ones = torch.ones(2, dtype=F64)
     d = torch.tensor([[0.5, -0.3, 0.0], [1.0, -1.0, 99.0]], dtype=F64)  # ref - logprob (99: padding)
     ref = logprob.detach() + d
-    base, _ = grpo_loss(logprob, old, ADV, MASK, ones, 0.2, 0.28, "token_mean", 5)
-    loss, metrics = grpo_loss(
-        logprob, old, ADV, MASK, ones, 0.2, 0.28, "token_mean", 5, ref_logprob=ref, kl_beta=0.1
-    )
+    base, _ = grpo_loss(TokenInputs(logprob, old, ADV, MASK, ones), algo(0.2, 0.28, "token_mean"), 5)
+    inputs = TokenInputs(logprob, old, ADV, MASK, ones, ref_logprob=ref)
+    loss, metrics = grpo_loss(inputs, algo(0.2, 0.28, "token_mean", kl_beta=0.1), 5)
     k3 = [math.exp(x) - x - 1 for x in (0.5, -0.3, 0.0, 1.0, -1.0)]
     assert metrics["loss/kl_sum"] == pytest.approx(sum(k3))
     assert loss.item() == pytest.approx(base.item() + 0.1 * sum(k3) / 5)
@@ -146,8 +160,8 @@ def test_padding_rows_and_tokens_contribute_nothing():
         logprob, old = grpo_rows()
         ones = torch.ones(2, dtype=F64)
         ref_lp = logprob.detach() - 0.1
-        args = (0.2, 0.28, "seq_mean", 2)
-        ref, ref_metrics = loss_fn(logprob, old, ADV, MASK, ones, *args, ref_logprob=ref_lp, kl_beta=0.1)
+        kl = algo(0.2, 0.28, "seq_mean", kl_beta=0.1)
+        ref, ref_metrics = loss_fn(TokenInputs(logprob, old, ADV, MASK, ones, ref_logprob=ref_lp), kl, 2)
         (ref_grad,) = torch.autograd.grad(ref, logprob)
         # Wild values at the padding token, plus a whole padding row of weight 0 (a short rank's filler).
         lp = torch.cat([logprob.detach(), torch.tensor([[30.0, -30.0, 5.0]], dtype=F64)])
@@ -159,7 +173,7 @@ def test_padding_rows_and_tokens_contribute_nothing():
         weights = torch.tensor([1.0, 1.0, 0.0], dtype=F64)
         adv = torch.cat([ADV, torch.tensor([100.0], dtype=F64)])
         ref2 = torch.cat([ref_lp, torch.full((1, 3), -50.0, dtype=F64)])
-        loss, metrics = loss_fn(lp, old2, adv, mask, weights, *args, ref_logprob=ref2, kl_beta=0.1)
+        loss, metrics = loss_fn(TokenInputs(lp, old2, adv, mask, weights, ref_logprob=ref2), kl, 2)
         assert loss.item() == pytest.approx(ref.item(), abs=1e-12)
         assert metrics == pytest.approx(ref_metrics, abs=1e-12)
         loss.backward()
@@ -186,8 +200,9 @@ def test_micro_batches_with_the_global_normaliser_sum_to_one_batch(loss_fn, aggr
         # gspo's clip ranges are ~1e-4: GRPO-sized ones here, so that both terms of the max are exercised.
         i = torch.tensor(rows)
         w = torch.tensor(weights, dtype=F64)
-        args = (logprob[i], old[i], adv[i], mask[i], w, 0.2, 0.28, aggregation, normaliser, max_length)
-        return loss_fn(*args, ref_logprob=ref[i], kl_beta=0.05, is_weight=is_weight[i])[0]
+        extra = {"ref_logprob": ref[i], "is_weight": is_weight[i]}
+        inputs = TokenInputs(logprob[i], old[i], adv[i], mask[i], w, max_length, **extra)
+        return loss_fn(inputs, algo(0.2, 0.28, aggregation, kl_beta=0.05), normaliser)[0]
 
     whole = loss(list(range(B)), [1.0] * B)
     (whole_grad,) = torch.autograd.grad(whole, logprob)
@@ -203,8 +218,8 @@ def test_correction_weights_the_policy_term_only():
     ones = torch.ones(2, dtype=F64)
     is_weight = torch.tensor([[2.0, 0.5, 0.0], [1.5, 3.0, 0.0]], dtype=F64)
     d = torch.full((2, 3), 0.5, dtype=F64)
-    args = (logprob, old, ADV, MASK, ones, 0.2, 0.28, "token_mean", 5)
-    loss, metrics = grpo_loss(*args, ref_logprob=logprob.detach() + d, kl_beta=0.1, is_weight=is_weight)
+    inputs = TokenInputs(logprob, old, ADV, MASK, ones, ref_logprob=logprob.detach() + d, is_weight=is_weight)
+    loss, metrics = grpo_loss(inputs, algo(0.2, 0.28, "token_mean", kl_beta=0.1), 5)
     weighted = [[-2.5, -0.64, 0.0], [3.3, 4.8, 0.0]]
     k3 = math.exp(0.5) - 0.5 - 1
     assert loss.item() == pytest.approx((sum(map(sum, weighted)) + 0.1 * 5 * k3) / 5)
@@ -330,8 +345,8 @@ def test_consistency_pearson_from_centred_values_by_hand():
 
 
 def test_gspo_with_a_length_weighted_aggregation_is_refused():
+    from omnirl.algos.losses import check_loss
     from omnirl.config import ConfigError, config_for
-    from omnirl.ops.omni import OmniOps
 
     cfg = config_for("qwen3_omni_thinker")
     cfg.algo.loss = "gspo"
@@ -340,8 +355,8 @@ def test_gspo_with_a_length_weighted_aggregation_is_refused():
         with pytest.raises(
             ConfigError, match=f"algo.loss 'gspo' is sequence-level: algo.aggregation .*'{aggregation}'"
         ):
-            OmniOps.check_config(cfg)
+            check_loss(cfg.algo)
     cfg.algo.aggregation = "seq_mean"
-    OmniOps.check_config(cfg)
+    check_loss(cfg.algo)
     cfg.algo.loss, cfg.algo.aggregation = "grpo", "token_mean"
-    OmniOps.check_config(cfg)
+    check_loss(cfg.algo)

@@ -23,55 +23,145 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import Literal
+from dataclasses import dataclass
 
 import torch
 
-from omnirl.config import ConfigError
+from omnirl.config import AlgoConfig, ConfigError
 
-# name -> (the kind of model it trains: an adapter's `kind`, "module:function").
+
+@dataclass(frozen=True)
+class LossSpec:
+    """A registered loss: what it trains and what its callers compute for it, so no caller branches on
+    a loss's name. The function is called as `fn(inputs, algo, normaliser)` with the input record of its
+    rows (`RowInputs`, `NFTInputs`, `TokenInputs`), the run's `AlgoConfig` and the global normaliser."""
+
+    kind: str  # the kind of model it trains: an adapter class's `kind`
+    fn: str  # "module:function", the loss
+    ops: str = ""  # "module:Class": the ops of a loss whose training rows are not its kind's (omnirl.ops)
+    logprobs: bool = True  # it reads the rollout's log-probs (old_logprob, correction, a stochastic step)
+    divergence: bool = False  # it reads RowInputs.divergence (so the rollout records each step's mean)
+    check: str = ""  # "module:function" refusing the AlgoConfig settings it cannot run with (ConfigError)
+
+
 LOSSES = {
-    "flow_grpo": ("diffusion", "omnirl.algos.losses:flow_grpo_loss"),
-    "flow_dppo": ("diffusion", "omnirl.algos.losses:flow_dppo_loss"),
-    "diffusion_nft": ("diffusion", "omnirl.algos.losses:diffusion_nft_loss"),
-    "grpo": ("omni", "omnirl.algos.losses:grpo_loss"),
-    "gspo": ("omni", "omnirl.algos.losses:gspo_loss"),
+    "flow_grpo": LossSpec("diffusion", "omnirl.algos.losses:flow_grpo_loss"),
+    "flow_dppo": LossSpec("diffusion", "omnirl.algos.losses:flow_dppo_loss", divergence=True),
+    "diffusion_nft": LossSpec(
+        "diffusion",
+        "omnirl.algos.losses:diffusion_nft_loss",
+        ops="omnirl.ops.nft:NFTOps",
+        logprobs=False,
+        check="omnirl.algos.losses:check_nft",
+    ),
+    "grpo": LossSpec("omni", "omnirl.algos.losses:grpo_loss"),
+    "gspo": LossSpec("omni", "omnirl.algos.losses:gspo_loss", check="omnirl.algos.losses:check_gspo"),
 }
 
 
-def get_loss(name: str, kind: str | None = None) -> Callable:
-    """The loss function registered under `name` in LOSSES, imported on first use; with `kind`, a loss of
-    another kind of model is a ConfigError naming the losses that kind can train with."""
+def loss_spec(name: str, kind: str | None = None) -> LossSpec:
+    """The LOSSES entry of `name`; with `kind`, a loss of another kind of model is a ConfigError naming the
+    losses that kind can train with."""
     if name not in LOSSES:
         raise ConfigError(f"unknown algo.loss {name!r}; known losses: {', '.join(sorted(LOSSES))}")
-    loss_kind, path = LOSSES[name]
-    if kind is not None and loss_kind != kind:
-        fits = sorted(n for n, (k, _) in LOSSES.items() if k == kind)
+    spec = LOSSES[name]
+    if kind is not None and spec.kind != kind:
+        fits = sorted(n for n, s in LOSSES.items() if s.kind == kind)
         raise ConfigError(
-            f"algo.loss {name!r} trains {loss_kind} models; {kind} models train with {', '.join(fits)}"
+            f"algo.loss {name!r} trains {spec.kind} models; {kind} models train with {', '.join(fits)}"
         )
+    return spec
+
+
+def _resolve(path: str) -> Callable:
     module, attr = path.split(":")
     return getattr(importlib.import_module(module), attr)
 
 
+def get_loss(name: str, kind: str | None = None) -> Callable:
+    """The loss function registered under `name` in LOSSES, imported on first use (`loss_spec` checks the
+    name and the kind)."""
+    return _resolve(loss_spec(name, kind).fn)
+
+
+def check_loss(algo: AlgoConfig) -> None:
+    """The algo settings that algo.loss cannot run with, as a ConfigError: a loss without log-probs and
+    recomputed old log-probs, and what the loss's own `check` refuses."""
+    spec = loss_spec(algo.loss)
+    if not spec.logprobs and algo.old_logprob == "recompute":
+        raise ConfigError(f"algo.old_logprob recompute: algo.loss {algo.loss} uses no log-probs")
+    if spec.check:
+        _resolve(spec.check)(algo)
+
+
+def check_nft(algo: AlgoConfig) -> None:
+    if algo.adv_clip is None:
+        raise ConfigError(
+            "algo.adv_clip null: algo.loss diffusion_nft needs a number (its optimality probability is "
+            "A / (2 adv_clip) + 0.5)"
+        )
+
+
+def check_gspo(algo: AlgoConfig) -> None:
+    # GSPO's objective weighs every response the same; token_mean (and dr_grpo's token sum) weigh a
+    # response by its length, which is another objective under GSPO's name.
+    if algo.aggregation != "seq_mean":
+        raise ConfigError(
+            f"algo.loss 'gspo' is sequence-level: algo.aggregation must be 'seq_mean', got "
+            f"{algo.aggregation!r} (which weighs responses by their length)"
+        )
+
+
+@dataclass(frozen=True)
+class RowInputs:
+    """The input record of the losses over M rows that are each one (sample, trained denoising step) pair
+    (flow_grpo, flow_dppo). Padding rows must hold finite values: 0 * inf is NaN."""
+
+    logprob: torch.Tensor  # [M] the current policy's log-prob of the stored transition (the only gradient)
+    old_logprob: torch.Tensor  # [M] the behaviour policy's
+    advantages: torch.Tensor  # [M] the sample's advantage
+    weights: torch.Tensor  # [M] 1 for real rows, 0 for padding rows
+    kl: torch.Tensor | None = None  # [M] per-row KL to the reference policy (`flow_kl`), with gradient
+    is_weight: torch.Tensor | None = None  # [M] rollout-correction weights c_i (omnirl.algos.correction)
+    divergence: torch.Tensor | None = None  # [M] the exact KL to the behaviour policy (LossSpec.divergence)
+
+
+@dataclass(frozen=True)
+class NFTInputs:
+    """The input record of diffusion_nft over M rows that are each (clean sample x0, time t, noise eps)."""
+
+    velocity: torch.Tensor  # [M, *latent] v_theta(x_t, t) at the forward-noised x_t (the only gradient)
+    old_velocity: torch.Tensor  # [M, *latent] the old (rollout) policy's at the same x_t
+    target: torch.Tensor  # [M, *latent] the flow-matching velocity eps - x0
+    t: torch.Tensor  # [M] in (0, 1]
+    advantages: torch.Tensor  # [M], already clamped to +-algo.adv_clip (advantages.group_advantages)
+    weights: torch.Tensor  # [M] 1 for real rows, 0 for padding
+    ref_velocity: torch.Tensor | None = None  # [M, *latent] the reference policy's, for the KL term
+
+
+@dataclass(frozen=True)
+class TokenInputs:
+    """The input record of the token losses (grpo, gspo) over B responses of up to T tokens. Padding
+    positions and rows must hold finite values."""
+
+    logprob: torch.Tensor  # [B, T] the current policy's log-prob of each response token (the only gradient)
+    old_logprob: torch.Tensor  # [B, T] the behaviour policy's
+    advantages: torch.Tensor  # [B] one per response
+    mask: torch.Tensor  # [B, T] 1 (True) on real response tokens, 0 on padding
+    weights: torch.Tensor  # [B] 1 for real rows, 0 for the padding rows of short ranks
+    max_length: int = 0  # the generation limit: dr_grpo's constant divisor
+    ref_logprob: torch.Tensor | None = None  # [B, T] the reference policy's, for the KL term
+    is_weight: torch.Tensor | None = None  # [B, T] rollout-correction weights (policy term only)
+
+
 def flow_grpo_loss(
-    logprob: torch.Tensor,
-    old_logprob: torch.Tensor,
-    advantages: torch.Tensor,
-    weights: torch.Tensor,
-    clip_range: float,
-    normaliser: float,
-    kl: torch.Tensor | None = None,
-    kl_beta: float = 0.0,
-    is_weight: torch.Tensor | None = None,
+    inputs: RowInputs, algo: AlgoConfig, normaliser: float
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Flow-GRPO clipped policy loss over M rows, each one (sample, trained denoising step) pair.
 
-    logprob: [M] the current policy's log-prob of the stored transition (the only input with gradient);
-    old_logprob: [M] the behaviour policy's; advantages: [M] the sample's advantage; weights: [M] 1 for
-    real rows, 0 for padding rows (padding rows must hold finite values: 0 * inf is NaN);
-    kl: [M] optional per-row KL to the reference policy (see `flow_kl`), with gradient; is_weight: [M]
-    optional rollout-correction weights c_i (omnirl.algos.correction: an FP8 rollout), 1 without.
+    inputs: logprob, old_logprob, advantages, weights, and optionally kl (per-row KL to the reference
+    policy, `flow_kl`, with gradient) and is_weight (rollout-correction weights c_i, 1 without: an FP8
+    rollout); algo: clip_range (eps) and kl_beta.
 
     r_i = exp(logprob_i - old_logprob_i), policy_i = max(-A_i r_i, -A_i clip(r_i, 1 - eps, 1 + eps)),
     loss = (sum_i w_i c_i policy_i + kl_beta * sum_i w_i kl_i) / normaliser,
@@ -81,12 +171,9 @@ def flow_grpo_loss(
     loss/clip_count (rows with |r - 1| > eps), loss/approx_kl_sum (0.5 (logprob - old_logprob)^2, the
     drift from the behaviour policy), loss/kl_sum (only when `kl` is given), loss/count (sum of weights).
     """
-    assert logprob.dim() == 1 and old_logprob.shape == advantages.shape == weights.shape == logprob.shape
-    assert normaliser > 0, normaliser
-    assert kl is not None or kl_beta == 0, "kl_beta > 0 needs the kl term"
-    w = weights.detach().to(logprob.dtype)
-    adv = advantages.detach().to(logprob.dtype)
-    log_ratio = logprob - old_logprob.detach()
+    logprob, clip_range, kl, is_weight = inputs.logprob, algo.clip_range, inputs.kl, inputs.is_weight
+    w, adv = _check_rows(inputs, normaliser, algo.kl_beta)
+    log_ratio = logprob - inputs.old_logprob.detach()
     ratio = torch.exp(log_ratio)
     policy = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_range, 1 + clip_range))  # [M]
     if is_weight is not None:
@@ -98,7 +185,18 @@ def flow_grpo_loss(
         "loss/approx_kl_sum": (w * 0.5 * log_ratio**2).sum(),
         "loss/count": w.sum(),
     }
-    return _row_loss(sums, w, kl, kl_beta, normaliser)
+    return _row_loss(sums, w, kl, algo.kl_beta, normaliser)
+
+
+def _check_rows(inputs: RowInputs, normaliser: float, kl_beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shape checks shared by the row losses; returns the weights and advantages, detached, in the
+    log-prob's dtype."""
+    logprob = inputs.logprob
+    assert logprob.dim() == 1, logprob.shape
+    assert inputs.old_logprob.shape == inputs.advantages.shape == inputs.weights.shape == logprob.shape
+    assert normaliser > 0, normaliser
+    assert inputs.kl is not None or kl_beta == 0, "kl_beta > 0 needs the kl term"
+    return inputs.weights.detach().to(logprob.dtype), inputs.advantages.detach().to(logprob.dtype)
 
 
 def flow_kl(mean: torch.Tensor, mean_ref: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
@@ -118,23 +216,14 @@ def flow_kl(mean: torch.Tensor, mean_ref: torch.Tensor, std: torch.Tensor) -> to
 
 
 def flow_dppo_loss(
-    logprob: torch.Tensor,
-    old_logprob: torch.Tensor,
-    advantages: torch.Tensor,
-    weights: torch.Tensor,
-    divergence: torch.Tensor,
-    tau: float,
-    normaliser: float,
-    kl: torch.Tensor | None = None,
-    kl_beta: float = 0.0,
-    is_weight: torch.Tensor | None = None,
+    inputs: RowInputs, algo: AlgoConfig, normaliser: float
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Flow-DPPO over M rows, each one (sample, trained denoising step) pair: the ratio objective with a
     divergence mask in place of the ratio clip.
 
-    logprob, old_logprob, advantages, weights, kl, is_weight: as `flow_grpo_loss`. divergence: [M] D, the
-    exact KL between the step Gaussians of the current and the behaviour policy (`flow_kl` of the two means
-    with the step's std; detached here: the mask carries no gradient); tau: its threshold.
+    inputs: as `flow_grpo_loss`, and divergence: [M] D, the exact KL between the step Gaussians of the
+    current and the behaviour policy (`flow_kl` of the two means with the step's std; detached here: the
+    mask carries no gradient); algo: dppo_tau (tau, its threshold) and kl_beta.
 
     r_i = exp(logprob_i - old_logprob_i); row i is masked when it has left the trust region (D_i >= tau)
     and its ratio moved the way its advantage pushes (A_i > 0 and r_i > 1, or A_i < 0 and r_i < 1);
@@ -147,14 +236,12 @@ def flow_dppo_loss(
     dppo/kl_new_old_max (the largest D of a real row: combined by max, not summed), dppo/mask_count and
     its split dppo/mask_pos_count (A > 0) / dppo/mask_neg_count (A < 0), loss/kl_sum (with `kl`).
     """
-    assert logprob.dim() == 1 and old_logprob.shape == advantages.shape == weights.shape == logprob.shape
-    assert divergence.shape == logprob.shape, divergence.shape
-    assert normaliser > 0, normaliser
-    assert kl is not None or kl_beta == 0, "kl_beta > 0 needs the kl term"
-    w = weights.detach().to(logprob.dtype)
-    adv = advantages.detach().to(logprob.dtype)
+    logprob, tau, kl, is_weight = inputs.logprob, algo.dppo_tau, inputs.kl, inputs.is_weight
+    w, adv = _check_rows(inputs, normaliser, algo.kl_beta)
+    divergence = inputs.divergence
+    assert divergence is not None and divergence.shape == logprob.shape, "flow_dppo needs the divergence"
     d = divergence.detach().to(logprob.dtype)
-    log_ratio = logprob - old_logprob.detach()
+    log_ratio = logprob - inputs.old_logprob.detach()
     ratio = torch.exp(log_ratio)
     pos = (adv > 0) & (ratio > 1)
     neg = (adv < 0) & (ratio < 1)
@@ -176,30 +263,18 @@ def flow_dppo_loss(
         "dppo/mask_pos_count": (w * (mask & pos)).sum(),
         "dppo/mask_neg_count": (w * (mask & neg)).sum(),
     }
-    return _row_loss(sums, w, kl, kl_beta, normaliser)
+    return _row_loss(sums, w, kl, algo.kl_beta, normaliser)
 
 
 def diffusion_nft_loss(
-    velocity: torch.Tensor,
-    old_velocity: torch.Tensor,
-    target: torch.Tensor,
-    t: torch.Tensor,
-    advantages: torch.Tensor,
-    weights: torch.Tensor,
-    beta: float,
-    adv_clip: float,
-    normaliser: float,
-    ref_velocity: torch.Tensor | None = None,
-    kl_beta: float = 0.0,
+    inputs: NFTInputs, algo: AlgoConfig, normaliser: float
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """DiffusionNFT (arXiv 2509.16117) over M rows, each one (clean sample x0, time t, noise eps): the
     policy is trained on the forward process, by flow matching, with no log-prob and no trajectory.
 
-    velocity: [M, *latent] v_theta(x_t, t) at the forward-noised x_t = (1 - t) x0 + t eps (the only input
-    with gradient); old_velocity: [M, *latent] the old (rollout) policy's at the same x_t; target:
-    [M, *latent] the flow-matching velocity eps - x0; t: [M] in (0, 1]; advantages: [M], already clamped
-    to +-adv_clip (advantages.group_advantages); weights: [M] 1 for real rows, 0 for padding;
-    ref_velocity: [M, *latent] the reference policy's, for the KL term (kl_beta > 0).
+    inputs (`NFTInputs`): velocity v_theta(x_t, t) at the forward-noised x_t = (1 - t) x0 + t eps,
+    old_velocity, target eps - x0, t, advantages (clamped to +-adv_clip), weights, and ref_velocity for the
+    KL term (kl_beta > 0); algo: nft_beta (beta), adv_clip and kl_beta.
 
     The implicit positive and negative policies mix the old velocity with the current one by beta:
     v+ = (1 - beta) v_old + beta v, v- = (1 + beta) v_old - beta v; the optimality probability of a
@@ -216,15 +291,22 @@ def diffusion_nft_loss(
     nft/positive_sum (l+), nft/negative_sum (l-), nft/old_deviate_sum (mean (v - v_old)^2), loss/kl_sum
     (with ref_velocity).
     """
-    assert velocity.shape == old_velocity.shape == target.shape and velocity.dim() >= 2, velocity.shape
-    assert t.shape == advantages.shape == weights.shape == velocity.shape[:1], (t.shape, advantages.shape)
+    velocity, t, advantages, ref_velocity = inputs.velocity, inputs.t, inputs.advantages, inputs.ref_velocity
+    beta, adv_clip, kl_beta = algo.nft_beta, algo.adv_clip, algo.kl_beta
+    assert velocity.shape == inputs.old_velocity.shape == inputs.target.shape, velocity.shape
+    assert velocity.dim() >= 2, velocity.shape
+    assert t.shape == advantages.shape == inputs.weights.shape == velocity.shape[:1], (
+        t.shape,
+        advantages.shape,
+    )
+    assert adv_clip is not None, "diffusion_nft needs algo.adv_clip (check_nft)"
     assert normaliser > 0 and beta > 0 and adv_clip > 0, (normaliser, beta, adv_clip)
     assert ref_velocity is not None or kl_beta == 0, "kl_beta > 0 needs ref_velocity"
     v = velocity.float()
-    v_old = old_velocity.detach().float()
-    v_target = target.detach().float()
+    v_old = inputs.old_velocity.detach().float()
+    v_target = inputs.target.detach().float()
     tt = t.detach().float().reshape(-1, *([1] * (v.dim() - 1)))
-    w = weights.detach().float()
+    w = inputs.weights.detach().float()
     r = (advantages.detach().float() / (2 * adv_clip) + 0.5).clamp(0, 1)  # [M]
     dims = tuple(range(1, v.dim()))
 
@@ -270,36 +352,20 @@ def _host_metrics(sums: dict[str, torch.Tensor]) -> dict[str, float]:
     return dict(zip(sums, values))
 
 
-Aggregation = Literal["token_mean", "seq_mean", "dr_grpo"]
-
 # exp() of a log-ratio past this overflows float32 long before it means anything; bounding it keeps a
 # wild token (e.g. a padding position that slipped through) finite instead of NaN-ing the whole batch.
 _MAX_LOG_RATIO = 20.0
 
 
 def grpo_loss(
-    logprob: torch.Tensor,
-    old_logprob: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    weights: torch.Tensor,
-    eps_low: float,
-    eps_high: float,
-    aggregation: Aggregation,
-    normaliser: float,
-    max_length: int = 0,
-    ref_logprob: torch.Tensor | None = None,
-    kl_beta: float = 0.0,
-    is_weight: torch.Tensor | None = None,
+    inputs: TokenInputs, algo: AlgoConfig, normaliser: float
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO / DAPO token-level clipped policy loss over B responses of up to T tokens.
 
-    logprob: [B, T] the current policy's log-prob of each response token (the only input with gradient);
-    old_logprob: [B, T] the behaviour policy's; advantages: [B] one per response; mask: [B, T] 1 (True) on
-    real response tokens, 0 on padding; weights: [B] 1 for real rows, 0 for the padding rows of short
-    ranks. Padding positions and rows must hold finite values. ref_logprob: [B, T] the reference policy's
-    log-probs for the KL term (needed when kl_beta > 0); is_weight: [B, T] rollout-correction weights
-    (omnirl.algos.correction), which multiply the policy term only.
+    inputs (`TokenInputs`): logprob, old_logprob, advantages, mask, weights, max_length, and ref_logprob
+    for the KL term (needed when kl_beta > 0) and is_weight, rollout-correction weights
+    (omnirl.algos.correction) that multiply the policy term only; algo: clip_range (eps_low),
+    clip_range_high (eps_high; null: eps_low), aggregation and kl_beta.
 
     Per token: r = exp(logprob - old_logprob), policy = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))
     (clip-higher: eps_high > eps_low lets low-probability tokens grow, DAPO), times is_weight; plus
@@ -317,41 +383,14 @@ def grpo_loss(
     loss/policy_sum, loss/ratio_sum, loss/clip_count (tokens with r outside [1 - eps_low, 1 + eps_high]),
     loss/approx_kl_sum (0.5 (logprob - old_logprob)^2), loss/kl_sum (only with ref_logprob), loss/count.
     """
-    m = _check_token_inputs(logprob, old_logprob, advantages, mask, weights, ref_logprob, is_weight)
-    token_log_ratio = torch.where(m, logprob - old_logprob.detach(), 0.0)  # [B, T]
+    logprob, m = inputs.logprob, _check_token_inputs(inputs)
+    token_log_ratio = torch.where(m, logprob - inputs.old_logprob.detach(), 0.0)  # [B, T]
     log_ratio = token_log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    return _token_objective(
-        log_ratio,
-        token_log_ratio,
-        logprob,
-        advantages,
-        m,
-        weights,
-        eps_low,
-        eps_high,
-        aggregation,
-        normaliser,
-        max_length,
-        ref_logprob,
-        kl_beta,
-        is_weight,
-    )
+    return _token_objective(log_ratio, token_log_ratio, inputs, m, algo, normaliser)
 
 
 def gspo_loss(
-    logprob: torch.Tensor,
-    old_logprob: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    weights: torch.Tensor,
-    eps_low: float,
-    eps_high: float,
-    aggregation: Aggregation,
-    normaliser: float,
-    max_length: int = 0,
-    ref_logprob: torch.Tensor | None = None,
-    kl_beta: float = 0.0,
-    is_weight: torch.Tensor | None = None,
+    inputs: TokenInputs, algo: AlgoConfig, normaliser: float
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO: the clipped policy loss on the length-normalised sequence importance ratio.
 
@@ -364,64 +403,47 @@ def gspo_loss(
     the gradient is then exactly that of max(-A_i s_i, -A_i clip(s_i)) per response; every token of a
     response is clipped, or not, together.
     """
-    m = _check_token_inputs(logprob, old_logprob, advantages, mask, weights, ref_logprob, is_weight)
-    token_log_ratio = torch.where(m, logprob - old_logprob.detach(), 0.0)  # [B, T]
+    logprob, m = inputs.logprob, _check_token_inputs(inputs)
+    token_log_ratio = torch.where(m, logprob - inputs.old_logprob.detach(), 0.0)  # [B, T]
     seq_log_ratio = token_log_ratio.sum(dim=1) / m.sum(dim=1).clamp_min(1)  # [B]
     seq_log_ratio = seq_log_ratio.detach().clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     log_ratio = seq_log_ratio[:, None] + (logprob - logprob.detach())  # [B, T], value log s_i
-    return _token_objective(
-        log_ratio,
-        token_log_ratio,
-        logprob,
-        advantages,
-        m,
-        weights,
-        eps_low,
-        eps_high,
-        aggregation,
-        normaliser,
-        max_length,
-        ref_logprob,
-        kl_beta,
-        is_weight,
-    )
+    return _token_objective(log_ratio, token_log_ratio, inputs, m, algo, normaliser)
 
 
-def _check_token_inputs(logprob, old_logprob, advantages, mask, weights, ref_logprob, is_weight):
+def _check_token_inputs(inputs: TokenInputs) -> torch.Tensor:
     """Shape checks shared by the token losses; returns the mask as bool [B, T]."""
-    assert logprob.dim() == 2 and old_logprob.shape == mask.shape == logprob.shape, (
-        logprob.shape,
-        old_logprob.shape,
-        mask.shape,
-    )
-    assert advantages.shape == weights.shape == logprob.shape[:1], (advantages.shape, weights.shape)
-    for extra in (ref_logprob, is_weight):
-        assert extra is None or extra.shape == logprob.shape, extra.shape
-    return mask.bool()
+    shape, old, mask = inputs.logprob.shape, inputs.old_logprob.shape, inputs.mask.shape
+    assert len(shape) == 2 and old == mask == shape, (shape, old, mask)
+    rows = (inputs.advantages.shape, inputs.weights.shape)
+    assert rows[0] == rows[1] == shape[:1], rows
+    for extra in (inputs.ref_logprob, inputs.is_weight):
+        assert extra is None or extra.shape == shape, extra.shape
+    return inputs.mask.bool()
 
 
 def _token_objective(
     log_ratio: torch.Tensor,
     token_log_ratio: torch.Tensor,
-    logprob: torch.Tensor,
-    advantages: torch.Tensor,
+    inputs: TokenInputs,
     m: torch.Tensor,
-    weights: torch.Tensor,
-    eps_low: float,
-    eps_high: float,
-    aggregation: str,
+    algo: AlgoConfig,
     normaliser: float,
-    max_length: int,
-    ref_logprob: torch.Tensor | None,
-    kl_beta: float,
-    is_weight: torch.Tensor | None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped objective, KL and aggregation shared by grpo_loss and gspo_loss (see grpo_loss)."""
+    logprob, ref_logprob, is_weight, max_length = (
+        inputs.logprob,
+        inputs.ref_logprob,
+        inputs.is_weight,
+        inputs.max_length,
+    )
+    eps_low, kl_beta, aggregation = algo.clip_range, algo.kl_beta, algo.aggregation
+    eps_high = eps_low if algo.clip_range_high is None else algo.clip_range_high
     assert normaliser > 0, normaliser
     assert ref_logprob is not None or kl_beta == 0, "kl_beta > 0 needs ref_logprob"
-    assert (aggregation == "dr_grpo") == (max_length > 0), (aggregation, max_length)
+    assert aggregation != "dr_grpo" or max_length > 0, "dr_grpo needs max_length"
     dtype = logprob.dtype
-    adv = advantages.detach().to(dtype)[:, None]  # [B, 1]
+    adv = inputs.advantages.detach().to(dtype)[:, None]  # [B, 1]
     ratio = torch.exp(log_ratio)  # [B, T]
     policy = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps_low, 1 + eps_high))  # [B, T]
     if is_weight is not None:
@@ -429,7 +451,7 @@ def _token_objective(
     per_token = policy
     # Token weights of the aggregation: w_i m_it, divided by the response length (seq_mean) or by the
     # constant max_length (dr_grpo); the division by the global normaliser comes last.
-    tok = weights.detach().to(dtype)[:, None] * m.to(dtype)  # [B, T]
+    tok = inputs.weights.detach().to(dtype)[:, None] * m.to(dtype)  # [B, T]
     if aggregation == "token_mean":
         agg = tok
     elif aggregation == "seq_mean":

@@ -3,8 +3,8 @@
 `omnirl.trainer.train` is the loop; what depends on the kind of model (an adapter class's `kind`) lives in
 one ops object per kind: `ops.diffusion.DiffusionOps` (a training row is one (sample, trained denoising
 step) pair) and `ops.omni.OmniOps` (a training row is one response). A loss that trains on rows of its
-own names its ops class instead: `ops.nft.NFTOps` (diffusion_nft: a row is a clean sample, a time and a
-noise), which reuses DiffusionOps's rollout. `KindOps` lists every member the loop and
+own names its ops class in its `LossSpec.ops` instead: `ops.nft.NFTOps` (diffusion_nft: a row is a clean
+sample, a time and a noise), which reuses DiffusionOps's rollout. `KindOps` lists every member the loop and
 `omnirl.step.update` call. Generation and scoring (`rollout_and_score`) and validation (`validate`) are
 written once for both kinds, in `omnirl.scoring`.
 """
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from omnirl import distributed as D
-from omnirl.algos.losses import get_loss
+from omnirl.algos.losses import loss_spec
 from omnirl.config import Config
 from omnirl.data.prompts import PromptRow
 from omnirl.metrics import MetricsLogger
@@ -27,12 +27,11 @@ from omnirl.models import get_adapter
 from omnirl.models.base import Request
 from omnirl.rewards import check_modalities, check_reward_paths
 
-# The ops of each adapter kind (the adapter class's `kind` attribute), and of the losses whose training
-# rows are not their kind's (keyed by the loss's name), resolved when asked for.
+# The ops of each adapter kind (the adapter class's `kind` attribute), resolved when asked for; a loss
+# whose training rows are not its kind's names its own (`LossSpec.ops`).
 OPS = {
     "diffusion": "omnirl.ops.diffusion:DiffusionOps",
     "omni": "omnirl.ops.omni:OmniOps",
-    "diffusion_nft": "omnirl.ops.nft:NFTOps",
 }
 
 
@@ -113,8 +112,8 @@ class KindOps(Protocol):
 
 
 def ops_class(kind: str, loss: str) -> type:
-    """The ops class of a loss (checked to train this kind by `get_loss`) on an adapter of `kind`."""
-    module, cls = OPS[loss if loss in OPS else kind].split(":")
+    """The ops class of a loss (checked to train this kind by `loss_spec`) on an adapter of `kind`."""
+    module, cls = (loss_spec(loss, kind).ops or OPS[kind]).split(":")
     return getattr(importlib.import_module(module), cls)
 
 
@@ -124,7 +123,7 @@ def check_before_loading(cfg: Config) -> tuple[type, type]:
     a modality the model produces and finds what it loads at its `reward.paths`. Returns (adapter class, ops
     class)."""
     adapter_cls = get_adapter(cfg.model.adapter)
-    get_loss(cfg.algo.loss, adapter_cls.kind)
+    loss_spec(cfg.algo.loss, adapter_cls.kind)
     ops_cls = ops_class(adapter_cls.kind, cfg.algo.loss)
     ops_cls.check_config(cfg)
     check_modalities(cfg.reward.weights, adapter_cls.modalities, cfg.model.adapter)

@@ -38,7 +38,7 @@ from torch import nn
 
 from omnirl import distributed as D
 from omnirl.algos.correction import correction_weights
-from omnirl.algos.losses import flow_kl, get_loss
+from omnirl.algos.losses import RowInputs, flow_kl, get_loss, loss_spec
 from omnirl.batching import equalise, global_positions, make_requests
 from omnirl.config import Config
 from omnirl.data.prompts import PromptRow
@@ -52,10 +52,10 @@ SHOWN = 8  # samples a logging step writes (log.image_every)
 
 
 def sampling_params(cfg: Config, num_steps: int | None = None, ode: bool = False) -> SamplingParams:
-    """The rollout's settings (the ODE sampler with `ode`, validation's). A flow_dppo rollout records each
-    trained step's mean too, unless the old policy is recomputed (then the recompute pass gives it). When
-    every reward reads latents nothing is decoded (validation shows nothing; logged samples are decoded
-    apart, `DiffusionOps.generate`)."""
+    """The rollout's settings (the ODE sampler with `ode`, validation's). The rollout of a loss that reads
+    the divergence (`LossSpec.divergence`: flow_dppo) records each trained step's mean too, unless the old
+    policy is recomputed (then the recompute pass gives it). When every reward reads latents nothing is
+    decoded (validation shows nothing; logged samples are decoded apart, `DiffusionOps.generate`)."""
     s, a = cfg.sampling, cfg.algo
     return SamplingParams(
         height=s.height,
@@ -67,7 +67,7 @@ def sampling_params(cfg: Config, num_steps: int | None = None, ode: bool = False
         sde_window_size=s.sde_window_size,
         sde_window_range=tuple(s.sde_window_range),
         record_logprobs=not ode,
-        record_mean=not ode and a.loss == "flow_dppo" and a.old_logprob == "rollout",
+        record_mean=not ode and loss_spec(a.loss).divergence and a.old_logprob == "rollout",
         ode_solver=s.ode_solver,
         shared_initial_noise=s.shared_initial_noise and not ode,  # validation draws per sample
         sde_window_random=s.sde_window_random,
@@ -125,8 +125,8 @@ class DiffusionOps:
     def __init__(self, cfg: Config, adapter: DiffusionAdapter):
         self.cfg, self.adapter = cfg, adapter
         self.policy = adapter.policy
+        self.spec = loss_spec(cfg.algo.loss, "diffusion")
         self.loss_fn = get_loss(cfg.algo.loss, "diffusion")
-        self.dppo = cfg.algo.loss == "flow_dppo"
         self.params = sampling_params(cfg)
         self.ref_model = build_reference(cfg, adapter)
         r = cfg.rollout
@@ -142,7 +142,7 @@ class DiffusionOps:
         a = cfg.algo
         # Only an FP8 rollout trained on its own samples has a behaviour policy other than the trainer's.
         self.correct = r.precision == "fp8" and not r.fp8_select and a.correction != "none"
-        if a.correction != "none" and not self.correct and a.loss != "diffusion_nft":
+        if a.correction != "none" and not self.correct and self.spec.logprobs:
             D.print0(
                 f"warning: algo.correction {a.correction!r} is ignored: a diffusion rollout samples with the "
                 "trainer's weights in its precision unless rollout.precision is fp8 (and fp8_select 0)"
@@ -217,7 +217,7 @@ class DiffusionOps:
     def recompute_old(self, pairs: list[Pair], pad_traj: Trajectory) -> dict[str, float]:
         for mb in self.micro_batches(pairs, pad_traj):
             out = pair_logprob(self.adapter, mb, self.params)
-            means = out.mean.cpu() if self.dppo else [None] * len(mb)  # [M, *latent]: one copy
+            means = out.mean.cpu() if self.spec.divergence else [None] * len(mb)  # [M, *latent]: one copy
             for p, v, mean in zip(mb, out.logprob.tolist(), means):
                 p.old, p.old_mean = v, mean
         return self._correct(pairs) if self.correct else {}
@@ -274,32 +274,11 @@ class DiffusionOps:
             with torch.no_grad(), reference(self.adapter, self.ref_model) as ref:
                 mean_ref = pair_logprob(self.adapter, mb, self.params, policy=ref).mean
             kl = flow_kl(out.mean, mean_ref, out.std_dev_t if a.kl_form == "flow_grpo" else out.std)
-        if self.dppo:
+        divergence = None
+        if self.spec.divergence:
             divergence = flow_kl(out.mean, self._old_means(mb, out.mean), out.std)  # the exact KL
-            loss, metrics = self.loss_fn(
-                out.logprob,
-                old,
-                adv,
-                w,
-                divergence,
-                a.dppo_tau,
-                normaliser,
-                kl=kl,
-                kl_beta=a.kl_beta,
-                is_weight=is_weight,
-            )
-        else:
-            loss, metrics = self.loss_fn(
-                out.logprob,
-                old,
-                adv,
-                w,
-                a.clip_range,
-                normaliser,
-                kl=kl,
-                kl_beta=a.kl_beta,
-                is_weight=is_weight,
-            )
+        inputs = RowInputs(out.logprob, old, adv, w, kl=kl, is_weight=is_weight, divergence=divergence)
+        loss, metrics = self.loss_fn(inputs, a, normaliser)
         return loss, {**metrics, **streams}
 
     @staticmethod

@@ -3,8 +3,8 @@
 Why a class of its own: DiffusionNFT trains on the forward process, by flow matching on the rollout's
 final samples, so its training rows are not the rollout's transitions and its loss needs no log-prob. The
 rollout half (requests, generation, validation, samples) is `DiffusionOps`'s, inherited unchanged; the
-update half (rows, micro-batches, the old policy's velocity, the loss) is here. `omnirl.ops.OPS` selects
-the class by the loss's name, so the loop still sees one interface, `KindOps`, and the Flow-GRPO path
+update half (rows, micro-batches, the old policy's velocity, the loss) is here. `LossSpec.ops` of the loss
+names the class, so the loop still sees one interface, `KindOps`, and the Flow-GRPO path
 carries no NFT branches.
 
 A row (`NFTRow`) is (sample, time, noise): the sample's clean latents x0 (`Trajectory.final_latents`), a
@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from omnirl.algos.losses import NFTInputs
 from omnirl.batching import equalise, global_positions
 from omnirl.config import AlgoConfig, Config
 from omnirl.models.base import DiffusionAdapter, Request, SamplingParams, Trajectory, derive_seed
@@ -212,9 +213,8 @@ class NFTOps(DiffusionOps):
                 v_ref = adapter.velocity(x_t, t, embeds, 1.0, policy=ref)
         adv = torch.tensor([r.traj.advantage for r in mb], device=device)
         w = torch.tensor([r.weight for r in mb], device=device)
-        return self.loss_fn(
-            v, v_old, noise - x0, t, adv, w, a.nft_beta, a.adv_clip, normaliser, v_ref, a.kl_beta
-        )
+        inputs = NFTInputs(v, v_old, noise - x0, t, adv, w, ref_velocity=v_ref)
+        return self.loss_fn(inputs, a, normaliser)
 
     def measured(self, optimizer_steps: int) -> dict[str, float]:
         """The old policy's soft update after the update's `optimizer_steps` (logged: nft/old_decay, its

@@ -30,7 +30,7 @@ from torch import nn
 
 from omnirl import distributed as D
 from omnirl.algos.correction import consistency_metrics, correction_weights
-from omnirl.algos.losses import get_loss
+from omnirl.algos.losses import TokenInputs, get_loss
 from omnirl.batching import equalise, global_positions, make_requests
 from omnirl.config import Config, ConfigError
 from omnirl.data.prompts import PromptRow
@@ -121,13 +121,6 @@ class OmniOps:
             raise ConfigError(
                 "algo.kl_beta > 0 with model.finetune full: omni models take the KL to the same model with "
                 "the LoRA off; a frozen reference copy for full fine-tuning is not implemented"
-            )
-        if a.loss == "gspo" and a.aggregation != "seq_mean":
-            # GSPO's objective weighs every response the same; token_mean (and dr_grpo's token sum) weigh a
-            # response by its length, which is another objective under GSPO's name.
-            raise ConfigError(
-                f"algo.loss 'gspo' is sequence-level: algo.aggregation must be 'seq_mean', got "
-                f"{a.aggregation!r} (which weighs responses by their length)"
             )
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if cfg.distributed.rollout_gather == "unit" and world > 1:
@@ -262,21 +255,9 @@ class OmniOps:
             real = w > 0
             self._actor.append(logprob.detach()[real][mask[real]])
             self._rollout.append(rollout[real][mask[real]])
-        return self.loss_fn(
-            logprob,
-            old,
-            adv,
-            mask,
-            w,
-            a.clip_range,
-            a.clip_range if a.clip_range_high is None else a.clip_range_high,
-            a.aggregation,
-            normaliser,
-            max_length=self.cfg.generation.max_new_tokens if a.aggregation == "dr_grpo" else 0,
-            ref_logprob=ref,
-            kl_beta=a.kl_beta,
-            is_weight=is_weight,
-        )
+        max_length = self.cfg.generation.max_new_tokens
+        inputs = TokenInputs(logprob, old, adv, mask, w, max_length, ref_logprob=ref, is_weight=is_weight)
+        return self.loss_fn(inputs, a, normaliser)
 
     def _consistency(self, actor: list[torch.Tensor], rollout: list[torch.Tensor]) -> dict[str, float]:
         empty = torch.zeros(0, device=self.engine.device)
