@@ -90,3 +90,12 @@ def tiny_wan_a14b(tmp_path_factory) -> Path:
 
     torch.set_num_threads(2)  # the CI machine has 2 cores, shared
     return make_tiny_wan(tmp_path_factory.mktemp("tiny") / "wan_a14b", "a14b")
+
+
+@pytest.fixture(scope="session")
+def tiny_bagel(tmp_path_factory) -> Path:
+    """The tiny random-init BAGEL, written in the official checkpoint layout, built once per session."""
+    from omnirl.models.tiny import make_tiny_bagel
+
+    torch.set_num_threads(2)  # the CI machine has 2 cores, shared
+    return make_tiny_bagel(tmp_path_factory.mktemp("tiny") / "bagel")

@@ -15,6 +15,7 @@ ADAPTERS = {
     "qwen_image_edit": "omnirl.models.qwen_image_edit:QwenImageEditAdapter",
     "wan": "omnirl.models.wan:WanAdapter",
     "ltx2": "omnirl.models.ltx2:LTX2Adapter",
+    "bagel": "omnirl.models.bagel:BagelAdapter",
 }
 
 
