@@ -37,7 +37,9 @@ def test_registry_resolves_every_name_and_rejects_unknown():
     for name in REWARDS:
         if name not in LOCAL_CHECKPOINTS:  # those are built with their checkpoint, in their own tests
             assert callable(get_reward(name)())
-        assert get_reward(name).modality in (*MODALITIES, None), name  # None: reads no output
+        modality = get_reward(name).modality  # None: reads no output; a tuple: reads several
+        read = modality if isinstance(modality, tuple) else [modality]
+        assert all(m in (*MODALITIES, None) for m in read), name
     with pytest.raises(ValueError, match="unknown reward 'clip'; known: .*jpeg_compressibility"):
         get_reward("clip")
 

@@ -45,3 +45,50 @@ def make_tiny_clap(out_dir: str | Path) -> Path:
     )  # fmt: skip
     ClapProcessor(feature_extractor=features, tokenizer=tok).save_pretrained(out_dir)
     return out_dir
+
+
+def tiny_imagebind_arch():
+    """The tiny ImageBind's towers: width 16, 2 blocks, 2 heads, a shared space of 8, the vocabulary of the
+    tiny CLIP tokenizer (514); the input geometry is the real one's."""
+    from omnirl.rewards.imagebind_model import ImageBindArch, Tower
+
+    return ImageBindArch(Tower(16, 2, 2), Tower(16, 2, 2), Tower(16, 2, 2), out_dim=8, vocab_size=514)
+
+
+def make_tiny_imagebind(out_dir: str | Path) -> Path:
+    """A tiny random ImageBind in the layout `reward.paths.imagebind` names: `imagebind_huge.pth` in the
+    official key layout (the vision, audio and text towers of `tiny_imagebind_arch`, every tensor random but
+    the causal mask; a few tensors named as the official depth, thermal and IMU towers', which the loader
+    skips) and a CLIP BPE tokenizer (`omnirl.models.tiny._clip_tokenizer`)."""
+    import math
+
+    from omnirl.models.tiny import _clip_tokenizer
+    from omnirl.rewards.imagebind import FILE
+    from omnirl.rewards.imagebind_model import ImageBind
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    state = ImageBind(tiny_imagebind_arch()).state_dict()
+    for name, tensor in state.items():
+        if name.endswith("log_logit_scale"):  # the official scales: learned ~1 / 0.07 for text, 20 for audio
+            tensor.fill_(math.log(1 / 0.07) if ".text." in name else math.log(20.0))
+        elif name.endswith(".mask"):
+            continue  # the causal mask is a fixed buffer
+        elif "norm" in name or name.startswith("modality_heads") and name.endswith(".0.weight"):
+            tensor.copy_(
+                1 + 0.1 * torch.randn_like(tensor)
+                if name.endswith("weight")
+                else 0.1 * torch.randn_like(tensor)
+            )
+        else:
+            tensor.copy_(torch.randn_like(tensor) / math.sqrt(max(tensor[0].numel(), 1)))
+    unused = {
+        "modality_preprocessors.depth.cls_token": torch.randn(1, 1, 16),
+        "modality_trunks.thermal.blocks.0.norm_1.weight": torch.ones(16),
+        "modality_heads.imu.3.weight": torch.randn(8, 16),
+        "modality_postprocessors.imu.1.log_logit_scale": torch.tensor(math.log(5.0)),
+    }
+    torch.save({**state, **unused}, out_dir / FILE)
+    _clip_tokenizer().save_pretrained(out_dir)
+    return out_dir

@@ -4,7 +4,8 @@ a VLM judge) load only in runs that use them.
 A reward is a class constructed with no arguments (or its local checkpoint directory, `reward.paths`)
 whose instances are called on a batch: `reward(samples, prompts, metadata) -> list[float]`, one finite
 float per sample. The class declares the modality it reads (`modality`: "image", "video", "audio", "text"
-or "latent"), and `samples` holds that part of each sample's `Output` (`reward_inputs`): PIL images,
+or "latent", or a tuple of them for a reward that reads several, as ImageBind's audio-video alignment
+does), and `samples` holds that part of each sample's `Output` (`reward_inputs`): PIL images,
 videos [F, 3, H, W] in [0, 1] with their fps, audio tracks [C, T] with their sample rate, response texts,
 or `Latent` records (a diffusion sample's final latents with the conditioning it was denoised with). A
 recipe that pairs a reward with a model that cannot produce its modality fails when it loads
@@ -53,6 +54,9 @@ REWARDS = {
     "dina_lrm": "omnirl.rewards.dina_lrm:DinaLRM",
     "audio_loudness": "omnirl.rewards.audio:AudioLoudness",
     "clap": "omnirl.rewards.clap:ClapAlignment",
+    "imagebind": "omnirl.rewards.imagebind:ImageBindAudioVideo",
+    "imagebind_text_audio": "omnirl.rewards.imagebind:ImageBindTextAudio",
+    "imagebind_text_video": "omnirl.rewards.imagebind:ImageBindTextVideo",
 }
 
 
@@ -94,12 +98,18 @@ _WEIGHTS = (
 _TOKENIZER = ("tokenizer.json", "vocab.json")
 _PROCESSOR = ("preprocessor_config.json", "processor_config.json")  # transformers 5 writes the second
 
+# ImageBind's official file (not a transformers checkpoint) and CLIP's BPE tokenizer, which its text reads.
+_IMAGEBIND = LocalCheckpoint(None, (("imagebind_huge.pth",), _TOKENIZER))
+
 # The rewards that load a local checkpoint (their `reward.paths` entry), and what they load from it.
 LOCAL_CHECKPOINTS = {
     "clip_video": LocalCheckpoint("clip", (_WEIGHTS, _PROCESSOR, _TOKENIZER)),
     "hpsv3": LocalCheckpoint("qwen2_vl", (("HPSv3.safetensors",), _WEIGHTS, _PROCESSOR, _TOKENIZER)),
     "pickscore": LocalCheckpoint("clip", (_WEIGHTS, _PROCESSOR, _TOKENIZER)),
     "clap": LocalCheckpoint("clap", (_WEIGHTS, _PROCESSOR, _TOKENIZER)),
+    "imagebind": _IMAGEBIND,
+    "imagebind_text_audio": _IMAGEBIND,
+    "imagebind_text_video": _IMAGEBIND,
     # DiNa-LRM's config.json is its training config, not a transformers one.
     "dina_lrm": LocalCheckpoint(
         None,
@@ -131,9 +141,11 @@ def check_reward_paths(weights: dict[str, float], paths: dict[str, str]) -> None
 
 
 class Reward(Protocol):
-    # A class attribute: the part of an Output it reads ("image", "video", "audio", "text", "latent"), or
-    # None for a reward that reads no output (a noise or constant score) and is called with the Outputs.
-    modality: str | None
+    # A class attribute: the part of an Output it reads ("image", "video", "audio", "text", "latent"), a
+    # tuple of parts for a reward that reads several together (("video", "audio"): it is called with a
+    # tuple of their inputs per sample), or None for a reward that reads no output (a noise or constant
+    # score) and is called with the Outputs.
+    modality: str | tuple[str, ...] | None
 
     def __call__(self, samples: list, prompts: list[str], metadata: list[dict[str, Any]]) -> list[float]:
         """One finite score per sample; higher is better. `samples` holds each sample's `modality`, as
@@ -150,12 +162,13 @@ def get_reward(name: str) -> type[Reward]:
 
 
 def check_modalities(names, modalities: frozenset[str], adapter: str) -> None:
-    """Every named reward reads a modality that the model's outputs hold, else a ConfigError naming both."""
+    """Every named reward reads modalities that the model's outputs hold, else a ConfigError naming both."""
     for name in names:
         modality = get_reward(name).modality
-        if modality is not None and modality not in modalities:
+        read = (modality,) if isinstance(modality, str) else modality or ()
+        if not set(read) <= modalities:
             raise ConfigError(
-                f"reward {name!r} reads {modality} outputs, but model.adapter {adapter!r} produces "
+                f"reward {name!r} reads {' and '.join(read)} outputs, but model.adapter {adapter!r} produces "
                 f"{', '.join(sorted(modalities))}"
             )
 
@@ -172,12 +185,14 @@ def to_pil(image: torch.Tensor) -> Image.Image:
     return Image.fromarray(array)
 
 
-def reward_inputs(outputs: list[Output], modality: str | None) -> list:
+def reward_inputs(outputs: list[Output], modality: str | tuple[str, ...] | None) -> list:
     """What a reward of `modality` is called with: PIL images, (video [F, 3, H, W], fps) pairs, (audio
-    [C, T], sample rate) pairs, texts or `Latent` records, one per output (None: the outputs themselves).
-    An output without that modality is an error."""
+    [C, T], sample rate) pairs, texts or `Latent` records, one per output (None: the outputs themselves; a
+    tuple of modalities: a tuple of those inputs per output). An output without that modality is an error."""
     if modality is None:
         return list(outputs)
+    if isinstance(modality, tuple):
+        return list(zip(*(reward_inputs(outputs, m) for m in modality)))
     for i, out in enumerate(outputs):
         if modality not in out.modalities:
             raise ValueError(f"sample {i} has no {modality} output (it holds {sorted(out.modalities)})")
