@@ -68,31 +68,28 @@ def test_clap_is_the_cosine_of_the_model_embeddings(tmp_path):
 
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # the train script's @record
 @pytest.mark.parametrize("reward", ["clap", "imagebind", "imagebind_text_audio"])
-def test_recipe_without_the_reward_weights_fails_at_load(
-    reward, tiny_wan_ti2v, tmp_path, capsys, monkeypatch
-):
-    """A recipe naming an audio reward with no reward.paths entry, or one to a directory without the model,
-    stops with one `error:` line before the model loads. (The tiny TI2V recipe, its Wan adapter declared
-    to produce audio too: the check reads only the declaration.)"""
-    from omnirl.models.wan import WanAdapter
+def test_recipe_without_the_reward_weights_fails_at_load(reward, tmp_path, capsys, monkeypatch):
+    """The tiny LTX-2.3 recipe rewarded by CLAP or ImageBind with no reward.paths entry, or one to a
+    directory without the model, stops with one `error:` line before the model loads."""
+    from omnirl.models.ltx2 import LTX2Adapter
     from tests.test_bad_input import ROOT, assert_one_error_line, load_train_script
 
     loaded = []
-    monkeypatch.setattr(WanAdapter, "__init__", lambda *a: loaded.append(a))  # nothing may load
-    monkeypatch.setattr(WanAdapter, "modalities", frozenset({"video", "audio"}))
-    recipe = yaml.safe_load((ROOT / "yaml/wan22_ti2v_tiny_dancegrpo.yaml").read_text())
+    monkeypatch.setattr(LTX2Adapter, "__init__", lambda *a: loaded.append(a))  # nothing may load
+    recipe = yaml.safe_load((ROOT / "yaml/ltx23_tiny_t2av_flowgrpo.yaml").read_text())
     recipe["reward"]["weights"] = {reward: 1.0, "audio_loudness": 0.5}
     recipe["data"]["train_path"] = str(ROOT / recipe["data"]["train_path"])
     empty = tmp_path / "empty"
     empty.mkdir()
+    missing = ": no readable transformers config.json" if reward == "clap" else " lacks imagebind_huge.pth"
     for paths, expected in [
         ({}, f"reward {reward} needs reward.paths.{reward}: a local"),
-        ({reward: str(empty)}, f"reward.paths.{reward} '{empty}'"),
+        ({reward: str(empty)}, f"reward.paths.{reward} '{empty}'" + missing),
     ]:
         recipe["reward"]["paths"] = paths
         (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
         out = tmp_path / "out"
-        args = ["--recipe", str(tmp_path / "recipe.yaml"), "--model.path", str(tiny_wan_ti2v)]
+        args = ["--recipe", str(tmp_path / "recipe.yaml"), "--model.path", str(empty)]
         status = load_train_script().main([*args, "--run.output_dir", str(out)])
         assert_one_error_line(status, capsys, expected)
         assert not out.exists() and not loaded
