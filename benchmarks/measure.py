@@ -11,6 +11,7 @@ import torch
 from omnirl.distributed import all_reduce, compute_dtype
 from omnirl.memory import synchronize
 from omnirl.models.base import Request, SamplingParams, derive_seed
+from omnirl.models.ltx2 import LTX2Adapter
 from omnirl.models.qwen_image import padded_lengths
 from omnirl.models.sd3 import SD3Adapter
 from omnirl.models.wan import WanAdapter
@@ -27,14 +28,14 @@ def text_lengths(adapter, request: Request) -> tuple[int, int]:
     if isinstance(adapter, SD3Adapter):
         n = CLIP_TOKENS + adapter.max_sequence_length
         return n, n
-    if isinstance(adapter, WanAdapter):
+    if isinstance(adapter, (WanAdapter, LTX2Adapter)):  # LTX-2: Gemma pads to it, the connectors keep it
         return adapter.max_sequence_length, adapter.max_sequence_length
     return adapter.prompt_length(request.prompt), adapter.prompt_length(request.negative_prompt)
 
 
 def batch_lengths(adapter, batch: list[Request]) -> tuple[int, int]:
     """(conditional, negative) text lengths a packed batch is padded to, as the adapter's rollout pads it."""
-    if isinstance(adapter, (SD3Adapter, WanAdapter)):
+    if isinstance(adapter, (SD3Adapter, WanAdapter, LTX2Adapter)):
         return text_lengths(adapter, batch[0])
     cond, neg = zip(*(text_lengths(adapter, r) for r in batch))
     guided = batch[0].params.guidance_scale > 1
@@ -52,6 +53,8 @@ def transformer_flops(adapter, params: SamplingParams):
     from torch.utils.flop_counter import FlopCounterMode
 
     dev = adapter.device
+    if isinstance(adapter, LTX2Adapter):
+        return ltx2_flops(adapter, params)
     sd3, wan = isinstance(adapter, SD3Adapter), isinstance(adapter, WanAdapter)
     cfg = adapter.config if wan else adapter.policy.config
     if wan:  # [C, f, h, w] video latents, UMT5 embeddings of width text_dim
@@ -89,6 +92,26 @@ def transformer_flops(adapter, params: SamplingParams):
     lengths = (16, 128, 256)
     coeffs = np.polyfit(lengths, [count(n) for n in lengths], 2)
     return lambda length: float(np.polyval(coeffs, length))
+
+
+def ltx2_flops(adapter: LTX2Adapter, params: SamplingParams):
+    """LTX-2's one count (FlopCounterMode over one unguided `velocity` row of zero latents and embeddings:
+    both streams, every prompt padded to max_sequence_length), as a function of the text length."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    dev, c, n = adapter.device, adapter.config, adapter.max_sequence_length
+    grid = adapter.grid(params.height, params.width)
+    embeds = {
+        "prompt_embeds": torch.zeros(1, n, c.cross_attention_dim, device=dev),
+        "audio_prompt_embeds": torch.zeros(1, n, c.audio_cross_attention_dim, device=dev),
+        "prompt_mask": torch.ones(1, n, device=dev),
+    }
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        x = torch.zeros(1, *adapter.latent_shape(params.height, params.width), device=dev)
+        adapter._velocity(x, torch.full((1,), 0.5, device=dev), embeds, grid, 1.0, True, None)
+    flops = counter.get_total_flops()
+    return lambda length: flops
 
 
 def real_flops(adapter, requests: list[Request], flops_at) -> float:

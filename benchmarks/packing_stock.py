@@ -14,6 +14,7 @@ from benchmarks.measure import over_ranks, peak_gib, rank_columns, reset_peak, t
 from benchmarks.packing_cells import Cell, batch_shapes, guarded, prompt_buckets
 from omnirl import distributed as D
 from omnirl.models.base import SamplingParams
+from omnirl.models.ltx2 import LTX2Adapter
 from omnirl.models.sd3 import SD3Adapter
 from omnirl.models.wan import WanAdapter
 from omnirl.rollout.diffusion import DiffusionEngine
@@ -23,6 +24,8 @@ def stock_pipe(adapter, params: SamplingParams):
     """diffusers' own pipeline class around the adapter's modules (the text encoders and tokenizers, the
     policy with its LoRA, the VAE, the scheduler), and the guidance keywords of its `__call__`."""
     modules = {"transformer": adapter.policy, "vae": adapter.vae, "scheduler": adapter.scheduler}
+    if isinstance(adapter, LTX2Adapter):
+        modules.update(audio_vae=adapter.audio_vae, vocoder=adapter.vocoder, connectors=adapter.connectors)
     if isinstance(adapter, WanAdapter):  # the experts themselves (the policy of two is their ModuleDict)
         modules.update(adapter.experts, boundary_ratio=adapter.boundary_ratio)
         modules["expand_timesteps"] = adapter.expand_timesteps
@@ -37,6 +40,18 @@ def stock_pipe(adapter, params: SamplingParams):
         )  # fmt: skip
         if adapter.boundary_ratio is not None:
             cfg_kwargs["guidance_scale_2"] = adapter.guidance_2(params.guidance_scale)
+    elif isinstance(adapter, LTX2Adapter):
+        # The adapter's guidance (x0 space, its audio scale and rescales), no STG or modality guidance (the
+        # adapter runs neither); "np": the video as an array (the audio comes as a tensor).
+        s = adapter.settings
+        cfg_kwargs = dict(
+            guidance_scale=params.guidance_scale,
+            audio_guidance_scale=adapter.audio_scale(params.guidance_scale),
+            guidance_rescale=s.guidance_rescale, audio_guidance_rescale=s.audio_guidance_rescale,
+            stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0, audio_modality_scale=1.0,
+            num_frames=s.num_frames,
+            frame_rate=s.frame_rate, max_sequence_length=adapter.max_sequence_length, output_type="np",
+        )  # fmt: skip
     elif isinstance(adapter, SD3Adapter):
         cfg_kwargs = dict(
             guidance_scale=params.guidance_scale, max_sequence_length=adapter.max_sequence_length

@@ -1,4 +1,4 @@
-"""Packed vs serial diffusion rollout (Qwen-Image, SD3.5-Medium, Wan2.2 TI2V-5B and T2V-A14B) through
+"""Packed vs serial diffusion rollout (Qwen-Image, SD3.5-Medium, Wan2.2 TI2V-5B and T2V-A14B, LTX-2.3) through
 omnirl's DiffusionEngine, against the stock diffusers pipeline. Flags, cells and how to run it:
 benchmarks/README.md."""
 
@@ -45,6 +45,7 @@ from benchmarks.packing_stock import interleaved, stock
 from omnirl import distributed as D
 from omnirl.models import get_adapter
 from omnirl.models.base import Request, SamplingParams
+from omnirl.models.ltx2 import LTX2Adapter
 from omnirl.models.random_init import random_init_loader, write_random_checkpoint
 from omnirl.models.wan import WanAdapter
 from omnirl.recipe import load_config
@@ -56,7 +57,9 @@ MODELS = {
     "sd35": ("sd35_flowgrpo_ocr", "omnirl.models.sd3"),
     "wan22_ti2v": ("wan22_ti2v_dancegrpo", "omnirl.models.wan"),
     "wan22_a14b": ("wan22_a14b_flowgrpo_lora", "omnirl.models.wan"),
+    "ltx23": ("ltx23_t2av_flowgrpo_lora", "omnirl.models.ltx2"),
 }
+VIDEO_MODELS = ("wan22_ti2v", "wan22_a14b", "ltx23")
 
 WORDS = (
     "a storefront sign a neon sign a chalkboard menu a vintage poster glowing warm light on a rainy street "
@@ -237,7 +240,7 @@ def parse_args() -> argparse.Namespace:
         help="HxW (or one number for a square); default the recipe's (512 for the image recipes)",
     )
     p.add_argument(
-        "--frames", type=int, help="Wan: frames per video (family.num_frames; default the recipe's)"
+        "--frames", type=int, help="video models: frames (family.num_frames; default the recipe's)"
     )
     p.add_argument("--out", default="rollout_packing.json")
     p.add_argument(
@@ -276,9 +279,9 @@ def parse_args() -> argparse.Namespace:
         a.single_bucket or a.negative_bucket or any(c.buckets != "recipe" for c in a.cells)
     ):
         p.error(f"--single-bucket / --negative-bucket: {a.model} pads every prompt to one fixed length")
-    if a.model.startswith("wan") and a.forward_only:
+    if a.model in VIDEO_MODELS and a.forward_only:
         p.error("--forward-only times the image models' forwards (its inputs are image latents)")
-    if a.frames is not None and not a.model.startswith("wan"):
+    if a.frames is not None and a.model not in VIDEO_MODELS:
         p.error(f"--frames is for the video models, not {a.model}")
     if a.forward_only and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         p.error("--forward-only runs in a single process (not under torchrun with several ranks)")
@@ -316,6 +319,10 @@ def dry_run(a) -> None:
             ))  # fmt: skip
     s = cfg.sampling
     params = SamplingParams(s.height, s.width, a.steps, s.guidance_scale, 0.0, "ode", 0, (0, 1))
+    if isinstance(adapter, LTX2Adapter):
+        g = adapter.grid(s.height, s.width)
+        print(f"  video {s.height}x{s.width}, {cfg.family.num_frames} frames: "
+              f"{g.frames}x{g.height}x{g.width} video and {g.audio_frames} audio tokens per row")  # fmt: skip
     if isinstance(adapter, WanAdapter):
         _, f, h, w = adapter.latent_shape(s.height, s.width)
         print(f"  video {s.height}x{s.width}, {cfg.family.num_frames} frames: {f}x{h}x{w} latents, "
@@ -334,7 +341,7 @@ def dry_run(a) -> None:
     for n, tflops in (("~45%", 780 * 0.45), ("~60%", 780 * 0.60)):  # an H200's dense bf16 peak x MFU
         print(
             f"  at {n} MFU of an H200 (780 TFLOP/s bf16): {per_image / tflops / 1e12:.1f} s of transformer "
-            f"per {'video' if isinstance(adapter, WanAdapter) else 'image'}"
+            f"per {'video' if isinstance(adapter, (WanAdapter, LTX2Adapter)) else 'image'}"
         )
 
 
@@ -378,7 +385,8 @@ def main() -> None:
     lo, hi = s.sde_window_range[0], min(s.sde_window_range[1], a.steps)
     size = min(s.sde_window_size, hi - lo)
     params = SamplingParams(
-        s.height, s.width, a.steps, s.guidance_scale, s.noise_level, s.sde_type, size, (lo, hi)
+        s.height, s.width, a.steps, s.guidance_scale, s.noise_level, s.sde_type, size, (lo, hi),
+        sde_window_subset=s.sde_window_schedule == "subset",
     )  # fmt: skip
     # This rank's share of one prompt list (all of it in a single process); seeds from the global index.
     mine = slice(dist.rank * a.images, (dist.rank + 1) * a.images)

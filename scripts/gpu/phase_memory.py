@@ -39,10 +39,12 @@ RECIPES = {
     "sd35_flowgrpo_ocr": Recipe("sd35", "sd3_tiny_flowgrpo", "sd3", "ocr"),
     "wan22_ti2v_dancegrpo": Recipe("wan22_ti2v", "wan22_ti2v_tiny_dancegrpo", "wan22_ti2v", "ocr"),
     "wan22_a14b_flowgrpo_lora": Recipe("wan22_a14b", "wan22_a14b_tiny_flowgrpo_lora", "wan22_a14b", "ocr"),
+    "ltx23_t2av_flowgrpo_lora": Recipe("ltx23", "ltx23_tiny_t2av_flowgrpo", "ltx2", "ocr"),
 }
 # The adapter modules whose `load_pretrained` the worker replaces (each calls its module-level name).
 ADAPTER_MODULES = (
     "omnirl.models.qwen_image", "omnirl.models.qwen_image_edit", "omnirl.models.sd3", "omnirl.models.wan",
+    "omnirl.models.ltx2",
 )  # fmt: skip
 # Packages a reward needs beyond the trainer's; a reward whose packages are missing is left out.
 REWARD_NEEDS = {
