@@ -18,16 +18,18 @@ def sine(amplitude: float, rate: int = 16000, seconds: float = 1.0, hz: float = 
 
 
 def test_audio_loudness_on_known_tracks():
-    """The RMS level in dBFS of the mono mix: a full-scale sine is -3.01 dB (RMS 1/sqrt 2), a tenth of it
-    20 dB less, silence and a stereo track whose channels cancel are the -100 dB floor."""
+    """The RMS level in dBFS of the mono mix without its DC offset: a full-scale sine is -3.01 dB (RMS
+    1/sqrt 2), a tenth of it 20 dB less, also on top of a DC offset of 0.3; silence, a constant and a stereo
+    track whose channels cancel are the -100 dB floor."""
     from omnirl.rewards.audio import AudioLoudness
 
     loud, quiet = sine(1.0)[None], sine(0.1).repeat(2, 1)  # [1, T], [2, T]
     cancelling = torch.stack([sine(0.5), -sine(0.5)])  # [2, T]: mono mix is silence
-    tracks = [loud, quiet, torch.zeros(1, 800), cancelling]
+    tracks = [loud, quiet, quiet + 0.3, torch.zeros(1, 800), torch.full((2, 800), 0.4), cancelling]
     inputs = reward_inputs([Output(audio=a.float(), sample_rate=16000) for a in tracks], "audio")
-    scores = AudioLoudness()(inputs, [""] * 4, [{}] * 4)
-    assert scores == pytest.approx([-10 * math.log10(2), -10 * math.log10(2) - 20, -100.0, -100.0], abs=1e-4)
+    scores = AudioLoudness()(inputs, [""] * 6, [{}] * 6)
+    sine_db = -10 * math.log10(2)
+    assert scores == pytest.approx([sine_db, sine_db - 20, sine_db - 20, -100.0, -100.0, -100.0], abs=1e-4)
     assert get_reward("audio_loudness") is AudioLoudness
     check_modalities(["audio_loudness"], frozenset({"video", "audio"}), "ltx2")
     with pytest.raises(ValueError, match="no samples"):
@@ -114,6 +116,7 @@ def av_outputs() -> list[Output]:
     return [Output(video=v, fps=24.0, audio=a.float(), sample_rate=24000) for v, a in zip(videos, tracks)]
 
 
+@pytest.mark.slow  # 15 vision clips of 224 px per video, three rewards: several seconds on 2 cores
 def test_imagebind_rewards_are_the_cosine_of_the_model_embeddings(tiny_imagebind, capsys):
     """The tiny ImageBind in the official key layout, loaded by the reward: each score is the cosine of
     the towers' embeddings (each the mean over a sample's clips) computed here by calling the model on the

@@ -5,7 +5,8 @@ The rewards that run a model read it as the model was trained: one channel (the 
 `mono`) at the model's own rate (`resample`, scipy's polyphase resampler, the `audio` extra).
 
 `audio_loudness` is the track's RMS level in dBFS (decibels relative to a full-scale square wave) of the
-mono mix, floored at -100 dB for silence. Like `video_brightness` it is a property of the generated
+mono mix with its mean removed (a DC offset is inaudible, and a random-init vocoder's output carries a
+large one), floored at -100 dB for silence. Like `video_brightness` it is a property of the generated
 samples alone, smooth and monotone, so a tiny audio model's group samples differ in it from the first
 step and a tiny recipe can show learning on CPU.
 """
@@ -48,10 +49,12 @@ def resample(wave: torch.Tensor, rate: int, target: int) -> torch.Tensor:
 
 
 def loudness_db(audio: torch.Tensor) -> float:
-    """The RMS level of the mono mix of a track [C, T] in dBFS, at least SILENCE_DB."""
+    """The RMS level of the mono mix of a track [C, T], its DC offset removed, in dBFS, at least
+    SILENCE_DB."""
     if audio.shape[-1] == 0:
         raise ValueError(f"an audio track of no samples (shape {list(audio.shape)}) has no level")
-    rms = mono(audio).double().square().mean().sqrt()
+    wave = mono(audio).double()
+    rms = (wave - wave.mean()).square().mean().sqrt()
     return 20 * math.log10(max(float(rms), 10 ** (SILENCE_DB / 20)))
 
 
