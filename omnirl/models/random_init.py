@@ -180,17 +180,14 @@ LTX23_VOCODER = dict(
     bwe_final_act_fn=None, bwe_final_bias=False, filter_length=512, hop_length=80, window_length=512,
     num_mel_channels=64, input_sampling_rate=16000, output_sampling_rate=48000,
 )  # fmt: skip
-LTX23_GEMMA3 = dict(
-    text_config=dict(
-        vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
-        sliding_window=1024, max_position_embeddings=131072,
-    ),
-    vision_config=dict(
-        hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
-        image_size=896, patch_size=14,
-    ),
-    mm_tokens_per_image=256,
+LTX23_GEMMA3_TEXT = dict(
+    vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
+    sliding_window=1024, max_position_embeddings=131072,
+)  # fmt: skip
+LTX23_GEMMA3_VISION = dict(
+    hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16, image_size=896,
+    patch_size=14,
 )  # fmt: skip
 LTX2_SCHEDULER = {
     "_class_name": "FlowMatchEulerDiscreteScheduler", "base_image_seq_len": 1024, "base_shift": 0.95,
@@ -451,7 +448,11 @@ def write_random_checkpoint(model: str, out: Path, qwen_bpe: str | Path | None =
         tokenizer.model_max_length = 1024
         ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                    bos_token_id=tokenizer.bos_token_id)  # fmt: skip
-        te = Gemma3Config(**{**LTX23_GEMMA3, "text_config": {**LTX23_GEMMA3["text_config"], **ids}})
+        te = Gemma3Config(
+            text_config={**LTX23_GEMMA3_TEXT, **ids},
+            vision_config=LTX23_GEMMA3_VISION,
+            mm_tokens_per_image=256,
+        )
         te.save_pretrained(out / "text_encoder")
         tokenizer.save_pretrained(out / "tokenizer")
         dump("scheduler", {})
