@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import importlib
 import json
 import tempfile
 from pathlib import Path
@@ -31,17 +30,17 @@ import torch
 import transformers
 
 from benchmarks.measure import make_requests, peak_gib, reset_peak, timed_repeats
-from omnirl.models import get_adapter
+from omnirl.models import build_adapter
 from omnirl.models.flow_sde import compressed_schedule, sliding_window
-from omnirl.models.random_init import random_init_loader, write_random_checkpoint
+from omnirl.models.random_init import write_random_checkpoint
 from omnirl.ops.diffusion import sampling_params
 from omnirl.recipe import load_config
 from omnirl.rollout.diffusion import DiffusionEngine
 
-# --model -> (recipe, adapter module whose `load_pretrained` --random-init replaces)
+# --model (write_random_checkpoint's name for the models) -> its recipe
 MODELS = {
-    "wan22_ti2v": ("wan22_ti2v_dancegrpo", "omnirl.models.wan"),
-    "sd35": ("sd35_mixgrpo_flash_ocr", "omnirl.models.sd3"),
+    "wan22_ti2v": "wan22_ti2v_dancegrpo",
+    "sd35": "sd35_mixgrpo_flash_ocr",
 }
 PROMPTS = [
     'a neon sign that reads "OPEN" on a rainy street at night',
@@ -66,14 +65,13 @@ def parse_args() -> argparse.Namespace:
 
 
 def build(model: str, a: argparse.Namespace, device: torch.device):
-    recipe, module = MODELS[model]
-    path = a.path
+    path, random = a.path, []
     if a.random_init:
         path = tempfile.mkdtemp() + "/ckpt"
         write_random_checkpoint(model, Path(path))
-        importlib.import_module(module).load_pretrained = random_init_loader(device)
-    cfg = load_config(recipe, ["--model.path", path, *a.set.split()])
-    return cfg, get_adapter(cfg.model.adapter)(cfg, device)
+        random = ["--model.weights", "random"]
+    cfg = load_config(MODELS[model], ["--model.path", path, *random, *a.set.split()])
+    return cfg, build_adapter(cfg, device)
 
 
 def cell(engine: DiffusionEngine, params, n: int, repeats: int) -> dict:

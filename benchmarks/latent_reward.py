@@ -146,10 +146,9 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default="", help="write the JSON here")
     a = p.parse_args(argv)
     assert a.random_init != a.tiny, "give one of --random-init / --tiny"
-    import omnirl.models.sd3 as sd3
-    from omnirl.models import get_adapter
+    from omnirl.models import build_adapter
     from omnirl.models.base import Latent
-    from omnirl.models.random_init import random_init_loader, write_random_checkpoint
+    from omnirl.models.random_init import write_random_checkpoint
     from omnirl.models.tiny import TINY_MODELS
     from omnirl.recipe import load_config
     from omnirl.rewards import to_pil
@@ -165,9 +164,8 @@ def main(argv=None) -> dict:
     else:
         ckpt = tmp / "sd35"
         write_random_checkpoint("sd35", ckpt)
-        sd3.load_pretrained = random_init_loader(device)
         recipe, size, n, idx = "sd35_flowgrpo_dinalrm", 512, 12, [4, 8, 12]
-        overrides = ["--model.path", str(ckpt)]
+        overrides = ["--model.path", str(ckpt), "--model.weights", "random"]
     prompts_file = tmp / "prompts.jsonl"
     prompts_file.write_text(
         "".join(json.dumps({"prompt": f"a photo of thing number {i}"}) + "\n" for i in range(14))
@@ -176,7 +174,7 @@ def main(argv=None) -> dict:
             "--run.output_dir", str(tmp / "out")]  # fmt: skip
     cfg = load_config(recipe, base + ["--reward.paths.dina_lrm", str(tmp / "dina")])
     start = time.perf_counter()
-    adapter = get_adapter("sd3")(cfg, device)
+    adapter = build_adapter(cfg, device)
     load_s = time.perf_counter() - start
     write_dina(tmp / "dina", adapter.transformer, n, idx, 64 if not a.tiny else 8)
     before = allocated(device)

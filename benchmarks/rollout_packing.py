@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import os
 import random
@@ -43,21 +42,21 @@ from benchmarks.packing_cells import (
 )
 from benchmarks.packing_stock import interleaved, stock
 from omnirl import distributed as D
-from omnirl.models import get_adapter
+from omnirl.models import build_adapter
 from omnirl.models.base import Request, SamplingParams
 from omnirl.models.ltx2 import LTX2Adapter
-from omnirl.models.random_init import random_init_loader, write_random_checkpoint
+from omnirl.models.random_init import write_random_checkpoint
 from omnirl.models.wan import WanAdapter
 from omnirl.recipe import load_config
 from omnirl.rollout.diffusion import DiffusionEngine
 
-# --model -> (recipe, adapter module whose `load_pretrained` --random-init replaces)
+# --model (write_random_checkpoint's name for the models) -> its recipe
 MODELS = {
-    "qwen_image": ("qwen_image_flowgrpo_ocr", "omnirl.models.qwen_image"),
-    "sd35": ("sd35_flowgrpo_ocr", "omnirl.models.sd3"),
-    "wan22_ti2v": ("wan22_ti2v_dancegrpo", "omnirl.models.wan"),
-    "wan22_a14b": ("wan22_a14b_flowgrpo_lora", "omnirl.models.wan"),
-    "ltx23": ("ltx23_t2av_flowgrpo_lora", "omnirl.models.ltx2"),
+    "qwen_image": "qwen_image_flowgrpo_ocr",
+    "sd35": "sd35_flowgrpo_ocr",
+    "wan22_ti2v": "wan22_ti2v_dancegrpo",
+    "wan22_a14b": "wan22_a14b_flowgrpo_lora",
+    "ltx23": "ltx23_t2av_flowgrpo_lora",
 }
 VIDEO_MODELS = ("wan22_ti2v", "wan22_a14b", "ltx23")
 
@@ -290,17 +289,16 @@ def parse_args() -> argparse.Namespace:
 
 def build(a, device: torch.device):
     """The recipe's config and adapter; with --random-init the full-size models from their public configs."""
-    recipe, module = MODELS[a.model]
+    recipe = MODELS[a.model]
     path = a.path
     if a.random_init:
         path = tempfile.mkdtemp() + "/ckpt"
         write_random_checkpoint(a.model, Path(path), a.qwen_bpe)
-    if a.random_init or device.type == "meta":
-        importlib.import_module(module).load_pretrained = random_init_loader(device)
+    random = ["--model.weights", "random"] if a.random_init or device.type == "meta" else []
     size = ["--sampling.height", str(a.size[0]), "--sampling.width", str(a.size[1])] if a.size else []
     frames = ["--family.num_frames", str(a.frames)] if a.frames else []
-    cfg = load_config(recipe, ["--model.path", path, *size, *frames])
-    return cfg, get_adapter(cfg.model.adapter)(cfg, device)
+    cfg = load_config(recipe, ["--model.path", path, *random, *size, *frames])
+    return cfg, build_adapter(cfg, device)
 
 
 def dry_run(a) -> None:

@@ -47,6 +47,10 @@ class ModelConfig:
     """Train a LoRA (base frozen and replicated) or every transformer weight (FSDP2-sharded)."""
     gradient_checkpointing: bool = False
     """Recompute activations of each transformer block in the backward pass."""
+    weights: Literal["pretrained", "random"] = "pretrained"
+    """pretrained: the weights at model.path. random: every model built from its config at model.path with
+    random weights (omnirl.models.random_init), the same on every rank, reading no weight files: for
+    measuring memory and speed without the checkpoint's weights (a config-only checkpoint will do)."""
 
 
 @dataclass

@@ -513,14 +513,34 @@ def fsdp_hooks_quiet(model: nn.Module):
             s._training_state = t
 
 
+# What `load_pretrained` builds models with instead of reading weights, while `building_with` is in effect:
+# model.weights random (`omnirl.models.build_adapter`), else None.
+_builder = None
+
+
+@contextlib.contextmanager
+def building_with(builder):
+    """While in effect, `load_pretrained(cls, path, **kwargs)` returns `builder(cls, path, **kwargs)`: every
+    model an adapter loads goes through it (omnirl.models.random_init.random_init_loader)."""
+    global _builder
+    before, _builder = _builder, builder
+    try:
+        yield
+    finally:
+        _builder = before
+
+
 def load_pretrained(cls, path: str, **kwargs) -> nn.Module:
     """`cls.from_pretrained(path, **kwargs)` read on rank 0 only, broadcast to the other ranks.
 
     Other ranks build the module from its config on the meta device (no memory, no disk read of the
     weights), allocate it empty on the host and receive every parameter and buffer from rank 0, so N
     ranks do not each read a 40-60 GB checkpoint into host memory. Works for diffusers and
-    transformers models alike (both have `from_pretrained` and a config on disk).
+    transformers models alike (both have `from_pretrained` and a config on disk). Every adapter loads
+    its models through here, so that model.weights random builds them instead (`building_with`).
     """
+    if _builder is not None:
+        return _builder(cls, path, **kwargs)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return cls.from_pretrained(path, **kwargs)
     if dist.get_rank() == 0:

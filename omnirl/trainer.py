@@ -18,6 +18,7 @@ from omnirl.config import Config
 from omnirl.data import check_prompts, load_data
 from omnirl.memory import Sleeper, module_tensors, optimizer_state, phase
 from omnirl.metrics import MetricsLogger
+from omnirl.models import build_adapter
 from omnirl.ops import check_before_loading, shard
 from omnirl.rewards.pool import RewardPool
 from omnirl.scoring import regenerate_selected, rollout_and_score, validate
@@ -40,8 +41,8 @@ def train(cfg: Config) -> dict[str, float]:
 def _train(cfg: Config, dist: D.DistInfo) -> dict[str, float]:
     resume = checkpoint.find_resume(cfg)  # a checkpoint of another model fails here, before any loading
     rows, val_rows, skipped = load_data(cfg)
-    adapter_cls, ops_cls = check_before_loading(cfg)  # a typo should not cost minutes of loading
-    adapter = adapter_cls(cfg, dist.device)
+    _, ops_cls = check_before_loading(cfg)  # a typo should not cost minutes of loading
+    adapter = build_adapter(cfg, dist.device)
     # After the model: a latent reward reads its latent space, and may run its blocks (before FSDP wraps them)
     r = cfg.reward
     rewards = RewardPool(r.weights, r.num_workers, r.timeout_s, r.paths, adapter=adapter, cfg=cfg)

@@ -125,6 +125,11 @@ def test_bad_input_exit_status_from_the_command_line(tmp_path):
 IMPOSSIBLE = {
     "no steps": (["--run.steps", "0"], "run.steps must be an integer >= 1, got 0"),
     "negative steps": (["--run.steps", "-1"], "run.steps must be an integer >= 1, got -1"),
+    "unknown model weights": (
+        ["--model.weights", "random_init"],
+        "invalid choice 'random_init' for argument '--model.weights'. Expected one of ('pretrained', "
+        "'random')",
+    ),
     "negative clip range": (
         ["--algo.clip_range", "-1"],
         "algo.clip_range must be a finite number > 0, got -1.0",

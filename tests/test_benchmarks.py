@@ -271,16 +271,15 @@ def test_host_builds_draw_their_random_weights_on_the_device():
 
 
 @pytest.mark.slow
-def test_config_only_thinker_is_built_by_the_run(tmp_path, monkeypatch):
-    """`two_gpu_runs checkpoint --config-only` writes no weights; the Qwen3-Omni adapter, its
-    `load_pretrained` replaced as `train_entry --random-init` replaces it, builds the thinker from the
-    config the adapter passes (its vision_start_token_id set from the tokenizer), in the recipe's dtype,
-    on the host when the frozen base is offloaded, with the lm_head scaled as a written thinker's is."""
+def test_config_only_thinker_is_built_by_the_run(tmp_path):
+    """`two_gpu_runs checkpoint --config-only` writes no weights; the Qwen3-Omni adapter with model.weights
+    random (what `train_entry --random-init` sets) builds the thinker from the config the adapter passes
+    (its vision_start_token_id set from the tokenizer), in the recipe's dtype, on the host when the frozen
+    base is offloaded, with the lm_head scaled as a written thinker's is."""
     import torch
 
     from omnirl.config import config_for
-    from omnirl.models import get_adapter, qwen3_omni
-    from omnirl.models.random_init import random_init_loader
+    from omnirl.models import build_adapter
     from scripts.gpu.two_gpu_runs import TINY_THINKER
 
     cmd = [sys.executable, "-m", "scripts.gpu.two_gpu_runs", "checkpoint", "--out", str(tmp_path)]
@@ -292,20 +291,14 @@ def test_config_only_thinker_is_built_by_the_run(tmp_path, monkeypatch):
     (path / "config.json").write_text(json.dumps({**config, "vision_start_token_id": 1}))
     cfg = config_for("qwen3_omni_thinker")
     cfg.model.path, cfg.model.dtype, cfg.model.finetune = str(path), "bfloat16", "lora"
+    cfg.model.weights = "random"
     cfg.lora.target_modules = ["q_proj", "v_proj"]
     cfg.distributed.frozen_base, cfg.distributed.rollout_gather = "offload", "unit"
     heads = []
     for scale_file in (True, False):
         if not scale_file:
             (path / "random_init.json").unlink()
-        load = random_init_loader(torch.device("meta"), policy_on_host=True)  # meta: only the host build
-
-        def seeded(*args, load=load, **kwargs):
-            torch.manual_seed(0)
-            return load(*args, **kwargs)
-
-        monkeypatch.setattr(qwen3_omni, "load_pretrained", seeded)
-        adapter = get_adapter("qwen3_omni_thinker")(cfg, torch.device("cpu"))
+        adapter = build_adapter(cfg, torch.device("cpu"))  # the same seed per model: the same weights
         base = [p for n, p in adapter.model.named_parameters() if "lora_" not in n]
         assert {p.device.type for p in base} == {"cpu"} and {p.dtype for p in base} == {torch.bfloat16}
         vision_start = adapter.tokenizer.convert_tokens_to_ids(adapter.tokenizer.vision_bos_token)

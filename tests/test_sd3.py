@@ -169,3 +169,37 @@ def test_mixgrpo_flash_rollout_on_the_compressed_schedule(adapter):
         v = adapter.velocity(x, sig[steps], embeds, GUIDANCE)
         out = flow_step(v, x, sig[steps], sig[steps + 1], float(sig[1]), 0.7, "sde", prev_sample=x_next)
     assert max_diff(out.logprob, torch.cat([t.logprobs for t in trajs])) < 1e-5
+
+
+def test_random_weights_are_built_from_the_configs_alone(tiny_sd3, tmp_path):
+    """model.weights random builds every model from the configs at model.path: a copy without the weight
+    files loads, the same weights on every build (every rank), none of them the checkpoint's; model.weights
+    pretrained (the default) reads the checkpoint's weights, and finds none in that copy."""
+    import shutil
+
+    from diffusers import AutoencoderKL
+    from transformers import T5EncoderModel
+
+    from omnirl.models import build_adapter
+
+    configs = tmp_path / "configs"
+    shutil.copytree(tiny_sd3, configs, ignore=shutil.ignore_patterns("*.safetensors"))
+    cpu = torch.device("cpu")
+    random_cfg = tiny_config("sd3", configs)
+    random_cfg.model.weights = "random"
+    first, second = build_adapter(random_cfg, cpu), build_adapter(random_cfg, cpu)
+    pretrained = build_adapter(tiny_config("sd3", tiny_sd3), cpu)
+    stock = {
+        "vae": AutoencoderKL.from_pretrained(tiny_sd3, subfolder="vae"),
+        "text_encoder_3": T5EncoderModel.from_pretrained(tiny_sd3, subfolder="text_encoder_3"),
+    }
+    for name, model in stock.items():
+        want = model.state_dict()
+        for adapter, same in ((pretrained, True), (first, False)):
+            got = getattr(adapter, name).state_dict()
+            assert got.keys() == want.keys()
+            assert all(torch.equal(got[k], want[k]) for k in want) == same, (name, same)
+    for a, b in zip(first.transformer.state_dict().values(), second.transformer.state_dict().values()):
+        assert torch.equal(a, b)
+    with pytest.raises(OSError):  # the pretrained path reads weight files, and the copy has none
+        build_adapter(tiny_config("sd3", configs), cpu)

@@ -4,8 +4,14 @@ adapter never imports another family's dependencies."""
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from omnirl.config import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from omnirl.config import Config
 
 ADAPTERS = {
     "sd3": "omnirl.models.sd3:SD3Adapter",
@@ -17,6 +23,18 @@ ADAPTERS = {
     "ltx2": "omnirl.models.ltx2:LTX2Adapter",
     "bagel": "omnirl.models.bagel:BagelAdapter",
 }
+
+
+def build_adapter(cfg: Config, device: torch.device):
+    """The adapter of cfg.model.adapter on `device`, its models loaded as model.weights says: read from
+    model.path, or built from the configs there with random weights (`random_init.random_weights`)."""
+    adapter_cls = get_adapter(cfg.model.adapter)
+    if cfg.model.weights == "pretrained":
+        return adapter_cls(cfg, device)
+    from omnirl.models.random_init import random_weights
+
+    with random_weights(cfg, device):
+        return adapter_cls(cfg, device)
 
 
 def get_adapter(name: str) -> type:

@@ -2,9 +2,12 @@
 
 `write_random_checkpoint` writes a config-only checkpoint of the public configs (with the tiny byte-level
 tokenizers of omnirl.models.tiny, or `edit_tokenizer` for Qwen-Image-Edit; for the Qwen-Image families the
-real Qwen2 BPE when its ranks are given: `qwen_bpe_tokenizer`); `random_init_loader` replaces an adapter's
-`load_pretrained` so each model is built from its config directly in its dtype on the device (a sharded
-run's policy on the host), random weights.
+real Qwen2 BPE when its ranks are given: `qwen_bpe_tokenizer`). With model.weights random,
+`omnirl.models.build_adapter` builds the adapter under `random_weights`: every model the adapter loads
+through `omnirl.distributed.load_pretrained` is then built by `random_init_loader` from its config, directly
+in its dtype on the device (a sharded run's policy on the host), with random weights seeded per model, so
+every rank builds the same ones. Any family gets this by loading each of its models through
+`load_pretrained`; `BUILD_HOOKS` lets a measuring script see each build.
 `write_random_thinker` saves a random-init Qwen3-Omni thinker of a given text-model shape, or only its
 config (`weights=False`: then `random_init_loader` builds it in the run itself, with no checkpoint on disk).
 """
@@ -14,9 +17,16 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import time
+import zlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from omnirl.config import Config
 
 # ---------------------------------------------------------------------------------------------- models
 
@@ -466,16 +476,49 @@ def write_random_checkpoint(model: str, out: Path, qwen_bpe: str | Path | None =
 POLICY_SUBFOLDERS = ("transformer", "transformer_2")
 # A config-only thinker's build settings (write_random_thinker(weights=False)), read by random_init_loader.
 RANDOM_INIT_FILE = "random_init.json"
+# The random weights: torch is seeded with this plus a hash of the model's class and subfolder before each
+# build, so that every rank builds the same weights, whatever it drew before, and two experts of one class
+# (Wan2.2 A14B) differ.
+BUILD_SEED = 1234
+# Called after each build of `random_weights` as hook(cls, subfolder, model, seconds): what a measuring
+# script records of the builds (scripts/gpu/phase_memory.py).
+BUILD_HOOKS: list[Callable] = []
+
+
+@contextlib.contextmanager
+def random_weights(cfg: Config, device: torch.device):
+    """While in effect, every model loaded through `omnirl.distributed.load_pretrained` is built by
+    `random_init_loader` on `device`, seeded per model (`BUILD_SEED`); a run whose frozen base FSDP2 shards
+    or offloads builds its policy on the host (not when `device` is meta: nothing is allocated there)."""
+    from omnirl import distributed as D
+    from omnirl.memory import synchronize
+
+    on_host = cfg.distributed.frozen_base != "replicate" and device.type != "meta"
+    load = random_init_loader(device, policy_on_host=on_host)
+
+    def build(cls, path, subfolder=None, **kwargs):
+        torch.manual_seed(BUILD_SEED + zlib.crc32(f"{cls.__name__}/{subfolder}".encode()))
+        begin = time.perf_counter()
+        model = load(cls, path, subfolder=subfolder, **kwargs)
+        if BUILD_HOOKS:
+            synchronize()
+            for hook in BUILD_HOOKS:
+                hook(cls, subfolder, model, time.perf_counter() - begin)
+        return model
+
+    with D.building_with(build):
+        yield
 
 
 def random_init_loader(device: torch.device, policy_on_host: bool = False):
-    """Replaces `load_pretrained`: build each model from its config, random weights, on the device, with the
-    dtypes `from_pretrained(torch_dtype=...)` leaves (`_as_loaded`). With `policy_on_host` the policies
-    (`POLICY_SUBFOLDERS`, or a model at the checkpoint's root) are built on the host, where `from_pretrained`
-    leaves them, for a run whose frozen base FSDP2 shards (distributed.frozen_base shard / offload): the
-    adapter leaves its policy there and `fully_shard` moves it to the device one unit at a time
-    (docs/memory.md). A `config` the adapter passes is used as given; a `RANDOM_INIT_FILE` beside the
-    config scales the output embedding by its `head_scale` (as `write_random_thinker` does)."""
+    """What `load_pretrained` builds with under `random_weights`: each model from its config, random
+    weights, on the device, with the dtypes `from_pretrained(torch_dtype=...)` leaves (`_as_loaded`). With
+    `policy_on_host` the policies (`POLICY_SUBFOLDERS`, or a model at the checkpoint's root) are built on
+    the host, where `from_pretrained` leaves them, for a run whose frozen base FSDP2 shards
+    (distributed.frozen_base shard / offload): the adapter leaves its policy there and `fully_shard` moves
+    it to the device one unit at a time (docs/memory.md). A `config` the adapter passes is used as given; a
+    `RANDOM_INIT_FILE` beside the config scales the output embedding by its `head_scale` (as
+    `write_random_thinker` does)."""
     from diffusers import ModelMixin
 
     def load(cls, path, subfolder=None, torch_dtype=None, dtype=None, config=None, **_):

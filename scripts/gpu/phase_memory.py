@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,18 +40,12 @@ RECIPES = {
     "wan22_a14b_flowgrpo_lora": Recipe("wan22_a14b", "wan22_a14b_tiny_flowgrpo_lora", "wan22_a14b", "ocr"),
     "ltx23_t2av_flowgrpo_lora": Recipe("ltx23", "ltx23_tiny_t2av_flowgrpo", "ltx2", "ocr"),
 }
-# The adapter modules whose `load_pretrained` the worker replaces (each calls its module-level name).
-ADAPTER_MODULES = (
-    "omnirl.models.qwen_image", "omnirl.models.qwen_image_edit", "omnirl.models.sd3", "omnirl.models.wan",
-    "omnirl.models.ltx2",
-)  # fmt: skip
 # Packages a reward needs beyond the trainer's; a reward whose packages are missing is left out.
 REWARD_NEEDS = {
     "ocr": ("rapidocr", "rapidfuzz", "onnxruntime"),
     "text_edit": ("rapidocr", "rapidfuzz", "onnxruntime"),
 }
 PROMPTS_PER_RANK = 2
-BUILD_SEED = 1234  # the random weights: torch seeded with this (+ a hash of the submodel) before each build
 GIB = 2**30
 STOP_S = 10  # seconds a stopped run has to end before it is killed
 REPORT_S = STOP_S + 5  # what --budget-s keeps back for stopping the run and writing the report
@@ -340,7 +333,7 @@ def drive(
         print(f"phase_memory: reward {dropped} left out: its packages or weights are missing (device memory "
               f"does not depend on it; uniform_noise gives the groups spread)", flush=True)  # fmt: skip
         recipe["reward"]["paths"] = {n: v for n, v in paths.items() if n not in dropped}
-    recipe["model"]["path"] = ckpt
+    recipe["model"].update(path=ckpt, weights="random")  # every model built from its config
     recipe["data"].update(train_path=str(work / "data/train.jsonl"), val_path=str(work / "data/val.jsonl"))
     recipe["run"].update(steps=a.steps, output_dir=str(work / "run"))
     recipe["rollout"].update(
@@ -448,23 +441,18 @@ def check_plan(cfg, world: int) -> dict:
     """What a run of `cfg` would build and pack, without running it: every model built on the meta device
     (parameter counts), and rank 0's requests of each step packed as its rollout packs them (batch sizes,
     the compatibility key's last fields: e.g. the text buckets), with the update's micro-batch count."""
-    import importlib
-
     import torch
     from torch import nn
 
     from omnirl import distributed as D
     from omnirl.batching import make_requests
     from omnirl.data import LOADERS
-    from omnirl.models import get_adapter
-    from omnirl.models.random_init import random_init_loader
+    from omnirl.models import build_adapter
     from omnirl.ops.diffusion import sampling_params
     from omnirl.rollout.diffusion import DiffusionEngine
 
     meta = torch.device("meta")
-    for module in ADAPTER_MODULES:
-        importlib.import_module(module).load_pretrained = random_init_loader(meta)
-    adapter = get_adapter(cfg.model.adapter)(cfg, meta)
+    adapter = build_adapter(cfg, meta)  # model.weights random: built from the configs, on meta
     params = {}
     for name, module in vars(adapter).items():
         if isinstance(module, nn.Module):
@@ -536,24 +524,21 @@ def last_phase(device: dict, run_s: float) -> str | None:
 
 
 def worker(recipe: str, info: str, cap_gib: float, overrides: list[str]) -> None:
-    """One rank: its device memory capped at `cap_gib` GiB (0: not capped), random-init loaders in place of
-    `load_pretrained`, then scripts/train.py's `main`."""
+    """One rank: its device memory capped at `cap_gib` GiB (0: not capped), each random-init build of the
+    recipe's models (model.weights random) recorded, then scripts/train.py's `main`."""
     import importlib
 
     import torch
 
     from omnirl.distributed import local_device
-    from omnirl.memory import cap_device_memory, synchronize
-    from omnirl.models.random_init import random_init_loader
+    from omnirl.memory import cap_device_memory
+    from omnirl.models.random_init import BUILD_HOOKS
     from scripts import train
 
     rank, device = int(os.environ.get("RANK", 0)), local_device()
     cuda = device.type == "cuda"
     if cap_gib:
         cap_device_memory(cap_gib, device)  # before anything is allocated: the peaks count from it
-    # A sharded frozen base: the transformer built on the host, where from_pretrained would leave it.
-    sharded = train.parse(recipe, overrides).distributed.frozen_base != "replicate"
-    load = random_init_loader(device, policy_on_host=sharded)
     record = {
         "rank": rank, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "device_gib": torch.cuda.get_device_properties(device).total_memory / GIB if cuda else None,
@@ -563,24 +548,17 @@ def worker(recipe: str, info: str, cap_gib: float, overrides: list[str]) -> None
     }  # fmt: skip
     path = Path(info) / f"rank{rank}.json"
 
-    def seeded_load(cls, model_path, subfolder=None, **kwargs):
-        # The same seed on every rank before each model, whatever was drawn before: identical weights.
-        torch.manual_seed(BUILD_SEED + zlib.crc32(f"{cls.__name__}/{subfolder}".encode()))
-        begin = time.perf_counter()
-        model = load(cls, model_path, subfolder=subfolder, **kwargs)
-        synchronize()
+    def recorded(cls, subfolder, model, seconds):
         record["loads"].append({
-            "subfolder": subfolder, "class": cls.__name__, "s": time.perf_counter() - begin,
+            "subfolder": subfolder, "class": cls.__name__, "s": seconds,
             "params_b": sum(p.numel() for p in model.parameters()) / 1e9,
             "allocated_gib_after": torch.cuda.memory_allocated(device) / GIB if cuda else None,
         })  # fmt: skip
         path.write_text(json.dumps(record, indent=1) + "\n")
-        return model
 
     path.write_text(json.dumps(record, indent=1) + "\n")
     trace_phases(record, path)
-    for module in ADAPTER_MODULES:
-        importlib.import_module(module).load_pretrained = seeded_load
+    BUILD_HOOKS.append(recorded)
     train.exit_now(train.main(["--recipe", recipe, *overrides]))
 
 
