@@ -212,6 +212,9 @@ def test_imagebind_file_is_matched_key_by_key(tiny_imagebind, tmp_path):
         torch.save(bad, tmp_path / "bad.pth")
         with pytest.raises(ConfigError, match=re.escape(expected)):
             load_imagebind(str(tmp_path / "bad.pth"), tiny_imagebind_arch())
+    (tmp_path / "bad.pth").write_bytes(b"not a checkpoint")
+    with pytest.raises(ConfigError, match="bad.pth: not readable as a torch checkpoint"):
+        load_imagebind(str(tmp_path / "bad.pth"), tiny_imagebind_arch())
 
 
 def test_a_reward_of_two_modalities_gets_both(tiny_imagebind):
