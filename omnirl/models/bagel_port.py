@@ -235,8 +235,14 @@ class BagelModel(nn.Module):
         self.gradient_checkpointing = False
 
     @classmethod
-    def _from_config(cls, config: BagelConfig) -> BagelModel:
+    def _from_config(cls, config: BagelConfig, **_) -> BagelModel:
+        """Built from its config, random weights (as transformers' classes: what a meta build and
+        random_init's loader call; the dtype is the default one they set)."""
         return cls(config)
+
+    def _get_dtype_plan(self, dtype: torch.dtype) -> dict:
+        """No tensor is kept in another dtype than the model's (random_init reads it as transformers')."""
+        return {}
 
     @classmethod
     def from_pretrained(cls, path: str | Path, torch_dtype: torch.dtype = torch.float32) -> BagelModel:

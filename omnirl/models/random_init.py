@@ -30,6 +30,16 @@ if TYPE_CHECKING:
 
 # ---------------------------------------------------------------------------------------------- models
 
+# ByteDance-Seed/BAGEL-7B-MoT's llm_config.json: the Qwen2-7B shape (its generation copy doubles every
+# layer's weights: 14 B parameters in all), q/k norms, and its latent position table of side 64 (the
+# official app's max_latent_size). The autoencoder is FLUX's (omnirl.models.bagel_port.FLUX_VAE).
+BAGEL_7B_MOT_LLM = dict(
+    vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+    num_attention_heads=28, num_key_value_heads=4, rms_norm_eps=1e-6,
+    rope_parameters=dict(rope_type="default", rope_theta=1e6),
+    max_position_embeddings=32768, tie_word_embeddings=False,
+)  # fmt: skip
+
 # stabilityai/stable-diffusion-3.5-medium, passed as keyword arguments to the classes: an unknown key is a
 # TypeError (`checked` makes it one for transformers' configs too), so the names are checked against the
 # installed diffusers / transformers.
@@ -467,8 +477,31 @@ def write_random_checkpoint(model: str, out: Path, qwen_bpe: str | Path | None =
         tokenizer.save_pretrained(out / "tokenizer")
         dump("scheduler", {})
         (out / "scheduler" / "scheduler_config.json").write_text(json.dumps(LTX2_SCHEDULER))
+    elif model == "bagel":
+        write_random_bagel(out)
     else:
         raise ValueError(f"--random-init has no configs for {model!r}")
+
+
+def write_random_bagel(out: Path) -> None:
+    """BAGEL-7B-MoT in the official layout without its weights: llm_config.json, an ema.safetensors holding
+    only the latent position table (what its config reads; random_init_loader builds the model from the
+    config), a random FLUX autoencoder in BFL layout (ae.safetensors, 84 M parameters, bfloat16) and the
+    tiny byte-level Qwen2 tokenizer with the BAGEL special tokens (the embeddings keep the real vocabulary)."""
+    from diffusers import AutoencoderKL
+    from safetensors.torch import save_file
+    from transformers import Qwen2Config
+
+    from omnirl.models import tiny
+    from omnirl.models.bagel_port import FLUX_VAE, MAX_LATENT_SIZE, bfl_vae_state, sincos_2d
+
+    llm = checked(Qwen2Config, **BAGEL_7B_MOT_LLM).to_dict()
+    (out / "llm_config.json").write_text(json.dumps({**llm, "qk_norm": True}, indent=2))
+    table = sincos_2d(BAGEL_7B_MOT_LLM["hidden_size"], MAX_LATENT_SIZE).to(torch.bfloat16)
+    save_file({"latent_pos_embed.pos_embed": table}, out / "ema.safetensors")
+    vae = AutoencoderKL(**FLUX_VAE).to(torch.bfloat16)
+    save_file(bfl_vae_state(vae), out / "ae.safetensors")
+    tiny._qwen_image_tokenizer().save_pretrained(out)
 
 
 # The checkpoint subfolders that hold the diffusion adapters' policies (Wan2.2 A14B: both experts); a
