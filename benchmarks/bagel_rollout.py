@@ -69,6 +69,9 @@ def main(argv=None) -> dict:
     which.add_argument("--tiny", action="store_true", help="the tiny model on the host (plumbing)")
     parser.add_argument("--rows", type=int, default=16, help="requests of the packed rollout")
     parser.add_argument("--serial", type=int, default=4, help="requests run one at a time")
+    parser.add_argument(
+        "--split-cfg", action="store_true", help="the CFG branches as two forwards (rollout.fused_cfg false)"
+    )
     parser.add_argument("--out", help="write the JSON here")
     a = parser.parse_args(argv)
 
@@ -94,6 +97,8 @@ def main(argv=None) -> dict:
         write_random_checkpoint("bagel", path)
         torch.manual_seed(0)
         bagel.load_pretrained = random_init_loader(device)
+    if a.split_cfg:
+        overrides += ["--rollout.fused_cfg", "false"]
     cfg = load_config("bagel_flowgrpo_ocr_lora", ["--model.path", str(path), *overrides])
     cfg.distributed.fsdp = False
     build = measured(lambda: bagel.BagelAdapter(cfg, device), device)
@@ -131,7 +136,7 @@ def main(argv=None) -> dict:
         "device": torch.cuda.get_device_name(device) if device.type != "cpu" else platform.processor(),
         "versions": {"torch": torch.__version__},
         "size": [params.height, params.width], "num_steps": params.num_steps,
-        "guidance_scale": params.guidance_scale, "lora_rank": cfg.lora.rank,
+        "guidance_scale": params.guidance_scale, "fused_cfg": params.fused_cfg, "lora_rank": cfg.lora.rank,
         "lora_modules": adapter.lora_count,
         "parameters_b": sum(p.numel() for p in adapter.policy.parameters()) / 1e9,
         "build_s": build["s"], "weights_gib": weights_gib,

@@ -455,6 +455,12 @@ def test_tiny_recipe_under_torchrun_fsdp(tiny_bagel, tmp_path):
     assert len(lora) == 7 * 2 * 2  # 7 targets x 2 layers, A and B
     assert any(v.abs().max() > 0 for k, v in lora.items() if "lora_B" in k)
     assert "Traceback" not in r.stderr
+    # The full fine-tune of the generation pathway, its frozen understanding copy in the same FSDP2 units.
+    full = tmp_path / "full"
+    torchrun(2, ROOT / "yaml/bagel_tiny_flowgrpo.yaml", "--model.path", str(tiny_bagel), "--model.finetune",
+             "full", "--optim.lr", "1e-4", "--run.output_dir", str(full), "--run.steps", "1")  # fmt: skip
+    (row,) = read_jsonl(full / "metrics.jsonl")
+    assert row["train/updates"] == 1 and row["train/grad_norm"] > 0
 
 
 def test_patchify_round_trip():

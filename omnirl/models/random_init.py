@@ -487,7 +487,8 @@ def write_random_bagel(out: Path) -> None:
     """BAGEL-7B-MoT in the official layout without its weights: llm_config.json, an ema.safetensors holding
     only the latent position table (what its config reads; random_init_loader builds the model from the
     config), a random FLUX autoencoder in BFL layout (ae.safetensors, 84 M parameters, bfloat16) and the
-    tiny byte-level Qwen2 tokenizer with the BAGEL special tokens (the embeddings keep the real vocabulary)."""
+    tiny byte-level Qwen2 tokenizer with the BAGEL special tokens (the embeddings keep the real
+    vocabulary)."""
     from diffusers import AutoencoderKL
     from safetensors.torch import save_file
     from transformers import Qwen2Config
