@@ -31,12 +31,14 @@ class Cell:
     compile: bool = False
     buckets: str = "recipe"  # "recipe" | "single" (the largest only) | "negative" (+ the negative's length)
     precision: str = "bf16"  # rollout.precision: "bf16" | "fp8"
+    fp8_steps: str = "all"  # rollout.fp8_steps with fp8: "all" | "untrained"
 
     @property
     def spec(self) -> str:
         """The --cells spelling of this cell."""
         cfg, compiled = "fused" if self.fused_cfg else "split", "compiled" if self.compile else "eager"
-        return f"{self.max_num_seqs}:{cfg}:{self.buckets}:{compiled}:{self.precision}"
+        steps = ":untrained" if self.fp8_steps == "untrained" else ""
+        return f"{self.max_num_seqs}:{cfg}:{self.buckets}:{compiled}:{self.precision}{steps}"
 
     @property
     def name(self) -> str:
@@ -48,6 +50,7 @@ class Cell:
             self.buckets
         ]
         parts += ["fp8"] if self.precision == "fp8" else []
+        parts += ["untrained steps only"] if self.fp8_steps == "untrained" else []
         return ", ".join(parts + ["compiled" if self.compile else "eager"])
 
     def requests(self, requests: list[Request]) -> list[Request]:
@@ -71,8 +74,12 @@ def parse_cell(spec: str) -> Cell:
             kwargs["compile"] = option == "compiled"
         elif option in ("bf16", "fp8"):
             kwargs["precision"] = option
+        elif option == "untrained":  # fp8 on the steps no row trains (rollout.fp8_steps untrained)
+            kwargs["fp8_steps"] = option
         else:
             raise argparse.ArgumentTypeError(f"cell {spec!r}: unknown option {option!r}")
+    if kwargs.get("fp8_steps") and kwargs.get("precision") != "fp8":
+        raise argparse.ArgumentTypeError(f"cell {spec!r}: 'untrained' is an option of fp8 cells")
     try:
         return Cell(int(n), **kwargs)
     except ValueError:

@@ -188,7 +188,7 @@ def parse_args() -> argparse.Namespace:
         default=[],
         type=parse_cell,
         help="more packed cells, each MAX_NUM_SEQS[:fused|split][:recipe|single|negative][:eager|compiled]"
-        "[:bf16|fp8], "
+        "[:bf16|fp8[:untrained]], "
         "e.g. 32:split:single:compiled (defaults: fused, recipe buckets, eager)",
     )
     p.add_argument(
@@ -428,13 +428,20 @@ def main() -> None:
     def run_engine(cell: Cell, reqs: list[Request], scale: float, name: str = ""):
         name = name or cell.name
         reqs = cell.requests(reqs)
-        engine = DiffusionEngine(adapter, cell.max_num_seqs, compile=cell.compile, precision=cell.precision)
+        engine = DiffusionEngine(
+            adapter,
+            cell.max_num_seqs,
+            compile=cell.compile,
+            precision=cell.precision,
+            fp8_steps=cell.fp8_steps,
+        )
         with prompt_buckets(adapter, cell.buckets, reqs):
             compile_s = 0.0
             if cell.compile:
                 compile_s, _ = timed(lambda: engine.generate(reqs))  # compiles every bucket shape
             engine.check_memory(reqs)  # the probes of the memory check, at the timed batches' sizes
-            engine.generate(reqs[: min(len(reqs), 2)])  # warm-up (allocator, kernels)
+            if not cell.compile:  # compiled: the compile pass warmed up every shape (2 rows would be new)
+                engine.generate(reqs[: min(len(reqs), 2)])  # warm-up (allocator, kernels)
             reset_peak()
             # Ranks start each run together (a barrier): a step's generation ends with its slowest rank.
             secs, runs, trajs = timed_repeats(lambda: engine.generate(reqs), a.repeats, D.barrier)
@@ -467,7 +474,7 @@ def main() -> None:
         )
     # FP8 cells and their bf16 twins keep their rollouts for the precision comparison.
     fp8 = [c for c in eager + compiled if c.precision == "fp8"]
-    twins = {dataclasses.replace(c, precision="bf16") for c in fp8}
+    twins = {dataclasses.replace(c, precision="bf16", fp8_steps="all") for c in fp8}
     kept: dict[Cell, list] = {}
 
     def run_cell(cell: Cell) -> None:
@@ -476,7 +483,7 @@ def main() -> None:
             results["logprob_check"] = logprob_gap(adapter, trajs, cfg.algo.clip_range)
             D.print0(json.dumps(results["logprob_check"]))
         if trajs and cell.precision == "fp8":
-            ref = kept.pop(dataclasses.replace(cell, precision="bf16"), None)
+            ref = kept.get(dataclasses.replace(cell, precision="bf16", fp8_steps="all"))
             gap = precision_gap(adapter, trajs, ref, cfg.algo.clip_range, cfg.optim.micro_batch_size)
             results.setdefault("precision", {})[cell.spec] = gap
             D.print0(json.dumps({"precision": cell.spec, **gap}))

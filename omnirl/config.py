@@ -219,9 +219,15 @@ class RolloutConfig:
     """Diffusion adapters: the precision of the transformer blocks' linear layers in the rollout. 'fp8':
     float8 e4m3 with per-row weight and activation scales (omnirl.rollout.fp8; each family states which
     block layers stay in bf16), on NVIDIA GPUs of compute capability 8.9 or newer (the CPU emulates it);
-    it pays with rollout.compile. Training stays in the model's precision: with fp8 algo.old_logprob
-    defaults to recompute and algo.correction to tis, which weight each trained step by the ratio of the
-    trainer's to the rollout's probability (omnirl.algos.correction)."""
+    it pays with rollout.compile. Training stays in the model's precision (rollout.fp8_steps says which
+    steps run FP8)."""
+    fp8_steps: Literal["untrained", "all"] = "untrained"
+    """rollout.precision fp8: the denoising steps that run in FP8. 'untrained': only the steps no row of a
+    packed batch trains (outside every row's SDE window); a step that trains some row runs in the policy's
+    own precision, so the old log-probs of every trained transition are the trainer's and need neither a
+    recompute nor a correction. 'all': every step; the trainer then recomputes the old log-probs
+    (algo.old_logprob defaults to recompute) and weights each trained step by the ratio of its to the
+    rollout's probability (algo.correction defaults to tis; omnirl.algos.correction)."""
     fp8_select: int = 0
     """rollout.precision fp8: 0 trains on the FP8 samples themselves. K > 0 is Sol-RL's two stages: of
     each group, the K best and the K worst FP8 samples by reward are generated again in bf16 from the

@@ -143,6 +143,19 @@ def check_values(cfg: Config) -> None:
     _check_precision(cfg, adapter)
 
 
+def fp8_trained(cfg: Config) -> bool:
+    """The loss trains on transitions the rollout sampled in FP8: rollout.precision fp8 at every step
+    (fp8_steps all) on the rollout's own samples (fp8_select 0) with a log-prob loss (not DiffusionNFT,
+    which has no transitions). Then the trainer recomputes the old log-probs and corrects."""
+    r = cfg.rollout
+    return (
+        r.precision == "fp8"
+        and r.fp8_steps == "all"
+        and not r.fp8_select
+        and loss_spec(cfg.algo.loss).logprobs
+    )
+
+
 def _check_precision(cfg: Config, adapter: type) -> None:
     """rollout.precision fp8 and Sol-RL's selection (rollout.fp8_select): a diffusion adapter, weights the
     rollout can quantise once per phase, and old log-probs of the trained precision."""
@@ -166,10 +179,17 @@ def _check_precision(cfg: Config, adapter: type) -> None:
             f"rollout.fp8_select {r.fp8_select}: the {r.fp8_select} best and worst samples of a group must "
             f"be fewer than rollout.group_size ({r.group_size})"
         )
-    if not r.fp8_select and loss_spec(a.loss).logprobs and a.old_logprob == "rollout":
+    if r.fp8_steps == "untrained" and (r.fp8_select or not loss_spec(a.loss).logprobs):
+        what = "rollout.fp8_select explores" if r.fp8_select else f"algo.loss {a.loss} trains"
         raise ConfigError(
-            "algo.old_logprob rollout: with rollout.precision fp8 the rollout's log-probs are not the "
-            "trainer's; the trainer recomputes them (algo.old_logprob recompute, the default with fp8)"
+            f"rollout.fp8_steps untrained: {what} on samples with no trained steps kept in bf16; use "
+            "rollout.fp8_steps all (its default there)"
+        )
+    if fp8_trained(cfg) and a.old_logprob == "rollout":
+        raise ConfigError(
+            "algo.old_logprob rollout: with rollout.precision fp8 and rollout.fp8_steps all the rollout's "
+            "log-probs are not the trainer's; the trainer recomputes them (algo.old_logprob recompute, the "
+            "default there), or use rollout.fp8_steps untrained"
         )
 
 

@@ -18,7 +18,7 @@ import yaml
 
 from omnirl.algos.losses import loss_spec
 from omnirl.config import RECIPE_DIR, Config, ConfigError, ModelConfig, config_class
-from omnirl.config_checks import check_values
+from omnirl.config_checks import check_values, fp8_trained
 
 REQUIRED = ("model.path", "data.train_path")
 
@@ -172,14 +172,18 @@ def load_config(recipe: str, overrides: list[str]) -> Config:
 
 
 def backend_defaults(cfg: Config, given: set[str]) -> None:
-    """rollout.backend vllm, and rollout.precision fp8 with a log-prob loss trained on the FP8 samples
-    (rollout.fp8_select 0): the rollout's kernels are not the trainer's, so the trainer recomputes the old
-    log-probs (algo.old_logprob recompute) and corrects for the rollout's mismatch (algo.correction tis),
-    unless the recipe or the command line sets these (`given`: the "section.field" names they set).
-    Otherwise the dataclass defaults stay."""
+    """rollout.backend vllm, and an FP8 rollout whose trained transitions ran in FP8 (`fp8_trained`:
+    rollout.fp8_steps all, trained on its own samples with a log-prob loss): the rollout's kernels are not
+    the trainer's, so the trainer recomputes the old log-probs (algo.old_logprob recompute) and corrects for
+    the rollout's mismatch (algo.correction tis), unless the recipe or the command line sets these (`given`:
+    the "section.field" names they set). Sol-RL's exploration (rollout.fp8_select) and DiffusionNFT (no
+    transitions) run every step in FP8: rollout.fp8_steps all unless given. Otherwise the dataclass
+    defaults stay."""
     r = cfg.rollout
-    fp8 = r.precision == "fp8" and not r.fp8_select and loss_spec(cfg.algo.loss).logprobs
-    if r.backend != "vllm" and not fp8:
+    explore = r.fp8_select or not loss_spec(cfg.algo.loss).logprobs
+    if r.precision == "fp8" and explore and "rollout.fp8_steps" not in given:
+        r.fp8_steps = "all"
+    if r.backend != "vllm" and not fp8_trained(cfg):
         return
     if "algo.old_logprob" not in given:
         cfg.algo.old_logprob = "recompute"

@@ -103,7 +103,7 @@ def test_rollout_packing_cells_option(tiny_qwen_image, tmp_path):
     args = [
         *("--path", str(tiny_qwen_image), "--images", "3", "--serial-requests", "0", "--max-num-seqs"),
         *("--compiled-max-num-seqs", "--stock-batch", "--logprob-check", "0", "--size", "64", "--steps", "2"),
-        *("--cells", "4:split", "4:split:single", "4:split:fp8", "--repeats", "3"),
+        *("--cells", "4:split", "4:split:single", "4:split:fp8", "4:split:fp8:untrained", "--repeats", "3"),
     ]
     script = ["-m", "benchmarks.rollout_packing"]
     run([sys.executable, *script, *args, "--out", str(tmp_path / "cells.json")])
@@ -113,10 +113,14 @@ def test_rollout_packing_cells_option(tiny_qwen_image, tmp_path):
         "packed max_num_seqs 4, CFG 2 forwards, eager",
         "packed max_num_seqs 4, CFG 2 forwards, one bucket, eager",
         "packed max_num_seqs 4, CFG 2 forwards, fp8, eager",
+        "packed max_num_seqs 4, CFG 2 forwards, fp8, untrained steps only, eager",
     ]
     fp8 = results["precision"]["4:split:recipe:eager:fp8"]
     assert fp8["recompute_s"] > 0 and fp8["logprob_gap"]["per_step"] and fp8["logprob_gap"]["max_abs"] > 0
     assert 0 < fp8["pixels"]["mean_abs"] <= fp8["pixels"]["max_abs"] and fp8["pixels"]["psnr_db"] > 0
+    # FP8 on untrained steps only: at 2 steps every step trains a row, so its samples are the bf16 twin's.
+    untrained = results["precision"]["4:split:recipe:eager:fp8:untrained"]
+    assert untrained["pixels"]["max_abs"] == 0 and untrained["logprob_gap"]["max_abs"] < 1e-4
     for r in rows:
         assert len(r["generation_s_runs"]) == 3 and all(t > 0 for t in r["generation_s_runs"])
         assert r["generation_s"] == statistics.median(r["generation_s_runs"])

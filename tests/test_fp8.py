@@ -4,6 +4,7 @@ stand-ins swapped in only while the rollout runs and compiled once for all block
 applied where and only where the option is on, the recompute path whenever the rollout's precision is not
 the trainer's, and Sol-RL's bf16 regeneration of the selected samples from the same seeds."""
 
+import dataclasses
 import math
 
 import pytest
@@ -198,6 +199,74 @@ def test_fp8_rollout_compiles_one_code_for_all_blocks(sd3, monkeypatch):
         again, _, _ = run(engine, engine_requests([KEY] * 3))
     eager, _, _ = run(DiffusionEngine(sd3, 4, precision="fp8"), engine_requests([KEY] * 4))
     assert max(max_diffs(compiled, eager)) < 1e-5
+    # FP8 on the untrained steps only: the blocks' code in both precisions, switched per step without
+    # compiling again. The FP8 code is the one compiled above (dynamo's cache is the forward's); the bf16
+    # one is new (unless an earlier test compiled it).
+    start = counters["stats"]["unique_graphs"]
+    engine = DiffusionEngine(sd3, 4, compile=True, precision="fp8", fp8_steps="untrained")
+    run(engine, engine_requests([KEY] * 4))
+    assert counters["stats"]["unique_graphs"] - start <= 2
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        run(engine, engine_requests([KEY] * 3))
+
+
+@pytest.mark.slow  # tiny models and their rollouts: more than a few seconds on 2 cores
+def test_fp8_on_untrained_steps_leaves_the_trained_ones_in_bf16(sd3):
+    """rollout.fp8_steps untrained: a step that trains some row of the batch runs the policy's own layers,
+    the others the FP8 stand-ins (counted on one layer). With every row's window at steps 0-1 the trained
+    transitions and their log-probs equal a bf16 rollout's from the same seeds, bit for bit, while the
+    final samples (steps 2-3 in FP8) do not; with windows drawn per row the FP8 steps are exactly those no
+    row of the batch trains, and the weights are quantised once for the whole rollout."""
+    first = dataclasses.replace(KEY, sde_window_range=(0, 2))
+    requests = engine_requests([first] * 3)
+    engine = DiffusionEngine(sd3, 4, precision="fp8", fp8_steps="untrained")
+    (_, _, layer), stand_in = engine.fp8.layers[0], engine.fp8.stand_ins[0]
+    calls = {"bf16": 0, "fp8": 0}
+
+    def counter(key):
+        return lambda *_: calls.__setitem__(key, calls[key] + 1)
+
+    hooks = [layer.register_forward_hook(counter("bf16")), stand_in.register_forward_hook(counter("fp8"))]
+    try:
+        untrained, _, rows = run(engine, requests)
+    finally:
+        for h in hooks:
+            h.remove()
+    per_step = len(rows) // STEPS  # transformer forwards per step
+    assert calls == {"bf16": 2 * per_step, "fp8": (STEPS - 2) * per_step}
+    reference, _, _ = run(DiffusionEngine(sd3, 4), requests)
+    everywhere, _, _ = run(DiffusionEngine(sd3, 4, precision="fp8"), requests)
+    for a, b, c in zip(untrained, reference, everywhere):
+        assert a.step_indices.tolist() == [0, 1]
+        for field in ("latents", "next_latents", "logprobs"):
+            assert torch.equal(getattr(a, field), getattr(b, field)), field
+        assert (a.final_latents - b.final_latents).abs().max() > 1e-4  # steps 2-3 ran in FP8
+        assert (c.logprobs - b.logprobs).abs().max() > 0 or (c.next_latents - b.next_latents).abs().max() > 0
+
+    # Windows drawn per row: FP8 exactly at the steps no row of the batch trains.
+    requests = engine_requests([KEY] * 2)
+    switched = []
+    use = engine.fp8.use
+    loads = []
+    load = Float8Linear.load
+
+    def spy_load(self, linear):
+        loads.append(self)
+        return load(self, linear)
+
+    engine.fp8.use = lambda fp8: (switched.append(fp8), use(fp8))[1]
+    Float8Linear.load = spy_load
+    try:
+        layer.weight.requires_grad_(True)  # a trainable weight is quantised at every rollout: once each
+        trajs, _, _ = run(engine, requests)
+    finally:
+        Float8Linear.load = load
+        layer.weight.requires_grad_(False)
+    trained = {int(i) for t in trajs for i in t.step_indices}
+    expected = [i not in trained for i in range(STEPS)]
+    assert any(expected) and not all(expected)
+    assert switched == [True, *expected, False]  # entering the rollout, each step, leaving it
+    assert loads == [stand_in]
 
 
 def tiny_cfg(tiny_sd3, tmp_path, *overrides):
@@ -212,35 +281,50 @@ def tiny_cfg(tiny_sd3, tmp_path, *overrides):
 
 
 def test_fp8_recomputes_old_logprobs_and_refuses_the_rollouts(tiny_sd3, tmp_path):
-    """With rollout.precision fp8 the trainer recomputes the old log-probs and corrects (the recipe's
-    old_logprob rollout is overridden by the fp8 defaults only where the recipe does not set it: the tiny
-    recipe sets it, so the command line must); bf16 keeps the recipe's values."""
-    with pytest.raises(ConfigError, match="algo.old_logprob rollout: with rollout.precision fp8"):
-        tiny_cfg(tiny_sd3, tmp_path, "--rollout.precision", "fp8")
-    cfg = tiny_cfg(tiny_sd3, tmp_path, "--rollout.precision", "fp8", "--algo.old_logprob", "recompute")
+    """The trainer recomputes the old log-probs and corrects exactly when some trained step runs in FP8:
+    rollout.fp8_steps all (the fp8 defaults override the recipe's old_logprob rollout only where the recipe
+    does not set it: the tiny recipe sets it, so the command line must), not with fp8_steps untrained (the
+    default: the trained steps run in bf16) nor in bf16; Sol-RL and DiffusionNFT explore in FP8 at every
+    step."""
+    fp8 = ("--rollout.precision", "fp8")
+    untrained = tiny_cfg(tiny_sd3, tmp_path, *fp8)
+    assert untrained.rollout.fp8_steps == "untrained"
+    assert untrained.algo.old_logprob == "rollout" and untrained.algo.correction == "none"
+    with pytest.raises(ConfigError, match="algo.old_logprob rollout: with rollout.precision fp8 and"):
+        tiny_cfg(tiny_sd3, tmp_path, *fp8, "--rollout.fp8_steps", "all")
+    cfg = tiny_cfg(tiny_sd3, tmp_path, *fp8, "--rollout.fp8_steps", "all", "--algo.old_logprob", "recompute")
     assert cfg.algo.correction == "tis"
     assert tiny_cfg(tiny_sd3, tmp_path).algo.old_logprob == "rollout"
     # Sol-RL trains on bf16 regenerations: the rollout's own log-probs are the trainer's.
-    sol = tiny_cfg(tiny_sd3, tmp_path, "--rollout.precision", "fp8", "--rollout.fp8_select", "1")
+    sol = tiny_cfg(tiny_sd3, tmp_path, *fp8, "--rollout.fp8_select", "1")
     assert sol.algo.old_logprob == "rollout" and sol.algo.correction == "none"
+    assert sol.rollout.fp8_steps == "all"  # it explores in FP8 at every step
     for args, match in [
         (["--rollout.fp8_select", "1"], "rollout.fp8_select needs rollout.precision fp8"),
-        (["--rollout.precision", "fp8", "--rollout.fp8_select", "2"], "fewer than rollout.group_size"),
-        (["--rollout.precision", "fp8", "--algo.old_logprob", "recompute", "--distributed.rollout_gather",
-          "unit"], "needs distributed.rollout_gather phase"),
+        ([*fp8, "--rollout.fp8_select", "2"], "fewer than rollout.group_size"),
+        ([*fp8, "--rollout.fp8_select", "1", "--rollout.fp8_steps", "untrained"],
+         "rollout.fp8_steps untrained: rollout.fp8_select explores"),
+        ([*fp8, "--rollout.fp8_steps", "all", "--algo.old_logprob", "recompute",
+          "--distributed.rollout_gather", "unit"], "needs distributed.rollout_gather phase"),
     ]:  # fmt: skip
         with pytest.raises(ConfigError, match=match):
             tiny_cfg(tiny_sd3, tmp_path, *args)
 
 
 @pytest.mark.slow  # tiny models and their rollouts: more than a few seconds on 2 cores
-@pytest.mark.parametrize("precision,level", [("fp8", "token"), ("fp8", "sequence"), ("bf16", "token")])
+@pytest.mark.parametrize(
+    "precision,level", [("fp8", "token"), ("fp8", "sequence"), ("bf16", "token"), ("fp8-untrained", "token")]
+)
 def test_correction_weights_apply_where_and_only_where_fp8_is_on(tiny_sd3, tmp_path, precision, level):
-    """An update after an FP8 rollout recomputes the old log-probs in the trainer's precision and passes
-    each row's truncated ratio min(exp(old - rollout), C) (per row, or per sample at the sequence level)
-    to the loss; after a rollout in the trainer's precision the same recipe passes no weights."""
+    """An update after an FP8 rollout of every step recomputes the old log-probs in the trainer's
+    precision and passes each row's truncated ratio min(exp(old - rollout), C) (per row, or per sample at
+    the sequence level) to the loss; after a rollout whose trained steps ran in the trainer's precision
+    (bf16, or FP8 on the untrained steps only) the same recipe passes no weights, and the trainer's
+    log-probs of the unchanged policy equal the rollout's."""
+    steps = "untrained" if precision == "fp8-untrained" else "all"
     cfg = tiny_cfg(
-        tiny_sd3, tmp_path, "--rollout.precision", precision, "--algo.old_logprob", "recompute",
+        tiny_sd3, tmp_path, "--rollout.precision", precision.removesuffix("-untrained"),
+        "--rollout.fp8_steps", steps, "--algo.old_logprob", "recompute",
         "--algo.correction", "tis", "--algo.correction_level", level,
         "--algo.correction_threshold", "1.00002",
     )  # fmt: skip
@@ -275,7 +359,7 @@ def test_correction_weights_apply_where_and_only_where_fp8_is_on(tiny_sd3, tmp_p
     gap = logs["consistency/logprob_abs_diff_max"]
     per_step = [logs[f"consistency/t{t:02d}/logprob_abs_diff_mean"] for t in range(2)]
     print(f"{precision}: trainer vs rollout gap max {gap:.2e}, per step {per_step}")
-    if precision == "bf16":
+    if precision != "fp8":
         assert all(w is None for w in seen) and "correction/weight_mean" not in logs and gap < 1e-5
         return
     assert gap > 2e-5  # the FP8 rollout's log-probs are not the trainer's

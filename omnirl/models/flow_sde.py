@@ -28,7 +28,10 @@ This is our own code because no library provides a flow-matching step with a log
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -141,6 +144,24 @@ def phase(name: str):
     breakdown (benchmarks/breakdown.py) sums the host and device time of each label. Free when no profiler
     runs. Labels: encode, noise, transformer, sde_step, vae_decode, to_host."""
     return torch.profiler.record_function(f"omnirl/{name}")
+
+
+# What the rollout engine runs before each denoising step's forward (`step_hook`), told whether the step
+# trains any row of the batch: an FP8 rollout of untrained steps only (rollout.fp8_steps untrained) puts
+# the policy's own layers in place for a trained step and the FP8 ones for the others.
+_STEP_HOOK: contextvars.ContextVar[Callable[[bool], None] | None] = contextvars.ContextVar(
+    "omnirl_step_hook", default=None
+)
+
+
+@contextlib.contextmanager
+def step_hook(hook: Callable[[bool], None]):
+    """Run the denoising loops inside with `hook(trained)` before each step (`WindowedSampler.steps`)."""
+    token = _STEP_HOOK.set(hook)
+    try:
+        yield
+    finally:
+        _STEP_HOOK.reset(token)
 
 
 # One worker thread draws every sampler's step noise ahead of its denoising loop (`WindowedSampler`). Torch's
@@ -345,6 +366,15 @@ class WindowedSampler:
     def _draw(self, rows: list[int], pin: bool) -> torch.Tensor:
         noise = torch.stack([torch.randn(self.shape, generator=self.generators[b]) for b in rows])
         return noise.pin_memory() if pin else noise  # [R, *latent]
+
+    def steps(self) -> Iterator[int]:
+        """The step indices of the adapter's denoising loop, 0 .. num_steps - 1; before each, the engine's
+        `step_hook` (when one is set) learns whether the step trains any row of the batch."""
+        hook = _STEP_HOOK.get()
+        for i in range(self.num_steps):
+            if hook is not None:
+                hook(self.counts[i] > 0)
+            yield i
 
     def sigma(self, i: int) -> torch.Tensor:
         """The sigma of step i for every row: [B]."""

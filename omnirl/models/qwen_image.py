@@ -366,7 +366,7 @@ class QwenImageAdapter(DiffusersBase):
             rows = self.encode(texts)  # [L_i, D] each: the prompts, then the negative prompts
             embeds = text_embeds(rows, batch, self.buckets, p.fused_cfg)
 
-        for i in range(sampler.num_steps):
+        for i in sampler.steps():
             with phase("transformer"):  # [B, C, h, w]
                 v = self.velocity(latents, sampler.sigma(i), embeds, p.guidance_scale, p.fused_cfg)
             latents = sampler.step(i, v, latents)

@@ -313,7 +313,7 @@ class QwenImageEditAdapter(DiffusersBase):
             embeds["condition_size"] = torch.tensor([latent_size] * batch, device=self.device)  # [B, 2]
             embeds |= text_embeds(rows, batch, self.buckets, p.fused_cfg)
 
-        for i in range(sampler.num_steps):
+        for i in sampler.steps():
             with phase("transformer"):  # [B, C, h, w]
                 v = self.velocity(latents, sampler.sigma(i), embeds, p.guidance_scale, p.fused_cfg)
             latents = sampler.step(i, v, latents)

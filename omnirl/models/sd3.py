@@ -187,7 +187,7 @@ class SD3Adapter(DiffusersBase):
             negatives = [r.negative_prompt for r in requests] if guided else None
             embeds = self.encode([r.prompt for r in requests], negatives)
 
-        for i in range(sampler.num_steps):  # num_steps but a compressed schedule's
+        for i in sampler.steps():  # num_steps but a compressed schedule's
             with phase("transformer"):  # [B, C, h, w]
                 v = self.velocity(latents, sampler.sigma(i), embeds, p.guidance_scale, p.fused_cfg)
             latents = sampler.step(i, v, latents)

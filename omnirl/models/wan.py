@@ -318,7 +318,7 @@ class WanAdapter(DiffusersBase):
         with phase("encode"):
             negatives = [r.negative_prompt for r in requests] if self.guided(p.guidance_scale) else None
             embeds = self.encode([r.prompt for r in requests], negatives)
-        for i in range(sampler.num_steps):  # num_steps but a compressed schedule's
+        for i in sampler.steps():  # num_steps but a compressed schedule's
             with phase("transformer"):
                 v = self._velocity(
                     latents, sampler.sigma(i), embeds, p.guidance_scale, p.fused_cfg, None, balance=False

@@ -13,7 +13,9 @@
 - Every update measures the trainer-vs-rollout log-prob gap per trained timestep index (mean and max over
   the first mini-batch, whose forwards run the policy the rollout sampled from: no extra forward).
 - rollout.precision fp8: the rollout runs the blocks' linear layers in FP8 (`omnirl.rollout.fp8`), the
-  trainer in the policy's precision. The behaviour policy is then the FP8 one: the trainer recomputes the
+  trainer in the policy's precision. With rollout.fp8_steps untrained only the steps no row trains run FP8:
+  the trained transitions are the policy's own and nothing changes here. With fp8_steps all the behaviour
+  policy of the trained steps is the FP8 one: the trainer recomputes the
   old log-probs in its own precision (algo.old_logprob recompute, enforced when the recipe loads) and the
   loss weights each row by the truncated (tis) or masked (mis) ratio of the recomputed to the rollout's
   probability (`omnirl.algos.correction`; correction_level token: per trained step, sequence: per sample,
@@ -41,6 +43,7 @@ from omnirl.algos.correction import correction_weights
 from omnirl.algos.losses import RowInputs, flow_kl, get_loss, loss_spec
 from omnirl.batching import equalise, global_positions, make_requests
 from omnirl.config import Config
+from omnirl.config_checks import fp8_trained
 from omnirl.data.prompts import PromptRow
 from omnirl.metrics import MetricsLogger
 from omnirl.models.base import DecodesLatents, DiffusionAdapter, Output, Request, SamplingParams, Trajectory
@@ -138,14 +141,17 @@ class DiffusionOps:
             per_unit=cfg.distributed.rollout_gather == "unit",
             memory_budget=r.memory_budget_gib * 2**30,
             precision=r.precision,
+            fp8_steps=r.fp8_steps,
         )
         a = cfg.algo
-        # Only an FP8 rollout trained on its own samples has a behaviour policy other than the trainer's.
-        self.correct = r.precision == "fp8" and not r.fp8_select and a.correction != "none"
+        # Only an FP8 rollout whose trained steps ran in FP8 and that trains on its own samples has a
+        # behaviour policy other than the trainer's.
+        self.correct = fp8_trained(cfg) and a.correction != "none"
         if a.correction != "none" and not self.correct and self.spec.logprobs:
             D.print0(
                 f"warning: algo.correction {a.correction!r} is ignored: a diffusion rollout samples with the "
-                "trainer's weights in its precision unless rollout.precision is fp8 (and fp8_select 0)"
+                "trainer's weights in its precision unless rollout.precision is fp8 (with fp8_steps all and "
+                "fp8_select 0)"
             )
         self._gap = self._no_gap()
         self._shown: list[Request] = []  # this step's requests whose samples are logged, to decode

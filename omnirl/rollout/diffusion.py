@@ -33,7 +33,10 @@ them by less than one chunk's step; below k it errs high); so does a probe that 
 memory.
 
 `precision` fp8 runs the blocks' linear layers in FP8 (`omnirl.rollout.fp8`), quantised from the policy's
-weights when a rollout starts; `in_bf16` runs a call in the policy's own precision.
+weights when a rollout starts; `in_bf16` runs a call in the policy's own precision. With `fp8_steps`
+untrained only the denoising steps that train no row of the batch run in FP8 (`flow_sde.step_hook` switches
+the layers before each step's forward): the trained transitions are sampled by the policy's own layers, so
+their log-probs are the trainer's. A compiled rollout then holds both block codes (FP8 and not) per shape.
 
 `compile` compiles the transformer's repeated blocks (`adapter.fsdp_units()`) for the rollout only: each
 block's `forward` is swapped for its compiled version while `generate` runs and restored after
@@ -58,6 +61,7 @@ import torch
 from omnirl import distributed as D
 from omnirl.memory import GIB, empty_cache, free_bytes, peak_bytes
 from omnirl.models.base import DiffusionAdapter, Request, Trajectory
+from omnirl.models.flow_sde import step_hook
 from omnirl.rollout.compiled import Compiled, compile_forwards, swapped
 from omnirl.rollout.fp8 import Fp8Rollout
 from omnirl.rollout.packer import RequestPacker
@@ -86,6 +90,7 @@ class DiffusionEngine:
         per_unit: bool = False,
         memory_budget: float = 0.0,
         precision: str = "bf16",
+        fp8_steps: str = "all",
     ):
         self.adapter = adapter
         self.per_unit = per_unit
@@ -105,6 +110,9 @@ class DiffusionEngine:
             D.check_fp8_matmul(adapter.device)
             self.fp8 = Fp8Rollout(adapter.fsdp_units(), adapter.fp8_keep_bf16)
         self.use_fp8 = self.fp8 is not None  # `in_bf16` turns it off for a call
+        if fp8_steps not in ("all", "untrained"):
+            raise ValueError(f"fp8_steps must be 'all' or 'untrained', got {fp8_steps!r}")
+        self.fp8_untrained_only = fp8_steps == "untrained"
 
     def tokens(self, request: Request) -> int:
         """Transformer tokens of a request in one forward: its CFG row counts too when fused."""
@@ -136,10 +144,15 @@ class DiffusionEngine:
         """What a rollout runs under: the compiled blocks swapped in, the weights gathered as
         distributed.rollout_gather says, and (rollout.precision fp8) the blocks' FP8 layers, quantised from
         the gathered weights."""
+        fp8 = self.fp8 if self.use_fp8 else None
         with (
             swapped(self.compiled),
             D.gathered_weights(self.adapter.policy, per_unit=self.per_unit),
-            self.fp8.swapped() if self.fp8 is not None and self.use_fp8 else contextlib.nullcontext(),
+            fp8.swapped() if fp8 is not None else contextlib.nullcontext(),
+            # a trained step in the policy's own layers, the others in FP8
+            step_hook(lambda trained: fp8.use(not trained))
+            if fp8 is not None and self.fp8_untrained_only
+            else contextlib.nullcontext(),
         ):
             yield
 

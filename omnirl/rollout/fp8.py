@@ -136,23 +136,35 @@ class Fp8Rollout:
     def __init__(self, blocks: list[nn.Module], keep_bf16: tuple[str, ...]):
         self.layers = fp8_layers(blocks, keep_bf16)
         self.stand_ins = [Float8Linear(linear) for _, _, linear in self.layers]
+        self.active = False  # the stand-ins are in place
 
     def modules(self) -> list[nn.Module]:
         """The stand-ins: what only the rollout needs (their FP8 weights sleep during training)."""
         return list(self.stand_ins)
 
+    def use(self, fp8: bool) -> None:
+        """Put the stand-ins (`fp8`) or the original layers in place; inside `swapped` only, where the
+        stand-ins hold their FP8 weights. Switching costs a few hundred attribute writes, no copy: an
+        FP8 rollout of untrained steps only (rollout.fp8_steps untrained) switches at every step."""
+        if fp8 == self.active:
+            return
+        for (parent, attr, linear), stand_in in zip(self.layers, self.stand_ins):
+            setattr(parent, attr, stand_in if fp8 else linear)
+        self.active = fp8
+
     @contextlib.contextmanager
     def swapped(self):
         """Quantise what needs it (a trainable weight every time, a frozen one the first time) and run with
-        the stand-ins in place of the layers; the layers are put back on exit."""
-        for (parent, attr, linear), stand_in in zip(self.layers, self.stand_ins):
+        the stand-ins in place of the layers (`use` switches between them meanwhile); the layers are put
+        back on exit. The quantisation happens here, once per rollout phase, never per step or call."""
+        for (_, _, linear), stand_in in zip(self.layers, self.stand_ins):
             if linear.weight.requires_grad or not stand_in.loaded:
                 stand_in.load(linear)
-            setattr(parent, attr, stand_in)
+        self.use(True)
         try:
             yield
         finally:
-            for (parent, attr, linear), stand_in in zip(self.layers, self.stand_ins):
-                setattr(parent, attr, linear)
+            self.use(False)
+            for (_, _, linear), stand_in in zip(self.layers, self.stand_ins):
                 if linear.weight.requires_grad:  # quantised again next time: not held through training
                     stand_in.unload()
