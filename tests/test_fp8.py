@@ -1,8 +1,10 @@
 """The FP8 rollout (rollout.precision fp8) on CPU, where torch emulates the FP8 matmul: the quantisation
 against an fp32 reference, the layers each family keeps in bf16 (by module name, on each tiny family), the
 stand-ins swapped in only while the rollout runs and compiled once for all blocks, the rollout correction
-applied where and only where the option is on, the recompute path whenever the rollout's precision is not
-the trainer's, and Sol-RL's bf16 regeneration of the selected samples from the same seeds."""
+applied where and only where the option is on, the recompute path whenever a trained step ran in another
+precision than the trainer's, FP8 on the untrained steps only (rollout.fp8_steps untrained) leaving the
+trained transitions a bf16 rollout's, and Sol-RL's bf16 regeneration of the selected samples from the same
+seeds."""
 
 import dataclasses
 import math
@@ -206,8 +208,16 @@ def test_fp8_rollout_compiles_one_code_for_all_blocks(sd3, monkeypatch):
     engine = DiffusionEngine(sd3, 4, compile=True, precision="fp8", fp8_steps="untrained")
     run(engine, engine_requests([KEY] * 4))
     assert counters["stats"]["unique_graphs"] - start <= 2
+    first = engine_requests([dataclasses.replace(KEY, sde_window_range=(0, 2))] * 4)  # steps 0-1 trained
     with torch._dynamo.config.patch(error_on_recompile=True):
         run(engine, engine_requests([KEY] * 3))
+        untrained, _, _ = run(engine, first)
+    # Compiled too, the trained steps run the bf16 code: their records are a compiled bf16 rollout's.
+    bf16, _, _ = run(DiffusionEngine(sd3, 4, compile=True), first)
+    for a, b in zip(untrained, bf16):
+        for field in ("latents", "next_latents", "logprobs"):
+            assert torch.equal(getattr(a, field), getattr(b, field)), field
+        assert (a.final_latents - b.final_latents).abs().max() > 1e-4
 
 
 @pytest.mark.slow  # tiny models and their rollouts: more than a few seconds on 2 cores
