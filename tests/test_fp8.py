@@ -18,7 +18,7 @@ from omnirl import distributed as D
 from omnirl.batching import make_requests
 from omnirl.config import ConfigError
 from omnirl.data.prompts import load_prompts
-from omnirl.models import get_adapter
+from omnirl.models import flow_sde, get_adapter
 from omnirl.models.base import SamplingParams
 from omnirl.ops.diffusion import DiffusionOps
 from omnirl.recipe import load_config
@@ -277,6 +277,17 @@ def test_fp8_on_untrained_steps_leaves_the_trained_ones_in_bf16(sd3):
     assert any(expected) and not all(expected)
     assert switched == [True, *expected, False]  # entering the rollout, each step, leaving it
     assert loads == [stand_in]
+
+
+@pytest.mark.slow  # a tiny model's rollout
+def test_fp8_on_untrained_steps_refuses_a_loop_that_bypasses_the_sampler(sd3, monkeypatch):
+    """A denoising loop that does not step through `sampler.steps()` would run its trained steps in FP8
+    unnoticed: the engine stops after that batch with one line naming the adapter."""
+    monkeypatch.setattr(flow_sde.WindowedSampler, "steps", lambda self: iter(range(self.num_steps)))
+    engine = DiffusionEngine(sd3, 4, precision="fp8", fp8_steps="untrained")
+    with pytest.raises(RuntimeError, match=r"SD3Adapter.rollout does not step through sampler.steps\(\)"):
+        engine.generate(engine_requests([KEY]))
+    assert not engine.fp8.active  # the original layers are back
 
 
 def tiny_cfg(tiny_sd3, tmp_path, *overrides):

@@ -343,7 +343,7 @@ class LTX2Adapter(DiffusersBase):
         with phase("encode"):
             negatives = [r.negative_prompt for r in requests] if self.guided(p.guidance_scale) else None
             embeds = self.encode([r.prompt for r in requests], negatives, grid)
-        for i in range(sampler.num_steps):
+        for i in sampler.steps():
             with phase("transformer"):
                 v = self._velocity(
                     latents, sampler.sigma(i), embeds, grid, p.guidance_scale, p.fused_cfg, None

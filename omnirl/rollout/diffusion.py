@@ -113,6 +113,7 @@ class DiffusionEngine:
         if fp8_steps not in ("all", "untrained"):
             raise ValueError(f"fp8_steps must be 'all' or 'untrained', got {fp8_steps!r}")
         self.fp8_untrained_only = fp8_steps == "untrained"
+        self.steps_switched = 0  # step hook calls in the current batch (fp8_steps untrained)
 
     def tokens(self, request: Request) -> int:
         """Transformer tokens of a request in one forward: its CFG row counts too when fused."""
@@ -149,12 +150,18 @@ class DiffusionEngine:
             swapped(self.compiled),
             D.gathered_weights(self.adapter.policy, per_unit=self.per_unit),
             fp8.swapped() if fp8 is not None else contextlib.nullcontext(),
-            # a trained step in the policy's own layers, the others in FP8
-            step_hook(lambda trained: fp8.use(not trained))
-            if fp8 is not None and self.fp8_untrained_only
-            else contextlib.nullcontext(),
+            step_hook(self._step_precision) if self._per_step_fp8() else contextlib.nullcontext(),
         ):
             yield
+
+    def _per_step_fp8(self) -> bool:
+        return self.fp8 is not None and self.use_fp8 and self.fp8_untrained_only
+
+    def _step_precision(self, trained: bool) -> None:
+        """The step hook of FP8 on untrained steps: a step that trains a row runs the policy's own layers."""
+        assert self.fp8 is not None
+        self.fp8.use(not trained)
+        self.steps_switched += 1
 
     def _plan(self, requests: list[Request]):
         """The batches of `requests`, every rank's templates, and the memory check of their keys."""
@@ -183,7 +190,14 @@ class DiffusionEngine:
         with self._running():
             packed, batches, templates = self._plan(requests)
             for idx, batch in zip(packed, batches):
+                self.steps_switched = 0
                 trajs = self.adapter.rollout(batch + self.padding(batch))[: len(batch)]
+                if self._per_step_fp8() and not self.steps_switched:
+                    # its trained steps would have run in FP8, their log-probs taken for the trainer's
+                    raise RuntimeError(
+                        f"{type(self.adapter).__name__}.rollout does not step through sampler.steps(): "
+                        "rollout.fp8_steps untrained cannot keep its trained steps in bf16"
+                    )
                 for i, t in zip(idx, trajs):
                     results[i] = t
                 if on_batch is not None:
