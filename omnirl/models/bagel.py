@@ -250,7 +250,7 @@ class BagelAdapter(DiffusersBase):
             rows = self.encode([r.prompt for r in requests])  # [layers, 2, kv, L_i, hd] each
             context, mask = collate_context(rows)
             embeds = {"context": context, "context_mask": mask}
-        for i in range(sampler.num_steps):
+        for i in sampler.steps():
             with phase("transformer"):
                 v = self.velocity(latents, sampler.sigma(i), embeds, p.guidance_scale, p.fused_cfg)
             latents = sampler.step(i, v, latents)
