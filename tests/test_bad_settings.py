@@ -109,6 +109,22 @@ FAMILY_VALUES = {
         ["--family.prompt_length_buckets", "64", "2048"],
         "family.prompt_length_buckets must be distinct ascending lengths in [1, 1024], got [64, 2048]",
     ),
+    "LTX-2 frames off the video VAE's temporal factor": (
+        "ltx2",
+        ["--family.num_frames", "12"],
+        "family.num_frames must be an integer >= 1 with num_frames - 1 divisible by 8 (the video VAE's "
+        "temporal factor), got 12",
+    ),
+    "LTX-2 size off the video VAE's grid": (
+        "ltx2",
+        ["--sampling.height", "48"],
+        "sampling.height must be a multiple of 32 for model.adapter 'ltx2'",
+    ),
+    "LTX-2 pooling by an unknown rule": (
+        "ltx2",
+        ["--family.logprob_pooling", "sum"],
+        "family.logprob_pooling must be one of joint, equal, got 'sum'",
+    ),
     "edit buckets out of order": (
         "qwen_image_edit",
         ["--family.prompt_length_buckets", "128", "64"],
