@@ -1,14 +1,17 @@
 """Generation throughput on a Qwen3-Omni thinker: omnirl's GenerationEngine (the native rollout backend) vs
 its vLLM backend (`omnirl.rollout.vllm_engine.VLLMEngine`, the same adapter, prompts and seeds, in the
-same process) vs transformers' plain `generate` vs `generate_batch`. Flags and how to run it:
-benchmarks/README.md."""
+same process) vs plain vLLM (the same vLLM engine's `LLM.generate` with nothing of ours, and with one of
+our settings at a time) vs transformers' plain `generate` vs `generate_batch`, on one or more loads
+(concurrency x stop fraction). Flags and how to run it: benchmarks/README.md."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import shutil
+import statistics
 import tempfile
 import time
 import traceback
@@ -97,6 +100,82 @@ def run_vllm(adapter, cfg, requests, keep: list, stats: dict, engines: list, see
     stats.clear()
     stats.update(engines[0].stats)
     return sum(len(t.response_ids) for t in trajs)
+
+
+# Plain vLLM, and plain vLLM with one of the backend's settings added (what each costs, in the same run).
+PLAIN = {
+    "vllm_plain": (),
+    "vllm_plain_bias": ("bias",),  # the placeholder ids banned by a -inf logit bias
+    "vllm_plain_logprobs": ("logprobs",),  # the sampled token's processed log-prob, one dict per token
+    "vllm_plain_flat": ("logprobs", "flat"),  # the same log-probs as vLLM's flat lists
+    "vllm_plain_seeds": ("seeds",),  # a seed per request
+}
+
+
+def plain_params(request: Request, eos: tuple[int, ...], banned: tuple[int, ...], extras: tuple[str, ...]):
+    """vLLM SamplingParams for a request as a plain vLLM user writes them (temperature, length, stop ids, no
+    detokenizing), plus the backend's settings named in `extras`."""
+    from vllm import SamplingParams
+
+    p = request.params
+    kwargs: dict = {}
+    if "bias" in extras:
+        kwargs["logit_bias"] = {int(i): float("-inf") for i in banned}
+    if "logprobs" in extras:
+        kwargs["logprobs"] = 0
+    if "flat" in extras:
+        kwargs["flat_logprobs"] = True
+    if "seeds" in extras:
+        kwargs["seed"] = request.seed
+    return SamplingParams(
+        n=1,
+        temperature=p.temperature,
+        max_tokens=p.max_new_tokens,
+        stop_token_ids=[*eos, *p.stop_token_ids],
+        detokenize=False,
+        **kwargs,
+    )
+
+
+def run_vllm_plain(adapter, cfg, requests, prompts: dict, engines: list, extras: tuple[str, ...]) -> int:
+    """The backend's vLLM engine (created as run_vllm does where none is yet) driven directly: token prompts
+    made before the clock, no push, no cache reset, nothing read back but the token counts."""
+    if not engines:
+        run_vllm(adapter, cfg, requests[:1], [], {}, engines)
+    eos, banned = tuple(adapter.eos_token_ids), tuple(adapter.placeholder_token_ids)
+    params = [plain_params(r, eos, banned, extras) for r in requests]
+    outputs = engines[0].llm.generate([prompts[r.index] for r in requests], params, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+def cap_vllm(engines: list, max_num_seqs: int) -> None:
+    """At most `max_num_seqs` requests running in the vLLM engine built for the largest load: its scheduler's
+    own limit (in-process engine core), so every load runs on the same engine, kernels and CUDA graphs."""
+    if engines:
+        engines[0].llm.llm_engine.engine_core.engine_core.scheduler.max_num_running_reqs = max_num_seqs
+
+
+def parse_loads(text: str, max_num_seqs: int, stop_frac: float) -> list[tuple[int, float]]:
+    """--loads "SEQS:STOP_FRAC,..." -> [(max_num_seqs, stop_frac)]; empty: the single load of the flags."""
+    if not text:
+        return [(max_num_seqs, stop_frac)]
+    loads = []
+    for item in text.split(","):
+        seqs, _, frac = item.partition(":")
+        try:
+            load = (int(seqs), float(frac or 0))
+        except ValueError:
+            raise ValueError(f"--loads: {item!r} is not SEQS:STOP_FRAC (e.g. 64:0.01)") from None
+        if load[0] < 1 or not 0 <= load[1] < 1:
+            raise ValueError(f"--loads: {item!r} needs SEQS >= 1 and STOP_FRAC in [0, 1)")
+        loads.append(load)
+    return loads
+
+
+def summarize(runs: list[float]) -> dict:
+    """The median tokens/s of the repeats and their spread relative to it."""
+    med = statistics.median(runs)
+    return {"tokens_per_s": med, "tokens_per_s_runs": runs, "spread": (max(runs) - min(runs)) / med}
 
 
 @torch.no_grad()
@@ -213,15 +292,29 @@ def main() -> None:
     p.add_argument(
         "--methods", default="ours,ours_eager,generate,generate_batch", help="of ours, ours_eager, "
         "ours_compiled (generation.compile: decoder layers compiled in the decode step), vllm, "
-        "vllm_unseeded, generate, generate_batch (vllm: the vLLM rollout backend, needs vllm installed; "
-        "vllm_unseeded: the same engine with rollout.vllm_request_seeds off)",
+        "vllm_unseeded, vllm_plain, vllm_plain_bias, vllm_plain_logprobs, vllm_plain_flat, vllm_plain_seeds, "
+        "generate, generate_batch (vllm: the vLLM rollout backend, needs vllm installed; vllm_unseeded: the "
+        "same engine with rollout.vllm_request_seeds off; vllm_plain: that engine's LLM.generate with plain "
+        "sampling settings and token prompts, and _bias / _logprobs / _flat / _seeds: plus one of the "
+        "backend's settings: the placeholder ban, log-probs as dicts or flat lists, per-request seeds)",
     )  # fmt: skip
+    p.add_argument(
+        "--loads", default="", help="SEQS:STOP_FRAC,... : every method on each load in turn (max_num_seqs "
+        "and --stop-frac per load; one vLLM engine for all, built for the largest); empty: the two flags",
+    )  # fmt: skip
+    p.add_argument("--repeats", type=int, default=1, help="timed runs of each method per load (interleaved)")
+    p.add_argument("--repeat-methods", default="", help="the methods --repeats applies to (empty: all)")
     p.add_argument("--vllm-max-model-len", type=int, default=0, help="vLLM's max_model_len (0: the model's)")
     p.add_argument("--check-logprobs", action="store_true", help="re-score our responses as the trainer")
     p.add_argument("--warmup", type=int, default=4, help="requests of a warm-up run per method (0 = none)")
     p.add_argument(
         "--kernels", type=int, default=0, help="after each timed run, profile one more (untimed) and record "
         "its N costliest device kernels (on CPU: aten operators) with their calls and share (0 = none)",
+    )  # fmt: skip
+    p.add_argument("--kernel-methods", default="", help="the methods --kernels profiles (empty: all)")
+    p.add_argument(
+        "--kernel-requests", type=int, default=0, help="the profiled run of --kernels takes the first N "
+        "requests (0 = all)",
     )  # fmt: skip
     p.add_argument("--out", default="benchmarks/generate_throughput.json")
     p.add_argument(
@@ -240,6 +333,10 @@ def main() -> None:
 
 def run(args, tmp: str) -> None:
     device = torch.device(device_type())
+    try:
+        loads = parse_loads(args.loads, args.max_num_seqs, args.stop_frac)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     if args.random_init:
         shape = {k: getattr(args, k) for k in THINKER_SHAPE}
         path = write_random_thinker(Path(args.keep_model or tmp), device, **shape)
@@ -253,106 +350,189 @@ def run(args, tmp: str) -> None:
     cfg.model.path, cfg.model.dtype = str(path), args.dtype
     cfg.model.finetune = "lora"
     cfg.lora.target_modules = ["q_proj", "k_proj", "v_proj", "o_proj"]
-    # The vLLM backend's settings: ours' KV budget and max_num_seqs.
-    cfg.rollout.backend, cfg.rollout.max_num_seqs = "vllm", args.max_num_seqs
+    # The vLLM backend's settings: ours' KV budget, the largest load's max_num_seqs (cap_vllm: each load's).
+    cfg.rollout.backend, cfg.rollout.max_num_seqs = "vllm", max(n for n, _ in loads)
     cfg.generation.kv_cache_gib, cfg.rollout.vllm_max_model_len = args.kv_cache_gib, args.vllm_max_model_len
     start = time.perf_counter()
     adapter = get_adapter("qwen3_omni_thinker")(cfg, device)
     load_s = time.perf_counter() - start
 
     vocab = adapter.lm_head.weight.shape[0]
-    rng = random.Random(1)
     candidates = [t for t in range(vocab) if t not in adapter.placeholder_token_ids]
-    stops = tuple(sorted(rng.sample(candidates, int(args.stop_frac * vocab)))) if args.stop_frac else ()
+    methods = [m for m in METHODS if m in args.methods.split(",")]
+    if args.image_size:  # token ids only: no images
+        methods = [m for m in methods if m != "generate_batch" and m not in PLAIN]
+    params = sum(p.numel() for p in adapter.model.parameters())
+    report: dict = {"args": vars(args), "device": str(device), "parameters": params, "loads": {}}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    engines: list = []
+    warmed: set[str] = set()
+    for max_num_seqs, stop_frac in loads:
+        rng = random.Random(1)
+        stops = tuple(sorted(rng.sample(candidates, int(stop_frac * vocab)))) if stop_frac else ()
+        load_args = argparse.Namespace(**{**vars(args), "max_num_seqs": max_num_seqs, "stop_frac": stop_frac})
+        name = f"{max_num_seqs} concurrent, stop-frac {stop_frac:g}"
+        print(f"== load: {name}", flush=True)
+        cap_vllm(engines, max_num_seqs)
+        entry = report["loads"][name] = {"max_num_seqs": max_num_seqs, "stop_frac": stop_frac}
+        run_load(
+            load_args, adapter, cfg, device, methods, stops, engines, warmed, entry, lambda: write(report)
+        )
+        if len(loads) == 1:  # one load: its results at the top level too, as before --loads
+            report.update({k: v for k, v in entry.items() if k not in ("max_num_seqs", "stop_frac")})
+        write(report)
+    print(f"model {'random-init' if args.random_init else path}: {params / 1e6:.1f} M parameters, ", end="")
+    print(f"{args.dtype}, {device}, loaded in {load_s:.1f} s")
+    for name, entry in report["loads"].items():
+        print_table(name, args, entry["results"])
+    print(f"wrote {args.out}")
+
+
+def write(report: dict) -> None:
+    """The report so far (after each method: a later one may hang)."""
+    Path(report["args"]["out"]).write_text(json.dumps(report, indent=2) + "\n")
+
+
+METHODS = (  # the order they run in; generate_batch switches the attention implementation: last
+    "ours", "ours_eager", "ours_compiled", "vllm", "vllm_unseeded", *PLAIN, "generate", "generate_batch",
+)  # fmt: skip
+
+
+def run_load(args, adapter, cfg, device, methods, stops, engines, warmed: set, entry: dict, save) -> None:
+    """Every method on one load (args.max_num_seqs, args.stop_frac), --repeats times, into `entry`."""
     all_stops = set(stops) | set(adapter.eos_token_ids)
     requests = make_requests(args, stops)
-    trajs: list = []
-    eager_trajs: list = []
-    compiled_trajs: list = []
-    vllm_trajs: list = []
-    unseeded_trajs: list = []
-    engines: list = []
+    kept: dict[str, list] = {m: [] for m in ("ours", "ours_eager", "ours_compiled", "vllm", "vllm_unseeded")}
     stats: dict = {}
+    prompts: dict = {}
+    if any(m in PLAIN for m in methods):  # plain vLLM's token prompts, made before any clock
+        from vllm.inputs import TokensPrompt
+
+        prompts = {
+            r.index: TokensPrompt(prompt_token_ids=adapter.prepare(r)["input_ids"].tolist()) for r in requests
+        }
     runs = {
-        "ours": lambda reqs: run_ours(adapter, reqs, args, trajs, True, stats),
-        "ours_eager": lambda reqs: run_ours(adapter, reqs, args, eager_trajs, False, stats),
+        "ours": lambda reqs: run_ours(adapter, reqs, args, kept["ours"], True, stats),
+        "ours_eager": lambda reqs: run_ours(adapter, reqs, args, kept["ours_eager"], False, stats),
         "ours_compiled": lambda reqs: run_ours(
-            adapter, reqs, args, compiled_trajs, True, stats, compile=True
+            adapter, reqs, args, kept["ours_compiled"], True, stats, compile=True
         ),
-        "vllm": lambda reqs: run_vllm(adapter, cfg, reqs, vllm_trajs, stats, engines),
+        "vllm": lambda reqs: run_vllm(adapter, cfg, reqs, kept["vllm"], stats, engines),
         "vllm_unseeded": lambda reqs: run_vllm(
-            adapter, cfg, reqs, unseeded_trajs, stats, engines, seeds=False
+            adapter, cfg, reqs, kept["vllm_unseeded"], stats, engines, seeds=False
         ),
+        **{
+            m: (lambda reqs, extras=extras: run_vllm_plain(adapter, cfg, reqs, prompts, engines, extras))
+            for m, extras in PLAIN.items()
+        },
         "generate": lambda reqs: run_generate(adapter, reqs, args, all_stops),
         "generate_batch": lambda reqs: run_generate_batch(adapter, reqs, args, all_stops),
     }
-    # generate_batch switches the attention implementation while it runs: keep it last.
-    order = ("ours", "ours_eager", "ours_compiled", "vllm", "vllm_unseeded", "generate", "generate_batch")
-    methods = [m for m in order if m in args.methods.split(",")]
-    if args.image_size:
-        methods = [m for m in methods if m != "generate_batch"]
-    params = sum(p.numel() for p in adapter.model.parameters())
-    report = {"args": vars(args), "device": str(device), "parameters": params, "results": {}}
-    results = report["results"]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for name in methods:
+    results = entry["results"] = {}
+    for name in methods:  # warm-ups: once per method and process (a vLLM engine's start, graph captures)
+        if name in warmed or not args.warmup:
+            continue
         try:
-            if args.warmup:
-                timed(runs[name], requests[: args.warmup])
+            warm = requests[: args.warmup]
+            if name != "ours_compiled":  # (whose compiles need the timed run's shapes)
+                short = dataclasses.replace(warm[0].params, max_new_tokens=min(16, args.max_new_tokens))
+                warm = [dataclasses.replace(r, params=short) for r in warm]
+            timed(runs[name], warm)
             if args.warmup > 1 and name == "ours_compiled":  # other shapes: the dynamic compile, untimed
                 timed(runs[name], requests[: args.warmup // 2])
-            tokens, seconds = timed(runs[name], requests)
+            cap_vllm(engines, args.max_num_seqs)  # an engine the warm-up created
+            warmed.add(name)
         except Exception as e:  # noqa: BLE001 (recorded: the other methods still run)
             results[name] = {"error": f"{type(e).__name__}: {e}"}
-            traceback.print_exc()  # where it failed, for the log
-            print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
-            out.write_text(json.dumps(report, indent=2) + "\n")
-            continue
-        results[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
-        if name.startswith("ours"):  # the engine's own account: decode steps, prefills, graph capture
-            results[name].update(stats)
-            results[name]["ms_per_decode_step"] = 1e3 * (seconds - stats["capture_s"]) / stats["decode_steps"]
-        if name == "ours_eager" and trajs:  # the CUDA-graph replay against the eager step: same samples?
-            same = sum(torch.equal(a.response_ids, b.response_ids) for a, b in zip(trajs, eager_trajs))
-            report["graph_vs_eager_identical_responses"] = f"{same}/{len(trajs)}"
-            print(f"CUDA graph vs eager: {same}/{len(trajs)} responses identical", flush=True)
-        if name == "ours_compiled" and trajs:  # fused kernels round differently: how many samples moved?
-            same = sum(torch.equal(a.response_ids, b.response_ids) for a, b in zip(trajs, compiled_trajs))
-            report["compiled_vs_ours_identical_responses"] = f"{same}/{len(trajs)}"
-            print(f"compiled vs not: {same}/{len(trajs)} responses identical", flush=True)
-        if name == "ours_compiled" and args.check_logprobs:
-            report["compiled_logprob_check"] = check_logprobs(adapter, compiled_trajs, args.temperature)
-            print(f"trainer vs compiled rollout log-probs: {report['compiled_logprob_check']}", flush=True)
-        print(f"{name}: {tokens} tokens in {seconds:.2f} s", flush=True)
-        if name.startswith("vllm"):  # start, push and generate times; tokens/s of the generate alone
-            results[name].update(stats)
-            results[name]["tokens_per_s_generate"] = tokens / stats["vllm/generate_s"]
-        if name in ("ours", "vllm", "vllm_unseeded") and args.check_logprobs:
-            key = "logprob_check" if name == "ours" else f"{name}_logprob_check"
-            kept = {"ours": trajs, "vllm": vllm_trajs, "vllm_unseeded": unseeded_trajs}[name]
-            report[key] = check_logprobs(adapter, kept, args.temperature)
-            print(f"trainer vs {name} rollout log-probs: {report[key]}", flush=True)
-        if args.kernels:  # where the time goes: one more run of the same requests under the profiler
-            table = kernel_table(lambda name=name: runs[name](requests), device, args.kernels)
-            if name.startswith("ours"):  # per decode step (prefills, graph warm-up and capture included)
-                table["busy_ms_per_decode_step"] = 1e3 * table["busy_s"] / stats["decode_steps"]
-            results[name]["kernels"] = table
-            print_kernels(name, table)
-        out.write_text(json.dumps(report, indent=2) + "\n")  # after each method: a later one may hang
-    name = "random-init" if args.random_init else path
-    print(f"model {name}: {params / 1e6:.1f} M parameters, {args.dtype}, {device}, loaded in {load_s:.1f} s")
-    print(f"{args.num_requests} requests, max_num_seqs {args.max_num_seqs}, ", end="")
-    print(f"max_new_tokens {args.max_new_tokens}, {len(stops)} extra stop tokens")
-    print(f"{'method':<16}{'tokens':>10}{'seconds':>10}{'tokens/s':>12}{'vs generate':>13}")
+            traceback.print_exc()
+            print(f"{name}: warm-up FAILED {type(e).__name__}: {e}", flush=True)
+    live = [m for m in methods if m not in results]
+    for rep in range(args.repeats):  # repeats interleaved, so a drift of the machine hits every method
+        repeated = args.repeat_methods.split(",") if args.repeat_methods else live
+        for name in live:
+            if "error" in results.get(name, {}) or (rep > 0 and name not in repeated):
+                continue
+            try:
+                tokens, seconds = timed(runs[name], requests)
+            except Exception as e:  # noqa: BLE001
+                results[name] = {"error": f"{type(e).__name__}: {e}"}
+                traceback.print_exc()
+                print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
+                save()
+                continue
+            # (unseeded samples, hence lengths, may differ from run to run: each run's own tokens/s)
+            r = results.setdefault(name, {"tokens": tokens, "tokens_runs": [], "seconds_runs": []})
+            r["tokens_runs"].append(tokens)
+            r["seconds_runs"].append(seconds)
+            r["seconds"] = statistics.median(r["seconds_runs"])
+            r.update(summarize([n / t for n, t in zip(r["tokens_runs"], r["seconds_runs"])]))
+            print(f"{name}: {tokens} tokens in {seconds:.2f} s ({tokens / seconds:.0f}/s)", flush=True)
+            if name.startswith("ours"):  # the engine's own account: decode steps, prefills, graph capture
+                r.update(stats)
+                r["ms_per_decode_step"] = 1e3 * (seconds - stats["capture_s"]) / stats["decode_steps"]
+            if name in ("vllm", "vllm_unseeded"):  # start, push, prepare, generate and collect times
+                r.update(stats)
+                r["tokens_per_s_generate"] = tokens / stats["vllm/generate_s"]
+            if rep == 0:
+                after_first_run(args, adapter, name, kept, entry, runs, requests, device, stats)
+            save()
+    base = results.get("vllm_plain", {}).get("tokens_per_s")
+    for r in results.values():  # each method's speed over plain vLLM's
+        if base and "tokens_per_s" in r:
+            r["vs_vllm_plain"] = r["tokens_per_s"] / base
+
+
+def after_first_run(args, adapter, name, kept, entry, runs, requests, device, stats) -> None:
+    """After a method's first timed run: compare samples, re-score log-probs, and the kernel table."""
+    results = entry["results"]
+    if name == "ours_eager" and kept["ours"]:  # the CUDA-graph replay against the eager step: same samples?
+        same = sum(
+            torch.equal(a.response_ids, b.response_ids) for a, b in zip(kept["ours"], kept["ours_eager"])
+        )
+        entry["graph_vs_eager_identical_responses"] = f"{same}/{len(kept['ours'])}"
+        print(f"CUDA graph vs eager: {same}/{len(kept['ours'])} responses identical", flush=True)
+    if name == "ours_compiled" and kept["ours"]:  # fused kernels round differently: how many samples moved?
+        same = sum(
+            torch.equal(a.response_ids, b.response_ids) for a, b in zip(kept["ours"], kept["ours_compiled"])
+        )
+        entry["compiled_vs_ours_identical_responses"] = f"{same}/{len(kept['ours'])}"
+        print(f"compiled vs not: {same}/{len(kept['ours'])} responses identical", flush=True)
+    if args.check_logprobs and name in ("ours", "ours_compiled", "vllm", "vllm_unseeded"):
+        key = {"ours": "logprob_check", "ours_compiled": "compiled_logprob_check"}.get(
+            name, f"{name}_logprob_check"
+        )
+        entry[key] = check_logprobs(adapter, kept[name], args.temperature)
+        print(f"trainer vs {name} rollout log-probs: {entry[key]}", flush=True)
+    if args.kernels and (
+        not args.kernel_methods or name in args.kernel_methods.split(",")
+    ):  # where the time goes: one more run under the profiler (the first --kernel-requests)
+        subset = requests[: args.kernel_requests] if args.kernel_requests else requests
+        table = kernel_table(lambda: runs[name](subset), device, args.kernels)
+        table["requests"] = len(subset)
+        if name.startswith("ours"):  # per decode step (prefills, graph warm-up and capture included)
+            table["busy_ms_per_decode_step"] = 1e3 * table["busy_s"] / stats["decode_steps"]
+        results[name]["kernels"] = table
+        print_kernels(name, table)
+
+
+def print_table(load: str, args, results: dict) -> None:
+    print(
+        f"{load}: {args.num_requests} requests, max_new_tokens {args.max_new_tokens}, {args.repeats} run(s)"
+    )
+    head = f"{'method':<22}{'tokens':>9}{'seconds':>9}{'tokens/s':>11}{'spread':>8}{'vs plain':>10}"
+    print(f"{head}{'vs generate':>13}")
     base = results.get("generate", {}).get("tokens_per_s")
     for name, r in results.items():
         if "error" in r:
-            print(f"{name:<16} failed: {r['error']}")
+            print(f"{name:<22} failed: {r['error']}")
             continue
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
-        print(f"{name:<16}{r['tokens']:>10}{r['seconds']:>10.2f}{r['tokens_per_s']:>12.1f}{ratio:>13}")
-    print(f"wrote {args.out}")
+        plain = f"{r['vs_vllm_plain']:.3f}" if "vs_vllm_plain" in r else "-"
+        print(
+            f"{name:<22}{r['tokens']:>9}{r['seconds']:>9.2f}{r['tokens_per_s']:>11.1f}"
+            f"{100 * r['spread']:>7.1f}%{plain:>10}{ratio:>13}"
+        )
 
 
 if __name__ == "__main__":

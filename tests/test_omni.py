@@ -254,6 +254,32 @@ def test_stop_tokens_and_max_new_tokens(omni):
         assert torch.allclose(s.logprobs, f.logprobs[:end], atol=1e-6)
 
 
+def test_placeholder_ids_are_never_sampled(omni):
+    """The multimodal placeholder ids are banned from sampling and from the log-probs' normalisation: with
+    the lm_head's output pushed to favour them above every other id, no response holds one and the
+    log-probs still equal the trainer's; unbanned, they would have been drawn at nearly every step."""
+    ids = torch.tensor(omni.placeholder_token_ids)
+    favoured = []
+
+    def boost(module, args, out):
+        out = out.clone()
+        out[..., ids] += 30.0
+        favoured.append(torch.isin(out.argmax(-1).flatten(), ids))
+        return out
+
+    handle = omni.lm_head.register_forward_hook(boost)
+    try:
+        trajs = GenerationEngine(omni, 4, 0.1).generate(
+            requests(4, "text", GenerationParams(max_new_tokens=8))
+        )
+        trainer, rollout = recompute(omni, trajs, 1.0)
+    finally:
+        handle.remove()
+    assert not torch.isin(torch.cat([t.response_ids for t in trajs]), ids).any()
+    assert torch.cat(favoured).float().mean() > 0.9  # the boost makes a placeholder the argmax
+    assert_aligned(trainer, rollout, "placeholders favoured and banned")
+
+
 def test_sampling_filters():
     """top-k / top-p only pick among the allowed tokens, top_k 1 is the argmax, and the draw is the
     inverse CDF of the row's uniform (so a uniform of 0 picks the most probable kept token)."""

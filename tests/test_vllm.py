@@ -149,6 +149,46 @@ def test_omni_image_samples_seeds_and_logprobs(omni_vllm):
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAVE_VLLM, reason=NO_VLLM)
+def test_placeholder_ids_are_never_sampled(omni_vllm):
+    """With vLLM's logits pushed to favour the placeholder ids above every other id, plain sampling draws
+    them, the backend never does (its ban), and its log-probs still equal the trainer's."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    adapter, engine = omni_vllm
+    ids = list(adapter.placeholder_token_ids)
+
+    def favour(worker):
+        model = worker.model_runner.get_model()
+        compute = model.compute_logits
+
+        def boosted(*args, **kwargs):
+            logits = compute(*args, **kwargs)
+            logits[..., ids] += 30.0
+            return logits
+
+        model.compute_logits = boosted
+
+    def restore(worker):
+        del worker.model_runner.get_model().compute_logits
+
+    requests = image_requests(2, 2, GenerationParams(max_new_tokens=8))[2:]  # text prompts
+    engine.llm.collective_rpc(favour)
+    try:
+        trajs = engine.generate(requests)
+        prompts = [TokensPrompt(prompt_token_ids=adapter.prepare(r)["input_ids"].tolist()) for r in requests]
+        plain = engine.llm.generate(prompts, SamplingParams(max_tokens=8, detokenize=False), use_tqdm=False)
+    finally:
+        engine.llm.collective_rpc(restore)
+    drawn = [i for t in trajs for i in t.response_ids.tolist()]
+    assert drawn and not set(drawn) & set(ids)
+    unbanned = [i for out in plain for i in out.outputs[0].token_ids]
+    assert sum(i in ids for i in unbanned) > 0.9 * len(unbanned)  # the boost works: unbanned, they win
+    assert max_diff(trainer_logprobs(adapter, trajs), [t.logprobs for t in trajs]) <= TOL
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAVE_VLLM, reason=NO_VLLM)
 def test_omni_merged_lora_push_follows_the_update(omni_vllm):
     adapter, engine = omni_vllm
     requests = image_requests(2, 2, GenerationParams(max_new_tokens=12))

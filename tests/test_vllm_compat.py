@@ -105,6 +105,26 @@ def moe_model() -> torch.nn.Module:
     return model
 
 
+def test_sampled_logprobs_read_flat_lists_and_per_token_dicts():
+    """logprobs=0: vLLM's flat lists (one entry per position, the sampled token) or a {token: Logprob}
+    dict per position give the same values; flat lists that do not line up with the tokens are read per
+    position."""
+    tokens = [5, 9, 5]
+    dicts = [{5: types.SimpleNamespace(logprob=-0.5)}, {9: types.SimpleNamespace(logprob=-1.5)}]
+    dicts.append({5: types.SimpleNamespace(logprob=-2.5)})
+    flat = types.SimpleNamespace(start_indices=[0, 1, 2], token_ids=tokens, logprobs=[-0.5, -1.5, -2.5])
+    assert C.sampled_logprobs(dicts, tokens) == C.sampled_logprobs(flat, tokens) == [-0.5, -1.5, -2.5]
+
+    class Ragged(list):  # a flat container whose entries do not line up (per position: dicts)
+        start_indices = [0, 1, 2]
+        token_ids = [5, 7, 9, 5]
+        logprobs = [-0.5, -9.0, -1.5, -2.5]
+
+    assert C.sampled_logprobs(Ragged(dicts), tokens) == [-0.5, -1.5, -2.5]
+    assert C.flat_logprobs_kwargs(exists=lambda p: True) == {"flat_logprobs": True}
+    assert C.flat_logprobs_kwargs(exists=lambda p: False) == {}
+
+
 def test_loaded_param_finds_the_owner_of_either_release_name():
     model = moe_model()
     owner = model.mlp.experts.routed_experts

@@ -8,6 +8,8 @@ branch it has; nothing here imports vLLM at module level, and the tests drive ea
 - `lora_name_mapper`: the checkpoint -> vLLM name mapper of a LoRA built from tensors, without stacking:
   `WeightsMapper.get_rename_mapper` (0.32; also drops the mappings to None) or `get_unstacked_mapper` (0.26),
   the one vLLM's own LoRA loader takes in each release.
+- `flat_logprobs_kwargs` / `sampled_logprobs`: the sampled log-probs as flat lists where SamplingParams has
+  `flat_logprobs` (0.26 and 0.32), else the per-token dicts.
 - `loaded_param`: where a name `load_weights` reports loaded lives: 0.26.0 names a fused-MoE parameter by the
   MoE runner that loaded it, without the `routed_experts` module that holds it.
 - `experts_need_repack`: 0.32's CPU experts prepack their weights only on the first load (a reloaded layer
@@ -100,6 +102,21 @@ def check_vllm(version: str, exists=has, env=os.environ) -> None:
             "rollout.backend vllm: VLLM_USE_V2_MODEL_RUNNER is set, but the engine's weight pushes and cache "
             "resets go through vLLM's V1 model runner: unset it"
         )
+
+
+def flat_logprobs_kwargs(exists=has) -> dict[str, bool]:
+    """SamplingParams' `flat_logprobs` where this vLLM has it (0.26 and 0.32 do): the sampled log-probs
+    come back as flat lists instead of a dict and a Logprob object per token (the same values)."""
+    return {"flat_logprobs": True} if exists("vllm:SamplingParams.flat_logprobs") else {}
+
+
+def sampled_logprobs(logprobs, token_ids) -> list[float]:
+    """The log-prob of each sampled token of a completion asked with `logprobs=0`: vLLM's flat lists
+    (`FlatLogprobs`, one entry per position: the sampled token) or its list of {token: Logprob} dicts."""
+    flat = getattr(logprobs, "start_indices", None) is not None
+    if flat and len(logprobs.logprobs) == len(token_ids) and list(logprobs.token_ids) == list(token_ids):
+        return list(logprobs.logprobs)
+    return [step[t].logprob for step, t in zip(logprobs, token_ids)]
 
 
 def lora_name_mapper(mapper):

@@ -12,13 +12,15 @@ samples are separate requests with their derived seeds, as in the native engine.
 excluded from sampling (a `logit_bias` of -inf, as `lm.output_logprobs` masks them), and the recorded
 log-prob is vLLM's "processed" one: log_softmax of the logits after that bias and the temperature, which is
 the trainer's definition as long as top-k / top-p are off (training rollouts with this backend must keep
-them off: `omnirl.config_checks._check_vllm`).
+them off: `omnirl.config_checks._check_vllm`); it comes back as vLLM's flat lists (`flat_logprobs`), not as a
+dict and an object per token.
 
 Weights (`push`, at the start of every `generate`, all ranks together: a sharded parameter is gathered):
 - a dense model's LoRA: a tensor LoRA adapter built inside the worker from the trainer's LoRA tensors and
   swapped in for the previous one (vLLM's own loader reads a peft directory; this one reads memory);
 - a MoE model's LoRA (vLLM's MoE LoRA kernels need Triton, absent on CPU; merged on GPUs too): the LoRA
-  merged into copies of the base weights it adapts, only those pushed through vLLM's in-place reload;
+  merged into copies of the base weights it adapts, on their device, only those pushed through vLLM's
+  in-place reload;
 - a full fine-tune: every weight, gathered, in buckets of rollout.vllm_push_bucket_mib.
 Every push is verified in the worker: the LoRA modules it bound must be as many as the trainer has LoRA
 layers; a weight push must have loaded at least as many elements as were pushed and left no layer partly
@@ -71,6 +73,12 @@ def _unwrap(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a (possibly FSDP-sharded) parameter where it lives, detached (collective for a
+    DTensor, as `_unwrap`); the caller copies before anything could write to it."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+
 def kv_budget(cfg, device: torch.device) -> float:
     """generation.kv_cache_gib in bytes, or with it null generation.kv_cache_fraction of the memory free
     when the engine is made (rollout.memory_budget_gib when set), as the native engine sizes its cache."""
@@ -117,6 +125,9 @@ class VLLMEngine:
         # refuses ids past the tokenizer's length, and a model's vocabulary is padded beyond it.)
         # SamplingParams' constructor keeps the value as given (its from_optional clamps to +-100).
         self.banned = {int(i): float("-inf") for i in adapter.placeholder_token_ids}
+        # The sampled log-probs as vLLM's flat lists (a constant number of objects per request) rather than
+        # one dict and Logprob object per token, where this vLLM has them: the same values, less host work.
+        self.flat = vllm_compat.flat_logprobs_kwargs()
         kwargs = dict(
             model=cfg.model.path,
             dtype=cfg.model.dtype,
@@ -165,6 +176,7 @@ class VLLMEngine:
             return []
         for r in requests:
             _check_params(r)
+        start = time.perf_counter()
         prepared = [self.adapter.prepare(r) for r in requests]
         prompts, params = [], []
         for r, x in zip(requests, prepared):
@@ -191,14 +203,21 @@ class VLLMEngine:
                     logprobs=0,
                     detokenize=False,
                     logit_bias=dict(self.banned) or None,
+                    **self.flat,
                 )
             )
         lora = LoRARequest("policy", LORA_ID, "in-memory") if self.mode == "lora" else None
+        self.stats["vllm/prepare_s"] = time.perf_counter() - start
         start = time.perf_counter()
         outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
         self.stats["vllm/generate_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        # One batched decode (the fast tokenizer decodes the batch in parallel) instead of one per response.
+        texts = self.adapter.tokenizer.batch_decode(
+            [out.outputs[0].token_ids for out in outputs], skip_special_tokens=True
+        )
         trajs = []
-        for r, x, out in zip(requests, prepared, outputs):
+        for r, x, out, text in zip(requests, prepared, outputs, texts):
             if list(out.prompt_token_ids) != x["input_ids"].tolist():
                 raise RuntimeError(
                     f"request {r.index}: vLLM expanded the prompt to {len(out.prompt_token_ids)} ids that "
@@ -206,20 +225,21 @@ class VLLMEngine:
                 )
             c = out.outputs[0]
             tokens = torch.tensor(c.token_ids, dtype=torch.long)
-            lps = torch.tensor([step[t].logprob for step, t in zip(c.logprobs, c.token_ids)])
+            lps = torch.tensor(vllm_compat.sampled_logprobs(c.logprobs, c.token_ids), dtype=torch.float32)
             stops = set(self.adapter.eos_token_ids) | set(r.params.stop_token_ids)
             traj = OmniTrajectory(
                 request=r,
                 prompt_ids=x["input_ids"],
                 response_ids=tokens,
-                logprobs=lps.float(),
+                logprobs=lps,
                 mm_inputs={k: v for k, v in x.items() if k != "input_ids"},
                 finish_reason="stop" if len(tokens) and int(tokens[-1]) in stops else "length",
-                text=self.adapter.tokenizer.decode(tokens, skip_special_tokens=True),
+                text=text,
             )
             trajs.append(traj)
             if on_finish is not None:
                 on_finish(traj)
+        self.stats["vllm/collect_s"] = time.perf_counter() - start
         return trajs
 
     def _collapse(self, ids: torch.Tensor) -> list[int]:
@@ -286,12 +306,13 @@ class VLLMEngine:
         the LoRA layers (W + scale B A) and, for a full fine-tune, every weight."""
         hf = self.adapter.hf_model
         if self.mode == "merged" and not full:
+            # Merged where the weights are (on the GPU: no round trip through the host), into a new tensor.
             for name, layer in self.lora_layers.items():
                 base = layer.get_base_layer()
-                w = _unwrap(base.weight).float()
+                w = _full(base.weight).to(torch.float32, copy=True)
                 for a in layer.active_adapters:
-                    lora_a, lora_b = _unwrap(layer.lora_A[a].weight), _unwrap(layer.lora_B[a].weight)
-                    w = w + layer.scaling[a] * (lora_b.float() @ lora_a.float())
+                    lora_a, lora_b = _full(layer.lora_A[a].weight), _full(layer.lora_B[a].weight)
+                    w += layer.scaling[a] * (lora_b.float() @ lora_a.float())
                 yield f"{name}.weight", w.to(base.weight.dtype)
             return
         merged = dict(self._weights(False)) if self.mode == "merged" else {}
