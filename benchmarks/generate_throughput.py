@@ -151,23 +151,34 @@ def run_vllm_plain(adapter, cfg, requests, prompts: dict, engines: list, extras:
 def cap_vllm(engines: list, max_num_seqs: int) -> None:
     """At most `max_num_seqs` requests running in the vLLM engine built for the largest load: its scheduler's
     own limit (in-process engine core), so every load runs on the same engine, kernels and CUDA graphs."""
-    if engines:
-        engines[0].llm.llm_engine.engine_core.engine_core.scheduler.max_num_running_reqs = max_num_seqs
+    if not engines:
+        return
+    scheduler = engines[0].llm.llm_engine.engine_core.engine_core.scheduler
+    # 0.26 admits up to max_num_running_reqs; 0.32 up to max_num_active_reqs (and checks the other).
+    for limit in ("max_num_running_reqs", "max_num_active_reqs"):
+        if limit in vars(scheduler):
+            setattr(scheduler, limit, max_num_seqs)
 
 
-def parse_loads(text: str, max_num_seqs: int, stop_frac: float) -> list[tuple[int, float]]:
-    """--loads "SEQS:STOP_FRAC,..." -> [(max_num_seqs, stop_frac)]; empty: the single load of the flags."""
+def parse_loads(text: str, args) -> list[tuple[int, float, int]]:
+    """--loads "SEQS:STOP_FRAC[:REQUESTS],..." -> [(max_num_seqs, stop_frac, requests)] (REQUESTS default
+    --num-requests); empty: the single load of --max-num-seqs, --stop-frac and --num-requests."""
     if not text:
-        return [(max_num_seqs, stop_frac)]
+        return [(args.max_num_seqs, args.stop_frac, args.num_requests)]
     loads = []
     for item in text.split(","):
-        seqs, _, frac = item.partition(":")
+        parts = item.split(":")
         try:
-            load = (int(seqs), float(frac or 0))
+            if not 1 <= len(parts) <= 3:
+                raise ValueError
+            load = (int(parts[0]), float(parts[1]) if len(parts) > 1 else 0.0)
+            load += (int(parts[2]) if len(parts) > 2 else args.num_requests,)
         except ValueError:
-            raise ValueError(f"--loads: {item!r} is not SEQS:STOP_FRAC (e.g. 64:0.01)") from None
-        if load[0] < 1 or not 0 <= load[1] < 1:
-            raise ValueError(f"--loads: {item!r} needs SEQS >= 1 and STOP_FRAC in [0, 1)")
+            raise ValueError(
+                f"--loads: {item!r} is not SEQS:STOP_FRAC[:REQUESTS] (e.g. 64:0.01:128)"
+            ) from None
+        if load[0] < 1 or not 0 <= load[1] < 1 or load[2] < 1:
+            raise ValueError(f"--loads: {item!r} needs SEQS >= 1, STOP_FRAC in [0, 1) and REQUESTS >= 1")
         loads.append(load)
     return loads
 
@@ -322,6 +333,10 @@ def main() -> None:
         "for later runs' --model, instead of into a temporary folder",
     )  # fmt: skip
     args = p.parse_args()
+    try:
+        parse_loads(args.loads, args)
+    except ValueError as e:
+        p.error(str(e))  # one error line, exit 2, before anything loads
 
     torch.set_num_threads(1 if device_type() == "cpu" else torch.get_num_threads())
     tmp = tempfile.mkdtemp()  # the checkpoint stays until the end: the vLLM backend reads it too
@@ -333,10 +348,7 @@ def main() -> None:
 
 def run(args, tmp: str) -> None:
     device = torch.device(device_type())
-    try:
-        loads = parse_loads(args.loads, args.max_num_seqs, args.stop_frac)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+    loads = parse_loads(args.loads, args)  # checked in main
     if args.random_init:
         shape = {k: getattr(args, k) for k in THINKER_SHAPE}
         path = write_random_thinker(Path(args.keep_model or tmp), device, **shape)
@@ -351,7 +363,7 @@ def run(args, tmp: str) -> None:
     cfg.model.finetune = "lora"
     cfg.lora.target_modules = ["q_proj", "k_proj", "v_proj", "o_proj"]
     # The vLLM backend's settings: ours' KV budget, the largest load's max_num_seqs (cap_vllm: each load's).
-    cfg.rollout.backend, cfg.rollout.max_num_seqs = "vllm", max(n for n, _ in loads)
+    cfg.rollout.backend, cfg.rollout.max_num_seqs = "vllm", max(load[0] for load in loads)
     cfg.generation.kv_cache_gib, cfg.rollout.vllm_max_model_len = args.kv_cache_gib, args.vllm_max_model_len
     start = time.perf_counter()
     adapter = get_adapter("qwen3_omni_thinker")(cfg, device)
@@ -368,19 +380,20 @@ def run(args, tmp: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     engines: list = []
     warmed: set[str] = set()
-    for max_num_seqs, stop_frac in loads:
+    for max_num_seqs, stop_frac, num_requests in loads:
         rng = random.Random(1)
         stops = tuple(sorted(rng.sample(candidates, int(stop_frac * vocab)))) if stop_frac else ()
-        load_args = argparse.Namespace(**{**vars(args), "max_num_seqs": max_num_seqs, "stop_frac": stop_frac})
-        name = f"{max_num_seqs} concurrent, stop-frac {stop_frac:g}"
+        load = {"max_num_seqs": max_num_seqs, "stop_frac": stop_frac, "num_requests": num_requests}
+        load_args = argparse.Namespace(**{**vars(args), **load})
+        name = f"{max_num_seqs} concurrent, stop-frac {stop_frac:g}, {num_requests} requests"
         print(f"== load: {name}", flush=True)
         cap_vllm(engines, max_num_seqs)
-        entry = report["loads"][name] = {"max_num_seqs": max_num_seqs, "stop_frac": stop_frac}
+        entry = report["loads"][name] = dict(load)
         run_load(
             load_args, adapter, cfg, device, methods, stops, engines, warmed, entry, lambda: write(report)
         )
         if len(loads) == 1:  # one load: its results at the top level too, as before --loads
-            report.update({k: v for k, v in entry.items() if k not in ("max_num_seqs", "stop_frac")})
+            report.update({k: v for k, v in entry.items() if k not in load})
         write(report)
     print(f"model {'random-init' if args.random_init else path}: {params / 1e6:.1f} M parameters, ", end="")
     print(f"{args.dtype}, {device}, loaded in {load_s:.1f} s")
@@ -517,9 +530,7 @@ def after_first_run(args, adapter, name, kept, entry, runs, requests, device, st
 
 
 def print_table(load: str, args, results: dict) -> None:
-    print(
-        f"{load}: {args.num_requests} requests, max_new_tokens {args.max_new_tokens}, {args.repeats} run(s)"
-    )
+    print(f"{load}: max_new_tokens {args.max_new_tokens}, up to {args.repeats} run(s)")
     head = f"{'method':<22}{'tokens':>9}{'seconds':>9}{'tokens/s':>11}{'spread':>8}{'vs plain':>10}"
     print(f"{head}{'vs generate':>13}")
     base = results.get("generate", {}).get("tokens_per_s")
