@@ -5,11 +5,11 @@
 # plus one of the backend's settings at a time, the unseeded-backend-vs-plain pair three times
 # (interleaved); then a deeper thinker (DEEP_LAYERS) at full length, 64 concurrent, 64 requests. Kernel
 # tables of the native engine, the unseeded backend and plain vLLM on every load.
-#   bash scripts/gpu/omni_vs_vllm.sh OUT [DEEP_LAYERS] [DEEP_TIMEOUT_S]
+#   bash scripts/gpu/omni_vs_vllm.sh OUT [DEEP_LAYERS] [BUDGET_S]   (the deeper run gets what is left)
 set -uo pipefail
-out=${1:?usage: bash scripts/gpu/omni_vs_vllm.sh OUT [DEEP_LAYERS] [DEEP_TIMEOUT_S]}
+out=${1:?usage: bash scripts/gpu/omni_vs_vllm.sh OUT [DEEP_LAYERS] [BUDGET_S]}
 deep=${2:-24}
-deep_timeout=${3:-150}
+budget=${3:-560}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/../.." || exit 1
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0
@@ -23,7 +23,9 @@ python -m benchmarks.generate_throughput "${shape[@]}" --layers 8 \
     --methods ours,vllm,vllm_unseeded,vllm_plain,vllm_plain_bias,vllm_plain_logprobs,vllm_plain_flat,vllm_plain_seeds \
     --out "$out/layers8.json" 2>&1 | grep -v -E "it/s\]|Writing model|Loading weights" >"$out/layers8.log"
 echo "8 layers: done at +$((SECONDS - start)) s"
-timeout "$deep_timeout" python -m benchmarks.generate_throughput "${shape[@]}" --layers "$deep" \
+left=$((budget - (SECONDS - start) - 5))
+[ "$left" -ge 60 ] || { echo "no time left for $deep layers ($left s)"; exit 0; }
+timeout "$left" python -m benchmarks.generate_throughput "${shape[@]}" --layers "$deep" \
     --num-requests 64 --loads 64:0 --methods ours,vllm,vllm_unseeded,vllm_plain \
     --out "$out/layers$deep.json" 2>&1 | grep -v -E "it/s\]|Writing model|Loading weights" >"$out/layers$deep.log"
 echo "$deep layers: done at +$((SECONDS - start)) s"
