@@ -21,11 +21,11 @@ python -m benchmarks.generate_throughput "${shape[@]}" --layers 8 \
     --loads 64:0:128,64:0.01:128,256:0:256,256:0.01:256 --repeats 3 \
     --repeat-methods vllm_unseeded,vllm_plain \
     --methods ours,vllm,vllm_unseeded,vllm_plain,vllm_plain_bias,vllm_plain_logprobs,vllm_plain_flat,vllm_plain_seeds \
-    --out "$out/layers8.json" 2>&1 | grep -v -E "it/s\]|Writing model|Loading weights" >"$out/layers8.log"
+    --out "$out/layers8.json" 2>&1 | grep --line-buffered -v -E "it/s\]|Writing model|Loading weights" >"$out/layers8.log"
 echo "8 layers: done at +$((SECONDS - start)) s"
 left=$((budget - (SECONDS - start) - 5))
 [ "$left" -ge 60 ] || { echo "no time left for $deep layers ($left s)"; exit 0; }
 timeout "$left" python -m benchmarks.generate_throughput "${shape[@]}" --layers "$deep" \
     --num-requests 64 --loads 64:0 --methods ours,vllm,vllm_unseeded,vllm_plain \
-    --out "$out/layers$deep.json" 2>&1 | grep -v -E "it/s\]|Writing model|Loading weights" >"$out/layers$deep.log"
+    --out "$out/layers$deep.json" 2>&1 | grep --line-buffered -v -E "it/s\]|Writing model|Loading weights" >"$out/layers$deep.log"
 echo "$deep layers: done at +$((SECONDS - start)) s"
