@@ -460,6 +460,11 @@ def run_load(args, adapter, cfg, device, methods, stops, engines, warmed: set, e
             results[name] = {"error": f"{type(e).__name__}: {e}"}
             traceback.print_exc()
             print(f"{name}: warm-up FAILED {type(e).__name__}: {e}", flush=True)
+    vllm_methods = [m for m in methods if m.startswith("vllm") and m not in results]
+    if vllm_methods and args.warmup:  # vLLM's first batch of this size JIT-compiles kernels: not timed
+        short = dataclasses.replace(requests[0].params, max_new_tokens=min(16, args.max_new_tokens))
+        batch = [dataclasses.replace(r, params=short) for r in requests[: args.max_num_seqs]]
+        timed(runs[vllm_methods[0]], batch)
     live = [m for m in methods if m not in results]
     for rep in range(args.repeats):  # repeats interleaved, so a drift of the machine hits every method
         repeated = args.repeat_methods.split(",") if args.repeat_methods else live
