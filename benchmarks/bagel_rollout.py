@@ -16,10 +16,10 @@ LoRA r64 on the generation copies, gradient checkpointing), it measures:
    mean log-prob: the flow_grpo loss runs the same forward and backward), and the AdamW step on the LoRA.
 
 `--random-init` builds BAGEL-7B-MoT from its public config with random weights
-(`omnirl.models.random_init.write_random_bagel`, `random_init_loader`: the 13.6 B parameters of the text
-to image path, bfloat16) and a random FLUX autoencoder; the images are noise, speed and memory are the
-real model's. The tokenizer is the tiny byte-level one: a prompt costs about one token per byte. Prints a
-table and writes JSON (`--out`).
+(`omnirl.models.random_init.write_random_bagel`, then `model.weights random`: the 13.6 B parameters of
+the text to image path, bfloat16) and a random FLUX autoencoder; the images are noise, speed and memory
+are the real model's. The tokenizer is the tiny byte-level one: a prompt costs about one token per byte.
+Prints a table and writes JSON (`--out`).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", help="write the JSON here")
     a = parser.parse_args(argv)
 
-    from omnirl.models import bagel
+    from omnirl.models import build_adapter
     from omnirl.models.base import Request, derive_seed
     from omnirl.ops.diffusion import Pair, pair_logprob, sampling_params
     from omnirl.recipe import load_config
@@ -91,17 +91,16 @@ def main(argv=None) -> dict:
         overrides += ["--sampling.height", "32", "--sampling.width", "32"]
         overrides += ["--sampling.num_steps", "4", "--sampling.sde_window_range", "0", "3"]
     else:
-        from omnirl.models.random_init import random_init_loader, write_random_checkpoint
+        from omnirl.models.random_init import write_random_checkpoint
 
         path = tmp / "bagel"
         write_random_checkpoint("bagel", path)
-        torch.manual_seed(0)
-        bagel.load_pretrained = random_init_loader(device)
+        overrides += ["--model.weights", "random"]
     if a.split_cfg:
         overrides += ["--rollout.fused_cfg", "false"]
     cfg = load_config("bagel_flowgrpo_ocr_lora", ["--model.path", str(path), *overrides])
     cfg.distributed.fsdp = False
-    build = measured(lambda: bagel.BagelAdapter(cfg, device), device)
+    build = measured(lambda: build_adapter(cfg, device), device)
     adapter = build["out"]
     weights_gib = torch.cuda.memory_allocated(device) / GIB if device.type != "cpu" else 0.0
     params = sampling_params(cfg)

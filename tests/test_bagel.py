@@ -211,6 +211,22 @@ def test_official_layout_maps_every_key(tiny_bagel, tmp_path):
         load_vae(bad_vae, torch.float32)
 
 
+def test_random_weights_build_from_the_config(tiny_bagel):
+    """model.weights random: the port is built from llm_config.json with random weights, the shapes the
+    checkpoint's."""
+    from omnirl.models import build_adapter
+
+    cfg = tiny_config("bagel", tiny_bagel, rank=4, alpha=8.0, target_modules=TARGETS)
+    cfg.family, cfg.model.weights = BagelSettings(), "random"
+    built = build_adapter(cfg, torch.device("cpu")).policy.state_dict()
+    loaded = BagelModel.from_pretrained(tiny_bagel).state_dict()
+    base = {k.replace(".base_layer.", "."): v for k, v in built.items() if "lora_" not in k}
+    assert base.keys() == loaded.keys() and all(base[k].shape == v.shape for k, v in loaded.items())
+    assert not torch.equal(
+        base["layers.0.self_attn.q_proj_moe_gen.weight"], loaded["layers.0.self_attn.q_proj_moe_gen.weight"]
+    )
+
+
 def test_bad_paths(tmp_path):
     assert get_adapter("bagel") is BagelAdapter
     with pytest.raises(ConfigError, match="is not a directory"):
