@@ -350,3 +350,22 @@ def test_mixgrpo_flash_compressed_schedule_by_hand():
     cfg.sampling.ode_compress_ratio = 0.4
     with pytest.raises(ConfigError, match="ode_compress_ratio needs sampling.sde_window_schedule sliding"):
         check_values(cfg)
+
+
+def test_subset_schedule_trains_random_steps_and_takes_the_ode_step_elsewhere():
+    """sde_window_subset (LTX-2's reference: 3 of the first 10 steps): each request's trained steps are a
+    draw without replacement from the range, not contiguous for every request, and only they take the SDE
+    step: the other steps are the ODE step (noise-free), as with a window."""
+    requests = window_requests(8, 3, (0, 10), steps=12, sde_window_subset=True)
+    sampler, records, _, _, sigmas = run_sampler(requests, 12)
+    subsets = [r["step_indices"].tolist() for r in records]
+    assert all(len(set(s)) == 3 and all(0 <= i < 10 for i in s) for s in subsets)
+    assert any(s[-1] - s[0] > 2 for s in subsets) and len({tuple(s) for s in subsets}) > 1
+    assert sampler.noisy == sampler.trained  # SDE on the trained steps alone
+    for b, s in enumerate(subsets):  # each trained step's record is a noisy SDE step, its log-prob non-zero
+        assert torch.all(records[b]["logprobs"] != 0)
+        for k, i in enumerate(s):
+            ode = records[b]["latents"][k] + (sigmas[i + 1] - sigmas[i]) * (
+                0.3 * records[b]["latents"][k] + 0.1
+            )
+            assert (records[b]["next_latents"][k] - ode).abs().max() > 1e-3
