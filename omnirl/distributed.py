@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -530,7 +531,10 @@ def building_with(builder):
         _builder = before
 
 
-def load_pretrained(cls, path: str, **kwargs) -> nn.Module:
+M = TypeVar("M", bound=nn.Module)
+
+
+def load_pretrained(cls: type[M], path: str, **kwargs) -> M:
     """`cls.from_pretrained(path, **kwargs)` read on rank 0 only, broadcast to the other ranks.
 
     Other ranks build the module from its config on the meta device (no memory, no disk read of the
@@ -547,8 +551,7 @@ def load_pretrained(cls, path: str, **kwargs) -> nn.Module:
         model = cls.from_pretrained(path, **kwargs)
     else:
         model = _build_on_meta(cls, path, **kwargs).to_empty(device="cpu")
-        if isinstance(model, PreTrainedModel):
-            model.tie_weights()  # to_empty() unties shared embeddings (T5): retie so the tensor lists match
+        _retie(model)
     tensors = [*model.parameters(), *model.buffers()]
     # Rank 0's dtypes win: from_pretrained keeps some tensors of a bfloat16 model in float32 (transformers'
     # rotary `inv_freq` buffers), which the meta build's blanket .to(dtype) casts. A broadcast of unequal
@@ -580,7 +583,13 @@ def load_pretrained(cls, path: str, **kwargs) -> nn.Module:
     return model.eval()
 
 
-def _build_on_meta(cls, path: str, **kwargs) -> nn.Module:
+def _retie(model: nn.Module) -> None:
+    """to_empty() unties shared embeddings (T5): retie them so that the tensor lists match rank 0's."""
+    if isinstance(model, PreTrainedModel):
+        model.tie_weights()
+
+
+def _build_on_meta(cls: type[M], path: str, **kwargs) -> M:
     from accelerate import init_empty_weights
     from diffusers import ModelMixin
 

@@ -154,8 +154,10 @@ class MetricsLogger:
             _check_audios(audios, sample_rate)
             if len(audios) != len(videos):
                 raise ValueError(f"log_videos: {len(audios)} audio tracks for {len(videos)} videos")
-            aac_rates = av.Codec("aac", "w").audio_rates
-            if sample_rate not in aac_rates:  # ffmpeg's own error would only say "Invalid argument"
+            aac_rates = av.Codec("aac", "w").audio_rates  # None: the codec takes any rate
+            assert sample_rate is not None  # _check_audios refuses audio without one
+            # ffmpeg's own error would only say "Invalid argument"
+            if aac_rates is not None and sample_rate not in aac_rates:
                 raise ValueError(f"log_videos: AAC takes the sample rates {aac_rates}, got {sample_rate}")
         elif sample_rate is not None:
             raise ValueError("log_videos: sample_rate without audios")

@@ -171,11 +171,11 @@ def _image(where: str, value: Any, base: Path, binary_ok: bool) -> Image.Image:
             + ("" if binary_ok else '; in JSONL give a path or {"path": ...}')
             + f", got {type(data).__name__}"
         )
-    if data is None and not (isinstance(path, str) and path):
-        raise DataError(
-            f'{where}: "image" must be bytes, a path, or {{"bytes": ..., "path": ...}}, got {value!r:.80}'
-        )
     if data is None:
+        if not (isinstance(path, str) and path):
+            raise DataError(
+                f'{where}: "image" must be bytes, a path, or {{"bytes": ..., "path": ...}}, got {value!r:.80}'
+            )
         file = base / path
         if not file.is_file():
             raise DataError(f"{where}: image file not found: {file}")

@@ -30,7 +30,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import peft
 import torch
@@ -49,6 +49,7 @@ from omnirl.models.bagel_port import (
     SKIPPED_PREFIXES,
     VAE_WEIGHTS,
     WEIGHTS,
+    BagelConfig,
     BagelModel,
     load_vae,
     official_name,
@@ -57,7 +58,7 @@ from omnirl.models.bagel_port import (
 from omnirl.models.base import Output, Request, Trajectory
 from omnirl.models.diffusers_setup import DiffusersBase, trajectories
 from omnirl.models.flow_sde import WindowedSampler, host_rows, phase, to_host
-from omnirl.models.peft_lora import sorted_sets
+from omnirl.models.peft_lora import peft_config, sorted_sets
 
 DECODE_ROWS = 16  # images the VAE decodes at once
 LORA_FILE = "adapter_model.safetensors"  # peft's
@@ -199,7 +200,8 @@ class BagelAdapter(DiffusersBase):
         dtype = compute_dtype(model, self.transformer_dtype)  # the model's inputs: FSDP's root does not cast
         batch, _, h, w = latents.shape
         tokens = patchify(latents).to(dtype)
-        side, f = model.config.max_latent_size, LATENT_PATCH
+        # torch types module attributes as Tensor | Module: the policy (or its copy) is a BagelModel
+        side, f = cast(BagelConfig, model.config).max_latent_size, LATENT_PATCH
         rows = torch.arange(h // f, device=latents.device)[:, None]
         position_ids = (rows * side + torch.arange(w // f, device=latents.device)).reshape(-1)
         context, mask = embeds["context"].to(dtype), embeds["context_mask"]
@@ -291,7 +293,7 @@ class BagelAdapter(DiffusersBase):
         layers = peft.get_peft_model_state_dict(self.transformer, state_dict=state_dict)
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        config = sorted_sets(self.transformer.peft_config["default"])
+        config = sorted_sets(peft_config(self.transformer)["default"])
         config.target_modules = sorted({official_name(n) for n in lora_module_names(self.transformer)})
         config.save_pretrained(out)
         tensors = {

@@ -215,6 +215,7 @@ class BagelModel(nn.Module):
     (one `forward`, so that FSDP2's hooks see both). Every layer is an FSDP unit (`layers`)."""
 
     config_class = BagelConfig
+    latent_pos_embed: torch.Tensor  # a buffer
 
     def __init__(self, config: BagelConfig):
         super().__init__()

@@ -31,7 +31,7 @@ from omnirl.data.prompts import PromptRow
 from omnirl.distributed import DTYPES, place_policy
 from omnirl.models.base import Output, Request, Trajectory
 from omnirl.models.flow_sde import Pool, WindowedSampler
-from omnirl.models.peft_lora import lora_disabled, sorted_sets
+from omnirl.models.peft_lora import lora_disabled, peft_config, sorted_sets
 
 LORA_FILE = "pytorch_lora_weights.safetensors"  # diffusers' default LoRA file name
 
@@ -263,7 +263,7 @@ def save_lora(
         transformer_lora_layers=layers,
         weight_name=weight_name,
         # Without it a loader assumes lora_alpha == rank and scales the update wrongly.
-        transformer_lora_adapter_metadata=sorted_sets(transformer.peft_config["default"]).to_dict(),
+        transformer_lora_adapter_metadata=sorted_sets(peft_config(transformer)["default"]).to_dict(),
     )
     sort_safetensors_header(Path(out_dir) / weight_name)
 

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from typing import cast
 
+from peft import LoraConfig
+from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
@@ -37,7 +40,7 @@ def adapter_active(modules: list[nn.Module], name: str):
 
     Only the routing is switched (the layer's active adapters). peft's `set_adapter` would also flip
     `requires_grad` on every adapter's parameters, which the optimizer's and FSDP2's parameters share."""
-    layers = [m for module in modules for m in module.modules() if isinstance(m, BaseTunerLayer)]
+    layers = [m for module in modules for m in module.modules() if isinstance(m, LoraLayer)]
     before = [layer.active_adapters for layer in layers]
     for layer in layers:
         layer._active_adapter = [name] if name in layer.lora_A else []
@@ -57,3 +60,9 @@ def sorted_sets(config):
         if isinstance(value, set):
             setattr(out, name, sorted(value))
     return out
+
+
+def peft_config(model: nn.Module) -> dict[str, LoraConfig]:
+    """The LoRA configs peft set on `model` (inject_adapter_in_model / get_peft_model), by adapter name."""
+    # torch types every module attribute as Tensor | Module; peft's is a plain dict.
+    return cast("dict[str, LoraConfig]", model.peft_config)

@@ -9,6 +9,7 @@ Weights are random but seeded, so a tiny model is the same on every machine and 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -55,7 +56,7 @@ def _t5_tokenizer(model_max_length: int):
     return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=model_max_length)
 
 
-TINY_SD3_TRANSFORMER = dict(
+TINY_SD3_TRANSFORMER: dict[str, Any] = dict(
     sample_size=16,  # the pipeline's default size: 16 latents * 8 = 128 pixels
     patch_size=2,
     in_channels=4,

@@ -175,7 +175,9 @@ class Backbone(nn.Module):
         self.pos_embed = copy.deepcopy(transformer.pos_embed)
         self.time_text_embed = copy.deepcopy(transformer.time_text_embed)
         self.context_embedder = copy.deepcopy(transformer.context_embedder)
-        self.transformer_blocks = nn.ModuleList(copy.deepcopy(b) for b in transformer.transformer_blocks[:n])
+        blocks = transformer.transformer_blocks
+        assert isinstance(blocks, nn.ModuleList), type(blocks)
+        self.transformer_blocks = nn.ModuleList(copy.deepcopy(b) for b in blocks[:n])
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -298,7 +300,7 @@ class DinaLRM:
         scheduler = FlowMatchEulerDiscreteScheduler.from_config(adapter.scheduler.config)
         sigmas, timesteps = scheduler.sigmas, scheduler.timesteps  # set by the scheduler's constructor
         assert sigmas is not None and timesteps is not None
-        at = int((sigmas - NOISE_U).abs().argmin())
+        at = int((torch.as_tensor(sigmas) - NOISE_U).abs().argmin())
         self.sigma, self.timestep = float(sigmas[at]), float(timesteps[at])
 
     def modules_and_dtype(self) -> tuple[nn.Module, torch.dtype]:
@@ -320,7 +322,9 @@ class DinaLRM:
         text = torch.stack([s.embeds["prompt_embeds"] for s in latents]).to(device, dtype)  # [B, 77 + L, D]
         pooled = torch.stack([s.embeds["pooled_prompt_embeds"] for s in latents]).to(device, dtype)  # [B, P]
         timestep = torch.full((len(latents),), self.timestep, device=device)
-        blocks = list(owner.transformer_blocks[: self.n])
+        all_blocks = owner.transformer_blocks
+        assert isinstance(all_blocks, nn.ModuleList), type(all_blocks)
+        blocks = list(all_blocks[: self.n])
         with adapter_active(blocks, ADAPTER):
             hidden = owner.pos_embed(x)  # [B, N, dim]
             temb = owner.time_text_embed(timestep, pooled)  # [B, dim]; float32 timesteps, as the pipeline

@@ -196,6 +196,7 @@ class RewardPool:
                 running = [j for p in self._pending for j in p.jobs if self._is_running(j)]
                 now = time.monotonic()
                 for j in running:
+                    assert j.started is not None  # _is_running: started and not done
                     if now - j.started > self.timeout_s:
                         raise RewardError(
                             f"reward {j.name!r} took longer than timeout_s={self.timeout_s} s on a batch of "
