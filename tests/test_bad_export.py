@@ -290,6 +290,7 @@ def test_a_refused_run_leaves_no_lock(tiny_sd3, tmp_path, capsys):
     assert sorted(os.listdir(tmp_path)) == ["out"] and os.listdir(out) == ["notes.txt"]
 
 
+@pytest.mark.slow  # two training processes start: tens of seconds on 2 cores
 def test_second_of_two_runs_started_together_is_refused_before_loading(tiny_sd3, tmp_path):
     """Two runs on one new output directory, started at once: one is refused at once, before it loads
     anything (no loading progress on its stderr), with the one error line; the other runs."""
