@@ -81,8 +81,10 @@ class LTX2Settings:
     (the reference's), 'equal' the mean of each stream weighted 1/2."""
     max_sequence_length: int = 1024
     """Gemma prompt length (LTX2Pipeline's default 1024); the tokenizer's own limit lowers it."""
-    decode_rows: int = 2
-    """Samples the VAEs and the vocoder decode at once: bounds the decode's peak memory."""
+    decode_rows: int = 8
+    """Samples the VAEs and the vocoder decode at once: bounds the decode's peak memory (a rollout's
+    peak grows with the rows up to this chunk, then only with the latents). The default covers a
+    typical packed batch in one decode, as LTX2Pipeline decodes its whole batch."""
 
     RANGES: ClassVar[dict] = {
         "num_frames": (
@@ -271,10 +273,47 @@ class LTX2Adapter(DiffusersBase):
     ) -> torch.Tensor:
         """The guided velocity [B, L] float32 of the joined latents [B, L] at per-row sigmas [B]."""
         grid = Grid(*embeds["grid"][0].tolist())  # one sync per call, in the trainer only
-        return self._velocity(latents, sigmas, embeds, grid, guidance_scale, fused_cfg, policy)
-
-    def _velocity(self, latents, sigmas, embeds, grid, guidance_scale, fused_cfg, policy):
         model = policy if policy is not None else self.transformer
+        inputs = self.forward_inputs(embeds, grid, guidance_scale, fused_cfg, model)
+        return self._velocity(latents, sigmas, inputs, grid, guidance_scale, model)
+
+    def forward_inputs(
+        self,
+        embeds: dict[str, torch.Tensor],
+        grid: Grid,
+        guidance_scale: float,
+        fused_cfg: bool,
+        model: nn.Module,
+    ) -> list[dict[str, Any]]:
+        """What does not change from step to step, made once per batch as LTX2Pipeline makes it before its
+        loop: per transformer forward of a step (the negatives' first with guidance; one with fused CFG,
+        [negative; positive] stacked as the pipeline stacks them) its text inputs in the model's dtype and
+        the RoPE coordinates of both streams."""
+        dtype = compute_dtype(model, self.transformer_dtype)
+        positive = {k: embeds[k] for k in TEXT_INPUTS}
+        texts = [positive]
+        if self.guided(guidance_scale):
+            negative = {k: embeds[f"negative_{k}"] for k in TEXT_INPUTS}
+            texts = [negative, positive]
+            if fused_cfg:
+                texts = [{k: torch.cat([negative[k], positive[k]]) for k in TEXT_INPUTS}]
+        transformer: Any = self.transformer  # the policy wraps it (LoRA, FSDP): the same rope modules
+        out = []
+        for text in texts:
+            rows, device = text["prompt_mask"].shape[0], text["prompt_mask"].device
+            out.append({
+                "encoder_hidden_states": text["prompt_embeds"].to(dtype),
+                "audio_encoder_hidden_states": text["audio_prompt_embeds"].to(dtype),
+                "encoder_attention_mask": text["prompt_mask"],
+                "audio_encoder_attention_mask": text["prompt_mask"],
+                "video_coords": transformer.rope.prepare_video_coords(
+                    rows, grid.frames, grid.height, grid.width, device, fps=self.settings.frame_rate
+                ),
+                "audio_coords": transformer.audio_rope.prepare_audio_coords(rows, grid.audio_frames, device),
+            })  # fmt: skip
+        return out
+
+    def _velocity(self, latents, sigmas, inputs, grid, guidance_scale, model):
         dtype = compute_dtype(model, self.transformer_dtype)
         x = latents.float()
         video, audio = self.split(x, grid)
@@ -284,12 +323,8 @@ class LTX2Adapter(DiffusersBase):
             out_video, out_audio = model(
                 hidden_states=video.to(dtype),
                 audio_hidden_states=audio.to(dtype),
-                encoder_hidden_states=text["prompt_embeds"].to(dtype),
-                audio_encoder_hidden_states=text["audio_prompt_embeds"].to(dtype),
                 timestep=t,
                 sigma=t,  # LTX-2.3's prompt modulation; audio_sigma defaults to it, as in the pipeline
-                encoder_attention_mask=text["prompt_mask"],
-                audio_encoder_attention_mask=text["prompt_mask"],
                 num_frames=grid.frames,
                 height=grid.height,
                 width=grid.width,
@@ -297,27 +332,25 @@ class LTX2Adapter(DiffusersBase):
                 audio_num_frames=grid.audio_frames,
                 use_cross_timestep=True,
                 return_dict=False,
+                **text,
             )
             return out_video.float(), out_audio.float()
 
         scales = (guidance_scale, self.audio_scale(guidance_scale))
         s = sigmas.float().view(-1, 1, 1)
-        positive = {k: embeds[k] for k in TEXT_INPUTS}
         if not self.guided(guidance_scale):
-            pairs = zip((video, audio), forward(video, audio, timestep, positive))
+            pairs = zip((video, audio), forward(video, audio, timestep, inputs[0]))
             # The pipeline's round trip through x0, kept so that both agree to rounding.
             return torch.cat([((x_ - (x_ - v * s)) / s).flatten(1) for x_, v in pairs], dim=1)
-        negative = {k: embeds[f"negative_{k}"] for k in TEXT_INPUTS}
-        if fused_cfg:  # [negative; positive] in one forward, as the pipeline stacks them
-            both = {k: torch.cat([negative[k], positive[k]]) for k in TEXT_INPUTS}
+        if len(inputs) == 1:  # fused CFG: [negative; positive] in one forward
             out_video, out_audio = forward(
-                torch.cat([video, video]), torch.cat([audio, audio]), timestep.repeat(2), both
+                torch.cat([video, video]), torch.cat([audio, audio]), timestep.repeat(2), inputs[0]
             )
             (uncond_video, cond_video), (uncond_audio, cond_audio) = out_video.chunk(2), out_audio.chunk(2)
             uncond, cond = (uncond_video, uncond_audio), (cond_video, cond_audio)
         else:
-            uncond = forward(video, audio, timestep, negative)
-            cond = forward(video, audio, timestep, positive)
+            uncond = forward(video, audio, timestep, inputs[0])
+            cond = forward(video, audio, timestep, inputs[1])
         rescales = (self.settings.guidance_rescale, self.settings.audio_guidance_rescale)
         out = []
         for x_, v_cond, v_uncond, scale, rescale in zip((video, audio), cond, uncond, scales, rescales):
@@ -343,10 +376,11 @@ class LTX2Adapter(DiffusersBase):
         with phase("encode"):
             negatives = [r.negative_prompt for r in requests] if self.guided(p.guidance_scale) else None
             embeds = self.encode([r.prompt for r in requests], negatives, grid)
+            inputs = self.forward_inputs(embeds, grid, p.guidance_scale, p.fused_cfg, self.transformer)
         for i in sampler.steps():
             with phase("transformer"):
                 v = self._velocity(
-                    latents, sampler.sigma(i), embeds, grid, p.guidance_scale, p.fused_cfg, None
+                    latents, sampler.sigma(i), inputs, grid, p.guidance_scale, self.transformer
                 )
             latents = sampler.step(i, v, latents)
 
