@@ -109,7 +109,8 @@ def ltx2_flops(adapter: LTX2Adapter, params: SamplingParams):
     counter = FlopCounterMode(display=False)
     with counter, torch.no_grad():
         x = torch.zeros(1, *adapter.latent_shape(params.height, params.width), device=dev)
-        adapter._velocity(x, torch.full((1,), 0.5, device=dev), embeds, grid, 1.0, True, None)
+        inputs = adapter.forward_inputs(embeds, grid, 1.0, True, adapter.transformer)
+        adapter._velocity(x, torch.full((1,), 0.5, device=dev), inputs, grid, 1.0, adapter.transformer)
     flops = counter.get_total_flops()
     return lambda length: flops
 
