@@ -28,7 +28,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 from transformers import PreTrainedModel
@@ -360,11 +366,13 @@ def apply_fsdp(
     )
     ignored = ignored_params or set()
     # pin_memory only where there is an accelerator to copy to (pinning needs one).
-    extra = {"offload_policy": CPUOffloadPolicy(pin_memory=device_type() != "cpu")} if offload else {}
+    # OffloadPolicy(): fully_shard's default, no offloading.
+    placed = CPUOffloadPolicy(pin_memory=device_type() != "cpu") if offload else OffloadPolicy()
     for unit in units:
-        fully_shard(unit, mesh=mesh, mp_policy=mp, ignored_params=ignored & set(unit.parameters()), **extra)
+        own = ignored & set(unit.parameters())
+        fully_shard(unit, mesh=mesh, mp_policy=mp, offload_policy=placed, ignored_params=own)
         unit.register_forward_pre_hook(functools.partial(cast_inputs, DTYPES[param_dtype]), with_kwargs=True)
-    fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored, **extra)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=placed, ignored_params=ignored)
     model._omnirl_compute_dtype = DTYPES[param_dtype]  # read by `compute_dtype`
     for m in model.modules():
         if isinstance(m, FSDPModule):
@@ -372,6 +380,7 @@ def apply_fsdp(
             m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
     if not ignored:
         for unit, following in forward_chains(model, units):
+            assert isinstance(unit, FSDPModule) and isinstance(following, FSDPModule)  # fully_shard made them
             unit.set_modules_to_forward_prefetch([following])
     return model
 

@@ -32,6 +32,9 @@ files. Every key of both files is mapped or listed as skipped on purpose (`SKIPP
 key is an error naming it.
 """
 
+# pyright: reportCallIssue=false
+# (Module attributes typed Tensor | Module by torch: calls on library models' methods and submodules.)
+
 from __future__ import annotations
 
 import json

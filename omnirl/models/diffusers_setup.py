@@ -14,6 +14,9 @@ The module loading stays in each adapter: the measuring scripts replace each ada
 `load_pretrained`.
 """
 
+# pyright: reportCallIssue=false
+# (Module attributes typed Tensor | Module by torch: calls on library models' methods and submodules.)
+
 from __future__ import annotations
 
 import json

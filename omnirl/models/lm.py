@@ -19,6 +19,9 @@ Written here rather than taken from a library: transformers computes logits for 
 offers no log-prob of given tokens; TRL / verl do this inside their trainers.
 """
 
+# pyright: reportCallIssue=false
+# (Module attributes typed Tensor | Module by torch: calls on library models' methods and submodules.)
+
 from __future__ import annotations
 
 import copy

@@ -26,6 +26,9 @@ request, per-row SDE steps and the log-prob of every trained step (`flow_sde.flo
 With noise level 0 and the same initial latents the rollout equals LTX2Pipeline (video and audio).
 """
 
+# pyright: reportCallIssue=false
+# (Module attributes typed Tensor | Module by torch: calls on library models' methods and submodules.)
+
 from __future__ import annotations
 
 import copy

@@ -8,6 +8,9 @@ processor (which needs torchvision; omnirl feeds these models images only). A VL
 language model conditioned on the image.
 """
 
+# pyright: reportCallIssue=false
+# (Module attributes typed Tensor | Module by torch: calls on library models' methods and submodules.)
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -6,6 +6,9 @@ transformers classes (2 layers, hidden 16-64) with tokenizers built in memory, s
 Weights are random but seeded, so a tiny model is the same on every machine and every build.
 """
 
+# pyright: reportCallIssue=false
+# (transformers' config classes take fields their typed signatures leave out: Qwen2Config's rope_theta.)
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -30,6 +30,9 @@ adapter_model.safetensors) and `checkpoint/rm_head.pt` (the head's state dict, r
 an error naming it.
 """
 
+# pyright: reportCallIssue=false
+# (Module attributes typed Tensor | Module by torch: calls on library models' methods and submodules.)
+
 from __future__ import annotations
 
 import contextlib

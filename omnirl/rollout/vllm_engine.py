@@ -43,6 +43,9 @@ both discarded and everything re-pushed at the next rollout) and wakes for the r
 is CUDA-only; on CPU the same calls run and are logged, and free nothing.
 """
 
+# pyright: reportCallIssue=false
+# (Module attributes typed Tensor | Module by torch: calls on library models' methods and submodules.)
+
 from __future__ import annotations
 
 import logging
