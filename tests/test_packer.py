@@ -28,6 +28,7 @@ CHANGED = {
     "lora": "reference",
     "shared_initial_noise": True,
     "sde_window_random": True,
+    "sde_window_subset": True,
     "ode_compress_ratio": 0.5,
     "fused_cfg": False,
     "decode": False,

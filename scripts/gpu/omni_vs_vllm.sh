@@ -16,7 +16,7 @@ export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0
 start=$SECONDS
 shape=(--random-init --hidden 2048 --experts 32 --experts-per-tok 8 --moe-intermediate 768 --dtype bfloat16
     --head-scale 4 --max-new-tokens 384 --kv-cache-gib 20 --check-logprobs --kernels 15
-    --kernel-methods ours,vllm_unseeded,vllm_plain)
+    --kernel-methods "ours,vllm_unseeded,vllm_plain")
 python -m benchmarks.generate_throughput "${shape[@]}" --layers 8 \
     --loads 64:0:128,64:0.01:128,256:0:256,256:0.01:256 --repeats 3 \
     --repeat-methods vllm_unseeded,vllm_plain \
