@@ -1,6 +1,7 @@
 """What the diffusion adapter tests share: their tiny adapters' configs and requests, the initial latents
 the reference pipelines start from, the LoRA they perturb and export, and the comparisons."""
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -96,3 +97,31 @@ def packed_serial_diffs(packed, serial, shape: tuple[int, ...] = (4, 16, 16)) ->
         )
         d_logprobs = max(d_logprobs, max_diff(a.logprobs, b.logprobs))
     return d_latents, d_logprobs
+
+
+def compiled_rollout_diffs(adapter, make: Callable[[], list[Request]], max_num_seqs: int, monkeypatch):
+    """The packed rollout with the blocks compiled (`generation.compile`; dynamo with its 'eager' backend,
+    which traces with fullgraph=True as inductor would, so a graph break fails here) against the eager
+    one, on the same requests. A second compiled rollout must not recompile. Returns (graphs compiled,
+    max |diff| of the final latents, of the log-probs) over both compiled rollouts."""
+    from torch._dynamo.utils import counters
+
+    from omnirl.rollout import compiled
+    from omnirl.rollout.diffusion import DiffusionEngine
+
+    monkeypatch.setattr(compiled, "COMPILE_BACKEND", "eager")
+    start = counters["stats"]["unique_graphs"]
+    engine = DiffusionEngine(adapter, max_num_seqs, compile=True)
+    first = engine.generate(make())
+    graphs = counters["stats"]["unique_graphs"] - start
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        second = engine.generate(make())
+    assert all("forward" not in vars(m) for m in adapter.fsdp_units()), "training must run the eager forward"
+    eager = DiffusionEngine(adapter, max_num_seqs).generate(make())
+    d_latents = d_logprobs = 0.0
+    for run in (first, second):
+        for a, b in zip(run, eager, strict=True):
+            assert a.step_indices.tolist() == b.step_indices.tolist()
+            d_latents = max(d_latents, max_diff(a.final_latents, b.final_latents))
+            d_logprobs = max(d_logprobs, max_diff(a.logprobs, b.logprobs))
+    return graphs, d_latents, d_logprobs

@@ -22,7 +22,14 @@ from omnirl.models.bagel_port import BagelModel, bfl_vae_state, load_official, l
 from omnirl.models.base import SamplingParams
 from omnirl.models.flow_sde import flow_step
 from omnirl.ops.diffusion import Pair, pair_logprob
-from tests.support_compare import max_diff, packed_serial_diffs, perturb_lora, prompt_requests, tiny_config
+from tests.support_compare import (
+    compiled_rollout_diffs,
+    max_diff,
+    packed_serial_diffs,
+    perturb_lora,
+    prompt_requests,
+    tiny_config,
+)
 from tests.test_train import read_jsonl, torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -335,6 +342,15 @@ def test_packed_rollout_equals_serial(adapter):
     d_latents, d_logprobs = packed_serial_diffs(packed, serial, shape=(16, 16, 16))
     print(f"packed vs serial: latents {d_latents:.2e}, logprobs {d_logprobs:.2e}")
     assert d_latents < 1e-5 and d_logprobs < 1e-5
+
+
+@pytest.mark.slow
+def test_compiled_rollout_equals_eager_without_recompiling(adapter, monkeypatch):
+    """`generation.compile`: the MoT layers trace whole (fullgraph), once per shape, and the compiled
+    rollout is the eager one."""
+    graphs, d_latents, d_logprobs = compiled_rollout_diffs(adapter, lambda: requests(sde()), 4, monkeypatch)
+    print(f"compiled ({graphs} graphs) vs eager: latents {d_latents:.2e}, logprobs {d_logprobs:.2e}")
+    assert graphs > 0 and d_latents < 1e-5 and d_logprobs < 1e-5
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from omnirl.models.flow_sde import flow_step
 from omnirl.models.ltx2 import LTX2Adapter
 from omnirl.models.tiny_ltx2 import MAX_SEQUENCE_LENGTH
 from tests.support_compare import (
+    compiled_rollout_diffs,
     export_lora_twice,
     initial_latents,
     load_pipeline,
@@ -141,6 +142,18 @@ def test_packed_rollout_equals_serial_and_recomputed_logprobs_per_stream(adapter
             print(f"recomputed vs rollout per-stream log-prob (fused_cfg={fused}): max {diff:.2e}")
             assert diff < 1e-5
             assert max_diff(out.logprob, torch.stack([p.traj.logprobs[p.k] for p in pairs])) < 1e-5
+
+
+@pytest.mark.slow
+def test_compiled_rollout_equals_eager_without_recompiling(adapter, monkeypatch):
+    """`generation.compile`: the audio-video blocks trace whole (fullgraph), once for the batch's shape,
+    and the compiled rollout is the eager one."""
+    params = SamplingParams(HEIGHT, WIDTH, STEPS, GUIDANCE, 0.8, "cps", 2, (0, 3))
+    graphs, d_latents, d_logprobs = compiled_rollout_diffs(
+        adapter, lambda: make_requests(params, 3), 4, monkeypatch
+    )
+    print(f"compiled ({graphs} graphs) vs eager: latents {d_latents:.2e}, logprobs {d_logprobs:.2e}")
+    assert graphs > 0 and d_latents < 1e-5 and d_logprobs < 1e-5
 
 
 def test_equal_pooling_weights_each_stream_by_half(adapter):
