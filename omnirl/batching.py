@@ -16,7 +16,7 @@ from omnirl import distributed as D
 from omnirl.config import Config, ConfigError
 from omnirl.data.edit import open_inputs
 from omnirl.data.prompts import PromptRow, step_prompt_indices
-from omnirl.models.base import GenerationParams, Request, SamplingParams, derive_seed
+from omnirl.models.base import P, Request, derive_seed
 
 
 def make_requests(
@@ -24,9 +24,9 @@ def make_requests(
     rows: list[PromptRow],
     step: int,
     dist: D.DistInfo,
-    params: SamplingParams | GenerationParams,
+    params: P,
     negative_prompt: str = "",
-) -> tuple[list[Request], list[PromptRow]]:
+) -> tuple[list[Request[P]], list[PromptRow]]:
     """This rank's requests of a step: a contiguous share of the step's prompts, `group_size` each.
 
     The global request index (and so the seed) depends only on the step and the prompt's position in
@@ -39,7 +39,8 @@ def make_requests(
         )
     share = per_step // dist.world_size
     indices = step_prompt_indices(len(rows), step, per_step, cfg.run.seed)
-    requests, req_rows = [], []
+    requests: list[Request[P]] = []
+    req_rows: list[PromptRow] = []
     for pos in range(dist.rank * share, (dist.rank + 1) * share):
         row = rows[indices[pos]]
         inputs = open_inputs(row.inputs)  # read once per step: the group's requests share its images

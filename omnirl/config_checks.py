@@ -298,7 +298,7 @@ def _check_sampling(s: SamplingConfig, adapter: type, name: str, logprobs: bool)
     from omnirl.models.flow_sde import window  # the sampler's own rule: the window inside its range
 
     try:
-        window(s.num_steps, s.sde_window_size, tuple(s.sde_window_range))
+        window(s.num_steps, s.sde_window_size, (lo, hi))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if s.sde_window_schedule in ("sliding", "subset") and s.sde_window_size == 0:

@@ -373,7 +373,8 @@ def apply_fsdp(
         fully_shard(unit, mesh=mesh, mp_policy=mp, offload_policy=placed, ignored_params=own)
         unit.register_forward_pre_hook(functools.partial(cast_inputs, DTYPES[param_dtype]), with_kwargs=True)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=placed, ignored_params=ignored)
-    model._omnirl_compute_dtype = DTYPES[param_dtype]  # read by `compute_dtype`
+    # Read by `compute_dtype`. (torch types Module.__setattr__ for tensors and modules; any value is kept.)
+    model._omnirl_compute_dtype = DTYPES[param_dtype]  # pyright: ignore[reportArgumentType]
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)

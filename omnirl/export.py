@@ -103,7 +103,7 @@ def lora_to_peft(file: Path, out_dir: Path, model_path: str = "") -> None:
         out_dir / "adapter_model.safetensors",
         metadata={"format": "pt"},
     )
-    sorted_sets(lora_config).save_pretrained(out_dir)
+    sorted_sets(lora_config).save_pretrained(str(out_dir))
 
 
 def lora_dir_to_peft(lora_dir: Path, files: dict[str, str], out_dir: Path, model_path: str = "") -> None:

@@ -29,7 +29,7 @@ import gc
 import os
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -363,7 +363,7 @@ def phase(
     name: str,
     stats: dict[str, float],
     sleeper: Sleeper | None = None,
-    sleep: dict[str, Iterable[torch.Tensor]] | None = None,
+    sleep: Mapping[str, Iterable[torch.Tensor]] | None = None,
     wake: Iterable[str] = (),
     engine=None,
     engine_awake: bool = True,

@@ -77,7 +77,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         assert "step" not in scalars
-        row = {"step": step}
+        row: dict[str, float] = {"step": step}
         for key, value in scalars.items():
             try:
                 row[key] = float(value)
@@ -210,6 +210,7 @@ class MetricsLogger:
                 assert writer is not None  # a SummaryWriter makes its file writer when it is made
                 writer.add_summary(Summary(value=[Summary.Value(tag=f"{tag}/{i}", image=image)]), step)
                 if audio is not None:
+                    assert sample_rate is not None  # audio comes with one (checked above)
                     self._tb.add_audio(f"{tag}/{i}/audio", audio.mean(0), step, sample_rate=sample_rate)
         self._log_captions(step, tag, captions)
         if self._tb is not None:

@@ -45,7 +45,7 @@ def _convert(tp: Any, value: Any, key: str, src: str) -> Any:
     def bad(expected: str) -> ConfigError:
         return ConfigError(f"{src}: {key}: expected {expected}, got {value!r} ({type(value).__name__})")
 
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # (an annotation: a class, not an instance)
         if not isinstance(value, dict):
             raise bad(f"a mapping of {tp.__name__} fields")
         return _build(tp, value, key, src)

@@ -139,9 +139,8 @@ class BagelAdapter(DiffusersBase):
         self.transformer_dtype = DTYPES[cfg.model.dtype] if self.lora else torch.float32
         self.settings: BagelSettings = cfg.family
         self.transformer = load_pretrained(BagelModel, path, torch_dtype=self.transformer_dtype)
-        self.vae = (
-            load_vae(Path(path) / VAE_WEIGHTS, DTYPES[cfg.model.dtype]).requires_grad_(False).to(device)
-        )
+        self.vae = load_vae(Path(path) / VAE_WEIGHTS, DTYPES[cfg.model.dtype]).requires_grad_(False)
+        self.vae.to(device)  # pyright: ignore[reportArgumentType] (diffusers' `to`: the unbound Module.to)
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         ids = self.tokenizer.convert_tokens_to_ids(
@@ -295,7 +294,7 @@ class BagelAdapter(DiffusersBase):
         out.mkdir(parents=True, exist_ok=True)
         config = sorted_sets(peft_config(self.transformer)["default"])
         config.target_modules = sorted({official_name(n) for n in lora_module_names(self.transformer)})
-        config.save_pretrained(out)
+        config.save_pretrained(str(out))
         tensors = {
             f"base_model.model.{lora_official_name(k)}": v.detach().cpu().contiguous()
             for k, v in layers.items()
@@ -389,7 +388,7 @@ def make_trainable(model: BagelModel, cfg: Config, device: torch.device) -> int:
     if cfg.model.finetune == "lora":
         config = peft.LoraConfig(
             r=cfg.lora.rank,
-            lora_alpha=cfg.lora.alpha,
+            lora_alpha=cfg.lora.alpha,  # pyright: ignore[reportArgumentType] (peft types it int)
             target_modules=cfg.lora.target_modules,
             init_lora_weights=True if cfg.lora.init == "default" else "gaussian",
             lora_dropout=cfg.lora.dropout,

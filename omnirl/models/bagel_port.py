@@ -42,6 +42,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +74,7 @@ SKIPPED_PREFIXES = ("vit_model.", "connector.", "vit_pos_embed.", "language_mode
 # under language_model.model.).
 OWN_TOP_LEVEL = ("time_embedder.", "vae2llm.", "llm2vae.")
 # diffusers' AutoencoderKL config of the FLUX.1 autoencoder (BAGEL's ae.safetensors).
-FLUX_VAE = dict(
+FLUX_VAE: dict[str, Any] = dict(
     in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
     up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
     act_fn="silu", latent_channels=LATENT_CHANNELS, norm_num_groups=32, sample_size=1024,
@@ -133,7 +134,8 @@ class TimestepEmbedder(nn.Module):
         half = self.frequencies // 2
         freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
         angle = t.float()[:, None] * freqs[None]
-        return self.mlp(torch.cat([angle.cos(), angle.sin()], dim=-1).to(self.mlp[0].weight.dtype))
+        first = cast(nn.Linear, self.mlp[0])  # (torch types a Sequential's items as any Module)
+        return self.mlp(torch.cat([angle.cos(), angle.sin()], dim=-1).to(first.weight.dtype))
 
 
 def routed(und, gen, x: torch.Tensor, mixed: bool) -> torch.Tensor:
@@ -152,6 +154,8 @@ class MoTAttention(nn.Module):
     def __init__(self, config: BagelConfig):
         super().__init__()
         llm, hd = config.llm, config.head_dim
+        # (typed optional: Qwen2Config fills num_key_value_heads from num_attention_heads when not given)
+        assert llm.num_attention_heads is not None and llm.num_key_value_heads is not None
         heads, kv_heads, hidden = int(llm.num_attention_heads), int(llm.num_key_value_heads), llm.hidden_size
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hd
         for suffix in ("", "_moe_gen"):

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, Protocol, Typ
 import peft
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 if TYPE_CHECKING:  # omnirl.data.prompts imports this module
     from omnirl.data.prompts import PromptRow
@@ -242,7 +243,7 @@ class OmniAdapter(Protocol):
     lm_head: nn.Module  # the output projection, a child of `model`, applied by callers where they need it
     # The transformers model whose body and head `model` wraps: its config, generation, peft state and
     # the names of its weights (what the vLLM engine loads and pushes).
-    hf_model: nn.Module
+    hf_model: PreTrainedModel
     lora_config: peft.LoraConfig | None  # the injected LoRA's settings; None for a full fine-tune
     processor: Any  # the transformers processor: chat template, image / audio features, placeholders
     tokenizer: Any

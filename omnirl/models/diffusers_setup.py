@@ -23,6 +23,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import peft
 import torch
@@ -55,7 +56,7 @@ class DiffusersBase:
     """
 
     pipeline_cls: type
-    transformer: nn.Module
+    transformer: Any  # a diffusers model (BAGEL: BagelModel): its config and blocks are read by name
     device: torch.device
 
     def __init__(self, cfg: Config, device: torch.device):
@@ -187,7 +188,7 @@ def make_trainable(transformer: nn.Module, cfg: Config, device: torch.device) ->
         transformer.add_adapter(
             peft.LoraConfig(
                 r=cfg.lora.rank,
-                lora_alpha=cfg.lora.alpha,
+                lora_alpha=cfg.lora.alpha,  # pyright: ignore[reportArgumentType] (peft types it int)
                 target_modules=cfg.lora.target_modules,
                 init_lora_weights=True if cfg.lora.init == "default" else "gaussian",
                 lora_dropout=cfg.lora.dropout,

@@ -34,6 +34,7 @@ import math
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -422,7 +423,7 @@ class WindowedSampler:
             self.x_out[b, k] = next_latents[b]  # (a noise-free dpm2 step included)
         return next_latents
 
-    def record(self, b: int) -> dict[str, torch.Tensor | None]:
+    def record(self, b: int) -> dict[str, Any]:
         """Row b's trained steps, on the host, as `Trajectory` fields (views of the batch's records, which
         come to the host in one copy per buffer at the first call)."""
         if self._host is None:

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import peft
 import torch
@@ -95,7 +96,7 @@ def collate_prompts(inputs: list[dict[str, torch.Tensor]], pad_token_id: int) ->
 
 
 def pad_responses(
-    responses: list[torch.Tensor | list[int]], pad_token_id: int
+    responses: Sequence[torch.Tensor | list[int]], pad_token_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Response token ids of varying lengths as `token_logprobs` takes them: (sequences [B, T] long,
     right-padded with `pad_token_id`; response mask [B, T] bool), T the longest."""
@@ -224,7 +225,7 @@ def make_trainable_lm(model: nn.Module, cfg, path: str) -> peft.LoraConfig | Non
     else:
         model.requires_grad_(True)
     if cfg.model.gradient_checkpointing:
-        checkpoint_decoder_layers(model, model.model.language_model.layers)
+        checkpoint_decoder_layers(model, cast(nn.ModuleList, model.model.language_model.layers))
     return lora_config
 
 
@@ -265,7 +266,7 @@ class TransformersLMAdapter:
 
     # What a subclass's __init__ sets (the `OmniAdapter` members and the LoRA switch).
     device: torch.device
-    hf_model: nn.Module
+    hf_model: Any  # a transformers model: its parts and config are read by name
     model: nn.Module
     lm_head: nn.Module
     processor: Any
@@ -349,6 +350,6 @@ class TransformersLMAdapter:
         assert self.lora_config is not None  # made with the LoRA (model.finetune 'lora')
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        sorted_sets(self.lora_config).save_pretrained(out_dir)
+        sorted_sets(self.lora_config).save_pretrained(str(out_dir))
         tensors = {f"base_model.model.{k}": v.detach().cpu().contiguous() for k, v in layers.items()}
         save_file(tensors, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})

@@ -34,7 +34,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import torch
@@ -152,10 +152,10 @@ class LTX2Adapter(DiffusersBase):
         tokenizer = AutoTokenizer.from_pretrained(path, subfolder="tokenizer")
         self.max_sequence_length = min(self.settings.max_sequence_length, tokenizer.model_max_length)
         self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
-        self.text_pipe = LTX2Pipeline(
-            scheduler=None, vae=None, audio_vae=None, text_encoder=self.text_encoder, tokenizer=tokenizer,
-            connectors=None, transformer=None, vocoder=None,
-        )  # fmt: skip
+        # The pipeline of the text encoder alone (diffusers types its modules as required; None is taken).
+        modules = ["scheduler", "vae", "audio_vae", "connectors", "transformer", "vocoder"]
+        none: dict[str, Any] = dict.fromkeys(modules)
+        self.text_pipe = LTX2Pipeline(**none, text_encoder=self.text_encoder, tokenizer=tokenizer)
         self.video_processor = VideoProcessor(vae_scale_factor=self.vae.spatial_compression_ratio)
         self.config: Any = self.transformer.config  # diffusers' FrozenDict, read by field name
         c, a = self.config, self.audio_vae.config
@@ -228,7 +228,7 @@ class LTX2Adapter(DiffusersBase):
         mu = calculate_shift(
             video_tokens, c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift
         )
-        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps).tolist(), mu=mu)
         sigmas = scheduler.sigmas
         assert sigmas is not None  # set_timesteps made them
         return sigmas.float().cpu()
@@ -443,5 +443,5 @@ def _vocoder_class(path: str) -> type:
     """The vocoder class the checkpoint names (LTX-2's `LTX2Vocoder`, LTX-2.3's `LTX2VocoderWithBWE`)."""
     from diffusers.pipelines.ltx2 import vocoder
 
-    name = LTX2Pipeline.load_config(path)["vocoder"][1]
+    name = cast(dict, LTX2Pipeline.load_config(path))["vocoder"][1]  # (typed as maybe a tuple)
     return getattr(vocoder, name)

@@ -175,7 +175,8 @@ class Qwen3OmniThinkerAdapter(TransformersLMAdapter):
 
     def rope_positions(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         mask = batch.get("feature_attention_mask")
-        positions, _ = self.thinker.get_rope_index(
+        thinker: Any = self.thinker  # (transformers types the ids as LongTensor, which no tensor is)
+        positions, _ = thinker.get_rope_index(
             batch["input_ids"],
             image_grid_thw=batch.get("image_grid_thw"),
             attention_mask=batch["attention_mask"],

@@ -21,7 +21,7 @@ image tokens), a tail batch a large one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -77,7 +77,7 @@ def pipeline_sigmas(scheduler, num_steps: int, image_seq_len: int) -> torch.Tens
         config.get("max_shift", 1.15),
     )
     sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-    retrieve_timesteps(scheduler, num_steps, sigmas=sigmas, mu=mu)
+    retrieve_timesteps(scheduler, num_steps, sigmas=sigmas.tolist(), mu=mu)
     return scheduler.sigmas.float().cpu()
 
 
@@ -271,14 +271,10 @@ class QwenImageAdapter(DiffusersBase):
         self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
         # Computed as the pipeline does (8 for Qwen-Image); the transformer then packs 2x2 latent patches.
         self.vae_scale_factor = 2 ** len(self.vae.temperal_downsample)
-        # A pipeline around the text encoder only, so that prompts are encoded by diffusers' own code.
-        self.text_pipe = QwenImagePipeline(
-            scheduler=None,
-            vae=None,
-            text_encoder=self.text_encoder,
-            tokenizer=self.tokenizer,
-            transformer=None,
-        )
+        # A pipeline around the text encoder only, so that prompts are encoded by diffusers' own code
+        # (diffusers types its modules as required; None is taken).
+        none: dict[str, Any] = dict.fromkeys(["scheduler", "vae", "transformer"])
+        self.text_pipe = QwenImagePipeline(**none, text_encoder=self.text_encoder, tokenizer=self.tokenizer)
 
         make_trainable(self.transformer, cfg, device)
 

@@ -24,7 +24,7 @@ a longer one than the largest bucket is an error, not a truncation.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from diffusers import (
@@ -132,14 +132,15 @@ class QwenImageEditAdapter(DiffusersBase):
         )
         self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
         # A pipeline without transformer, so that prompts, condition images and latents are prepared by
-        # diffusers' own code (it computes vae_scale_factor, 8 for Qwen-Image, from the VAE).
+        # diffusers' own code (it computes vae_scale_factor, 8 for Qwen-Image, from the VAE)
+        # (diffusers types its modules as required; None is taken).
+        none: dict[str, Any] = dict.fromkeys(["scheduler", "transformer"])
         self.pipe = QwenImageEditPipeline(
-            scheduler=None,
+            **none,
             vae=self.vae,
             text_encoder=self.text_encoder,
             tokenizer=self.processor.tokenizer,
             processor=self.processor,
-            transformer=None,
         )
         self.vae_scale_factor = self.pipe.vae_scale_factor
 
@@ -235,9 +236,12 @@ class QwenImageEditAdapter(DiffusersBase):
         """
         pairs = {(p, id(im)): (p, im) for p, im in zip(prompts, images)}
         position = {key: i for i, key in enumerate(pairs)}
+        # [U, L, D], [U, L] (None when no row is padded); `image` takes PIL images (typed as a tensor)
         embeds, mask = self.pipe.encode_prompt(
-            prompt=[p for p, _ in pairs.values()], image=[im for _, im in pairs.values()], device=self.device
-        )  # [U, L, D], [U, L] (None when no row is padded)
+            prompt=[p for p, _ in pairs.values()],
+            image=[im for _, im in pairs.values()],  # pyright: ignore[reportArgumentType]
+            device=self.device,
+        )
         lengths = [embeds.shape[1]] * len(pairs) if mask is None else mask.sum(dim=1).tolist()
         rows = [embeds[i, :n] for i, n in enumerate(lengths)]
         return [rows[position[(p, id(im))]] for p, im in zip(prompts, images)]
@@ -249,7 +253,8 @@ class QwenImageEditAdapter(DiffusersBase):
         position = {id(im): i for i, im in enumerate(distinct)}
         pixels = self.pipe.image_processor.preprocess(distinct, height, width)  # [U, 3, H, W] in [-1, 1]
         pixels = pixels[:, :, None].to(self.device, self.vae.dtype)  # the video VAE's frame axis
-        latents = self.pipe._encode_vae_image(pixels, generator=None)[:, :, 0]  # [U, C, h, w]
+        # [U, C, h, w]; the mode: no generator (typed as required)
+        latents = self.pipe._encode_vae_image(pixels, generator=None)[:, :, 0]  # pyright: ignore[reportArgumentType]
         return latents[[position[id(im)] for im in images]]
 
     def velocity(

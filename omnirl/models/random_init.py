@@ -21,7 +21,7 @@ import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 # ByteDance-Seed/BAGEL-7B-MoT's llm_config.json: the Qwen2-7B shape (its generation copy doubles every
 # layer's weights: 14 B parameters in all), q/k norms, and its latent position table of side 64 (the
 # official app's max_latent_size). The autoencoder is FLUX's (omnirl.models.bagel_port.FLUX_VAE).
-BAGEL_7B_MOT_LLM = dict(
+BAGEL_7B_MOT_LLM: dict[str, Any] = dict(
     vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
     num_attention_heads=28, num_key_value_heads=4, rms_norm_eps=1e-6,
     rope_parameters=dict(rope_type="default", rope_theta=1e6),
@@ -43,27 +43,27 @@ BAGEL_7B_MOT_LLM = dict(
 # stabilityai/stable-diffusion-3.5-medium, passed as keyword arguments to the classes: an unknown key is a
 # TypeError (`checked` makes it one for transformers' configs too), so the names are checked against the
 # installed diffusers / transformers.
-SD35_TRANSFORMER = dict(
+SD35_TRANSFORMER: dict[str, Any] = dict(
     sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
     num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
     pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
     dual_attention_layers=tuple(range(13)), qk_norm="rms_norm",
 )  # fmt: skip
-SD35_VAE = dict(
+SD35_VAE: dict[str, Any] = dict(
     in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
     up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
     act_fn="silu", latent_channels=16, norm_num_groups=32, sample_size=1024, scaling_factor=1.5305,
     shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False,
 )  # fmt: skip
-SD35_CLIP_L = dict(
+SD35_CLIP_L: dict[str, Any] = dict(
     vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
     max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu",
 )  # fmt: skip
-SD35_CLIP_G = dict(
+SD35_CLIP_G: dict[str, Any] = dict(
     vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
     max_position_embeddings=77, projection_dim=1280, hidden_act="gelu",
 )  # fmt: skip
-SD35_T5 = dict(  # T5-XXL v1.1, encoder only
+SD35_T5: dict[str, Any] = dict(  # T5-XXL v1.1, encoder only
     vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
     relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
     layer_norm_epsilon=1e-6,
@@ -80,12 +80,12 @@ QWEN_SCHEDULER = {
 # downloaded here); the class names are checked by the installed classes. TI2V-5B: dim 3072 (24 heads of
 # 128), 30 layers, FFN 14336, 48 latent channels; each A14B expert has Wan2.1-14B's shape (dim 5120, 40
 # heads, 40 layers, FFN 13824, 16 channels: WanTransformer3DModel's defaults).
-WAN22_TI2V_TRANSFORMER = dict(
+WAN22_TI2V_TRANSFORMER: dict[str, Any] = dict(
     patch_size=(1, 2, 2), num_attention_heads=24, attention_head_dim=128, in_channels=48, out_channels=48,
     text_dim=4096, freq_dim=256, ffn_dim=14336, num_layers=30, cross_attn_norm=True,
     qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
 )  # fmt: skip
-WAN22_A14B_TRANSFORMER = dict(
+WAN22_A14B_TRANSFORMER: dict[str, Any] = dict(
     patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
     text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
     qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
@@ -94,7 +94,7 @@ WAN22_A14B_TRANSFORMER = dict(
 # channels, residual down blocks, a wider decoder. The 48 latents_mean / latents_std values are those of
 # Wan2.2's wan/modules/vae2_2.py as remembered: they only scale the latents, which changes no shape or
 # cost; a mistake there would not show in any measurement.
-WAN22_VAE = dict(
+WAN22_VAE: dict[str, Any] = dict(
     base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
     temperal_downsample=[False, True, True], dropout=0.0, is_residual=True, in_channels=12, out_channels=12,
     patch_size=2, scale_factor_temporal=4, scale_factor_spatial=16,
@@ -111,8 +111,9 @@ WAN22_VAE = dict(
         0.5726, 1.2042, 0.5458, 1.6887, 0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744,
     ],
 )  # fmt: skip
-WAN21_VAE: dict = {}  # A14B's VAE is Wan2.1's: AutoencoderKLWan's defaults (z 16, 8x spatial, 4x temporal)
-WAN_UMT5 = dict(  # google/umt5-xxl, encoder only (the checkpoints' text_encoder)
+# A14B's VAE is Wan2.1's: AutoencoderKLWan's defaults (z 16, 8x spatial, 4x temporal).
+WAN21_VAE: dict[str, Any] = {}
+WAN_UMT5: dict[str, Any] = dict(  # google/umt5-xxl, encoder only (the checkpoints' text_encoder)
     vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
     relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
     layer_norm_epsilon=1e-6,
@@ -128,7 +129,7 @@ WAN_SCHEDULER = {
 }  # fmt: skip
 # model_index.json fields: A14B switches experts at boundary_ratio 0.875 (T2V; I2V-A14B has 0.9); TI2V-5B
 # has no transformer_2 and gives the timestep per latent token (expand_timesteps).
-WAN22 = {
+WAN22: dict[str, dict[str, Any]] = {
     "wan22_ti2v": dict(transformer=WAN22_TI2V_TRANSFORMER, vae=WAN22_VAE, flow_shift=5.0,
                        boundary_ratio=None, expand_timesteps=True, experts=("transformer",)),
     "wan22_a14b": dict(transformer=WAN22_A14B_TRANSFORMER, vae=WAN21_VAE, flow_shift=3.0,
@@ -143,7 +144,7 @@ WAN22 = {
 # each), the video VAE (32x spatial, 8x temporal, 128 channels), the audio VAE and the vocoder with its
 # bandwidth extension to 48 kHz. The text encoder is Gemma-3 12B (google/gemma-3-12b-it: 48 layers of
 # 3840, 16 heads of 256, 8 KV heads, a SigLIP vision tower that text prompts never run), as remembered.
-LTX23_TRANSFORMER = dict(
+LTX23_TRANSFORMER: dict[str, Any] = dict(
     in_channels=128, out_channels=128, patch_size=1, patch_size_t=1, num_attention_heads=32,
     attention_head_dim=128, cross_attention_dim=4096, vae_scale_factors=(8, 32, 32), pos_embed_max_pos=20,
     base_height=2048, base_width=2048, gated_attn=True, cross_attn_mod=True, audio_in_channels=128,
@@ -157,7 +158,7 @@ LTX23_TRANSFORMER = dict(
     timestep_scale_multiplier=1000, cross_attn_timestep_scale_multiplier=1000, rope_type="split",
     use_prompt_embeddings=False, perturbed_attn=True,
 )  # fmt: skip
-LTX23_CONNECTORS = dict(
+LTX23_CONNECTORS: dict[str, Any] = dict(
     caption_channels=3840, text_proj_in_factor=49, video_connector_num_attention_heads=32,
     video_connector_attention_head_dim=128, video_connector_num_layers=8,
     video_connector_num_learnable_registers=128, video_gated_attn=True,
@@ -167,7 +168,7 @@ LTX23_CONNECTORS = dict(
     rope_theta=10000.0, rope_double_precision=True, causal_temporal_positioning=False, rope_type="split",
     per_modality_projections=True, video_hidden_dim=4096, audio_hidden_dim=2048, proj_bias=True,
 )  # fmt: skip
-LTX23_VAE = dict(
+LTX23_VAE: dict[str, Any] = dict(
     in_channels=3, out_channels=3, latent_channels=128, block_out_channels=(256, 512, 1024, 1024),
     down_block_types=("LTX2VideoDownBlock3D",) * 4, decoder_block_out_channels=(256, 512, 512, 1024),
     layers_per_block=(4, 6, 4, 2, 2), decoder_layers_per_block=(4, 6, 4, 2, 2),
@@ -180,13 +181,13 @@ LTX23_VAE = dict(
     resnet_norm_eps=1e-6, encoder_causal=True, decoder_causal=False, encoder_spatial_padding_mode="zeros",
     decoder_spatial_padding_mode="zeros", spatial_compression_ratio=32, temporal_compression_ratio=8,
 )  # fmt: skip
-LTX23_AUDIO_VAE = dict(
+LTX23_AUDIO_VAE: dict[str, Any] = dict(
     base_channels=128, output_channels=2, ch_mult=(1, 2, 4), num_res_blocks=2, attn_resolutions=None,
     in_channels=2, resolution=256, latent_channels=8, norm_type="pixel", causality_axis="height", dropout=0.0,
     mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True, mel_bins=64,
     double_z=True,
 )  # fmt: skip
-LTX23_VOCODER = dict(
+LTX23_VOCODER: dict[str, Any] = dict(
     in_channels=128, hidden_channels=1536, out_channels=2, upsample_kernel_sizes=[11, 4, 4, 4, 4, 4],
     upsample_factors=[5, 2, 2, 2, 2, 2], resnet_kernel_sizes=[3, 7, 11],
     resnet_dilations=[[1, 3, 5], [1, 3, 5], [1, 3, 5]], act_fn="snakebeta", leaky_relu_negative_slope=0.1,
@@ -200,12 +201,12 @@ LTX23_VOCODER = dict(
     bwe_final_act_fn=None, bwe_final_bias=False, filter_length=512, hop_length=80, window_length=512,
     num_mel_channels=64, input_sampling_rate=16000, output_sampling_rate=48000,
 )  # fmt: skip
-LTX23_GEMMA3_TEXT = dict(
+LTX23_GEMMA3_TEXT: dict[str, Any] = dict(
     vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
     num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
     sliding_window=1024, max_position_embeddings=131072,
 )  # fmt: skip
-LTX23_GEMMA3_VISION = dict(
+LTX23_GEMMA3_VISION: dict[str, Any] = dict(
     hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16, image_size=896,
     patch_size=14,
 )  # fmt: skip
@@ -250,7 +251,9 @@ def edit_tokenizer():
     from transformers import Qwen2Tokenizer
 
     # The installed pipeline's own template (a pipeline of no modules only sets its fields).
-    none = dict.fromkeys(["scheduler", "vae", "text_encoder", "tokenizer", "processor", "transformer"])
+    none: dict[str, Any] = dict.fromkeys(
+        ["scheduler", "vae", "text_encoder", "tokenizer", "processor", "transformer"]
+    )
     template = QwenImageEditPipeline(**none).prompt_template_encode
     vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     pre = Qwen2Tokenizer(vocab=dict(vocab), merges=[]).backend_tokenizer.pre_tokenizer
@@ -266,7 +269,8 @@ def edit_tokenizer():
                 vocab.setdefault(pair[0] + pair[1], len(vocab))
                 parts[:2] = [pair[0] + pair[1]]
     vocab.update({s: len(vocab) + i for i, s in enumerate(QWEN_SPECIALS)})
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, pad_token="<|endoftext|>")
+    # transformers annotates `merges` as strings; tokenizers' BPE, which it passes them to, takes pairs.
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=cast(Any, merges), pad_token="<|endoftext|>")
     tokenizer.add_special_tokens({"additional_special_tokens": QWEN_SPECIALS[1:]})
     return tokenizer
 
@@ -319,9 +323,8 @@ def qwen_bpe_tokenizer(ranks_file: str | Path):
     merges.sort(key=lambda m: m[0])
     vocab = {spell(t): r for t, r in ranks.items()}
     vocab.update({s: len(ranks) + i for i, s in enumerate(QWEN2_SPECIALS)})
-    tokenizer = Qwen2Tokenizer(
-        vocab=vocab, merges=[(spell(l), spell(r)) for _, l, r in merges], pad_token="<|endoftext|>"
-    )
+    pairs = [(spell(l), spell(r)) for _, l, r in merges]  # pairs, as tokenizers' BPE takes them (see above)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=cast(Any, pairs), pad_token="<|endoftext|>")
     tokenizer.add_special_tokens({"additional_special_tokens": QWEN2_SPECIALS[1:]})
     return tokenizer
 
@@ -500,7 +503,8 @@ def write_random_bagel(out: Path) -> None:
     (out / "llm_config.json").write_text(json.dumps({**llm, "qk_norm": True}, indent=2))
     table = sincos_2d(BAGEL_7B_MOT_LLM["hidden_size"], MAX_LATENT_SIZE).to(torch.bfloat16)
     save_file({"latent_pos_embed.pos_embed": table}, out / "ema.safetensors")
-    vae = AutoencoderKL(**FLUX_VAE).to(torch.bfloat16)
+    # (diffusers' and transformers' `to` is typed as the unbound `Module.to`, taking the dtype for `self`.)
+    vae = AutoencoderKL(**FLUX_VAE).to(torch.bfloat16)  # pyright: ignore[reportArgumentType]
     save_file(bfl_vae_state(vae), out / "ae.safetensors")
     tiny._qwen_image_tokenizer().save_pretrained(out)
 
@@ -565,11 +569,12 @@ def random_init_loader(device: torch.device, policy_on_host: bool = False):
         # A host build's random draws on the accelerator (`_draws_on`): the host's generator is serial.
         drawn = _draws_on(device) if where.type == "cpu" and device.type not in ("cpu", "meta") else None
         with torch.device(where), _default_dtype(dtype), drawn or contextlib.nullcontext():
+            model_cls: Any = cls  # a diffusers or transformers class: its config API is reached by name
             if issubclass(cls, ModelMixin):
-                model = cls.from_config(cls.load_config(path, subfolder=subfolder))
+                model = model_cls.from_config(model_cls.load_config(path, subfolder=subfolder))
             else:  # the config the adapter passes (it may have set fields), else the checkpoint's
-                config = config or cls.config_class.from_pretrained(path, subfolder=subfolder)
-                model = cls._from_config(config, dtype=dtype)
+                config = config or model_cls.config_class.from_pretrained(path, subfolder=subfolder)
+                model = model_cls._from_config(config, dtype=dtype)
         _as_loaded(model, dtype)
         settings = Path(path, subfolder or "", RANDOM_INIT_FILE)
         if settings.is_file():
@@ -725,7 +730,8 @@ def write_random_thinker(
         return path
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen3OmniMoeThinkerForConditionalGeneration(config).to(DTYPES[dtype])
+        model = Qwen3OmniMoeThinkerForConditionalGeneration(config)
+        model = model.to(DTYPES[dtype])  # pyright: ignore[reportArgumentType] (`to`: see write_random_bagel)
     if head_scale != 1.0:
         model.lm_head.weight.data *= head_scale
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:

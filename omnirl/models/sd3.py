@@ -82,11 +82,11 @@ class SD3Adapter(DiffusersBase):
         # Computed as the pipeline does (8 for SD3: a latent pixel is 8x8 image pixels).
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
 
-        # A pipeline around the text encoders only, so that prompts are encoded by diffusers' own code.
+        # A pipeline around the text encoders only, so that prompts are encoded by diffusers' own code
+        # (diffusers types its modules as required; None is taken).
+        none: dict[str, Any] = dict.fromkeys(["transformer", "scheduler", "vae"])
         self.text_pipe = StableDiffusion3Pipeline(
-            transformer=None,
-            scheduler=None,
-            vae=None,
+            **none,
             text_encoder=self.text_encoder,
             tokenizer=tokenizers[0],
             text_encoder_2=self.text_encoder_2,
@@ -117,8 +117,8 @@ class SD3Adapter(DiffusersBase):
         guided = negative_prompts is not None
         prompt_embeds, negative_embeds, pooled, negative_pooled = self.text_pipe.encode_prompt(
             prompt=prompts,
-            prompt_2=None,
-            prompt_3=None,
+            prompt_2=None,  # pyright: ignore[reportArgumentType] (None: `prompt`, as diffusers does)
+            prompt_3=None,  # pyright: ignore[reportArgumentType]
             device=self.device,
             do_classifier_free_guidance=guided,
             negative_prompt=negative_prompts,

@@ -100,14 +100,15 @@ def make_tiny_sd3(out_dir: str | Path) -> Path:
 
     torch.manual_seed(0)
     transformer = SD3Transformer2DModel(**TINY_SD3_TRANSFORMER)
+    # (diffusers annotates the block tuples as one-element tuples: `Tuple[str]`; any length is taken.)
     vae = AutoencoderKL(
         in_channels=3,
         out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
+        down_block_types=("DownEncoderBlock2D",) * 2,  # pyright: ignore[reportArgumentType]
+        up_block_types=("UpDecoderBlock2D",) * 2,  # pyright: ignore[reportArgumentType]
         # 2 blocks: 2x downsampling (SD3's has 4 blocks, 8x). Cheap to decode on CPU, and 32 px images
         # give 16x16 latents, the size at which the quickstart was measured to learn.
-        block_out_channels=(16, 32),
+        block_out_channels=(16, 32),  # pyright: ignore[reportArgumentType]
         layers_per_block=1,
         latent_channels=4,
         norm_num_groups=8,
@@ -118,7 +119,7 @@ def make_tiny_sd3(out_dir: str | Path) -> Path:
         use_quant_conv=False,
         use_post_quant_conv=False,
     )
-    clip_cfg = dict(
+    clip_cfg: dict[str, Any] = dict(
         vocab_size=len(clip_tok),
         hidden_size=16,
         intermediate_size=32,
@@ -313,7 +314,9 @@ def make_tiny_qwen_image_edit(out_dir: str | Path) -> Path:
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, fullatt_block_indexes=[1])
     # The processor is saved from its parts: building a Qwen2VLProcessor needs torchvision (its video
     # processor), which this machine lacks.
-    pipe = QwenImageEditPipeline(**_tiny_qwen_image_modules(tokenizer, 1024, vision), processor=None)
+    modules = _tiny_qwen_image_modules(tokenizer, 1024, vision)
+    # (diffusers' pipelines type their modules as required; a None module is taken and left unsaved.)
+    pipe = QwenImageEditPipeline(**modules, processor=None)  # pyright: ignore[reportArgumentType]
     pipe.save_pretrained(out_dir)
     # The real checkpoint's processor: min_pixels 56*56 makes a 32x32 condition image 4 vision tokens.
     Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 64).save_pretrained(
@@ -383,7 +386,7 @@ def make_tiny_wan(out_dir: str | Path, layout: str = "ti2v") -> Path:
         experts["transformer_2"] = transformer()
     # Built modules are in train mode (UMT5 dropout!) and pipelines never call eval(): do it here.
     pipe = WanPipeline(
-        tokenizer=tokenizer,
+        tokenizer=tokenizer,  # pyright: ignore[reportArgumentType] (typed as the AutoTokenizer factory)
         text_encoder=text_encoder.eval(),
         vae=vae.eval(),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
@@ -458,7 +461,7 @@ def make_tiny_dina_lrm(out_dir: str | Path, visual=(0, 1), text=(1,), seed: int 
         for name, p in lora.named_parameters():
             if "lora_" in name:
                 p.normal_(0, 0.1)
-    lora.save_pretrained(out_dir / "checkpoint" / "backbone_lora")
+    lora.save_pretrained(str(out_dir / "checkpoint" / "backbone_lora"))
     dim = TINY_SD3_TRANSFORMER["num_attention_heads"] * TINY_SD3_TRANSFORMER["attention_head_dim"]
     head = RewardHead(dim, len(visual), len(text), head_options)
     with torch.no_grad():

@@ -16,10 +16,11 @@ the track's level follows the latents (the tiny recipe's `audio_loudness` reward
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
-TINY_LTX2_TRANSFORMER = dict(
+TINY_LTX2_TRANSFORMER: dict[str, Any] = dict(
     in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
     cross_attention_dim=16, audio_in_channels=8, audio_out_channels=8, audio_num_attention_heads=2,
     audio_attention_head_dim=4, audio_cross_attention_dim=8, num_layers=2, caption_channels=16,

@@ -7,6 +7,7 @@ built in memory, saved with `save_pretrained` and loaded back through `from_pret
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -109,7 +110,8 @@ def make_tiny_qwen3_omni(out_dir: str | Path, head_dim: int = 16) -> Path:
 
     out_dir = Path(out_dir)
     tok = _qwen_omni_tokenizer()
-    ids = {s: tok.convert_tokens_to_ids(s) for s in tok.all_special_tokens}
+    # Each a single token's id (transformers types the lookup as maybe a list of ids).
+    ids: dict[str, Any] = {s: tok.convert_tokens_to_ids(s) for s in tok.all_special_tokens}
     mm_ids = dict(
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
@@ -244,8 +246,11 @@ def make_tiny_qwen_vl(out_dir: str | Path, family: str = "qwen2_5_vl", head_dim:
 
     out_dir = Path(out_dir)
     tok = _qwen_omni_tokenizer()
-    ids = {s: tok.convert_tokens_to_ids(s) for s in tok.all_special_tokens}
-    vision = dict(depth=2, hidden_size=2 * head_dim, intermediate_size=64, num_heads=2, spatial_merge_size=2)
+    # Each a single token's id (transformers types the lookup as maybe a list of ids).
+    ids: dict[str, Any] = {s: tok.convert_tokens_to_ids(s) for s in tok.all_special_tokens}
+    vision: dict[str, Any] = dict(
+        depth=2, hidden_size=2 * head_dim, intermediate_size=64, num_heads=2, spatial_merge_size=2
+    )
     vision.update(temporal_patch_size=2, out_hidden_size=64)  # = the text hidden size
     mm_ids = dict(
         image_token_id=ids["<|image_pad|>"],

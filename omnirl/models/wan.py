@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -82,7 +83,7 @@ class Experts(nn.Module):
     embeddings and output layers) before the expert runs. Not an `nn.ModuleDict`: FSDP2 of torch 2.11
     refuses every ModuleDict, one with a forward too."""
 
-    def __init__(self, experts: dict[str, nn.Module]):
+    def __init__(self, experts: Mapping[str, nn.Module]):
         super().__init__()
         for name, expert in experts.items():
             self.add_module(name, expert)
@@ -175,9 +176,10 @@ class WanAdapter(DiffusersBase):
             module.requires_grad_(False).to(device)
         tokenizer = AutoTokenizer.from_pretrained(path, subfolder="tokenizer")
         self.max_sequence_length = min(self.settings.max_sequence_length, tokenizer.model_max_length)
-        self.text_pipe = WanPipeline(
-            tokenizer=tokenizer, text_encoder=self.text_encoder, vae=None, scheduler=None
-        )
+        none: dict[str, Any] = dict.fromkeys(
+            ["vae", "scheduler"]
+        )  # (diffusers types its modules as required; None is taken)
+        self.text_pipe = WanPipeline(**none, tokenizer=tokenizer, text_encoder=self.text_encoder)
         self.scheduler = FlowMatchEulerDiscreteScheduler(shift=self.settings.flow_shift)
         self.num_train_timesteps = self.scheduler.config.num_train_timesteps
         self.scale_temporal: int = self.vae.config.scale_factor_temporal
@@ -189,7 +191,7 @@ class WanAdapter(DiffusersBase):
         for expert in experts.values():
             make_trainable(expert, cfg, device)
         self.experts: dict[str, Any] = experts  # name -> its WanTransformer3DModel
-        self._policy = experts["transformer"] if len(experts) == 1 else Experts(experts)
+        self._policy: nn.Module = experts["transformer"] if len(experts) == 1 else Experts(experts)
         self.config: Any = experts["transformer"].config  # diffusers' FrozenDict, read by field name
 
     @property
@@ -240,6 +242,7 @@ class WanAdapter(DiffusersBase):
         )
         out = {"prompt_embeds": embeds}
         if guided:
+            assert negative is not None  # encoded with classifier-free guidance
             out["negative_prompt_embeds"] = negative
         return out
 
@@ -269,6 +272,7 @@ class WanAdapter(DiffusersBase):
         # The pipeline's rule: the high-noise expert at t >= boundary, compared in float32 as it does.
         high = timestep >= self.boundary_ratio * self.num_train_timesteps  # [B]
         out = torch.zeros(latents.shape, dtype=torch.float32, device=latents.device)
+        sharded = isinstance(root, FSDPModule)
         for name, rows, scale in (
             ("transformer", high, guidance_scale),
             ("transformer_2", ~high, self.guidance_2(guidance_scale)),
@@ -279,7 +283,7 @@ class WanAdapter(DiffusersBase):
                 sub = {k: e[idx] for k, e in embeds.items()}
                 out = out.index_put((idx,), self._guided(expert, latents[idx], timestep[idx], sub, scale,
                                                          fused_cfg, dtype))  # fmt: skip
-            elif balance and isinstance(root, FSDPModule):
+            elif balance and sharded:
                 # Every rank must run every sharded expert forward and backward the same number of times
                 # (FSDP's collectives), whatever its rows' sigmas: a one-row pass contributing zero.
                 sub = {k: e[:1] for k, e in embeds.items()}

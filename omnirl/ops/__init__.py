@@ -153,6 +153,8 @@ def shard(cfg: Config, ops: KindOps, dist: D.DistInfo) -> dict[str, float]:
 
 def _apply_fsdp(cfg: Config, ops: KindOps, dist: D.DistInfo) -> None:
     d, units = cfg.distributed, ops.adapter.fsdp_units()
+    mesh = dist.mesh
+    assert mesh is not None  # (`shard`'s condition)
     replicate = d.frozen_base == "replicate"
     offload = d.frozen_base == "offload"
     frozen = {p for p in ops.policy.parameters() if not p.requires_grad} if replicate else set()
@@ -161,7 +163,7 @@ def _apply_fsdp(cfg: Config, ops: KindOps, dist: D.DistInfo) -> None:
     # policy is wrapped, and not by class: fully_shard gives each unit an FSDP subclass of its own class.
     names = {id(m): n for n, m in ops.policy.named_modules()}
     unit_names = [names[id(u)] for u in units]
-    D.apply_fsdp(ops.policy, units, dist.mesh, d.param_dtype, d.reduce_dtype, frozen, offload and lora)
+    D.apply_fsdp(ops.policy, units, mesh, d.param_dtype, d.reduce_dtype, frozen, offload and lora)
     if ops.ref_model is not None:
         ref_units = [ops.ref_model.get_submodule(n) for n in unit_names]
-        D.apply_fsdp(ops.ref_model, ref_units, dist.mesh, d.param_dtype, d.reduce_dtype, offload=offload)
+        D.apply_fsdp(ops.ref_model, ref_units, mesh, d.param_dtype, d.reduce_dtype, offload=offload)

@@ -68,7 +68,7 @@ def sampling_params(cfg: Config, num_steps: int | None = None, ode: bool = False
         noise_level=0.0 if ode else s.noise_level,
         sde_type="ode" if ode else s.sde_type,
         sde_window_size=s.sde_window_size,
-        sde_window_range=tuple(s.sde_window_range),
+        sde_window_range=(s.sde_window_range[0], s.sde_window_range[1]),  # a pair (a recipe's list)
         record_logprobs=not ode,
         record_mean=not ode and loss_spec(a.loss).divergence and a.old_logprob == "rollout",
         ode_solver=s.ode_solver,
@@ -187,7 +187,8 @@ class DiffusionOps:
         s = self.cfg.sampling
         if s.sde_window_schedule != "sliding":
             return self.params
-        span, interval, stride = tuple(s.sde_window_range), s.sde_window_shift_interval, s.sde_window_stride
+        lo, hi = s.sde_window_range  # a recipe's list: the pair `sliding_window` takes
+        span, interval, stride = (lo, hi), s.sde_window_shift_interval, s.sde_window_stride
         start, size = sliding_window(step, s.sde_window_size, span, interval, stride)
         return dataclasses.replace(self.params, sde_window_size=size, sde_window_range=(start, start + size))
 
@@ -240,7 +241,9 @@ class DiffusionOps:
         mask = torch.zeros_like(old, dtype=torch.bool)
         for p in pairs:
             i = row[id(p.traj)]
+            assert p.old is not None  # recomputed before the correction
             old[i, p.k], rollout[i, p.k], mask[i, p.k] = p.old, float(p.traj.logprobs[p.k]), True
+        assert a.correction != "none"  # (self.correct)
         weights, sums = correction_weights(
             old, rollout, mask, a.correction, a.correction_level, a.correction_threshold
         )
@@ -344,15 +347,17 @@ class DiffusionOps:
 def log_outputs(logger: MetricsLogger, step: int, outputs: list[Output], captions: list[str]) -> None:
     """Samples by what the family produces: images as one grid, videos as mp4 files (with their own audio
     track where they have one), audio alone as wav files."""
-    first = outputs[0]
+    first = outputs[0]  # a family's outputs all hold the same fields: the filters keep every one
     if first.image is not None:
-        logger.log_images(step, "samples", [o.image for o in outputs], captions)
+        logger.log_images(step, "samples", [o.image for o in outputs if o.image is not None], captions)
     if first.video is not None:
-        audios = [o.audio for o in outputs] if first.audio is not None else None
+        audios = [o.audio for o in outputs if o.audio is not None] if first.audio is not None else None
         rate = first.sample_rate if audios else None
-        logger.log_videos(step, "samples", [o.video for o in outputs], first.fps, captions, audios, rate)
+        videos = [o.video for o in outputs if o.video is not None]
+        logger.log_videos(step, "samples", videos, first.fps, captions, audios, rate)
     elif first.audio is not None:
-        logger.log_audios(step, "samples", [o.audio for o in outputs], first.sample_rate, captions)
+        audios = [o.audio for o in outputs if o.audio is not None]
+        logger.log_audios(step, "samples", audios, first.sample_rate, captions)
 
 
 @contextlib.contextmanager

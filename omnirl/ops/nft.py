@@ -202,6 +202,7 @@ class NFTOps(DiffusionOps):
         fresh = (measure and self.old_is_policy()) if self.soft else (measure or self._old is None)
         v_old = None
         if not fresh:
+            assert self._old is not None  # made by update_rows (soft: the old policy; else a copy)
             with torch.no_grad(), swapped(self.trainable(), self._old):
                 v_old = adapter.velocity(x_t, t, embeds, 1.0)
         v = adapter.velocity(x_t, t, embeds, 1.0)  # [M, *latent] the conditional velocity: CFG-free

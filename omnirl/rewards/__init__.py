@@ -197,7 +197,7 @@ def reward_inputs(outputs: list[Output], modality: str | tuple[str, ...] | None)
         if modality not in out.modalities:
             raise ValueError(f"sample {i} has no {modality} output (it holds {sorted(out.modalities)})")
     if modality == "image":
-        return [to_pil(o.image) for o in outputs]
+        return [to_pil(o.image) for o in outputs if o.image is not None]  # every one: checked above
     if modality == "video":
         return [(o.video, o.fps) for o in outputs]
     if modality == "audio":

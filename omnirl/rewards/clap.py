@@ -34,7 +34,7 @@ class ClapAlignment:
         self.device = torch.device(D.device_type())
         self.processor = ClapProcessor.from_pretrained(path)
         self.model = ClapModel.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
-        self.model.to(self.device)
+        self.model.to(self.device)  # pyright: ignore[reportArgumentType] (typed as the unbound Module.to)
         self.rate = int(self.processor.feature_extractor.sampling_rate)
 
     def features(self, tracks: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:

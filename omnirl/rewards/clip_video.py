@@ -25,7 +25,8 @@ class ClipVideoAlignment:
         if path is None:
             raise ConfigError("reward clip_video needs reward.paths.clip_video: a local CLIP checkpoint")
         self.device = torch.device(D.device_type())
-        self.model = CLIPModel.from_pretrained(path).eval().requires_grad_(False).to(self.device)
+        self.model = CLIPModel.from_pretrained(path).eval().requires_grad_(False)
+        self.model.to(self.device)  # pyright: ignore[reportArgumentType] (typed as the unbound Module.to)
         self.processor = CLIPProcessor.from_pretrained(path)
 
     @torch.no_grad()

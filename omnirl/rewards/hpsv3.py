@@ -84,7 +84,8 @@ class HPSv3Reward:
             {k.removeprefix("rm_head."): v for k, v in state.items() if k.startswith("rm_head.")}
         )
         vlm.load_state_dict({k: v for k, v in state.items() if not k.startswith("rm_head.")}, strict=True)
-        self.vlm = vlm.eval().requires_grad_(False).to(self.device)
+        self.vlm = vlm.eval().requires_grad_(False)
+        self.vlm.to(self.device)  # pyright: ignore[reportArgumentType] (typed as the unbound Module.to)
         self.head = head.float().eval().requires_grad_(False).to(self.device)
         self.pad_id = self.tokenizer.pad_token_id
         self.image_token = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")

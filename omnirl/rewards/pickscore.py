@@ -39,7 +39,7 @@ class PickScore:
         self.device = torch.device(D.device_type())
         self.processor = CLIPProcessor.from_pretrained(path)
         self.model = CLIPModel.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
-        self.model.to(self.device)
+        self.model.to(self.device)  # pyright: ignore[reportArgumentType] (typed as the unbound Module.to)
 
     @torch.no_grad()
     def __call__(

@@ -165,7 +165,9 @@ class RewardPool:
             if reward.modality != "latent":
                 continue
             jobs = [job for job in held if job.name == name]
-            samples, prompts, rows = ([x for job in jobs for x in job.args[i]] for i in range(3))
+            samples = [x for job in jobs for x in job.args[0]]
+            prompts = [x for job in jobs for x in job.args[1]]
+            rows = [x for job in jobs for x in job.args[2]]
             for job in jobs:
                 job.future.set_running_or_notify_cancel()
                 job.started = time.monotonic()
@@ -204,7 +206,8 @@ class RewardPool:
                         )
                 # Sleep until the earliest running job would time out, or briefly while none has started.
                 if running:
-                    timeout = min(j.started for j in running) + self.timeout_s - now + 0.01
+                    started = [j.started for j in running if j.started is not None]  # all: _is_running
+                    timeout = min(started) + self.timeout_s - now + 0.01
                 else:
                     timeout = 0.05
                 wait([job.future], timeout=timeout)

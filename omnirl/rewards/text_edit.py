@@ -51,7 +51,8 @@ def ocr_crop(image: Image.Image, region: tuple[int, int, int, int]) -> Image.Ima
     if crop.height < MIN_OCR_HEIGHT:
         scale = MIN_OCR_HEIGHT / crop.height
         crop = crop.resize((max(1, round(crop.width * scale)), MIN_OCR_HEIGHT), Image.BICUBIC)
-    return ImageOps.expand(crop, border=crop.height // 4, fill=crop.getpixel((0, 0)))
+    fill = crop.getpixel((0, 0))  # a pixel is a fill (PIL types the two apart)
+    return ImageOps.expand(crop, border=crop.height // 4, fill=fill)  # pyright: ignore[reportArgumentType]
 
 
 def preserve_score(output: Image.Image, source: Image.Image, region: tuple[int, int, int, int]) -> float:

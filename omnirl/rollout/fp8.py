@@ -96,6 +96,7 @@ class Float8Linear(nn.Module):
         self.loaded = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.weight_q is not None and self.weight_scale is not None  # run only while loaded
         return fp8_linear(x, self.weight_q, self.weight_scale, self.bias)
 
 

@@ -131,7 +131,7 @@ class VLLMEngine:
         # The sampled log-probs as vLLM's flat lists (a constant number of objects per request) rather than
         # one dict and Logprob object per token, where this vLLM has them: the same values, less host work.
         self.flat = vllm_compat.flat_logprobs_kwargs()
-        kwargs = dict(
+        kwargs: dict[str, Any] = dict(
             model=cfg.model.path,
             dtype=cfg.model.dtype,
             seed=cfg.run.seed,
