@@ -19,6 +19,7 @@ launcher's failure summary, so the first failing rank's cause is named there.
 
 import argparse
 import contextlib
+import gc
 import io
 import json
 import os
@@ -56,6 +57,10 @@ def main(argv: list[str]) -> int:
         from omnirl import distributed
         from omnirl.trainer import train
 
+        # What is imported by now (torch, transformers, diffusers, the adapter's module: ~460k objects)
+        # lives as long as the process: keep it out of the full collections that every phase switch runs
+        # (omnirl.memory.empty_cache), each of which scanned it all again (~0.3 s on a 2-core CPU).
+        gc.freeze()
         train(cfg)
         distributed.barrier()  # no rank tears down while another is still in a collective
         distributed.destroy()  # NCCL warns about a process group that is never destroyed
