@@ -17,10 +17,10 @@ response texts there. metadata[i]["answer"] is the gold answer (omnirl.data.mmk1
 math-verify and threads: its default timeouts use signal.alarm, which fails outside the main thread
 (the reward pool's workers), and with them off a single pathological answer such as 9^{9^{9^9}} hangs
 sympy inside a C big-integer power that no thread can interrupt (benchmarks/RESULTS.md). So math-verify
-runs in a child process (`python -m omnirl.rewards.mmk12`, started at the first free-form answer) whose
-main thread runs it with its
-own timeouts; an answer it has not judged within `timeout_s` counts as wrong, and the child is killed
-and restarted. One child per reward instance; the pool never calls an instance from two threads.
+runs in a child process (this file run as a script, started at the first free-form answer) whose main
+thread runs it with its own timeouts; an answer it has not judged within `timeout_s` counts as wrong, and
+the child is killed and restarted. One child per reward instance; the pool never calls an instance from
+two threads.
 """
 
 from __future__ import annotations
@@ -130,8 +130,12 @@ class Mmk12Reward:
     def _start(self) -> None:
         # A plain subprocess, not multiprocessing: spawn would re-import the user's main module, and fork
         # would copy the trainer's threads (reward pool, torch) in whatever state they are in.
+        # This file by its path, not `-m omnirl.rewards.mmk12`: -m first imports the omnirl.rewards package
+        # and through it torch, transformers and peft, seconds of start-up that a child which imports only
+        # math-verify does not need (runpy, not the path as argv[0], which would put this folder on sys.path).
+        serve = f"import runpy; runpy.run_path({__file__!r}, run_name='__main__')"
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "omnirl.rewards.mmk12"],
+            [sys.executable, "-c", serve],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -166,7 +170,7 @@ class Mmk12Reward:
 
 
 def _serve() -> None:
-    """The child (python -m omnirl.rewards.mmk12): reads JSON [gold, pred] lines from stdin and answers
+    """The child (this file run as a script): reads JSON [gold, pred] lines from stdin and answers
     "1" or "0" per line, running math-verify in its main thread, where math-verify's timeouts work."""
     import logging
 
