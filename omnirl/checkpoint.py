@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -251,12 +252,13 @@ def check_tensors(path: Path, model: nn.Module, extra: dict[str, torch.Tensor] |
     formality, unless the files under model.path changed or the run keeps other state than the saved one,
     e.g. the old policy's soft update turned off or on)."""
     prefixes = ("model.",) if extra is None else ("model.", "extra.")
-    saved = {
-        k.removeprefix("model."): tuple(v.size)
-        for k, v in SafeReader(path / "model_optim").read_metadata().state_dict_metadata.items()
-        if k.startswith(prefixes)
-    }
-    wanted = {k: tuple(v.shape) for k, v in get_model_state_dict(model, options=OPTIONS).items()}
+    saved = {}
+    for k, v in SafeReader(path / "model_optim").read_metadata().state_dict_metadata.items():
+        if k.startswith(prefixes):
+            assert isinstance(v, TensorStorageMetadata)  # the weights and the extra state are tensors
+            saved[k.removeprefix("model.")] = tuple(v.size)
+    # (torch types a state dict's values as any state; a model's are tensors)
+    wanted = {k: tuple(v.shape) for k, v in get_model_state_dict(model, options=OPTIONS).items()}  # pyright: ignore[reportAttributeAccessIssue]
     wanted.update({f"extra.{k}": tuple(v.shape) for k, v in (extra or {}).items()})
     problems = [f"missing {k}" for k in sorted(wanted.keys() - saved.keys())]
     problems += [f"unexpected {k}" for k in sorted(saved.keys() - wanted.keys())]

@@ -21,7 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -64,7 +64,7 @@ def device_type() -> str:
         import torch_npu  # noqa: F401  (registers the npu device)
     except ImportError:
         return "cpu"
-    return "npu" if torch.npu.is_available() else "cpu"
+    return "npu" if torch.get_device_module("npu").is_available() else "cpu"
 
 
 def check_fp8_matmul(device: torch.device) -> None:
@@ -104,7 +104,7 @@ def init_distributed(timeout_s: int = 600, group: bool = False) -> DistInfo:
     if kind == "cuda":
         torch.cuda.set_device(local_rank)
     elif kind == "npu":
-        torch.npu.set_device(local_rank)
+        torch.get_device_module("npu").set_device(local_rank)
     device = local_device()
     if "RANK" not in os.environ:
         if not group:
@@ -264,7 +264,8 @@ def seed_everything(seed: int) -> None:
 def rng_state() -> dict:
     """This process's global RNG states (python, numpy, torch, the accelerator's) as plain values and
     tensors, so a checkpoint can store them and `torch.load(weights_only=True)` read them back."""
-    name, key, pos, has_gauss, gauss = np.random.get_state()
+    # numpy's legacy form, a tuple (typed together with the dict form)
+    name, key, pos, has_gauss, gauss = cast(tuple, np.random.get_state())
     state = {
         "python": random.getstate(),
         "numpy": (name, key.tolist(), pos, has_gauss, gauss),
@@ -319,7 +320,11 @@ def all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def place_policy(model: nn.Module, frozen_base: str, device: torch.device) -> nn.Module:
+# A module type kept through a function that returns its argument (or one of the same class).
+M = TypeVar("M", bound=nn.Module)
+
+
+def place_policy(model: M, frozen_base: str, device: torch.device) -> M:
     """An adapter's policy, as loaded (on the host), moved onto `device` when its frozen base is replicated,
     and left where it is when FSDP2 shards it (distributed.frozen_base shard / offload): `apply_fsdp`'s
     `fully_shard` then moves each unit to the device itself, one call (one unit) at a time, shards it there
@@ -541,9 +546,6 @@ def building_with(builder):
         _builder = before
 
 
-M = TypeVar("M", bound=nn.Module)
-
-
 def load_pretrained(cls: type[M], path: str, **kwargs) -> M:
     """`cls.from_pretrained(path, **kwargs)` read on rank 0 only, broadcast to the other ranks.
 
@@ -555,10 +557,11 @@ def load_pretrained(cls: type[M], path: str, **kwargs) -> M:
     """
     if _builder is not None:
         return _builder(cls, path, **kwargs)
+    loader: Any = cls  # a diffusers or transformers class: from_pretrained and its config are theirs
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return cls.from_pretrained(path, **kwargs)
+        return loader.from_pretrained(path, **kwargs)
     if dist.get_rank() == 0:
-        model = cls.from_pretrained(path, **kwargs)
+        model = loader.from_pretrained(path, **kwargs)
     else:
         model = _build_on_meta(cls, path, **kwargs).to_empty(device="cpu")
         _retie(model)
@@ -606,14 +609,15 @@ def _build_on_meta(cls: type[M], path: str, **kwargs) -> M:
     dtype = kwargs.get("torch_dtype") or kwargs.get("dtype")
     # Only parameters go to meta: a module may keep constant tensors as plain attributes (Qwen-Image's
     # RoPE tables), which to_empty() cannot restore and the broadcast does not reach.
+    loader: Any = cls  # a diffusers or transformers class: its config API is reached by name
     with init_empty_weights():
         if issubclass(cls, ModelMixin):
-            config = cls.load_config(path, subfolder=kwargs.get("subfolder"))
-            model = cls.from_config(config)
+            config = loader.load_config(path, subfolder=kwargs.get("subfolder"))
+            model = loader.from_config(config)
         else:
             # A caller's config wins, as in from_pretrained (the Qwen3-Omni thinker of a full checkpoint).
-            config = kwargs.get("config") or cls.config_class.from_pretrained(
+            config = kwargs.get("config") or loader.config_class.from_pretrained(
                 path, subfolder=kwargs.get("subfolder") or ""
             )
-            model = cls._from_config(config)
+            model = loader._from_config(config)
     return model.to(dtype) if dtype is not None else model

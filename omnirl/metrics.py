@@ -192,11 +192,13 @@ class MetricsLogger:
                 if audio is not None and audio_stream is not None:
                     # One frame for the whole track: PyAV cuts it into AAC's 1024-sample frames.
                     track = av.AudioFrame.from_ndarray(audio, format="fltp", layout=layout)
+                    assert sample_rate is not None  # audio comes with one (checked above)
                     track.sample_rate, track.pts = sample_rate, 0
                     container.mux(audio_stream.encode(track))
                     container.mux(audio_stream.encode(None))
             if self._tb is not None:
-                from tensorboard.compat.proto.summary_pb2 import Summary
+                # (protobuf makes its message classes at import: no checker sees them)
+                from tensorboard.compat.proto.summary_pb2 import Summary  # pyright: ignore[reportAttributeAccessIssue]
 
                 gif = io.BytesIO()
                 first, *rest = (Image.fromarray(rgb) for rgb in frames)

@@ -4,7 +4,7 @@ adapter never imports another family's dependencies."""
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from omnirl.config import ConfigError
 
@@ -51,7 +51,8 @@ def diffusion_adapter_for(model_path: str) -> type:
     from diffusers import DiffusionPipeline
 
     try:
-        pipeline = DiffusionPipeline.load_config(model_path).get("_class_name")
+        index = cast(dict, DiffusionPipeline.load_config(model_path))  # (typed as maybe a tuple)
+        pipeline = index.get("_class_name")
     except OSError as e:
         raise ConfigError(
             f"{model_path!r} is neither a local diffusers checkpoint (a directory with model_index.json) nor "

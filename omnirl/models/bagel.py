@@ -141,7 +141,7 @@ class BagelAdapter(DiffusersBase):
         self.transformer = load_pretrained(BagelModel, path, torch_dtype=self.transformer_dtype)
         self.vae = load_vae(Path(path) / VAE_WEIGHTS, DTYPES[cfg.model.dtype]).requires_grad_(False)
         self.vae.to(device)  # pyright: ignore[reportArgumentType] (diffusers' `to`: the unbound Module.to)
-        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        self.vae_scale_factor = 2 ** (len(self.vae.config["block_out_channels"]) - 1)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         ids = self.tokenizer.convert_tokens_to_ids(
             ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>"]
@@ -268,7 +268,7 @@ class BagelAdapter(DiffusersBase):
         autoencoder's decode (z / scale + shift) and decoded in the VAE's own dtype, in chunks."""
         with phase("vae_decode"):
             config = self.vae.config
-            z = latents.to(self.device).float() / config.scaling_factor + config.shift_factor
+            z = latents.to(self.device).float() / config["scaling_factor"] + config["shift_factor"]
             chunks = [
                 self.vae.decode(x.to(self.vae.dtype), return_dict=False)[0] for x in z.split(DECODE_ROWS)
             ]
@@ -320,7 +320,7 @@ class BagelAdapter(DiffusersBase):
         """The official layout of `model_path` in `dtype` with the peft LoRA of `lora_dir` fused into the
         weights it adapts (W += alpha / r * B A, in float32)."""
         model = BagelModel.from_pretrained(model_path, torch.float32)
-        config = peft.LoraConfig.from_pretrained(str(lora_dir))
+        config = cast(peft.LoraConfig, peft.LoraConfig.from_pretrained(str(lora_dir)))  # (typed as the base)
         lora = load_file(Path(lora_dir) / LORA_FILE)
         ours = {official_name(k): k for k in model.state_dict()}
         params = dict(model.named_parameters())

@@ -402,7 +402,7 @@ def load_vae(path: str | Path, dtype: torch.dtype) -> AutoencoderKL:
 def bfl_vae_state(vae: AutoencoderKL) -> dict[str, torch.Tensor]:
     """`vae`'s weights in Black Forest Labs' layout (what `ae.safetensors` holds), the inverse of diffusers'
     conversion: for writing checkpoints in the official layout (the tiny model's, a merged export's)."""
-    ups = len(vae.config.up_block_types)
+    ups = len(vae.config["up_block_types"])
     rules = [
         (r"\.down_blocks\.(\d+)\.resnets\.", r".down.\1.block."),
         (r"\.down_blocks\.(\d+)\.downsamplers\.0\.", r".down.\1.downsample."),

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,7 @@ class DiffusersBase:
     pipeline_cls: type
     transformer: Any  # a diffusers model (BAGEL: BagelModel): its config and blocks are read by name
     device: torch.device
+    compat_key: Callable[[Request], tuple]  # the subclass's: what requests of one packed batch share
 
     def __init__(self, cfg: Config, device: torch.device):
         check_checkpoint(cfg.model.path, self.pipeline_cls)

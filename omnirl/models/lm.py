@@ -28,7 +28,7 @@ import copy
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import peft
 import torch
@@ -225,7 +225,8 @@ def make_trainable_lm(model: nn.Module, cfg, path: str) -> peft.LoraConfig | Non
     else:
         model.requires_grad_(True)
     if cfg.model.gradient_checkpointing:
-        checkpoint_decoder_layers(model, cast(nn.ModuleList, model.model.language_model.layers))
+        body: Any = model.model  # the transformers base model, read by name
+        checkpoint_decoder_layers(model, body.language_model.layers)
     return lora_config
 
 

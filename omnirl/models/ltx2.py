@@ -26,9 +26,6 @@ request, per-row SDE steps and the log-prob of every trained step (`flow_sde.flo
 With noise level 0 and the same initial latents the rollout equals LTX2Pipeline (video and audio).
 """
 
-# pyright: reportCallIssue=false
-# (Module attributes typed Tensor | Module by torch: calls on library models' methods and submodules.)
-
 from __future__ import annotations
 
 import copy
@@ -151,14 +148,16 @@ class LTX2Adapter(DiffusersBase):
             module.requires_grad_(False).to(device)
         tokenizer = AutoTokenizer.from_pretrained(path, subfolder="tokenizer")
         self.max_sequence_length = min(self.settings.max_sequence_length, tokenizer.model_max_length)
-        self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
+        # (from_pretrained is typed as maybe a tuple: with return_unused_kwargs)
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
+        self.scheduler = cast(FlowMatchEulerDiscreteScheduler, scheduler)
         # The pipeline of the text encoder alone (diffusers types its modules as required; None is taken).
         modules = ["scheduler", "vae", "audio_vae", "connectors", "transformer", "vocoder"]
         none: dict[str, Any] = dict.fromkeys(modules)
         self.text_pipe = LTX2Pipeline(**none, text_encoder=self.text_encoder, tokenizer=tokenizer)
         self.video_processor = VideoProcessor(vae_scale_factor=self.vae.spatial_compression_ratio)
         self.config: Any = self.transformer.config  # diffusers' FrozenDict, read by field name
-        c, a = self.config, self.audio_vae.config
+        c, a = self.config, cast(Any, self.audio_vae.config)  # diffusers' FrozenDict, read by field name
         self.latent_mel_bins = a.mel_bins // self.audio_vae.mel_compression_ratio
         if c.audio_in_channels != a.latent_channels * self.latent_mel_bins:
             raise ConfigError(
@@ -189,7 +188,7 @@ class LTX2Adapter(DiffusersBase):
         frames = (s.num_frames - 1) // self.vae.temporal_compression_ratio + 1
         spatial = self.vae.spatial_compression_ratio
         # The pipeline's audio length: num_frames / frame_rate seconds at its latent rate.
-        per_second = a.sample_rate / a.mel_hop_length / self.audio_vae.temporal_compression_ratio
+        per_second = a["sample_rate"] / a["mel_hop_length"] / self.audio_vae.temporal_compression_ratio
         audio = round(s.num_frames / s.frame_rate * per_second)
         p = c.patch_size
         return Grid(frames // c.patch_size_t, height // spatial // p, width // spatial // p, audio)
@@ -224,13 +223,13 @@ class LTX2Adapter(DiffusersBase):
         """linspace(1, 1/N, N) shifted by the checkpoint's scheduler with the dynamic shift of the video
         token count, as LTX2Pipeline sets them: [num_steps + 1] float32, last 0."""
         scheduler = copy.deepcopy(self.scheduler)
-        c = scheduler.config
+        c: Any = scheduler.config  # diffusers' FrozenDict, read by field name
         mu = calculate_shift(
             video_tokens, c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift
         )
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps).tolist(), mu=mu)
         sigmas = scheduler.sigmas
-        assert sigmas is not None  # set_timesteps made them
+        assert isinstance(sigmas, torch.Tensor)  # set_timesteps made them
         return sigmas.float().cpu()
 
     # ---------------------------------------------------------------------------------------- the model
@@ -320,7 +319,7 @@ class LTX2Adapter(DiffusersBase):
         dtype = compute_dtype(model, self.transformer_dtype)
         x = latents.float()
         video, audio = self.split(x, grid)
-        timestep = sigmas.float() * self.scheduler.config.num_train_timesteps  # the pipeline's timesteps
+        timestep = sigmas.float() * self.scheduler.config["num_train_timesteps"]  # the pipeline's timesteps
 
         def forward(video, audio, t, text):
             out_video, out_audio = model(
@@ -410,13 +409,14 @@ class LTX2Adapter(DiffusersBase):
             video, grid.frames, grid.height, grid.width, c.patch_size, c.patch_size_t
         ).to(self.vae.dtype)
         video = LTX2Pipeline._denormalize_latents(
-            video, self.vae.latents_mean, self.vae.latents_std, self.vae.config.scaling_factor
+            video, self.vae.latents_mean, self.vae.latents_std, self.vae.config["scaling_factor"]
         )
         timestep = None
-        if self.vae.config.timestep_conditioning:  # the pipeline's decode_timestep 0, noise scale 0
+        if self.vae.config["timestep_conditioning"]:  # the pipeline's decode_timestep 0, noise scale 0
             timestep = torch.zeros(video.shape[0], device=video.device, dtype=video.dtype)
         frames = self.vae.decode(video, timestep, return_dict=False)[0]
         frames = self.video_processor.postprocess_video(frames, output_type="pt")  # [B, F, 3, H, W]
+        assert isinstance(frames, torch.Tensor)  # output_type "pt"
         audio = LTX2Pipeline._denormalize_audio_latents(
             audio, self.audio_vae.latents_mean, self.audio_vae.latents_std
         )

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, cast
 
 import torch
 from torch import nn
@@ -95,7 +95,8 @@ class Qwen3OmniThinkerAdapter(TransformersLMAdapter):
             raise ValueError(f"model.path {path!r} is not a loadable transformers checkpoint: {e}") from None
         if isinstance(config, Qwen3OmniMoeConfig):
             # The full model: load thinker.* only, renamed to the thinker class's own names.
-            thinker_config, key_mapping = config.thinker_config, {r"^thinker\.": ""}
+            # (typed as maybe a dict, the constructor's argument)
+            thinker_config, key_mapping = cast(Any, config.thinker_config), {r"^thinker\.": ""}
         elif isinstance(config, Qwen3OmniMoeThinkerConfig):
             thinker_config, key_mapping = config, None
         else:
@@ -136,7 +137,7 @@ class Qwen3OmniThinkerAdapter(TransformersLMAdapter):
         # Onto the device, or left on the host for FSDP2 to place when it shards the frozen base.
         lm = HiddenStatesLM(thinker.model, thinker.lm_head)
         self.model = place_policy(lm, cfg.distributed.frozen_base, device)
-        self.lm_head = self.model.lm_head
+        self.lm_head = lm.lm_head  # (`self.model` is `lm`)
         self.path = path
         self.device = device
 

@@ -8,9 +8,6 @@ processor (which needs torchvision; omnirl feeds these models images only). A VL
 language model conditioned on the image.
 """
 
-# pyright: reportCallIssue=false
-# (Module attributes typed Tensor | Module by torch: calls on library models' methods and submodules.)
-
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -103,7 +100,7 @@ class QwenVLAdapter(TransformersLMAdapter):
         # Onto the device, or left on the host for FSDP2 to place when it shards the frozen base.
         lm = HiddenStatesLM(hf_model.model, hf_model.lm_head)
         self.model = place_policy(lm, cfg.distributed.frozen_base, device)
-        self.lm_head = self.model.lm_head
+        self.lm_head = lm.lm_head  # (`self.model` is `lm`)
         self.device = device
 
     def fsdp_units(self) -> list[nn.Module]:

@@ -10,7 +10,7 @@ draws the same noise as a serial run), a per-row SDE window, and the log-prob of
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from diffusers import (
@@ -75,12 +75,14 @@ class SD3Adapter(DiffusersBase):
         ]
         self.max_sequence_length = min(T5_MAX_SEQUENCE_LENGTH, tokenizers[2].model_max_length)
 
-        self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
-        if self.scheduler.config.use_dynamic_shifting:
+        # (from_pretrained is typed as maybe a tuple: with return_unused_kwargs)
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
+        self.scheduler = cast(FlowMatchEulerDiscreteScheduler, scheduler)
+        if self.scheduler.config["use_dynamic_shifting"]:
             # The SD3 pipeline then shifts sigmas by image size; SD3 / 3.5 checkpoints use a fixed shift.
             raise ConfigError(f"model.path {path!r}: a scheduler with use_dynamic_shifting is not supported")
         # Computed as the pipeline does (8 for SD3: a latent pixel is 8x8 image pixels).
-        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        self.vae_scale_factor = 2 ** (len(self.vae.config["block_out_channels"]) - 1)
 
         # A pipeline around the text encoders only, so that prompts are encoded by diffusers' own code
         # (diffusers types its modules as required; None is taken).
@@ -104,7 +106,7 @@ class SD3Adapter(DiffusersBase):
         """The pipeline's sigma schedule: [num_steps + 1] float32 on the host, the last one 0."""
         self.scheduler.set_timesteps(num_steps)
         sigmas = self.scheduler.sigmas
-        assert sigmas is not None  # set_timesteps made them
+        assert isinstance(sigmas, torch.Tensor)  # set_timesteps made them
         return sigmas.float().cpu()
 
     @torch.no_grad()
@@ -151,7 +153,7 @@ class SD3Adapter(DiffusersBase):
         dtype = compute_dtype(model, self.transformer_dtype)  # the model's inputs: FSDP's root does not cast
         x = latents.to(dtype)
         # The pipeline feeds the scheduler's timesteps, which are sigma * num_train_timesteps in float32.
-        timestep = sigmas.float() * self.scheduler.config.num_train_timesteps  # [B]
+        timestep = sigmas.float() * self.scheduler.config["num_train_timesteps"]  # [B]
 
         def forward(x, t, text, pooled):
             out = model(
@@ -179,7 +181,7 @@ class SD3Adapter(DiffusersBase):
         channels = self.transformer.config.in_channels
         h, w = p.height // self.vae_scale_factor, p.width // self.vae_scale_factor
         sigmas = self.sigmas(num_steps)  # [T + 1] host
-        shift = self.scheduler.config.shift
+        shift = self.scheduler.config["shift"]
         sampler = WindowedSampler(requests, (channels, h, w), sigmas, self.device, shift)
         latents = sampler.initial_latents  # [B, C, h, w]
         guided = p.guidance_scale > 1
@@ -209,7 +211,8 @@ class SD3Adapter(DiffusersBase):
         """Images [3, H, W] in [0, 1] on the host of final latents [B, C, h, w] (the VAE's decode, as the
         pipeline's; the latents may be on the host)."""
         with phase("vae_decode"):
-            vae_in = latents.to(self.device) / self.vae.config.scaling_factor + self.vae.config.shift_factor
+            config = self.vae.config
+            vae_in = latents.to(self.device) / config["scaling_factor"] + config["shift_factor"]
             images = self.vae.decode(vae_in.to(self.vae.dtype), return_dict=False)[0]  # [B, 3, H, W], [-1, 1]
             images = (images.float() * 0.5 + 0.5).clamp(0, 1)  # as VaeImageProcessor.postprocess
         return list(to_host([images])[0])

@@ -28,7 +28,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from diffusers import (
@@ -65,7 +65,7 @@ LORA_FILES = {"transformer": LORA_FILE, "transformer_2": LORA_FILE_2}
 def experts_of(path: str) -> list[str]:
     """The experts of the WanPipeline checkpoint at `path`: ["transformer"] or ["transformer",
     "transformer_2"], as its model_index.json lists them, checked against its boundary_ratio."""
-    index = WanPipeline.load_config(path)
+    index = cast(dict, WanPipeline.load_config(path))  # (typed as maybe a tuple)
     boundary_ratio = index.get("boundary_ratio")
     names = [n for n in EXPERTS if (index.get(n) or [None])[0] is not None]
     if (boundary_ratio is None) != (names == ["transformer"]):
@@ -160,7 +160,7 @@ class WanAdapter(DiffusersBase):
         super().__init__(cfg, device)
         path, dtype = cfg.model.path, DTYPES[cfg.model.dtype]
         self.settings: WanSettings = cfg.family
-        index = WanPipeline.load_config(path)
+        index = cast(dict, WanPipeline.load_config(path))  # (typed as maybe a tuple)
         self.expand_timesteps = bool(index.get("expand_timesteps", False))
         self.boundary_ratio = index.get("boundary_ratio")
         names = experts_of(path)
@@ -181,9 +181,9 @@ class WanAdapter(DiffusersBase):
         )  # (diffusers types its modules as required; None is taken)
         self.text_pipe = WanPipeline(**none, tokenizer=tokenizer, text_encoder=self.text_encoder)
         self.scheduler = FlowMatchEulerDiscreteScheduler(shift=self.settings.flow_shift)
-        self.num_train_timesteps = self.scheduler.config.num_train_timesteps
-        self.scale_temporal: int = self.vae.config.scale_factor_temporal
-        self.vae_scale_factor: int = self.vae.config.scale_factor_spatial
+        self.num_train_timesteps = self.scheduler.config["num_train_timesteps"]
+        self.scale_temporal: int = self.vae.config["scale_factor_temporal"]
+        self.vae_scale_factor: int = self.vae.config["scale_factor_spatial"]
         if (self.settings.num_frames - 1) % self.scale_temporal:
             raise ConfigError(
                 f"family.num_frames - 1 must divide by {self.scale_temporal}, got {self.settings.num_frames}"
@@ -217,7 +217,7 @@ class WanAdapter(DiffusersBase):
         """The flow-matching schedule (shifted by family.flow_shift): [num_steps + 1] float32, last 0."""
         self.scheduler.set_timesteps(num_steps)
         sigmas = self.scheduler.sigmas
-        assert sigmas is not None  # set_timesteps made them
+        assert isinstance(sigmas, torch.Tensor)  # set_timesteps made them
         return sigmas.float().cpu()
 
     def latent_shape(self, height: int, width: int) -> tuple[int, int, int, int]:
@@ -339,7 +339,7 @@ class WanAdapter(DiffusersBase):
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents [B, C, f, h, w] -> videos [B, F, 3, H, W] in [0, 1], as WanPipeline decodes them."""
-        c = self.vae.config
+        c: Any = self.vae.config  # diffusers' FrozenDict, read by field name
         mean = torch.tensor(c.latents_mean).view(1, c.z_dim, 1, 1, 1).to(latents.device, self.vae.dtype)
         std = torch.tensor(c.latents_std).view(1, c.z_dim, 1, 1, 1).to(latents.device, self.vae.dtype)
         video = self.vae.decode(latents.to(self.vae.dtype) * std + mean, return_dict=False)[

@@ -52,8 +52,9 @@ class ClapAlignment:
             text = self.processor(
                 text=prompts[s : s + self.batch_size], padding=True, truncation=True, return_tensors="pt"
             )
-            sound = self.model.get_audio_features(**audio.to(self.device)).pooler_output  # [N, P]
-            prompt = self.model.get_text_features(**text.to(self.device)).pooler_output  # [N, P]
+            # [N, P] each; transformers types get_*_features as maybe a tuple (it returns the model output)
+            sound = self.model.get_audio_features(**audio.to(self.device)).pooler_output  # pyright: ignore[reportAttributeAccessIssue]
+            prompt = self.model.get_text_features(**text.to(self.device)).pooler_output  # pyright: ignore[reportAttributeAccessIssue]
             assert sound is not None and prompt is not None  # CLAP's projections always pool
             scores += torch.nn.functional.cosine_similarity(sound.float(), prompt.float(), dim=-1).tolist()
         return scores

@@ -41,7 +41,7 @@ import json
 import re
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import peft
 import torch
@@ -300,7 +300,8 @@ class DinaLRM:
         if self.copy is not None:
             self.copy.to(adapter.device, dtype=D.DTYPES[cfg.model.dtype])
 
-        scheduler = FlowMatchEulerDiscreteScheduler.from_config(adapter.scheduler.config)
+        # (from_config is typed as maybe a tuple: with return_unused_kwargs)
+        scheduler = cast(Any, FlowMatchEulerDiscreteScheduler.from_config(adapter.scheduler.config))
         sigmas, timesteps = scheduler.sigmas, scheduler.timesteps  # set by the scheduler's constructor
         assert sigmas is not None and timesteps is not None
         at = int((torch.as_tensor(sigmas) - NOISE_U).abs().argmin())

@@ -76,7 +76,7 @@ class HPSv3Reward:
         self.image_processor = AutoImageProcessor.from_pretrained(path)
         vlm = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=dtype)
         vlm.resize_token_embeddings(len(self.tokenizer))
-        text_config = vlm.config.text_config
+        text_config: Any = vlm.config.text_config  # (typed as maybe a dict, the constructor's argument)
         assert text_config is not None  # a Qwen2-VL config holds its language model's
         head = reward_head(text_config.hidden_size)
         state = load_file(Path(path) / WEIGHTS)

@@ -69,7 +69,8 @@ class OcrReward:
             # "error" silences per-call INFO lines and the warning on images without text.
             self._engine = RapidOCR(params={"Global.log_level": "error"})
         out = self._engine(image.convert("RGB"))  # a PIL image is read as RGB (an ndarray would be BGR)
-        return " ".join(out.txts or ())  # txts is None when nothing was detected
+        # txts is None when nothing was detected (the output is typed as any stage's: the last one's has it)
+        return " ".join(out.txts or ())  # pyright: ignore[reportAttributeAccessIssue]
 
     def __call__(
         self, images: list[Image.Image], prompts: list[str], metadata: list[dict[str, Any]]

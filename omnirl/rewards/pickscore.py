@@ -55,8 +55,9 @@ class PickScore:
                 max_length=77,
                 return_tensors="pt",
             )
-            image = self.model.get_image_features(**pixels.to(self.device)).pooler_output  # [N, P]
-            prompt = self.model.get_text_features(**text.to(self.device)).pooler_output  # [N, P]
+            # [N, P] each; transformers types get_*_features as maybe a tuple (it returns the model output)
+            image = self.model.get_image_features(**pixels.to(self.device)).pooler_output  # pyright: ignore[reportAttributeAccessIssue]
+            prompt = self.model.get_text_features(**text.to(self.device)).pooler_output  # pyright: ignore[reportAttributeAccessIssue]
             assert image is not None and prompt is not None  # the projected embeddings
             assert image is not None and prompt is not None  # CLIP's projections always pool
             cosine = torch.nn.functional.cosine_similarity(image.float(), prompt.float(), dim=-1)  # [N]

@@ -50,7 +50,7 @@ def ocr_crop(image: Image.Image, region: tuple[int, int, int, int]) -> Image.Ima
     crop = image.crop(region)
     if crop.height < MIN_OCR_HEIGHT:
         scale = MIN_OCR_HEIGHT / crop.height
-        crop = crop.resize((max(1, round(crop.width * scale)), MIN_OCR_HEIGHT), Image.BICUBIC)
+        crop = crop.resize((max(1, round(crop.width * scale)), MIN_OCR_HEIGHT), Image.Resampling.BICUBIC)
     fill = crop.getpixel((0, 0))  # a pixel is a fill (PIL types the two apart)
     return ImageOps.expand(crop, border=crop.height // 4, fill=fill)  # pyright: ignore[reportArgumentType]
 
@@ -80,7 +80,7 @@ class TextEditReward:
         scores = []
         for image, (path, region, target) in zip(images, targets):
             source = read_image(path)
-            output = image.convert("RGB").resize(source.size, Image.BICUBIC)
+            output = image.convert("RGB").resize(source.size, Image.Resampling.BICUBIC)
             ocr = ocr_score(normalise(self.ocr.recognise(ocr_crop(output, region))), target)
             scores.append(OCR_WEIGHT * ocr + PRESERVE_WEIGHT * preserve_score(output, source, region))
         return scores

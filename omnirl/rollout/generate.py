@@ -285,7 +285,8 @@ class GenerationEngine:
         length = batch["input_ids"].shape[1]
         lengths = [len(prepared[i]["input_ids"]) for i in admitted]
         layers: list[Any] = slots.cache.layers  # a _SlotLayer per decoder layer
-        for layer, src in zip(layers, cache.layers):
+        sources: list[Any] = cache.layers  # transformers' cache layers (typed as any layer kind)
+        for layer, src in zip(layers, sources):
             src_keys, src_values = src.keys, src.values
             assert src_keys is not None and src_values is not None  # the prefill filled every layer
             for row, (s, n) in enumerate(zip(free, lengths)):

@@ -43,9 +43,6 @@ both discarded and everything re-pushed at the next rollout) and wakes for the r
 is CUDA-only; on CPU the same calls run and are logged, and free nothing.
 """
 
-# pyright: reportCallIssue=false
-# (Module attributes typed Tensor | Module by torch: calls on library models' methods and submodules.)
-
 from __future__ import annotations
 
 import logging
@@ -512,7 +509,8 @@ def _repack_experts(model: nn.Module, loaded_modules: set[str]) -> int:
             and name in loaded_modules
             and vllm_compat.experts_need_repack(m.quant_method)
         ):
-            m.quant_method.moe_kernel.fused_experts.process_weights_after_loading(m)
+            quant: Any = m.quant_method  # vLLM's quantisation method, read by name
+            quant.moe_kernel.fused_experts.process_weights_after_loading(m)
             count += 1
     return count
 
