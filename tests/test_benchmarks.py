@@ -19,6 +19,17 @@ def run(cmd: list[str], timeout: int = 300) -> str:
     return r.stdout
 
 
+def refused(module: str, args: list[str], monkeypatch, capsys) -> str:
+    """The stderr of `python -m module *args` refused by its argument checks (exit status 2), run in this
+    process through the module's parse_args: a process of its own would spend seconds importing torch."""
+    parse_args = importlib.import_module(module).parse_args
+    monkeypatch.setattr(sys, "argv", [module, *args])
+    with pytest.raises(SystemExit) as e:
+        parse_args()
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_rollout_packing_on_two_ranks_reports_the_slowest_rank(tiny_qwen_image, tmp_path):
     """benchmarks.rollout_packing under torchrun: every rank generates its own --images, rank 0 writes
@@ -94,7 +105,7 @@ def test_two_gpu_report_of_a_gpu_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_rollout_packing_cells_option(tiny_qwen_image, tmp_path):
+def test_rollout_packing_cells_option(tiny_qwen_image, tmp_path, monkeypatch, capsys):
     """--cells adds packed configurations by name; a malformed one is refused before any model loads.
     --repeats times each cell several times and reports the median. An FP8 cell reports the trainer's
     log-prob gap per timestep, the recompute's seconds and its images' difference from its bf16 twin's."""
@@ -124,11 +135,8 @@ def test_rollout_packing_cells_option(tiny_qwen_image, tmp_path):
     for r in rows:
         assert len(r["generation_s_runs"]) == 3 and all(t > 0 for t in r["generation_s_runs"])
         assert r["generation_s"] == statistics.median(r["generation_s_runs"])
-    bad = subprocess.run(
-        [sys.executable, *script, "--path", str(tiny_qwen_image), "--cells", "4:twice"],
-        cwd=ROOT, capture_output=True, text=True,
-    )  # fmt: skip
-    assert bad.returncode == 2 and "unknown option 'twice'" in bad.stderr
+    bad = ["--path", str(tiny_qwen_image), "--cells", "4:twice"]
+    assert "unknown option 'twice'" in refused("benchmarks.rollout_packing", bad, monkeypatch, capsys)
 
 
 def _tiktoken_bpe(piece: bytes, ranks: dict[bytes, int]) -> list[int]:
@@ -313,7 +321,7 @@ def test_config_only_thinker_is_built_by_the_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_rollout_packing_interleaved_pair(tiny_qwen_image, tmp_path):
+def test_rollout_packing_interleaved_pair(tiny_qwen_image, tmp_path, monkeypatch, capsys):
     """--interleave times packed cells and the stock pipeline in turn on the same prompts (max_num_seqs 1,
     the serial rollout, and 4): every row holds --repeats runs and their median, nothing was compiled while
     timed; two stock batch sizes, or cells of one mode with different prompt buckets, are refused."""
@@ -325,6 +333,12 @@ def test_rollout_packing_interleaved_pair(tiny_qwen_image, tmp_path):
         *("--steps", "2", "--cells", "1:split", "4:split", "--repeats", "2", "--interleave"),
     ]
     script = ["-m", "benchmarks.rollout_packing"]
+    for extra, message in (
+        (["--stock-batch", "2", "4"], "give one --stock-batch and at least one cell"),
+        (["--cells", "4:split", "4:split:single"], "share one prompt-bucket layout"),
+    ):
+        err = refused("benchmarks.rollout_packing", [*args, *extra], monkeypatch, capsys)
+        assert message in err, err[-2000:]
     out = run([sys.executable, *script, *args, "--out", str(tmp_path / "pair.json")])
     rows = json.loads((tmp_path / "pair.json").read_text())["rows"]
     assert [r["name"] for r in rows] == [
@@ -339,13 +353,6 @@ def test_rollout_packing_interleaved_pair(tiny_qwen_image, tmp_path):
     for r in rows:
         assert len(r["generation_s_runs"]) == 2 and r["compiled_while_timed"] == 0
         assert r["generation_s"] == pytest.approx(statistics.median(r["generation_s_runs"]), abs=1e-3)
-    for extra, message in (
-        (["--stock-batch", "2", "4"], "give one --stock-batch and at least one cell"),
-        (["--cells", "4:split", "4:split:single"], "share one prompt-bucket layout"),
-    ):
-        cmd = [sys.executable, *script, *args, *extra]
-        bad = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-        assert bad.returncode == 2 and message in bad.stderr, bad.stderr[-2000:]
 
 
 @pytest.mark.slow
