@@ -58,7 +58,7 @@ def build(model: str, path: str | None = None) -> tuple[nn.Module, list[nn.Modul
         elif model == "sd35":
             from diffusers import SD3Transformer2DModel
 
-            from omnirl.models.random_init import SD35_TRANSFORMER
+            from omnirl.models.public_configs import SD35_TRANSFORMER
 
             m = SD3Transformer2DModel(**SD35_TRANSFORMER)
         elif model == "path":

@@ -152,16 +152,17 @@ def _tiktoken_bpe(piece: bytes, ranks: dict[bytes, int]) -> list[int]:
 
 
 def test_qwen_bpe_tokenizer_from_tiktoken_ranks(tmp_path):
-    """omnirl/models/random_init.py builds the real Qwen2 tokenizer from Qwen's qwen.tiktoken ranks (checked
-    on the real file against tiktoken itself; here on a small ranks file against tiktoken's algorithm):
-    same ids, the special tokens at the real checkpoint's ids (vocabulary size + 0..13), a file that is not
-    byte-level BPE ranks refused by name."""
+    """omnirl/models/qwen_tokenizers.py builds the real Qwen2 tokenizer from Qwen's qwen.tiktoken ranks
+    (checked on the real file against tiktoken itself; here on a small ranks file against tiktoken's
+    algorithm): same ids, the special tokens at the real checkpoint's ids (vocabulary size + 0..13), a file
+    that is not byte-level BPE ranks refused by name."""
     import base64
     import random
 
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    from omnirl.models.random_init import QWEN2_SPECIALS, qwen_bpe_tokenizer, write_random_checkpoint
+    from omnirl.models.qwen_tokenizers import QWEN2_SPECIALS, qwen_bpe_tokenizer
+    from omnirl.models.random_init import write_random_checkpoint
 
     singles = list(range(256))
     random.Random(0).shuffle(singles)  # ranks need not follow byte order

@@ -264,7 +264,8 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--qwen-bpe",
         help="Qwen's qwen.tiktoken (the dashscope wheel's): the Qwen-Image recipes' random-init checkpoint "
-        "gets the real Qwen2 tokenizer, so prompts have their real lengths (omnirl/models/random_init.py)",
+        "gets the real Qwen2 tokenizer, so prompts have their real lengths "
+        "(omnirl/models/qwen_tokenizers.py)",
     )
     p.add_argument(
         "--cap-gib",
