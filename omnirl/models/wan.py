@@ -176,9 +176,8 @@ class WanAdapter(DiffusersBase):
             module.requires_grad_(False).to(device)
         tokenizer = AutoTokenizer.from_pretrained(path, subfolder="tokenizer")
         self.max_sequence_length = min(self.settings.max_sequence_length, tokenizer.model_max_length)
-        none: dict[str, Any] = dict.fromkeys(
-            ["vae", "scheduler"]
-        )  # (diffusers types its modules as required; None is taken)
+        # The pipeline of the text encoder alone (diffusers types its modules as required; None is taken).
+        none: dict[str, Any] = dict.fromkeys(["vae", "scheduler"])
         self.text_pipe = WanPipeline(**none, tokenizer=tokenizer, text_encoder=self.text_encoder)
         self.scheduler = FlowMatchEulerDiscreteScheduler(shift=self.settings.flow_shift)
         self.num_train_timesteps = self.scheduler.config["num_train_timesteps"]

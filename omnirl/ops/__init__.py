@@ -154,7 +154,7 @@ def shard(cfg: Config, ops: KindOps, dist: D.DistInfo) -> dict[str, float]:
 def _apply_fsdp(cfg: Config, ops: KindOps, dist: D.DistInfo) -> None:
     d, units = cfg.distributed, ops.adapter.fsdp_units()
     mesh = dist.mesh
-    assert mesh is not None  # (`shard`'s condition)
+    assert mesh is not None  # `shard` calls this only with a mesh
     replicate = d.frozen_base == "replicate"
     offload = d.frozen_base == "offload"
     frozen = {p for p in ops.policy.parameters() if not p.requires_grad} if replicate else set()

@@ -243,7 +243,7 @@ class DiffusionOps:
             i = row[id(p.traj)]
             assert p.old is not None  # recomputed before the correction
             old[i, p.k], rollout[i, p.k], mask[i, p.k] = p.old, float(p.traj.logprobs[p.k]), True
-        assert a.correction != "none"  # (self.correct)
+        assert a.correction != "none"  # called only with a correction (self.correct)
         weights, sums = correction_weights(
             old, rollout, mask, a.correction, a.correction_level, a.correction_threshold
         )

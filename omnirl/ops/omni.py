@@ -224,7 +224,7 @@ class OmniOps:
             actor.append(lp[mask])
             rollout_all.append(rollout[mask])
             if self.correct:
-                assert a.correction != "none"  # (self.correct)
+                assert a.correction != "none"  # self.correct: there is a correction
                 weights, m = correction_weights(
                     lp, rollout, mask, a.correction, a.correction_level, a.correction_threshold
                 )
