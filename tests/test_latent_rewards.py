@@ -275,24 +275,34 @@ def test_pool_scores_latent_rewards_in_the_callers_thread_after_generation(tiny_
     pool.close()
 
 
-@pytest.mark.slow
-def test_tiny_dinalrm_recipe_learns_under_torchrun(tiny_sd3, tiny_dina, tmp_path):
-    """sd3_tiny_flowgrpo_dinalrm on 2 ranks (FSDP, the reward's LoRA in the replicated frozen base): the
-    reward scored in process rises. Measured on 2 CPU cores over 60 steps: 0.76 (mean of steps 0-9) ->
-    3.32 (steps 50-59); the mean of steps 9-11 is held above that of steps 0-2 by 0.3 (measured: +0.75)."""
-    from tests.test_train import ROOT, read_jsonl, torchrun
+@pytest.fixture(scope="module")
+def dinalrm_run(tiny_sd3, tiny_dina, tmp_path_factory):
+    """12 steps of sd3_tiny_flowgrpo_dinalrm on 2 ranks, the frozen base replicated: its output directory
+    and torchrun's stderr. The learning test reads all of it, the placement test its first 2 steps."""
+    from tests.test_train import ROOT, torchrun
 
-    out = tmp_path / "run"
+    out = tmp_path_factory.mktemp("dinalrm") / "run"
     r = torchrun(2, ROOT / "yaml/sd3_tiny_flowgrpo_dinalrm.yaml", "--model.path", str(tiny_sd3),
                  "--reward.paths.dina_lrm", str(tiny_dina), "--run.output_dir", str(out), "--run.steps", "12",
                  "--log.image_every", "11", timeout=1200)  # fmt: skip
+    return out, r.stderr
+
+
+@pytest.mark.slow
+def test_tiny_dinalrm_recipe_learns_under_torchrun(dinalrm_run):
+    """sd3_tiny_flowgrpo_dinalrm on 2 ranks (FSDP, the reward's LoRA in the replicated frozen base): the
+    reward scored in process rises. Measured on 2 CPU cores over 60 steps: 0.76 (mean of steps 0-9) ->
+    3.32 (steps 50-59); the mean of steps 9-11 is held above that of steps 0-2 by 0.3 (measured: +0.75)."""
+    from tests.test_train import read_jsonl
+
+    out, stderr = dinalrm_run
     metrics = read_jsonl(out / "metrics.jsonl")
     rewards = [m["reward/mean"] for m in metrics]
     print("reward/mean by step:", [round(x, 3) for x in rewards])
     assert all(m["train/updates"] == 1 for m in metrics)
     assert sum(rewards[9:12]) / 3 > sum(rewards[:3]) / 3 + 0.3
     assert (out / "samples/step_000011.png").is_file()  # the logging step decoded what it shows
-    assert "Traceback" not in r.stderr
+    assert "Traceback" not in stderr
 
 
 @pytest.mark.slow
@@ -314,16 +324,16 @@ def test_tiny_pickscore_recipe_runs_under_torchrun(tiny_sd3, tmp_path):
 
 @pytest.mark.slow
 def test_tiny_dinalrm_scores_the_same_with_the_frozen_base_sharded_or_offloaded(
-    tiny_sd3, tiny_dina, tmp_path
+    tiny_sd3, tiny_dina, dinalrm_run, tmp_path
 ):
     """The in-process reward on 2 ranks with the frozen base replicated, sharded with one unit gathered per
     forward (the reward's chunks padded to the same count on both ranks, the root's embedders gathered for
-    it) and offloaded: the same samples, the same rewards (2 steps, to 1e-6)."""
+    it) and offloaded: the same samples, the same rewards (2 steps, to 1e-6). The replicated run is the
+    first 2 steps of the learning test's (the learning rate is constant: no schedule over run.steps)."""
     from tests.test_train import ROOT, read_jsonl, torchrun
 
-    rewards = {}
+    rewards = {"replicate": [m["reward/mean"] for m in read_jsonl(dinalrm_run[0] / "metrics.jsonl")][:2]}
     placements = {
-        "replicate": [],
         "shard_unit": ["--distributed.frozen_base", "shard", "--distributed.rollout_gather", "unit"],
         "offload": ["--distributed.frozen_base", "offload"],
     }
@@ -333,6 +343,6 @@ def test_tiny_dinalrm_scores_the_same_with_the_frozen_base_sharded_or_offloaded(
                  "--reward.paths.dina_lrm", str(tiny_dina), "--run.output_dir", str(out), "--run.steps", "2",
                  *placement, timeout=900)  # fmt: skip
         rewards[name] = [m["reward/mean"] for m in read_jsonl(out / "metrics.jsonl")]
-    assert len(rewards["replicate"]) == 2
+    assert len(rewards["shard_unit"]) == len(rewards["offload"]) == 2
     for name in ("shard_unit", "offload"):
         assert rewards[name] == pytest.approx(rewards["replicate"], abs=1e-6), (name, rewards)
