@@ -32,9 +32,6 @@ files. Every key of both files is mapped or listed as skipped on purpose (`SKIPP
 key is an error naming it.
 """
 
-# pyright: reportCallIssue=false
-# (Module attributes typed Tensor | Module by torch: calls on library models' methods and submodules.)
-
 from __future__ import annotations
 
 import json
@@ -196,6 +193,12 @@ class MoTAttention(nn.Module):
 
 class MoTLayer(nn.Module):
     """A Qwen2 decoder layer with the generation copy of everything (`Qwen2MoTDecoderLayer`)."""
+
+    # The norms `__init__` sets by name, each with its generation copy.
+    input_layernorm: Qwen2RMSNorm
+    input_layernorm_moe_gen: Qwen2RMSNorm
+    post_attention_layernorm: Qwen2RMSNorm
+    post_attention_layernorm_moe_gen: Qwen2RMSNorm
 
     def __init__(self, config: BagelConfig):
         super().__init__()

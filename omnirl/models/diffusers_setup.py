@@ -14,9 +14,6 @@ The module loading stays in each adapter: the measuring scripts replace each ada
 `load_pretrained`.
 """
 
-# pyright: reportCallIssue=false
-# (Module attributes typed Tensor | Module by torch: calls on library models' methods and submodules.)
-
 from __future__ import annotations
 
 import json
@@ -180,7 +177,7 @@ def check_checkpoint(path: str, pipeline_cls) -> None:
                 )
 
 
-def make_trainable(transformer: nn.Module, cfg: Config, device: torch.device) -> None:
+def make_trainable(transformer: Any, cfg: Config, device: torch.device) -> None:
     """LoRA from `cfg.lora` when `model.finetune` is "lora" (base frozen; the adapter in float32 even over
     a bf16 base, since the optimizer updates it), else every weight trainable; then gradient
     checkpointing from `model.gradient_checkpointing`, and onto `device` unless FSDP2 will shard the frozen

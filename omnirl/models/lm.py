@@ -19,9 +19,6 @@ Written here rather than taken from a library: transformers computes logits for 
 offers no log-prob of given tokens; TRL / verl do this inside their trainers.
 """
 
-# pyright: reportCallIssue=false
-# (Module attributes typed Tensor | Module by torch: calls on library models' methods and submodules.)
-
 from __future__ import annotations
 
 import copy
@@ -187,7 +184,7 @@ def sequence_logprobs(
     return out
 
 
-def checkpoint_decoder_layers(hf_model: nn.Module, layers: nn.ModuleList) -> None:
+def checkpoint_decoder_layers(hf_model: Any, layers: nn.ModuleList) -> None:
     """Recompute each decoder layer's activations in the backward pass (model.gradient_checkpointing).
 
     transformers checkpoints a layer only while `layer.training` is set, so the layers' own flag is set
@@ -245,7 +242,7 @@ def decoder_lora_targets(model: nn.Module, names: list[str]) -> list[str]:
     return targets
 
 
-def save_merged_lm(hf_model: nn.Module, processor, out_dir, dtype: torch.dtype) -> None:
+def save_merged_lm(hf_model: Any, processor, out_dir, dtype: torch.dtype) -> None:
     """A transformers directory (config, safetensors weights, processor) of `hf_model` with its LoRA merged
     into the base weights and the LoRA layers removed (a full fine-tune has none: saved as it is). Changes
     `hf_model` in place: export is the last thing done with it."""

@@ -30,9 +30,6 @@ adapter_model.safetensors) and `checkpoint/rm_head.pt` (the head's state dict, r
 an error naming it.
 """
 
-# pyright: reportCallIssue=false
-# (Module attributes typed Tensor | Module by torch: calls on library models' methods and submodules.)
-
 from __future__ import annotations
 
 import contextlib
@@ -317,7 +314,8 @@ class DinaLRM:
     @torch.no_grad()
     def raw_scores(self, latents: list[Latent]) -> torch.Tensor:
         """The head's output [B] float32 for samples on the host (one forward; no gathering done here)."""
-        owner, dtype = self.modules_and_dtype()
+        module, dtype = self.modules_and_dtype()
+        owner: Any = module  # SD3's transformer (or the reward's copy): its parts are read by name
         device = self.adapter.device
         x0 = torch.stack([s.latents for s in latents]).float()  # [B, C, h, w]
         gens = [torch.Generator().manual_seed(derive_seed(s.seed, NOISE_STREAM, 0)) for s in latents]
