@@ -6,9 +6,6 @@ transformers classes (2 layers, hidden 16-64) with tokenizers built in memory, s
 Weights are random but seeded, so a tiny model is the same on every machine and every build.
 """
 
-# pyright: reportCallIssue=false
-# (transformers' config classes take fields their typed signatures leave out: Qwen2Config's rope_theta.)
-
 from __future__ import annotations
 
 from pathlib import Path
@@ -491,8 +488,9 @@ def make_tiny_bagel(out_dir: str | Path) -> Path:
     tokenizer = _qwen_image_tokenizer()
     llm = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1e6,
-        max_position_embeddings=2048, tie_word_embeddings=False,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+        rope_parameters=dict(rope_theta=1e6, rope_type="default"), max_position_embeddings=2048,
+        tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(0)
     model = BagelModel(BagelConfig(llm=llm, max_latent_size=16))
