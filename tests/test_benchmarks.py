@@ -362,7 +362,7 @@ def test_rollout_packing_interleaved_pair(tiny_qwen_image, tmp_path, monkeypatch
     [("wan22_ti2v", ["_policy"], (4.9, 5.1)), ("wan22_a14b", ["transformer", "transformer_2"], (14.1, 14.5))],
 )
 def test_rollout_packing_dry_run_counts_the_wan_models(model, experts, billions):
-    """--dry-run --random-init builds Wan2.2's full-size models from random_init's public configs on the
+    """--dry-run --random-init builds Wan2.2's full-size models from their public configs on the
     meta device (no memory) and prints their parameter counts: TI2V-5B's transformer ~5.0 B, each A14B
     expert ~14.3 B, UMT5-XXL ~5.7 B; and the transformer's FLOPs per video at the recipe's settings."""
     import re
