@@ -59,9 +59,13 @@ def main(argv: list[str]) -> int:
 
         # What is imported by now (torch, transformers, diffusers, the adapter's module: ~460k objects)
         # lives as long as the process: keep it out of the full collections that every phase switch runs
-        # (omnirl.memory.empty_cache), each of which scanned it all again (~0.3 s on a 2-core CPU).
+        # (omnirl.memory.empty_cache), each of which scanned it all again (~0.3 s on a 2-core CPU). Unfrozen
+        # after, for a caller that goes on in this process (a test calling main): what it held is theirs.
         gc.freeze()
-        train(cfg)
+        try:
+            train(cfg)
+        finally:
+            gc.unfreeze()
         distributed.barrier()  # no rank tears down while another is still in a collective
         distributed.destroy()  # NCCL warns about a process group that is never destroyed
     except USER_ERRORS as e:
