@@ -57,10 +57,10 @@ def main(argv: list[str]) -> int:
         from omnirl import distributed
         from omnirl.trainer import train
 
-        # What is imported by now (torch, transformers, diffusers, the adapter's module: ~460k objects)
-        # lives as long as the process: keep it out of the full collections that every phase switch runs
-        # (omnirl.memory.empty_cache), each of which scanned it all again (~0.3 s on a 2-core CPU). Unfrozen
-        # after, for a caller that goes on in this process (a test calling main): what it held is theirs.
+        # What is imported by now (torch, transformers, diffusers, the adapter's module) lives as long as
+        # the process: keep it out of the full collections that every phase switch runs
+        # (omnirl.memory.empty_cache), each of which would scan it all again. Unfrozen after, for a caller
+        # that goes on in this process (a test calling main): what it held is theirs.
         gc.freeze()
         try:
             train(cfg)
