@@ -32,12 +32,14 @@ class Cell:
     buckets: str = "recipe"  # "recipe" | "single" (the largest only) | "negative" (+ the negative's length)
     precision: str = "bf16"  # rollout.precision: "bf16" | "fp8"
     fp8_steps: str = "all"  # rollout.fp8_steps with fp8: "all" | "untrained"
+    fast_accum: bool = True  # rollout.fp8_fast_accum with fp8; "exact" turns it off
 
     @property
     def spec(self) -> str:
         """The --cells spelling of this cell."""
         cfg, compiled = "fused" if self.fused_cfg else "split", "compiled" if self.compile else "eager"
         steps = ":untrained" if self.fp8_steps == "untrained" else ""
+        steps += "" if self.fast_accum else ":exact"
         return f"{self.max_num_seqs}:{cfg}:{self.buckets}:{compiled}:{self.precision}{steps}"
 
     @property
@@ -51,6 +53,7 @@ class Cell:
         ]
         parts += ["fp8"] if self.precision == "fp8" else []
         parts += ["untrained steps only"] if self.fp8_steps == "untrained" else []
+        parts += [] if self.fast_accum else ["float32 accumulation"]
         return ", ".join(parts + ["compiled" if self.compile else "eager"])
 
     def requests(self, requests: list[Request]) -> list[Request]:
@@ -76,10 +79,12 @@ def parse_cell(spec: str) -> Cell:
             kwargs["precision"] = option
         elif option == "untrained":  # fp8 on the steps no row trains (rollout.fp8_steps untrained)
             kwargs["fp8_steps"] = option
+        elif option == "exact":  # fp8 GEMMs promoting their sums to float32 (rollout.fp8_fast_accum false)
+            kwargs["fast_accum"] = False
         else:
             raise argparse.ArgumentTypeError(f"cell {spec!r}: unknown option {option!r}")
-    if kwargs.get("fp8_steps") and kwargs.get("precision") != "fp8":
-        raise argparse.ArgumentTypeError(f"cell {spec!r}: 'untrained' is an option of fp8 cells")
+    if ("fp8_steps" in kwargs or "fast_accum" in kwargs) and kwargs.get("precision") != "fp8":
+        raise argparse.ArgumentTypeError(f"cell {spec!r}: 'untrained' and 'exact' are options of fp8 cells")
     try:
         return Cell(int(n), **kwargs)
     except ValueError:

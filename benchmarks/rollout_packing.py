@@ -188,7 +188,7 @@ def parse_args() -> argparse.Namespace:
         default=[],
         type=parse_cell,
         help="more packed cells, each MAX_NUM_SEQS[:fused|split][:recipe|single|negative][:eager|compiled]"
-        "[:bf16|fp8[:untrained]], "
+        "[:bf16|fp8[:untrained][:exact]], "
         "e.g. 32:split:single:compiled (defaults: fused, recipe buckets, eager)",
     )
     p.add_argument(
@@ -434,6 +434,7 @@ def main() -> None:
             compile=cell.compile,
             precision=cell.precision,
             fp8_steps=cell.fp8_steps,
+            fp8_fast_accum=cell.fast_accum,
         )
         with prompt_buckets(adapter, cell.buckets, reqs):
             compile_s = 0.0
@@ -474,7 +475,7 @@ def main() -> None:
         )
     # FP8 cells and their bf16 twins keep their rollouts for the precision comparison.
     fp8 = [c for c in eager + compiled if c.precision == "fp8"]
-    twins = {dataclasses.replace(c, precision="bf16", fp8_steps="all") for c in fp8}
+    twins = {dataclasses.replace(c, precision="bf16", fp8_steps="all", fast_accum=True) for c in fp8}
     kept: dict[Cell, list] = {}
 
     def run_cell(cell: Cell) -> None:
@@ -483,7 +484,7 @@ def main() -> None:
             results["logprob_check"] = logprob_gap(adapter, trajs, cfg.algo.clip_range)
             D.print0(json.dumps(results["logprob_check"]))
         if trajs and cell.precision == "fp8":
-            ref = kept.get(dataclasses.replace(cell, precision="bf16", fp8_steps="all"))
+            ref = kept.get(dataclasses.replace(cell, precision="bf16", fp8_steps="all", fast_accum=True))
             gap = precision_gap(adapter, trajs, ref, cfg.algo.clip_range, cfg.optim.micro_batch_size)
             results.setdefault("precision", {})[cell.spec] = gap
             D.print0(json.dumps({"precision": cell.spec, **gap}))

@@ -228,6 +228,10 @@ class RolloutConfig:
     recompute nor a correction. 'all': every step; the trainer then recomputes the old log-probs
     (algo.old_logprob defaults to recompute) and weights each trained step by the ratio of its to the
     rollout's probability (algo.correction defaults to tis; omnirl.algos.correction)."""
+    fp8_fast_accum: bool = True
+    """rollout.precision fp8: the FP8 GEMMs accumulate in the tensor cores' own precision, without
+    cuBLASLt's periodic promotion to float32 (its fast-accumulation mode, the default of torchao's float8
+    inference configs). false promotes: slower, closer to the bf16 rollout (docs/fp8_rollout.md)."""
     fp8_select: int = 0
     """rollout.precision fp8: 0 trains on the FP8 samples themselves. K > 0 is Sol-RL's two stages: of
     each group, the K best and the K worst FP8 samples by reward are generated again in bf16 from the

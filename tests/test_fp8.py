@@ -332,6 +332,31 @@ def test_fp8_recomputes_old_logprobs_and_refuses_the_rollouts(tiny_sd3, tmp_path
             tiny_cfg(tiny_sd3, tmp_path, *args)
 
 
+@pytest.mark.parametrize("setting", [None, "false"])
+def test_fast_accumulation_reaches_every_fp8_gemm(tiny_sd3, tmp_path, monkeypatch, setting):
+    """rollout.fp8_fast_accum (on unless the recipe turns it off) is the `use_fast_accum` of every scaled
+    matmul the FP8 rollout's blocks run: the FP8 rollout of one request counted at the GEMM."""
+    args = ("--rollout.fp8_fast_accum", setting) if setting else ()
+    every_step = ("--rollout.fp8_steps", "all", "--algo.old_logprob", "recompute")
+    cfg = tiny_cfg(tiny_sd3, tmp_path, "--rollout.precision", "fp8", *every_step, *args)
+    assert cfg.rollout.fp8_fast_accum == (setting is None)
+    dist = D.init_distributed()
+    ops = DiffusionOps(cfg, get_adapter("sd3")(cfg, dist.device))
+    assert ops.engine.fp8 is not None and ops.engine.fp8.stand_ins
+    seen = []
+    scaled_mm = torch._scaled_mm
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["use_fast_accum"])
+        return scaled_mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    ops.engine.generate(ops.requests(load_prompts(cfg.data.train_path), 0, dist)[:1])
+    # Every stand-in at each of the recipe's 3 steps (CFG fused: one forward a step).
+    assert len(seen) >= cfg.sampling.num_steps * len(ops.engine.fp8.stand_ins)
+    assert set(seen) == {setting is None}
+
+
 @pytest.mark.slow  # tiny models and their rollouts: more than a few seconds on 2 cores
 @pytest.mark.parametrize(
     "precision,level", [("fp8", "token"), ("fp8", "sequence"), ("bf16", "token"), ("fp8-untrained", "token")]

@@ -142,6 +142,7 @@ class DiffusionOps:
             memory_budget=r.memory_budget_gib * 2**30,
             precision=r.precision,
             fp8_steps=r.fp8_steps,
+            fp8_fast_accum=r.fp8_fast_accum,
         )
         a = cfg.algo
         # Only an FP8 rollout whose trained steps ran in FP8 and that trains on its own samples has a

@@ -91,6 +91,7 @@ class DiffusionEngine:
         memory_budget: float = 0.0,
         precision: str = "bf16",
         fp8_steps: str = "all",
+        fp8_fast_accum: bool = True,
     ):
         self.adapter = adapter
         self.per_unit = per_unit
@@ -108,7 +109,7 @@ class DiffusionEngine:
         self.fp8: Fp8Rollout | None = None
         if precision == "fp8":
             D.check_fp8_matmul(adapter.device)
-            self.fp8 = Fp8Rollout(adapter.fsdp_units(), adapter.fp8_keep_bf16)
+            self.fp8 = Fp8Rollout(adapter.fsdp_units(), adapter.fp8_keep_bf16, fp8_fast_accum)
         self.use_fp8 = self.fp8 is not None  # `in_bf16` turns it off for a call
         if fp8_steps not in ("all", "untrained"):
             raise ValueError(f"fp8_steps must be 'all' or 'untrained', got {fp8_steps!r}")

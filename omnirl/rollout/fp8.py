@@ -52,10 +52,16 @@ def dequantise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_linear(
-    x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    weight_q: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """x [..., K] @ W.T + b with W [N, K] given as float8 rows `weight_q` and their scales `weight_scale`
-    [1, N]; x quantised per row here. The result in x's dtype, [..., N]."""
+    [1, N]; x quantised per row here. The result in x's dtype, [..., N]. `fast_accum`: the GEMM keeps its
+    sums in the tensor cores' own accumulator instead of promoting them to float32 at intervals (cuBLASLt's
+    fast-accumulation mode on Hopper: faster, less exact over long rows; no effect on the CPU's emulation)."""
     shape = x.shape
     q, scale = quantise_rows(x.reshape(-1, shape[-1]))  # [M, K], [M, 1]
     # mat2 column-major ([N, K] row-major, transposed), as the FP8 GEMM requires.
@@ -66,6 +72,7 @@ def fp8_linear(
         scale_b=weight_scale,
         bias=None if bias is None else bias.to(x.dtype),
         out_dtype=x.dtype,
+        use_fast_accum=fast_accum,
     )
     return y.reshape(*shape[:-1], weight_q.shape[0])
 
@@ -74,9 +81,10 @@ class Float8Linear(nn.Module):
     """Stands in for one `nn.Linear` during an FP8 rollout: its weight as float8 rows with per-row scales
     (buffers, quantised by `load`), its bias as it is."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, fast_accum: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.fast_accum = fast_accum
         self.register_buffer("weight_q", None, persistent=False)  # [N, K] float8 e4m3
         self.register_buffer("weight_scale", None, persistent=False)  # [1, N] float32
         self.register_buffer("bias", None, persistent=False)  # [N], the layer's own bias tensor
@@ -97,7 +105,7 @@ class Float8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.weight_q is not None and self.weight_scale is not None  # run only while loaded
-        return fp8_linear(x, self.weight_q, self.weight_scale, self.bias)
+        return fp8_linear(x, self.weight_q, self.weight_scale, self.bias, self.fast_accum)
 
 
 def fp8_layers(blocks: list[nn.Module], keep_bf16: tuple[str, ...]) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -134,9 +142,9 @@ def fp8_layers(blocks: list[nn.Module], keep_bf16: tuple[str, ...]) -> list[tupl
 class Fp8Rollout:
     """The FP8 layers of a policy's blocks and their FP8 stand-ins, swapped in by `swapped`."""
 
-    def __init__(self, blocks: list[nn.Module], keep_bf16: tuple[str, ...]):
+    def __init__(self, blocks: list[nn.Module], keep_bf16: tuple[str, ...], fast_accum: bool = False):
         self.layers = fp8_layers(blocks, keep_bf16)
-        self.stand_ins = [Float8Linear(linear) for _, _, linear in self.layers]
+        self.stand_ins = [Float8Linear(linear, fast_accum) for _, _, linear in self.layers]
         self.active = False  # the stand-ins are in place
 
     def modules(self) -> list[nn.Module]:

@@ -2,7 +2,8 @@
 quantisation against fp32 (within e4m3 rounding), the scaled matmul against the product of the dequantised
 operands (eager and compiled), against torchao's float8 dynamic row-wise linear where torchao is installed
 (the same math through a maintained library), and the time of one linear layer at Qwen-Image's block
-shapes in bf16 and in FP8 (compiled: the quantisation fused, as the rollout runs it).
+shapes in bf16 and in FP8 (compiled: the quantisation fused, as the rollout runs it), with and without
+fast accumulation (rollout.fp8_fast_accum).
 
     python -m scripts.gpu.fp8_kernels --out fp8_kernels.json
 """
@@ -100,9 +101,17 @@ def main() -> None:
         flops = 2 * a.rows * k * n
         bf16_ms = cuda_time(lambda x=x, linear=linear: F.linear(x, linear.weight, linear.bias))
         fp8_ms = cuda_time(lambda args=args: compiled(*args))
+        # rollout.fp8_fast_accum: the tensor cores' own accumulator, no promotion to float32.
+        y_fast = compiled(*args, fast_accum=True)
+        fast_ms = cuda_time(lambda args=args: compiled(*args, fast_accum=True))
+        fast_vs_exact = (y_fast.float() - y_eager.float()).abs().max() / scale_ref
         row |= {
             "bf16_ms": bf16_ms, "fp8_compiled_ms": fp8_ms, "speedup": bf16_ms / fp8_ms,
             "bf16_tflops": flops / bf16_ms / 1e9, "fp8_tflops": flops / fp8_ms / 1e9,
+            "fp8_fast_accum_ms": fast_ms, "fast_accum_speedup": bf16_ms / fast_ms,
+            "fp8_fast_accum_tflops": flops / fast_ms / 1e9,
+            "fast_accum_vs_fp32_mean_rel": ((y_fast.float() - ref).abs().mean() / scale_ref).item(),
+            "fast_accum_vs_exact_max_rel": fast_vs_exact.item(),
         }  # fmt: skip
         try:
             import torchao  # noqa: F401
@@ -117,11 +126,13 @@ def main() -> None:
     print(json.dumps(out["quantise"]))
     print(
         f"{'layer':26s} {'bf16 ms':>8s} {'fp8 ms':>8s} {'speedup':>8s} {'fp8 TFLOP/s':>12s} {'fp8 err':>8s}"
+        f" {'fast ms':>8s} {'speedup':>8s} {'fast err':>8s}"
     )
     for name, r in out["layers"].items():
         print(
             f"{name:26s} {r['bf16_ms']:8.3f} {r['fp8_compiled_ms']:8.3f} {r['speedup']:8.2f} "
-            f"{r['fp8_tflops']:12.0f} {r['fp8_vs_fp32_mean_rel']:8.4f}"
+            f"{r['fp8_tflops']:12.0f} {r['fp8_vs_fp32_mean_rel']:8.4f} {r['fp8_fast_accum_ms']:8.3f} "
+            f"{r['fast_accum_speedup']:8.2f} {r['fast_accum_vs_fp32_mean_rel']:8.4f}"
         )
     print(f"wrote {a.out}")
 
