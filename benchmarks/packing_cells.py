@@ -56,6 +56,18 @@ class Cell:
         parts += [] if self.fast_accum else ["float32 accumulation"]
         return ", ".join(parts + ["compiled" if self.compile else "eager"])
 
+    def engine(self, adapter) -> DiffusionEngine:
+        """The rollout engine a recipe with this cell's `rollout.*` builds (every timed path builds its
+        engines here, so no path drops a setting)."""
+        return DiffusionEngine(
+            adapter,
+            self.max_num_seqs,
+            compile=self.compile,
+            precision=self.precision,
+            fp8_steps=self.fp8_steps,
+            fp8_fast_accum=self.fast_accum,
+        )
+
     def requests(self, requests: list[Request]) -> list[Request]:
         """`requests` with the cell's CFG layout in their sampling parameters (`SamplingParams.fused_cfg`)."""
         return [

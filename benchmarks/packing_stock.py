@@ -17,7 +17,6 @@ from omnirl.models.base import SamplingParams
 from omnirl.models.ltx2 import LTX2Adapter
 from omnirl.models.sd3 import SD3Adapter
 from omnirl.models.wan import WanAdapter
-from omnirl.rollout.diffusion import DiffusionEngine
 
 
 def stock_pipe(adapter, params: SamplingParams):
@@ -88,7 +87,7 @@ def interleaved(
     import statistics
 
     b = a.stock_batch[0]
-    engines = [DiffusionEngine(adapter, c.max_num_seqs, compile=c.compile) for c in cells]
+    engines = [c.engine(adapter) for c in cells]
     pipe, cfg_kwargs = stock_pipe(adapter, params)
     compiled = cells[0].compile
     mode = "compiled" if compiled else "eager"

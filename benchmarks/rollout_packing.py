@@ -48,7 +48,6 @@ from omnirl.models.ltx2 import LTX2Adapter
 from omnirl.models.random_init import write_random_checkpoint
 from omnirl.models.wan import WanAdapter
 from omnirl.recipe import load_config
-from omnirl.rollout.diffusion import DiffusionEngine
 
 # --model (write_random_checkpoint's name for the models) -> its recipe
 MODELS = {
@@ -428,14 +427,7 @@ def main() -> None:
     def run_engine(cell: Cell, reqs: list[Request], scale: float, name: str = ""):
         name = name or cell.name
         reqs = cell.requests(reqs)
-        engine = DiffusionEngine(
-            adapter,
-            cell.max_num_seqs,
-            compile=cell.compile,
-            precision=cell.precision,
-            fp8_steps=cell.fp8_steps,
-            fp8_fast_accum=cell.fast_accum,
-        )
+        engine = cell.engine(adapter)
         with prompt_buckets(adapter, cell.buckets, reqs):
             compile_s = 0.0
             if cell.compile:

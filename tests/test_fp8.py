@@ -473,3 +473,17 @@ def test_flow_losses_weight_the_policy_term_by_the_correction():
         RowInputs(lp, old, adv, w, is_weight=c, divergence=d), AlgoConfig(dppo_tau=1e-5), 5.0
     )
     assert dppo.item() == pytest.approx((w * c * -adv * ratio).sum().item() / 5.0)
+
+
+@pytest.mark.parametrize("spec", ["2:compiled:fp8", "2:fp8:untrained:exact", "2:split"])
+def test_every_benchmark_cell_builds_the_engine_its_options_name(sd3, spec):
+    """A benchmark cell's engine (the one `rollout_packing`'s timed cells and its --interleave pairs both
+    build) has the precision, FP8 steps and accumulation its spec names: an FP8 cell never times bf16."""
+    from benchmarks.packing_cells import parse_cell
+
+    cell = parse_cell(spec)
+    engine = cell.engine(sd3)
+    assert engine.pad == cell.compile and (engine.fp8 is not None) == ("fp8" in spec)
+    if engine.fp8 is not None:
+        assert engine.fp8_untrained_only == ("untrained" in spec)
+        assert {s.fast_accum for s in engine.fp8.stand_ins} == {"exact" not in spec}
