@@ -104,6 +104,8 @@ def step_table(row: dict, title: str = "") -> str:
     if "time/generate_s" in row:
         wait = fmt(row.get("time/score_wait_s"), 2)
         parts.append(f"generation {fmt(row['time/generate_s'])} s, scoring wait {wait} s")
+    if "time/regenerate_s" in row:  # Sol-RL (rollout.fp8_select): the bf16 regeneration of the chosen
+        parts.append(f"bf16 regeneration {fmt(row['time/regenerate_s'])} s")
     if "mem/host_gib" in row:
         parts.append(f"host buffers {fmt(row['mem/host_gib'])} GiB")  # pinned on an accelerator
     if "train/updates" in row:
@@ -145,6 +147,7 @@ def summarise_steps(rows: list[dict]) -> list[dict]:
             "step_s": r.get("time/step_s"),
             "generate_s": r.get("time/generate_s"),
             "score_wait_s": r.get("time/score_wait_s"),
+            "regenerate_s": r.get("time/regenerate_s"),
             "host_gib": r.get("mem/host_gib"),
             "optimizer_steps": r.get("train/updates"),
             "kept_frac": r.get("adv/kept_frac"),
