@@ -7,7 +7,7 @@ mem/frozen_device_bytes, for full-size models before a GPU run.
 
 Per model and number of ranks N: replicate holds the whole base on every rank's device; shard holds 1/N
 of it (FSDP2 splits dim 0 of every parameter into N chunks of ceil(dim0 / N) rows,
-`omnirl.distributed.sharded_bytes`); offload holds the same 1/N in host memory and on the device only what
+`omnirl.fsdp.sharded_bytes`); offload holds the same 1/N in host memory and on the device only what
 a forward has gathered: the root's own parameters (not in any unit; gathered for the whole forward) and
 two units at most (the running one and the next one's prefetched all-gather), whole, not 1/N. The LoRA,
 its gradients and optimizer state, activations and the KV cache come on top (docs/mmk12.md, memory plan).
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from omnirl.distributed import DTYPES, sharded_bytes
+from omnirl.fsdp import DTYPES, sharded_bytes
 
 GIB = 2**30
 

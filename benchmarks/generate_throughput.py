@@ -23,7 +23,8 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 from benchmarks.breakdown import kernel_table
 from omnirl.algos.correction import consistency_metrics
 from omnirl.config import config_for
-from omnirl.distributed import DTYPES, device_type
+from omnirl.distributed import device_type
+from omnirl.fsdp import DTYPES
 from omnirl.memory import synchronize
 from omnirl.models import get_adapter
 from omnirl.models.base import GenerationParams, Request

@@ -8,7 +8,8 @@ import time
 
 import torch
 
-from omnirl.distributed import all_reduce, compute_dtype
+from omnirl.distributed import all_reduce
+from omnirl.fsdp import compute_dtype
 from omnirl.memory import synchronize
 from omnirl.models.base import Request, SamplingParams, derive_seed
 from omnirl.models.ltx2 import LTX2Adapter

@@ -12,7 +12,7 @@ import traceback
 import torch
 
 from benchmarks.measure import batch_lengths, peak_gib, real_flops, reset_peak, time_calls
-from omnirl import distributed as D
+from omnirl import fsdp
 from omnirl.memory import empty_cache
 from omnirl.models.base import Request
 from omnirl.models.qwen_image import bucket, collate
@@ -260,7 +260,7 @@ def forward_cell(
         def run(variant=variant, name=name):
             reset_peak()
             kernel = sdpa_kernel(kernels[variant]) if variant in kernels else contextlib.nullcontext()
-            with kernel, compiled_blocks(engine), D.gathered_weights(adapter.policy), torch.no_grad():
+            with kernel, compiled_blocks(engine), fsdp.gathered_weights(adapter.policy), torch.no_grad():
                 detail = [batch_row(variant, real, inputs) for real, inputs in batches]
             secs = sum(d["ms"] for d in detail) / 1e3
             useful, padded = (sum(d[k] for d in detail) * 1e12 for k in ("useful_tflop", "padded_tflop"))

@@ -13,6 +13,7 @@ from benchmarks.breakdown import breakdown, label_stock
 from benchmarks.measure import over_ranks, peak_gib, rank_columns, reset_peak, timed, timed_repeats
 from benchmarks.packing_cells import Cell, batch_shapes, guarded, prompt_buckets
 from omnirl import distributed as D
+from omnirl import fsdp
 from omnirl.models.base import SamplingParams
 from omnirl.models.ltx2 import LTX2Adapter
 from omnirl.models.sd3 import SD3Adapter
@@ -101,7 +102,7 @@ def interleaved(
         for u, impl in zip(units, stock_impls):
             u._compiled_call_impl = impl
         try:
-            with D.gathered_weights(adapter.policy):  # once per generation, as the engine's `generate`
+            with fsdp.gathered_weights(adapter.policy):  # once per generation, as the engine's `generate`
                 stock_generate(pipe, cfg_kwargs, prompts_, negative, params, b, steps)
         finally:
             for u in units:
@@ -180,7 +181,7 @@ def stock(adapter, texts, negative, params, a, rows, flop_seconds, save, compile
             stock_generate(pipe, cfg_kwargs, texts[:k], negative, params, b, params.num_steps)
 
         def run(b=b, n=n, name=name, call=call):
-            with D.gathered_weights(adapter.policy):  # as the engine does: weights gathered once
+            with fsdp.gathered_weights(adapter.policy):  # as the engine does: weights gathered once
                 compile_s = timed(lambda: call(b))[0] if compiled else 0.0
                 call(2, 2) if not compiled else None  # warm-up (kernels, allocator)
                 reset_peak()

@@ -42,6 +42,7 @@ from benchmarks.packing_cells import (
 )
 from benchmarks.packing_stock import interleaved, stock
 from omnirl import distributed as D
+from omnirl import fsdp
 from omnirl.models import build_adapter
 from omnirl.models.base import Request, SamplingParams
 from omnirl.models.ltx2 import LTX2Adapter
@@ -376,7 +377,7 @@ def main() -> None:
     results["world_size"] = dist.world_size
     frozen = {p for p in adapter.policy.parameters() if not p.requires_grad}  # the LoRA's base
     dc = cfg.distributed  # as the trainer shards it
-    D.apply_fsdp(adapter.policy, adapter.fsdp_units(), mesh, dc.param_dtype, dc.reduce_dtype, frozen)
+    fsdp.apply_fsdp(adapter.policy, adapter.fsdp_units(), mesh, dc.param_dtype, dc.reduce_dtype, frozen)
     s = cfg.sampling
     # The recipe's SDE window, cut to --steps: a window lies inside the schedule (flow_sde.window).
     lo, hi = s.sde_window_range[0], min(s.sde_window_range[1], a.steps)

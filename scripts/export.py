@@ -32,7 +32,6 @@ from pathlib import Path
 from omnirl.checkpoint import LORA_FILE, adapter_from_checkpoint
 from omnirl.config import ConfigError
 from omnirl.config_checks import check_model_path
-from omnirl.distributed import DTYPES
 from omnirl.export import (
     check_lora_dir,
     check_out,
@@ -41,6 +40,7 @@ from omnirl.export import (
     read_lora,
     staged,
 )
+from omnirl.fsdp import DTYPES
 
 
 def main(argv: list[str]) -> int:

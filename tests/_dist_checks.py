@@ -1,4 +1,4 @@
-"""Checks of omnirl.distributed.load_pretrained and omnirl.trainer.per_rank on 2 ranks (gloo); launched by
+"""Checks of omnirl.fsdp.load_pretrained and omnirl.trainer.per_rank on 2 ranks (gloo); launched by
 tests/test_distributed.py with torchrun. argv[1]: a tiny Qwen-Image checkpoint, argv[2]: a tiny Qwen3-Omni
 one. Prints "dist checks OK" on each rank; any failure raises."""
 
@@ -13,6 +13,7 @@ from transformers import (
 from transformers.core_model_loading import revert_weight_conversion
 
 from omnirl import distributed as D
+from omnirl import fsdp
 from omnirl.step import per_rank
 
 
@@ -21,7 +22,7 @@ def main() -> None:
     # bfloat16: from_pretrained keeps the rotary inv_freq buffers in float32, a meta build casts them; the
     # broadcast must leave rank 1 with exactly rank 0's (here: every rank's own from_pretrained) tensors.
     kwargs = dict(subfolder="text_encoder", dtype=torch.bfloat16)
-    model = D.load_pretrained(Qwen2_5_VLForConditionalGeneration, sys.argv[1], **kwargs)
+    model = fsdp.load_pretrained(Qwen2_5_VLForConditionalGeneration, sys.argv[1], **kwargs)
     ref = Qwen2_5_VLForConditionalGeneration.from_pretrained(sys.argv[1], **kwargs)
     mine = dict([*model.named_parameters(), *model.named_buffers()])
     theirs = [*ref.named_parameters(), *ref.named_buffers()]
@@ -32,7 +33,7 @@ def main() -> None:
     # The thinker of a full Qwen3-Omni checkpoint, loaded with a key_mapping (thinker.* -> *): every rank
     # gives its in-memory names back as the checkpoint's (what a vLLM weight push sends), rank 0 included.
     config = AutoConfig.from_pretrained(sys.argv[2]).thinker_config
-    thinker = D.load_pretrained(
+    thinker = fsdp.load_pretrained(
         Qwen3OmniMoeThinkerForConditionalGeneration,
         sys.argv[2],
         config=config,

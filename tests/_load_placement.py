@@ -18,6 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from omnirl import distributed as D
+from omnirl import fsdp
 from omnirl.config import config_for
 from omnirl.models import get_adapter
 from omnirl.ops import ops_class, shard
@@ -38,13 +39,13 @@ def check(name: str, path: str, frozen_base: str, finetune: str = "lora") -> Non
     models = [ops.policy] + ([ops.ref_model] if ops.ref_model is not None else [])
     assert (finetune == "full") == (len(models) == 2)
     found = []  # per fully_shard call: the devices of the parameters it shards, as it finds them
-    fully_shard = D.fully_shard
+    fully_shard = fsdp.fully_shard
 
     def recording(module, **kwargs):
         found.append({p.device.type for p in module.parameters() if not isinstance(p, DTensor)})
         return fully_shard(module, **kwargs)
 
-    with mock.patch.object(D, "fully_shard", recording):
+    with mock.patch.object(fsdp, "fully_shard", recording):
         shard(cfg, ops, dist)
     case = (name, frozen_base, finetune)
     units = len(ops.adapter.fsdp_units()) + 1  # and the root

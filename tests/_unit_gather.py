@@ -9,6 +9,7 @@ all-gather); with phase gathering every block is. Prints "unit gather OK" on eac
 import sys
 
 from omnirl import distributed as D
+from omnirl import fsdp
 from omnirl.batching import make_requests
 from omnirl.config import ConfigError
 from omnirl.data.prompts import load_prompts
@@ -34,9 +35,9 @@ def check(path: str, mode: str) -> None:
     ops = DiffusionOps(cfg, get_adapter("sd3")(cfg, dist.device))
     shard(cfg, ops, dist)
     whole = sum(p.numel() * 4 for p in ops.policy.parameters())
-    assert D.gather_bytes(ops.policy) == whole  # before the first forward (FSDP2's lazy init) too
+    assert fsdp.gather_bytes(ops.policy) == whole  # before the first forward (FSDP2's lazy init) too
     blocks = ops.adapter.fsdp_units()
-    assert D.forward_chains(ops.policy, blocks) == list(zip(blocks, blocks[1:]))
+    assert fsdp.forward_chains(ops.policy, blocks) == list(zip(blocks, blocks[1:]))
     seen = []
     for b in blocks:
         b.register_forward_pre_hook(lambda m, args: seen.append(sum(gathered(x) for x in blocks)))
@@ -56,10 +57,10 @@ def check(path: str, mode: str) -> None:
     # What a whole-model gather allocates: every parameter whole, the frozen transformer's and the LoRA's
     # (float32 here), against free memory before it starts (the check only runs on an accelerator).
     ops.policy.reshard()  # FSDP2 leaves the root gathered after a forward
-    assert D.gather_bytes(ops.policy) == whole
-    D.check_gather_fits(ops.policy, whole)
+    assert fsdp.gather_bytes(ops.policy) == whole
+    fsdp.check_gather_fits(ops.policy, whole)
     try:
-        D.check_gather_fits(ops.policy, whole - 1)
+        fsdp.check_gather_fits(ops.policy, whole - 1)
     except ConfigError as e:
         message = str(e)
         assert "rollout_gather phase gathers the whole sharded base" in message, message

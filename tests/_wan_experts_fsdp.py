@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from omnirl import distributed as D
+from omnirl import fsdp
 from omnirl.config import config_for
 from omnirl.models.wan import WanAdapter
 
@@ -27,7 +28,7 @@ def main():
             p.data.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(0))
     frozen = {p for p in adapter.policy.parameters() if not p.requires_grad}
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    D.apply_fsdp(adapter.policy, adapter.fsdp_units(), mesh, "float32", "float32", frozen)
+    fsdp.apply_fsdp(adapter.policy, adapter.fsdp_units(), mesh, "float32", "float32", frozen)
     sigmas = adapter.sigmas(6)
     sigma = sigmas[0 if rank == 0 else 4].expand(2)  # 1.0 (transformer) or 0.71 (transformer_2)
     latents = torch.randn(2, *adapter.latent_shape(32, 32), generator=torch.Generator().manual_seed(rank))

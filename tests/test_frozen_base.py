@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from benchmarks import frozen_memory
 from omnirl import distributed as D
+from omnirl import fsdp
 from omnirl.batching import make_requests
 from omnirl.config import ConfigError, config_for
 from omnirl.data.prompts import load_prompts
@@ -141,8 +142,8 @@ def test_fully_shard_finds_a_sharded_base_on_the_host_on_two_ranks(tiny_sd3, tin
 
 
 def test_sharded_bytes_pads_dim0_as_fsdp2_does():
-    assert D.sharded_bytes([((5, 3), 4), ((), 2), ((4,), 2)], 2) == 3 * 3 * 4 + 1 * 2 + 2 * 2
-    assert D.sharded_bytes([((5, 3), 4)], 1) == 60
+    assert fsdp.sharded_bytes([((5, 3), 4), ((), 2), ((4,), 2)], 2) == 3 * 3 * 4 + 1 * 2 + 2 * 2
+    assert fsdp.sharded_bytes([((5, 3), 4)], 1) == 60
 
 
 @pytest.mark.slow

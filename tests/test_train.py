@@ -365,7 +365,7 @@ def test_full_finetune_with_kl_under_torchrun_fsdp(tiny_sd3, tmp_path):
     reference copy for the KL term: KL is 0 while the policy equals the reference (step 0) and positive
     once the first update has moved the policy away from it (step 1). With float32 master weights and
     bf16 compute, as on GPUs: the FSDP root does not cast its inputs, so the adapter must pass them in the
-    compute dtype (omnirl.distributed.compute_dtype), or the first forward fails on a dtype mismatch."""
+    compute dtype (omnirl.fsdp.compute_dtype), or the first forward fails on a dtype mismatch."""
     out = tmp_path / "run"
     torchrun(
         2, ROOT / "yaml/sd3_tiny_flowgrpo.yaml", "--model.path", str(tiny_sd3), "--run.output_dir", str(out),

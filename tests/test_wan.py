@@ -399,7 +399,7 @@ def test_bf16_fsdp_units_recompute_in_their_forward_dtypes(tiny_wan_a14b, tmp_pa
     forward ran in. FSDP2 of torch 2.11 casts a unit's float inputs in the forward but not in the
     recompute (its pre-forward hook returns before the cast during the backward; later versions cast
     there too), and Wan's rotary embedding is float32: the recompute differed and torch.utils.checkpoint
-    refused the backward. The units cast their inputs themselves (`distributed.cast_inputs`). Here FSDP2's
+    refused the backward. The units cast their inputs themselves (`fsdp.cast_inputs`). Here FSDP2's
     hook is made to behave as 2.11's; one row of each expert, a full fine-tune (every parameter sharded);
     the gradients equal those without checkpointing."""
     import torch.distributed as dist
@@ -407,7 +407,7 @@ def test_bf16_fsdp_units_recompute_in_their_forward_dtypes(tiny_wan_a14b, tmp_pa
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
-    from omnirl import distributed as D
+    from omnirl import fsdp
 
     pre_forward = FSDPState._pre_forward
 
@@ -433,7 +433,7 @@ def test_bf16_fsdp_units_recompute_in_their_forward_dtypes(tiny_wan_a14b, tmp_pa
         adapter = WanAdapter(cfg, torch.device("cpu"))
         gen = torch.Generator().manual_seed(0)
         mesh = init_device_mesh("cpu", (1,))
-        D.apply_fsdp(adapter.policy, adapter.fsdp_units(), mesh, "bfloat16", "float32")
+        fsdp.apply_fsdp(adapter.policy, adapter.fsdp_units(), mesh, "bfloat16", "float32")
         latents = torch.randn(2, *adapter.latent_shape(HEIGHT, WIDTH), generator=gen).to(torch.bfloat16)
         sigma = adapter.sigmas(STEPS)[[0, 4]]  # 1.0 (transformer) and 0.71 (transformer_2)
         embeds = adapter.encode(["a red cat", "waves"], ["", ""])

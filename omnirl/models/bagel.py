@@ -41,7 +41,7 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from omnirl.config import Config, ConfigError
-from omnirl.distributed import DTYPES, compute_dtype, load_pretrained, place_policy
+from omnirl.fsdp import DTYPES, compute_dtype, load_pretrained, place_policy
 from omnirl.models.bagel_port import (
     LATENT_CHANNELS,
     LATENT_PATCH,

@@ -30,7 +30,7 @@ from torch import nn
 
 from omnirl.config import Config, ConfigError
 from omnirl.data.prompts import PromptRow
-from omnirl.distributed import DTYPES, place_policy
+from omnirl.fsdp import DTYPES, place_policy
 from omnirl.models.base import Output, Request, Trajectory
 from omnirl.models.flow_sde import Pool, WindowedSampler
 from omnirl.models.peft_lora import lora_disabled, peft_config, sorted_sets

@@ -62,7 +62,7 @@ class HiddenStatesLM(nn.Module):
 def kv_layout(layers: list[nn.Module]) -> tuple[int, int, int, torch.dtype]:
     """(decoder layers, KV heads, head dim, dtype) of a transformers decoder's KV cache, read off its live
     layers: under FSDP2 mixed precision the dtype is that of the gathered (compute) weights, so call it
-    inside `distributed.gathered_weights` when the cache is allocated."""
+    inside `fsdp.gathered_weights` when the cache is allocated."""
     attn: Any = layers[0].self_attn  # the transformers attention module, read by name
     k_proj = attn.k_proj  # a peft LoRA layer or a plain Linear: out_features = kv heads x head_dim
     return len(layers), k_proj.out_features // attn.head_dim, attn.head_dim, k_proj.weight.dtype

@@ -50,7 +50,7 @@ from transformers import AutoTokenizer, Gemma3ForConditionalGeneration
 
 from omnirl.config import Config, ConfigError
 from omnirl.config_checks import POSITIVE, at_least
-from omnirl.distributed import DTYPES, compute_dtype, load_pretrained
+from omnirl.fsdp import DTYPES, compute_dtype, load_pretrained
 from omnirl.models.base import Output, Request, SamplingParams, Trajectory
 from omnirl.models.diffusers_setup import DiffusersBase, make_trainable, trajectories
 from omnirl.models.flow_sde import Pool, WindowedSampler, phase, to_host

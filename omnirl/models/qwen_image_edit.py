@@ -49,7 +49,7 @@ from transformers.processing_utils import ProcessorMixin
 from omnirl.config import Config, ConfigError
 from omnirl.config_checks import at_least
 from omnirl.data.prompts import PromptRow
-from omnirl.distributed import DTYPES, load_pretrained
+from omnirl.fsdp import DTYPES, load_pretrained
 from omnirl.models.base import Output, Request, Trajectory
 from omnirl.models.diffusers_setup import DiffusersBase, make_trainable, trajectories
 from omnirl.models.flow_sde import host_rows, phase, to_host

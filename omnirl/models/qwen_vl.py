@@ -25,7 +25,7 @@ from transformers import (
 from transformers.processing_utils import ProcessorMixin
 
 from omnirl.config import Config
-from omnirl.distributed import DTYPES, load_pretrained, place_policy
+from omnirl.fsdp import DTYPES, load_pretrained, place_policy
 from omnirl.models.base import Request
 from omnirl.models.lm import (
     HiddenStatesLM,

@@ -5,7 +5,7 @@
 `omnirl.models.qwen_tokenizers` for the Qwen-Image families (`edit_tokenizer` for Qwen-Image-Edit; the real
 Qwen2 BPE when its ranks are given: `qwen_bpe_tokenizer`). With model.weights random,
 `omnirl.models.build_adapter` builds the adapter under `random_weights`: every model the adapter loads
-through `omnirl.distributed.load_pretrained` is then built by `random_init_loader` from its config, directly
+through `omnirl.fsdp.load_pretrained` is then built by `random_init_loader` from its config, directly
 in its dtype on the device (a sharded run's policy on the host), with random weights seeded per model, so
 every rank builds the same ones. Any family gets this by loading each of its models through
 `load_pretrained`; `BUILD_HOOKS` lets a measuring script see each build.
@@ -255,10 +255,10 @@ BUILD_HOOKS: list[Callable] = []
 
 @contextlib.contextmanager
 def random_weights(cfg: Config, device: torch.device):
-    """While in effect, every model loaded through `omnirl.distributed.load_pretrained` is built by
+    """While in effect, every model loaded through `omnirl.fsdp.load_pretrained` is built by
     `random_init_loader` on `device`, seeded per model (`BUILD_SEED`); a run whose frozen base FSDP2 shards
     or offloads builds its policy on the host (not when `device` is meta: nothing is allocated there)."""
-    from omnirl import distributed as D
+    from omnirl import fsdp
     from omnirl.memory import synchronize
 
     on_host = cfg.distributed.frozen_base != "replicate" and device.type != "meta"
@@ -274,7 +274,7 @@ def random_weights(cfg: Config, device: torch.device):
                 hook(cls, subfolder, model, time.perf_counter() - begin)
         return model
 
-    with D.building_with(build):
+    with fsdp.building_with(build):
         yield
 
 
@@ -419,7 +419,7 @@ def write_random_thinker(
         Qwen3OmniMoeThinkerForConditionalGeneration,
     )
 
-    from omnirl.distributed import DTYPES
+    from omnirl.fsdp import DTYPES
     from omnirl.models.tiny import make_tiny_qwen3_omni
     from omnirl.models.tiny_omni import add_vllm_config_keys
 

@@ -23,7 +23,7 @@ from torch import nn
 from transformers import AutoTokenizer, CLIPTextModelWithProjection, T5EncoderModel
 
 from omnirl.config import Config, ConfigError
-from omnirl.distributed import DTYPES, compute_dtype, load_pretrained
+from omnirl.fsdp import DTYPES, compute_dtype, load_pretrained
 from omnirl.models.base import Latent, Output, Request, Trajectory
 from omnirl.models.diffusers_setup import DiffusersBase, guided_velocity, make_trainable, trajectories
 from omnirl.models.flow_sde import WindowedSampler, phase, to_host

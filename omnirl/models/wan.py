@@ -43,7 +43,7 @@ from transformers import AutoTokenizer, UMT5EncoderModel
 
 from omnirl.config import Config, ConfigError
 from omnirl.config_checks import POSITIVE, at_least
-from omnirl.distributed import DTYPES, compute_dtype, load_pretrained
+from omnirl.fsdp import DTYPES, compute_dtype, load_pretrained
 from omnirl.models.base import Output, Request, Trajectory
 from omnirl.models.diffusers_setup import (
     LORA_FILE,

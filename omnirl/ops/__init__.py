@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from omnirl import distributed as D
+from omnirl import fsdp
 from omnirl.algos.losses import loss_spec
 from omnirl.config import Config
 from omnirl.data.prompts import PromptRow
@@ -143,7 +144,7 @@ def shard(cfg: Config, ops: KindOps, dist: D.DistInfo) -> dict[str, float]:
         _apply_fsdp(cfg, ops, dist)
     d = cfg.distributed
     models = [ops.policy] + ([ops.ref_model] if ops.ref_model is not None else [])
-    held, on_device = (sum(n) for n in zip(*(D.frozen_bytes(m) for m in models)))
+    held, on_device = (sum(n) for n in zip(*(fsdp.frozen_bytes(m) for m in models)))
     D.print0(
         f"frozen weights: {d.frozen_base}, {held / 2**20:.1f} MiB on each rank ({on_device / 2**20:.1f} MiB "
         f"of it on the device); the rollout gathers weights per {d.rollout_gather}"
@@ -163,7 +164,7 @@ def _apply_fsdp(cfg: Config, ops: KindOps, dist: D.DistInfo) -> None:
     # policy is wrapped, and not by class: fully_shard gives each unit an FSDP subclass of its own class.
     names = {id(m): n for n, m in ops.policy.named_modules()}
     unit_names = [names[id(u)] for u in units]
-    D.apply_fsdp(ops.policy, units, mesh, d.param_dtype, d.reduce_dtype, frozen, offload and lora)
+    fsdp.apply_fsdp(ops.policy, units, mesh, d.param_dtype, d.reduce_dtype, frozen, offload and lora)
     if ops.ref_model is not None:
         ref_units = [ops.ref_model.get_submodule(n) for n in unit_names]
-        D.apply_fsdp(ops.ref_model, ref_units, mesh, d.param_dtype, d.reduce_dtype, offload=offload)
+        fsdp.apply_fsdp(ops.ref_model, ref_units, mesh, d.param_dtype, d.reduce_dtype, offload=offload)

@@ -375,7 +375,7 @@ def reference(adapter: DiffusionAdapter, ref_model: nn.Module | None):
 def build_reference(cfg: Config, adapter: DiffusionAdapter) -> nn.Module | None:
     """Full fine-tuning with KL keeps a frozen copy of the initial policy (sharded like the actor); LoRA
     needs none: its reference is the same model with the adapter disabled. The copy is made where the
-    policy is: on the host when FSDP2 shards the frozen base (`distributed.place_policy`), so neither
+    policy is: on the host when FSDP2 shards the frozen base (`fsdp.place_policy`), so neither
     whole copy reaches the device before `fully_shard` places them one unit at a time."""
     if cfg.model.finetune != "full" or cfg.algo.kl_beta == 0:
         return None

@@ -18,7 +18,7 @@ generator seeded from the request's seed, so the same sample always gets the sam
 draws fresh noise on every call).
 
 It runs in the trainer's thread after the rollout, every rank at once (omnirl.rewards.pool): the policy's
-weights are gathered for it as for the rollout (`distributed.gathered_weights`); when the rollout gathers
+weights are gathered for it as for the rollout (`fsdp.gathered_weights`); when the rollout gathers
 one unit per forward (a sharded or offloaded base), every rank runs as many chunks (the count
 all-reduced, short ranks padding), since each block's forward is then a collective.
 
@@ -51,6 +51,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from omnirl import distributed as D
+from omnirl import fsdp
 from omnirl.config import ConfigError
 from omnirl.models.base import Latent, derive_seed
 from omnirl.models.peft_lora import adapter_active
@@ -295,7 +296,7 @@ class DinaLRM:
         for name, p in target.named_parameters():
             p.requires_grad_(trainable.get(name.replace(".base_layer", ""), False) and ADAPTER not in name)
         if self.copy is not None:
-            self.copy.to(adapter.device, dtype=D.DTYPES[cfg.model.dtype])
+            self.copy.to(adapter.device, dtype=fsdp.DTYPES[cfg.model.dtype])
 
         # (from_config is typed as maybe a tuple: with return_unused_kwargs)
         scheduler = cast(Any, FlowMatchEulerDiscreteScheduler.from_config(adapter.scheduler.config))
@@ -309,7 +310,7 @@ class DinaLRM:
         if self.copy is not None:
             return self.copy, next(self.copy.parameters()).dtype
         policy = self.adapter.policy
-        return policy, D.compute_dtype(policy, self.adapter.transformer_dtype)
+        return policy, fsdp.compute_dtype(policy, self.adapter.transformer_dtype)
 
     @torch.no_grad()
     def raw_scores(self, latents: list[Latent]) -> torch.Tensor:
@@ -362,7 +363,7 @@ class DinaLRM:
         if self.copy is not None:
             yield
             return
-        with D.gathered_weights(policy, per_unit=self.per_unit), root_gathered(policy, self.per_unit):
+        with fsdp.gathered_weights(policy, per_unit=self.per_unit), root_gathered(policy, self.per_unit):
             yield
 
     def dummy(self) -> Latent:

@@ -7,7 +7,7 @@ result equals the serial one to fp32 rounding. Each finished batch is handed to 
 reward scoring (in the reward pool's threads) overlaps the denoising of the next batch.
 
 The engine calls the very module the optimizer updates (no weight copy); under FSDP2 the weights are
-gathered once for the whole rollout phase (`distributed.gathered_weights`), so ranks may run different
+gathered once for the whole rollout phase (`fsdp.gathered_weights`), so ranks may run different
 numbers of batches. With `per_unit` (distributed.rollout_gather unit: a sharded or offloaded frozen base
 too large to gather whole) each forward gathers one unit at a time instead, every forward is a
 collective, and a rank with fewer batches than another runs padding batches (copies of a request, their
@@ -59,6 +59,7 @@ from collections.abc import Callable
 import torch
 
 from omnirl import distributed as D
+from omnirl import fsdp
 from omnirl.memory import GIB, empty_cache, free_bytes, peak_bytes
 from omnirl.models.base import DiffusionAdapter, Request, Trajectory
 from omnirl.models.flow_sde import step_hook
@@ -149,7 +150,7 @@ class DiffusionEngine:
         fp8 = self.fp8 if self.use_fp8 else None
         with (
             swapped(self.compiled),
-            D.gathered_weights(self.adapter.policy, per_unit=self.per_unit),
+            fsdp.gathered_weights(self.adapter.policy, per_unit=self.per_unit),
             fp8.swapped() if fp8 is not None else contextlib.nullcontext(),
             step_hook(self._step_precision) if self._per_step_fp8() else contextlib.nullcontext(),
         ):

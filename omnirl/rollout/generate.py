@@ -1,7 +1,7 @@
 """GenerationEngine: native continuous-batching generation for omni adapters, on the actor's own module.
 
 The engine calls the very module the optimizer updates (`adapter.model`, no weight copy); under FSDP2 its
-weights are gathered once for the whole phase (`distributed.gathered_weights`), or, with `per_unit`
+weights are gathered once for the whole phase (`fsdp.gathered_weights`), or, with `per_unit`
 (distributed.rollout_gather unit, one rank: a frozen base offloaded to host memory), one unit per forward
 as in training, with FSDP2's hooks left to do their work and no CUDA graph (a graph cannot replay the
 host-to-device copies of the weights). The KV-cache budget is `kv_cache_gib`, or `kv_fraction` of the
@@ -51,7 +51,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
-from omnirl.distributed import fsdp_hooks_quiet, gathered_weights
+from omnirl.fsdp import fsdp_hooks_quiet, gathered_weights
 from omnirl.memory import GIB, free_bytes
 from omnirl.models.base import GenerationParams, OmniAdapter, OmniTrajectory, Request
 from omnirl.models.lm import output_logprobs
