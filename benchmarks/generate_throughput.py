@@ -21,10 +21,11 @@ import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from benchmarks.breakdown import kernel_table
+from benchmarks.measure import place_as_trainer
 from omnirl.algos.correction import consistency_metrics
 from omnirl.config import config_for
 from omnirl.distributed import device_type
-from omnirl.fsdp import DTYPES
+from omnirl.fsdp import DTYPES, gathered_weights
 from omnirl.memory import synchronize
 from omnirl.models import get_adapter
 from omnirl.models.base import GenerationParams, Request
@@ -366,8 +367,12 @@ def run(args, tmp: str) -> None:
     # The vLLM backend's settings: ours' KV budget, the largest load's max_num_seqs (cap_vllm: each load's).
     cfg.rollout.backend, cfg.rollout.max_num_seqs = "vllm", max(load[0] for load in loads)
     cfg.generation.kv_cache_gib, cfg.rollout.vllm_max_model_len = args.kv_cache_gib, args.vllm_max_model_len
+    # The mmk12 recipe's placement: FSDP2 with the LoRA gathered in its base's dtype (a LoRA computes in its
+    # base's dtype: config_checks), so the rollouts run the adapter's matmuls as a training run does.
+    cfg.distributed.param_dtype = "bfloat16" if args.dtype == "bfloat16" else "float32"
     start = time.perf_counter()
     adapter = get_adapter("qwen3_omni_thinker")(cfg, device)
+    place_as_trainer(adapter.policy, adapter.fsdp_units(), cfg, None)
     load_s = time.perf_counter() - start
 
     vocab = adapter.lm_head.weight.shape[0]
@@ -377,6 +382,9 @@ def run(args, tmp: str) -> None:
         methods = [m for m in methods if m != "generate_batch" and m not in PLAIN]
     params = sum(p.numel() for p in adapter.model.parameters())
     report: dict = {"args": vars(args), "device": str(device), "parameters": params, "loads": {}}
+    with gathered_weights(adapter.model):  # what the rollouts' LoRA matmuls run in
+        lora = {str(p.dtype) for n, p in adapter.model.named_parameters() if "lora_" in n}
+    report["lora_compute_dtype"] = sorted(d.removeprefix("torch.") for d in lora)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     engines: list = []
@@ -397,7 +405,8 @@ def run(args, tmp: str) -> None:
             report.update({k: v for k, v in entry.items() if k not in load})
         write(report)
     print(f"model {'random-init' if args.random_init else path}: {params / 1e6:.1f} M parameters, ", end="")
-    print(f"{args.dtype}, {device}, loaded in {load_s:.1f} s")
+    lora_dtype = ", ".join(report["lora_compute_dtype"])
+    print(f"{args.dtype} (LoRA computing in {lora_dtype}), {device}, loaded in {load_s:.1f} s")
     for name, entry in report["loads"].items():
         print_table(name, args, entry["results"])
     print(f"wrote {args.out}")

@@ -1,13 +1,18 @@
-"""Measuring helpers of the rollout benchmarks: transformer FLOPs counted per text length, the bf16 matmul
-ceiling, wall-clock and CUDA-event timing, peak memory, and a reading from every rank.
+"""Measuring helpers of the rollout benchmarks: the trainer's placement of the policy, transformer FLOPs
+counted per text length, the bf16 matmul ceiling, wall-clock and CUDA-event timing, peak memory, and a
+reading from every rank.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
+from torch import nn
 
+from omnirl import distributed as D
+from omnirl import fsdp
 from omnirl.distributed import all_reduce
 from omnirl.fsdp import compute_dtype
 from omnirl.memory import synchronize
@@ -18,6 +23,23 @@ from omnirl.models.sd3 import SD3Adapter
 from omnirl.models.wan import WanAdapter
 
 CLIP_TOKENS = 77  # SD3's two CLIP encoders, padded to their maximum, ahead of the T5 tokens
+
+
+def place_as_trainer(policy: nn.Module, units: list[nn.Module], cfg, dist: D.DistInfo | None) -> D.DistInfo:
+    """The trainer's placement of a LoRA `policy`: a process group (1 rank without torchrun) and FSDP2 over
+    `units` with the recipe's MixedPrecisionPolicy (cfg.distributed), the frozen base replicated. A rollout
+    then gathers the float32 LoRA once per phase in the recipe's param_dtype; unwrapped, peft would run
+    every LoRA matmul in float32 (with a cast of its input), which a training run never does."""
+    if dist is None:
+        for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
+            os.environ.setdefault(k, v)
+        os.environ.setdefault("MASTER_PORT", "29555")
+        dist = D.init_distributed()
+    assert dist.mesh is not None  # init_distributed makes a mesh for every process group
+    frozen = {p for p in policy.parameters() if not p.requires_grad}  # the LoRA's base
+    d = cfg.distributed
+    fsdp.apply_fsdp(policy, units, dist.mesh, d.param_dtype, d.reduce_dtype, frozen)
+    return dist
 
 
 def text_lengths(adapter, request: Request) -> tuple[int, int]:

@@ -23,6 +23,7 @@ from benchmarks.measure import (
     matmul_tflops,
     over_ranks,
     peak_gib,
+    place_as_trainer,
     rank_columns,
     real_flops,
     reset_peak,
@@ -42,7 +43,6 @@ from benchmarks.packing_cells import (
 )
 from benchmarks.packing_stock import interleaved, stock
 from omnirl import distributed as D
-from omnirl import fsdp
 from omnirl.models import build_adapter
 from omnirl.models.base import Request, SamplingParams
 from omnirl.models.ltx2 import LTX2Adapter
@@ -365,19 +365,8 @@ def main() -> None:
 
     t_load, (cfg, adapter) = timed(lambda: build(a, device))
     D.print0(f"models built in {t_load:.0f} s, {peak_gib():.1f} GiB")
-    # The trainer's path: a process group (1 rank without torchrun) and FSDP2 with the recipe's
-    # MixedPrecisionPolicy, so the rollout gathers the float32 LoRA once per phase in bfloat16 (peft would
-    # otherwise run every LoRA matmul in float32, which is what a training run never does).
-    if dist is None:
-        for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
-            os.environ.setdefault(k, v)
-        os.environ.setdefault("MASTER_PORT", "29555")
-        dist = D.init_distributed()
-    mesh = dist.mesh
+    dist = place_as_trainer(adapter.policy, adapter.fsdp_units(), cfg, dist)
     results["world_size"] = dist.world_size
-    frozen = {p for p in adapter.policy.parameters() if not p.requires_grad}  # the LoRA's base
-    dc = cfg.distributed  # as the trainer shards it
-    fsdp.apply_fsdp(adapter.policy, adapter.fsdp_units(), mesh, dc.param_dtype, dc.reduce_dtype, frozen)
     s = cfg.sampling
     # The recipe's SDE window, cut to --steps: a window lies inside the schedule (flow_sde.window).
     lo, hi = s.sde_window_range[0], min(s.sde_window_range[1], a.steps)

@@ -414,14 +414,17 @@ def test_rollout_packing_interleaved_pairs_on_tiny_wan(layout, tiny_wan_ti2v, ti
 def test_generation_benchmark_ranks_what_its_engine_ran(tiny_qwen3_omni, tmp_path):
     """generate_throughput --kernels: one more run of each method under the profiler, its costliest
     operators (device kernels on CUDA) ranked with their calls and shares of the busy time, and the busy
-    time per decode step of the native engine."""
+    time per decode step of the native engine. The thinker is placed as the mmk12 recipe places it (FSDP2
+    with the LoRA gathered in the base's bf16), so the rollouts run no float32 LoRA matmul."""
     out = tmp_path / "tput.json"
     run([
         sys.executable, "-m", "benchmarks.generate_throughput", "--model", str(tiny_qwen3_omni), "--methods",
         "ours", "--num-requests", "3", "--max-num-seqs", "2", "--max-new-tokens", "4", "--warmup", "0",
-        "--kv-cache-gib", "0.25", "--kernels", "4", "--out", str(out),
+        "--kv-cache-gib", "0.25", "--kernels", "4", "--dtype", "bfloat16", "--out", str(out),
     ])  # fmt: skip
-    ours = json.loads(out.read_text())["results"]["ours"]
+    report = json.loads(out.read_text())
+    assert report["lora_compute_dtype"] == ["bfloat16"]
+    ours = report["results"]["ours"]
     table = ours["kernels"]
     assert table["what"].startswith("aten operators") and len(table["top"]) == 4
     top = table["top"]
