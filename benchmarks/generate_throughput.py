@@ -368,11 +368,14 @@ def run(args, tmp: str) -> None:
     cfg.rollout.backend, cfg.rollout.max_num_seqs = "vllm", max(load[0] for load in loads)
     cfg.generation.kv_cache_gib, cfg.rollout.vllm_max_model_len = args.kv_cache_gib, args.vllm_max_model_len
     # The mmk12 recipe's placement: FSDP2 with the LoRA gathered in its base's dtype (a LoRA computes in its
-    # base's dtype: config_checks), so the rollouts run the adapter's matmuls as a training run does.
-    cfg.distributed.param_dtype = "bfloat16" if args.dtype == "bfloat16" else "float32"
+    # base's dtype: config_checks), so the rollouts run the adapter's matmuls as a training run does. FSDP2's
+    # mixed precision has no float16 (distributed.param_dtype), so a float16 LoRA runs unwrapped, as a
+    # recipe with that dtype must (distributed.fsdp false).
     start = time.perf_counter()
     adapter = get_adapter("qwen3_omni_thinker")(cfg, device)
-    place_as_trainer(adapter.policy, adapter.fsdp_units(), cfg, None)
+    if args.dtype != "float16":
+        cfg.distributed.param_dtype = args.dtype
+        place_as_trainer(adapter.policy, adapter.fsdp_units(), cfg, None)
     load_s = time.perf_counter() - start
 
     vocab = adapter.lm_head.weight.shape[0]

@@ -411,19 +411,21 @@ def test_rollout_packing_interleaved_pairs_on_tiny_wan(layout, tiny_wan_ti2v, ti
 
 
 @pytest.mark.slow
-def test_generation_benchmark_ranks_what_its_engine_ran(tiny_qwen3_omni, tmp_path):
+@pytest.mark.parametrize("dtype, lora", [("bfloat16", "bfloat16"), ("float16", "float32")])
+def test_generation_benchmark_ranks_what_its_engine_ran(tiny_qwen3_omni, tmp_path, dtype, lora):
     """generate_throughput --kernels: one more run of each method under the profiler, its costliest
     operators (device kernels on CUDA) ranked with their calls and shares of the busy time, and the busy
-    time per decode step of the native engine. The thinker is placed as the mmk12 recipe places it (FSDP2
-    with the LoRA gathered in the base's bf16), so the rollouts run no float32 LoRA matmul."""
+    time per decode step of the native engine. The thinker is placed as a recipe of its dtype places it:
+    bf16 under FSDP2 with the LoRA gathered in bf16 (no float32 LoRA matmul), float16 unwrapped (FSDP2's
+    mixed precision has no float16), the LoRA then in peft's float32."""
     out = tmp_path / "tput.json"
     run([
         sys.executable, "-m", "benchmarks.generate_throughput", "--model", str(tiny_qwen3_omni), "--methods",
         "ours", "--num-requests", "3", "--max-num-seqs", "2", "--max-new-tokens", "4", "--warmup", "0",
-        "--kv-cache-gib", "0.25", "--kernels", "4", "--dtype", "bfloat16", "--out", str(out),
+        "--kv-cache-gib", "0.25", "--kernels", "4", "--dtype", dtype, "--out", str(out),
     ])  # fmt: skip
     report = json.loads(out.read_text())
-    assert report["lora_compute_dtype"] == ["bfloat16"]
+    assert report["lora_compute_dtype"] == [lora]
     ours = report["results"]["ours"]
     table = ours["kernels"]
     assert table["what"].startswith("aten operators") and len(table["top"]) == 4
