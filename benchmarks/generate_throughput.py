@@ -73,10 +73,22 @@ def response_length(tokens: list[int], stops: set[int]) -> int:
 
 
 def run_ours(
-    adapter, requests, args, keep: list, cuda_graph: bool, stats: dict, compile: bool = False
+    adapter,
+    requests,
+    args,
+    keep: list,
+    cuda_graph: bool,
+    stats: dict,
+    compile: bool = False,
+    windows: int = 4,
 ) -> int:
     engine = GenerationEngine(
-        adapter, args.max_num_seqs, args.kv_cache_gib, cuda_graph=cuda_graph, compile=compile
+        adapter,
+        args.max_num_seqs,
+        args.kv_cache_gib,
+        cuda_graph=cuda_graph,
+        compile=compile,
+        kv_windows=windows,
     )
     trajs = engine.generate(requests)
     keep[:] = trajs
@@ -304,7 +316,8 @@ def main() -> None:
     p.add_argument("--stop-frac", type=float, default=0.0, help="fraction of the vocabulary that stops")
     p.add_argument(
         "--methods", default="ours,ours_eager,generate,generate_batch", help="of ours, ours_eager, "
-        "ours_compiled (generation.compile: decoder layers compiled in the decode step), vllm, "
+        "ours_compiled (generation.compile: decoder layers compiled in the decode step), ours_one_window "
+        "(generation.kv_windows 1: every step attends to the whole KV cache), vllm, "
         "vllm_unseeded, vllm_plain, vllm_plain_bias, vllm_plain_logprobs, vllm_plain_flat, vllm_plain_seeds, "
         "generate, generate_batch (vllm: the vLLM rollout backend, needs vllm installed; vllm_unseeded: the "
         "same engine with rollout.vllm_request_seeds off; vllm_plain: that engine's LLM.generate with plain "
@@ -421,7 +434,8 @@ def write(report: dict) -> None:
 
 
 METHODS = (  # the order they run in; generate_batch switches the attention implementation: last
-    "ours", "ours_eager", "ours_compiled", "vllm", "vllm_unseeded", *PLAIN, "generate", "generate_batch",
+    "ours", "ours_one_window", "ours_eager", "ours_compiled", "vllm", "vllm_unseeded", *PLAIN, "generate",
+    "generate_batch",
 )  # fmt: skip
 
 
@@ -429,7 +443,9 @@ def run_load(args, adapter, cfg, device, methods, stops, engines, warmed: set, e
     """Every method on one load (args.max_num_seqs, args.stop_frac), --repeats times, into `entry`."""
     all_stops = set(stops) | set(adapter.eos_token_ids)
     requests = make_requests(args, stops)
-    kept: dict[str, list] = {m: [] for m in ("ours", "ours_eager", "ours_compiled", "vllm", "vllm_unseeded")}
+    kept: dict[str, list] = {
+        m: [] for m in ("ours", "ours_one_window", "ours_eager", "ours_compiled", "vllm", "vllm_unseeded")
+    }
     stats: dict = {}
     prompts: dict = {}
     if any(m in PLAIN for m in methods):  # plain vLLM's token prompts, made before any clock
@@ -440,6 +456,9 @@ def run_load(args, adapter, cfg, device, methods, stops, engines, warmed: set, e
         }
     runs = {
         "ours": lambda reqs: run_ours(adapter, reqs, args, kept["ours"], True, stats),
+        "ours_one_window": lambda reqs: run_ours(
+            adapter, reqs, args, kept["ours_one_window"], True, stats, windows=1
+        ),
         "ours_eager": lambda reqs: run_ours(adapter, reqs, args, kept["ours_eager"], False, stats),
         "ours_compiled": lambda reqs: run_ours(
             adapter, reqs, args, kept["ours_compiled"], True, stats, compile=True
@@ -523,6 +542,12 @@ def after_first_run(args, adapter, name, kept, entry, runs, requests, device, st
         )
         entry["graph_vs_eager_identical_responses"] = f"{same}/{len(kept['ours'])}"
         print(f"CUDA graph vs eager: {same}/{len(kept['ours'])} responses identical", flush=True)
+    if name == "ours_one_window" and kept["ours"]:  # narrower attention reads: the same samples?
+        same = sum(
+            torch.equal(a.response_ids, b.response_ids) for a, b in zip(kept["ours"], kept["ours_one_window"])
+        )
+        entry["windows_vs_one_window_identical_responses"] = f"{same}/{len(kept['ours'])}"
+        print(f"KV windows vs one window: {same}/{len(kept['ours'])} responses identical", flush=True)
     if name == "ours_compiled" and kept["ours"]:  # fused kernels round differently: how many samples moved?
         same = sum(
             torch.equal(a.response_ids, b.response_ids) for a, b in zip(kept["ours"], kept["ours_compiled"])

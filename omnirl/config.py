@@ -160,6 +160,11 @@ class GenerationConfig:
     the slots, the MoE and attention work space) grows with them and is not part of the KV budget, so
     this bounds what the rollout needs beside the weights and the KV cache. rollout.backend vllm
     schedules its own (chunked) prefill."""
+    kv_windows: int = 4
+    """KV windows of the native engine's decode step (>= 1): a step attends to the narrowest of this many
+    widths of the KV cache (multiples of 64 columns, the widest the whole cache) that holds every busy
+    slot's tokens, so while the rows are short the attention reads a fraction of the cache (one CUDA
+    graph per window). 1 attends to the whole cache in every step."""
     cuda_graph: bool = True
     """On CUDA, capture the decode step once per rollout as a CUDA graph and replay it (the step's
     kernels launched at once instead of one by one from Python); off runs it eagerly. No effect on CPU."""

@@ -421,10 +421,13 @@ def test_generation_benchmark_ranks_what_its_engine_ran(tiny_qwen3_omni, tmp_pat
     out = tmp_path / "tput.json"
     run([
         sys.executable, "-m", "benchmarks.generate_throughput", "--model", str(tiny_qwen3_omni), "--methods",
-        "ours", "--num-requests", "3", "--max-num-seqs", "2", "--max-new-tokens", "4", "--warmup", "0",
-        "--kv-cache-gib", "0.25", "--kernels", "4", "--dtype", dtype, "--out", str(out),
+        "ours,ours_one_window", "--num-requests", "3", "--max-num-seqs", "2", "--max-new-tokens", "4",
+        "--warmup", "0", "--kv-cache-gib", "0.25", "--kernels", "4", "--kernel-methods", "ours", "--dtype",
+        dtype, "--out", str(out),
     ])  # fmt: skip
     report = json.loads(out.read_text())
+    # the engine without KV windows, side by side: the same samples
+    assert report["windows_vs_one_window_identical_responses"] == "3/3"
     assert report["lora_compute_dtype"] == [lora]
     ours = report["results"]["ours"]
     table = ours["kernels"]

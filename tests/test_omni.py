@@ -206,6 +206,30 @@ def test_prefill_groups_stay_within_max_prefill_tokens_and_draw_the_same_samples
     assert one.stats["prefills"] == 6  # a prompt longer than the budget is prefilled alone
 
 
+def test_kv_windows_attend_to_every_cached_column(omni, monkeypatch):
+    """A decode step attends to the narrowest KV window that holds every busy slot's columns: with a window
+    of every width (so a bound one column short drops a token from the attention), the samples and
+    log-probs are those of one window spanning the whole cache, and the steps attend to fewer columns."""
+    from omnirl.rollout import generate
+
+    monkeypatch.setattr(generate, "WINDOW_COLUMNS", 1)
+    reqs = requests(7, ["text", "image", "audio"], GenerationParams(max_new_tokens=40, temperature=0.9))
+    whole = GenerationEngine(omni, max_num_seqs=3, kv_cache_gib=0.1, kv_windows=1)
+    reference = whole.generate(reqs)
+    narrow = GenerationEngine(omni, max_num_seqs=3, kv_cache_gib=0.1, kv_windows=10_000)
+    out = narrow.generate(reqs)
+    capacity = whole.stats["kv_windows"][-1]
+    assert whole.stats["kv_windows"] == [capacity] and narrow.stats["kv_windows"] == list(
+        range(1, capacity + 1)
+    )
+    assert narrow.stats["kv_columns_mean"] < 0.95 * capacity == 0.95 * whole.stats["kv_columns_mean"]
+    for a, b in zip(reference, out):
+        assert torch.equal(a.response_ids, b.response_ids)
+        assert (a.logprobs - b.logprobs).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match="kv_windows"):
+        GenerationEngine(omni, max_num_seqs=3, kv_cache_gib=0.1, kv_windows=0)
+
+
 def test_sample_does_not_depend_on_batch(omni):
     """Each request alone vs all of them through 3 rows (rows leave and join): same tokens."""
     reqs = requests(7, ["text", "image", "audio", "image+audio"], top_k=40)

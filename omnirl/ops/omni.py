@@ -105,6 +105,7 @@ class OmniOps:
                 per_unit=cfg.distributed.rollout_gather == "unit",
                 compile=g.compile,
                 max_prefill_tokens=g.max_prefill_tokens,
+                kv_windows=g.kv_windows,
             )
             self.sleepable = None  # the native engine runs on the actor's own module: nothing of its own
         self.correct = cfg.algo.old_logprob == "recompute" and cfg.algo.correction != "none"

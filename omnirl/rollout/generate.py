@@ -17,11 +17,13 @@ request takes it (continuous batching).
 Each slot writes its next token's KV at its own column (its length) and attends to its columns under a
 mask, so a decode step has the same shapes from the first step to the last and updates its state in
 place: on CUDA it is captured once per call as a CUDA graph and replayed (`cuda_graph`), which removes
-the per-kernel launch cost that bounds a decode step of a batched MoE forward. With `compile` the decoder
+the per-kernel launch cost that bounds a decode step of a batched MoE forward. The attention reads the
+narrowest of `kv_windows` widths of the cache that holds every busy slot's columns (a bound the host
+keeps without a sync: prompt + steps since admission), one graph per width. With `compile` the decoder
 layers run compiled in the decode step (`omnirl.rollout.compiled`: their norms, rotary embedding,
 routing and activations fused into fewer kernels; the prefill, whose shapes change with the prompts,
 stays eager; the graph then records the compiled kernels; a second compile, with the slots and KV
-columns symbolic, at the first call whose shapes differ from the first's). Each slot keeps its own
+columns symbolic, at the first step whose window or slots differ from the first's). Each slot keeps its own
 M-RoPE position (the model's get_rope_index on the prompt, then +1 per token), so a row's computation
 does not depend on its neighbours apart from floating-point rounding of batched kernels.
 
@@ -62,13 +64,16 @@ from omnirl.rollout.compiled import compile_forwards, swapped
 SYNC_EVERY = 8
 # Tokens per block of the two-level CDF inversion (`invert_cdf`): ~sqrt of a 152k vocabulary, rounded up.
 CDF_BLOCK = 1024
+# KV windows (`GenerationEngine._windows`) are multiples of this many columns, the attention kernels' tiles.
+WINDOW_COLUMNS = 64
 
 
 class _SlotLayer(DynamicLayer):
     """One decoder layer's KV cache, one row per slot: `keys` / `values` are [S, H, C, D] buffers allocated
     once per `generate` call. A decode step writes each slot's new token at that slot's own column
-    (`column` [S, 1, 1, 1], shared by all layers) and attends to the whole buffer under a mask, so every
-    shape is fixed from step to step (the step can be captured in a CUDA graph)."""
+    (`column` [S, 1, 1, 1], shared by all layers) and attends to the buffer's first `window` columns under
+    a mask, so every shape is fixed from step to step (the step can be captured in a CUDA graph, one per
+    window)."""
 
     keys: torch.Tensor  # never None here, unlike a DynamicLayer's before its first update
     values: torch.Tensor
@@ -76,19 +81,20 @@ class _SlotLayer(DynamicLayer):
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, column: torch.Tensor):
         super().__init__()
         self.keys, self.values, self.column = keys, values, column
+        self.window = keys.shape[2]  # the columns a step attends to (set per step by the engine)
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
         index = self.column.expand(-1, key_states.shape[1], 1, key_states.shape[3])  # [S, H, 1, D]
         self.keys.scatter_(2, index, key_states)
         self.values.scatter_(2, index, value_states)
-        return self.keys, self.values
+        return self.keys[:, :, : self.window], self.values[:, :, : self.window]
 
     def get_seq_length(self) -> int:
-        return self.keys.shape[2]
+        return self.window
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.keys.shape[2], 0
+        return self.window, 0
 
 
 @dataclass
@@ -132,15 +138,22 @@ class GenerationEngine:
         per_unit: bool = False,
         compile: bool = False,
         max_prefill_tokens: int = 16384,
+        kv_windows: int = 4,
     ):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if kv_windows < 1:
+            raise ValueError(f"kv_windows must be >= 1, got {kv_windows}")
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         if kv_cache_gib is not None and kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib must be > 0 or None, got {kv_cache_gib}")
         self.adapter = adapter
-        self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
+        self.max_num_seqs, self.max_prefill_tokens, self.kv_windows = (
+            max_num_seqs,
+            max_prefill_tokens,
+            kv_windows,
+        )
         self.kv_cache_gib, self.kv_fraction, self.memory_budget = kv_cache_gib, kv_fraction, memory_budget
         self.kv_budget = 0.0  # bytes, set by each call
         self.device = adapter.device
@@ -175,10 +188,15 @@ class GenerationEngine:
             slots = self._allocate(requests, prepared)
             stats["slots"] = len(slots.done)
             owner: list[int | None] = [None] * slots.done.shape[0]  # request index per slot
+            # Per slot, a bound on its cached tokens known without a device sync: its prompt plus the
+            # decode steps since it was admitted (a finished row stops growing; the bound does not).
+            bound = [0] * len(owner)
+            windows = self._windows(self._first(slots).keys.shape[2])
+            stats["kv_windows"], columns = windows, 0
             start = time.perf_counter()
-            # Two steps while every slot is free, before any prefill, on the CPU too: the same order as
-            # a CUDA graph's warm-up and capture (so CPU tests run what the GPU runs, FSDP2 included).
-            step = self._capture(slots) if self.cuda_graph else self._warm_up(slots)
+            # Warm-up steps while every slot is free, before any prefill, on the CPU too: the same order
+            # as a CUDA graph's warm-up and capture (so CPU tests run what the GPU runs, FSDP2 included).
+            step = self._capture(slots, windows) if self.cuda_graph else self._warm_up(slots, windows)
             stats["capture_s"] = time.perf_counter() - start
             while waiting or any(o is not None for o in owner):
                 free = [s for s, o in enumerate(owner) if o is None]
@@ -195,11 +213,17 @@ class GenerationEngine:
                         self._prefill(slots, free[: len(admitted)], admitted, requests, prepared)
                         stats["prefills"] += 1
                         for s, i in zip(free, admitted):
-                            owner[s] = i
+                            owner[s], bound[s] = i, len(prepared[i]["input_ids"])
                         free = free[len(admitted) :]
+                # The next SYNC_EVERY steps write columns up to bound + SYNC_EVERY - 1 and attend to
+                # those: the narrowest window that holds them for every busy slot.
+                need = max(b for b, o in zip(bound, owner) if o is not None) + SYNC_EVERY
+                window = next((w for w in windows if w >= need), windows[-1])
                 for _ in range(SYNC_EVERY):
-                    step()
+                    step(window)
                 stats["decode_steps"] += SYNC_EVERY
+                columns += SYNC_EVERY * window
+                bound = [b + SYNC_EVERY for b in bound]
                 done = slots.done.tolist()
                 finished = [s for s, o in enumerate(owner) if o is not None and done[s]]
                 for i, traj in self._collect(slots, finished, owner, requests, prepared):
@@ -208,7 +232,8 @@ class GenerationEngine:
                         on_finish(traj)
                 for s in finished:
                     owner[s] = None
-            del step  # the graph and its memory pool
+            del step  # the graphs and their memory pool
+            stats["kv_columns_mean"] = columns / max(1, stats["decode_steps"])
         done = [t for t in results if t is not None]
         assert len(done) == len(results)
         return done
@@ -323,15 +348,33 @@ class GenerationEngine:
         # The first token, drawn from the prompt's last hidden state, by the same bookkeeping as a step.
         self._record(slots, hidden[:, -1], index)
 
-    def _step(self, slots: _Slots) -> None:
-        """One decode step of every slot on its latest token: fixed shapes, in-place updates, no host
-        sync. Free and finished slots compute too (their writes land in columns and scratch entries that
-        no one reads)."""
-        first: Any = slots.cache.layers[0]  # a _SlotLayer
-        capacity = first.keys.shape[2]
+    @staticmethod
+    def _first(slots: _Slots) -> _SlotLayer:
+        first: Any = slots.cache.layers[0]
+        return first
+
+    def _windows(self, capacity: int) -> list[int]:
+        """The KV windows a decode step attends to: `kv_windows` widths up to the slots' capacity, each a
+        multiple of WINDOW_COLUMNS, the last the whole capacity. A step runs
+        the narrowest that holds every busy slot's columns, so short rows do not pay for the longest
+        row's width (on CUDA one graph per window)."""
+        widths = {capacity}
+        for k in range(1, self.kv_windows):
+            columns = -(-capacity * k // self.kv_windows)
+            widths.add(min(capacity, -(-columns // WINDOW_COLUMNS) * WINDOW_COLUMNS))
+        return sorted(widths)
+
+    def _step(self, slots: _Slots, window: int) -> None:
+        """One decode step of every slot on its latest token, attending to the first `window` columns of
+        the cache: fixed shapes, in-place updates, no host sync. Free and finished slots compute too
+        (their writes land in columns and scratch entries that no one reads)."""
+        layers: list[Any] = slots.cache.layers  # a _SlotLayer per decoder layer
+        capacity = layers[0].keys.shape[2]
+        for layer in layers:
+            layer.window = window
         slots.column.view(-1).copy_(slots.length.clamp(max=capacity - 1))
-        columns = torch.arange(capacity, device=self.device)
-        mask = (columns[None] <= slots.length[:, None])[:, None, None]  # [S, 1, 1, C]: the cache + this token
+        columns = torch.arange(window, device=self.device)
+        mask = (columns[None] <= slots.length[:, None])[:, None, None]  # [S, 1, 1, W]: the cache + this token
         # Quiet FSDP2 hooks for the whole step, the lm_head's call in `_record` included: called outside a
         # root forward, a child unit's hook would make itself the root of a forward (stream waits, which
         # break a graph capture; and, as the first forward of a run, a lazy init FSDP then refuses).
@@ -387,31 +430,35 @@ class GenerationEngine:
             ):
                 getattr(slots, name).index_copy_(0, index, value)
 
-    def _warm_up(self, slots: _Slots) -> Callable[[], None]:
-        """Two decode steps while every slot is free (they change nothing that matters: free slots' state
-        is overwritten when a request takes them); returns the eager step."""
-        for _ in range(2):  # lazy initialisations, cuBLAS workspaces, autotuning
-            self._step(slots)
-        return lambda: self._step(slots)
+    def _warm_up(self, slots: _Slots, windows: list[int]) -> Callable[[int], None]:
+        """Two decode steps per window while every slot is free (they change nothing that matters: free
+        slots' state is overwritten when a request takes them); returns the eager step."""
+        for window in windows:
+            for _ in range(2):  # lazy initialisations, cuBLAS workspaces, autotuning
+                self._step(slots, window)
+        return lambda window: self._step(slots, window)
 
-    def _capture(self, slots: _Slots) -> Callable[[], None]:
-        """The decode step as a CUDA graph: warmed up (on a side stream, as capture requires) and captured
-        while every slot is free, replayed on the same buffers."""
+    def _capture(self, slots: _Slots, windows: list[int]) -> Callable[[int], None]:
+        """The decode step as one CUDA graph per window: warmed up (on a side stream, as capture requires)
+        and captured while every slot is free, replayed on the same buffers. The graphs share one memory
+        pool: they never run at once, and a step keeps nothing in the pool past its end."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._warm_up(slots)
+            self._warm_up(slots, windows)
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
+        pool, graphs = torch.cuda.graph_pool_handle(), {}
         try:
-            with torch.cuda.graph(graph):
-                self._step(slots)
+            for window in windows:
+                graphs[window] = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graphs[window], pool=pool):
+                    self._step(slots, window)
         except RuntimeError as e:
             raise RuntimeError(
                 f"capturing the decode step in a CUDA graph failed ({e}); generation.cuda_graph: false "
                 "runs it eagerly"
             ) from e
-        return graph.replay
+        return lambda window: graphs[window].replay()
 
     def _collect(
         self, slots: _Slots, finished: list[int], owner, requests, prepared
