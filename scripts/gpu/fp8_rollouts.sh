@@ -7,6 +7,7 @@
 # JOBS (default "repeats"), in the order given, job i on GPU i:
 #   repeats: Qwen-Image, 32 images, FP8 on every step packed compiled against the stock pipeline
 #            compiled, timed in turn three times (--interleave --repeats 3)
+#   repeats128: the same pair at the reference's 128 images, timed in turn twice (--repeats 2)
 #   qwen128: Qwen-Image at the reference's 128 images: bf16, FP8 on every step, FP8 on the untrained
 #            steps, all packed compiled, and the stock pipeline compiled
 #   sd35:    SD3.5-Medium at its recipe's 48 images per GPU, the same four
@@ -35,6 +36,7 @@ run_job() {  # JOB GPU
     local job=$1 gpu=$2 args
     case $job in
     repeats) read -r -a args <<<"--images 32 --cells 32:split:compiled:fp8 --stock-batch 32 --interleave --repeats 3" ;;
+    repeats128) read -r -a args <<<"--images 128 --cells 32:split:compiled:fp8 --stock-batch 32 --interleave --repeats 2" ;;
     qwen128) read -r -a args <<<"--images 128 $(four 32 :split)" ;;
     sd35) read -r -a args <<<"--model sd35 --images 48 $(four 32 '')" ;;
     wan) read -r -a args <<<"--model wan22_ti2v --images 16 $(four 16 :split)" ;;
