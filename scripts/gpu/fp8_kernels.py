@@ -3,7 +3,8 @@ quantisation against fp32 (within e4m3 rounding), the scaled matmul against the 
 operands (eager and compiled), against torchao's float8 dynamic row-wise linear where torchao is installed
 (the same math through a maintained library), and the time of one linear layer at Qwen-Image's block
 shapes in bf16 and in FP8 (compiled: the quantisation fused, as the rollout runs it), with and without
-fast accumulation (rollout.fp8_fast_accum).
+fast accumulation (rollout.fp8_fast_accum). `--row-sweep`: only which row counts the device's scaled
+matmul takes (raw, and through `fp8_linear`, eager and compiled, with and without fast accumulation).
 
     python -m scripts.gpu.fp8_kernels --out fp8_kernels.json
 """
@@ -18,6 +19,47 @@ import torch.nn.functional as F
 
 from omnirl import distributed as D
 from omnirl.rollout.fp8 import Float8Linear, dequantise, fp8_linear, quantise_rows
+
+# Row counts of Qwen-Image forwards: 1 and 2 rows of 1,030 tokens (1,024 image + the negative prompt's 6),
+# 32 of them, and counts around 16.
+SWEEP_ROWS = (1, 2, 15, 16, 17, 1030, 2060, 2064, 32960)
+
+
+def row_sweep(device) -> dict:
+    """For each row count: "ok" or the error's first line, per way of calling the FP8 GEMM."""
+    linear = torch.nn.Linear(3072, 12288, device=device, dtype=torch.bfloat16)
+    stand_in = Float8Linear(linear)
+    stand_in.load(linear)
+    compiled = torch.compile(fp8_linear, fullgraph=True, dynamic=False)
+    result: dict = {}
+    for m in SWEEP_ROWS:
+        x = torch.randn(m, 3072, device=device, dtype=torch.bfloat16)
+        w = (stand_in.weight_q, stand_in.weight_scale, stand_in.bias)
+        q, s = quantise_rows(x)
+        for name in ("raw", "raw_no_bias", "fp8_linear", "compiled"):
+            for fast in (False, True):
+                try:
+                    if name.startswith("raw"):
+                        bias = w[2] if name == "raw" else None
+                        torch._scaled_mm(
+                            q,
+                            w[0].t(),
+                            scale_a=s,
+                            scale_b=w[1],
+                            bias=bias,
+                            out_dtype=x.dtype,
+                            use_fast_accum=fast,
+                        )
+                    else:
+                        (fp8_linear if name == "fp8_linear" else compiled)(x, *w, fast_accum=fast)
+                    torch.cuda.synchronize(device)
+                    verdict = "ok"
+                except RuntimeError as e:
+                    verdict = str(e).splitlines()[0][:120]
+                result[f"{m} {name}{' fast' if fast else ''}"] = verdict
+                print(m, name, "fast" if fast else "exact", verdict, flush=True)
+    return result
+
 
 # Qwen-Image's block linears (hidden 3072, MLP 12288) at the reference's batch: 32 rows of 1,024 image tokens.
 SHAPES = {"attn qkv/out 3072x3072": (3072, 3072), "mlp up 3072->12288": (3072, 12288)}
@@ -60,10 +102,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=ROWS, help="activation rows of the timed layers")
     p.add_argument("--out", default="fp8_kernels.json")
+    p.add_argument("--row-sweep", action="store_true", help="only which row counts the GEMM takes")
     a = p.parse_args()
     device = D.local_device()
     D.check_fp8_matmul(device)
     out: dict = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__}
+    if a.row_sweep:
+        out["row_sweep"] = row_sweep(device)
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+        return
     torch.manual_seed(0)
 
     # Quantisation: within e4m3 rounding of fp32 (2^-4 relative; 2^-10 of the row's scale below normals).
