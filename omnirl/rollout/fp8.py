@@ -36,9 +36,6 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 # The smallest scale: an all-zero row (a padding row) quantises to zeros instead of dividing by zero.
 MIN_AMAX = 1e-12
-# cuBLASLt's FP8 GEMM takes every dimension in multiples of 16: other row counts (a batch of 2 Qwen-Image
-# rows of 1,030 tokens) fail in its heuristic (CUBLAS_STATUS_NOT_SUPPORTED), so rows are padded to this.
-GEMM_MULTIPLE = 16
 
 
 def quantise_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,10 +63,7 @@ def fp8_linear(
     sums in the tensor cores' own accumulator instead of promoting them to float32 at intervals (cuBLASLt's
     fast-accumulation mode on Hopper: faster, less exact over long rows; no effect on the CPU's emulation)."""
     shape = x.shape
-    rows = x.reshape(-1, shape[-1])
-    m = rows.shape[0]
-    pad = -m % GEMM_MULTIPLE  # zero rows, quantised to zeros (MIN_AMAX), their outputs dropped
-    q, scale = quantise_rows(nn.functional.pad(rows, (0, 0, 0, pad)) if pad else rows)  # [M', K], [M', 1]
+    q, scale = quantise_rows(x.reshape(-1, shape[-1]))  # [M, K], [M, 1]
     # mat2 column-major ([N, K] row-major, transposed), as the FP8 GEMM requires.
     y = torch._scaled_mm(
         q,
@@ -80,7 +74,7 @@ def fp8_linear(
         out_dtype=x.dtype,
         use_fast_accum=fast_accum,
     )
-    return (y[:m] if pad else y).reshape(*shape[:-1], weight_q.shape[0])
+    return y.reshape(*shape[:-1], weight_q.shape[0])
 
 
 class Float8Linear(nn.Module):
