@@ -357,6 +357,28 @@ def test_fast_accumulation_reaches_every_fp8_gemm(tiny_sd3, tmp_path, monkeypatc
     assert set(seen) == {setting is None}
 
 
+def test_a_refused_fp8_gemm_names_the_batch_and_the_way_out(tiny_sd3, tmp_path, monkeypatch):
+    """cuBLASLt refusing the FP8 GEMM of a batch (seen on an H200 for a compiled 2-request Qwen-Image batch)
+    stops the rollout with one line naming the batch's size and rollout.precision bf16; any other error
+    passes through as it is."""
+    cfg = tiny_cfg(tiny_sd3, tmp_path, "--rollout.precision", "fp8")
+    dist = D.init_distributed()
+    ops = DiffusionOps(cfg, get_adapter("sd3")(cfg, dist.device))
+    requests = ops.requests(load_prompts(cfg.data.train_path), 0, dist)[:2]
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(
+            "CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling `cublasLtMatmulAlgoGetHeuristic(`"
+        )
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    with pytest.raises(RuntimeError, match=r"^FP8 rollout: cuBLASLt refused an FP8 GEMM of a batch of 2 req"):
+        ops.engine.generate(requests)
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("other")))
+    with pytest.raises(RuntimeError, match="^other$"):
+        ops.engine.generate(requests)
+
+
 @pytest.mark.slow  # tiny models and their rollouts: more than a few seconds on 2 cores
 @pytest.mark.parametrize(
     "precision,level", [("fp8", "token"), ("fp8", "sequence"), ("bf16", "token"), ("fp8-untrained", "token")]

@@ -193,7 +193,17 @@ class DiffusionEngine:
             packed, batches, templates = self._plan(requests)
             for idx, batch in zip(packed, batches):
                 self.steps_switched = 0
-                trajs = self.adapter.rollout(batch + self.padding(batch))[: len(batch)]
+                rows = batch + self.padding(batch)
+                try:
+                    trajs = self.adapter.rollout(rows)[: len(batch)]
+                except RuntimeError as e:
+                    if self.fp8 is None or not self.use_fp8 or "CUBLAS_STATUS_NOT_SUPPORTED" not in str(e):
+                        raise
+                    # A known cuBLASLt refusal (docs/fp8_rollout.md): name the batch and the way out.
+                    raise RuntimeError(
+                        f"FP8 rollout: cuBLASLt refused an FP8 GEMM of a batch of {len(rows)} requests "
+                        f"({str(e).splitlines()[0][:80]}...); rollout.precision bf16 runs this recipe"
+                    ) from e
                 if self._per_step_fp8() and not self.steps_switched:
                     # its trained steps would have run in FP8, their log-probs taken for the trainer's
                     raise RuntimeError(
