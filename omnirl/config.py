@@ -172,8 +172,9 @@ class GenerationConfig:
     """Run the decoder layers compiled (torch.compile, inductor) in the native engine's decode steps:
     fewer, fused kernels per step (the CUDA graph then replays those). Compiled on the first rollout, and
     once more with the slot and KV sizes symbolic at the first step of another KV window or slot count;
-    the prefill and the trainer stay eager. rollout.backend vllm compiles its own. Off by default: on a MoE thinker the
-    compiled decode step is slower than the eager one replayed as a CUDA graph (benchmarks/RESULTS.md)."""
+    the prefill and the trainer stay eager. rollout.backend vllm compiles its own. Off by default: on a
+    MoE thinker the compiled decode step is slower than the eager one replayed as a CUDA graph
+    (benchmarks/RESULTS.md)."""
 
 
 @dataclass
