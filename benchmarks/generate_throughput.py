@@ -533,27 +533,24 @@ def run_load(args, adapter, cfg, device, methods, stops, engines, warmed: set, e
             r["vs_vllm_plain"] = r["tokens_per_s"] / base
 
 
+# Variants of the native engine whose samples are compared with `ours`'s: (report key, label). The CUDA graph
+# replays the eager step; the KV windows only narrow the attention's reads; fused compiled kernels round
+# differently, so some samples move.
+SAME_SAMPLES = {
+    "ours_eager": ("graph_vs_eager_identical_responses", "CUDA graph vs eager"),
+    "ours_one_window": ("windows_vs_one_window_identical_responses", "KV windows vs one window"),
+    "ours_compiled": ("compiled_vs_ours_identical_responses", "compiled vs not"),
+}
+
+
 def after_first_run(args, adapter, name, kept, entry, runs, requests, device, stats) -> None:
     """After a method's first timed run: compare samples, re-score log-probs, and the kernel table."""
     results = entry["results"]
-    if name == "ours_eager" and kept["ours"]:  # the CUDA-graph replay against the eager step: same samples?
-        same = sum(
-            torch.equal(a.response_ids, b.response_ids) for a, b in zip(kept["ours"], kept["ours_eager"])
-        )
-        entry["graph_vs_eager_identical_responses"] = f"{same}/{len(kept['ours'])}"
-        print(f"CUDA graph vs eager: {same}/{len(kept['ours'])} responses identical", flush=True)
-    if name == "ours_one_window" and kept["ours"]:  # narrower attention reads: the same samples?
-        same = sum(
-            torch.equal(a.response_ids, b.response_ids) for a, b in zip(kept["ours"], kept["ours_one_window"])
-        )
-        entry["windows_vs_one_window_identical_responses"] = f"{same}/{len(kept['ours'])}"
-        print(f"KV windows vs one window: {same}/{len(kept['ours'])} responses identical", flush=True)
-    if name == "ours_compiled" and kept["ours"]:  # fused kernels round differently: how many samples moved?
-        same = sum(
-            torch.equal(a.response_ids, b.response_ids) for a, b in zip(kept["ours"], kept["ours_compiled"])
-        )
-        entry["compiled_vs_ours_identical_responses"] = f"{same}/{len(kept['ours'])}"
-        print(f"compiled vs not: {same}/{len(kept['ours'])} responses identical", flush=True)
+    if name in SAME_SAMPLES and kept["ours"]:  # a variant of the native engine: the same samples?
+        key, label = SAME_SAMPLES[name]
+        same = sum(torch.equal(a.response_ids, b.response_ids) for a, b in zip(kept["ours"], kept[name]))
+        entry[key] = f"{same}/{len(kept['ours'])}"
+        print(f"{label}: {same}/{len(kept['ours'])} responses identical", flush=True)
     if args.check_logprobs and name in ("ours", "ours_compiled", "vllm", "vllm_unseeded"):
         key = {"ours": "logprob_check", "ours_compiled": "compiled_logprob_check"}.get(
             name, f"{name}_logprob_check"

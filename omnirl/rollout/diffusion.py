@@ -147,7 +147,7 @@ class DiffusionEngine:
         """What a rollout runs under: the compiled blocks swapped in, the weights gathered as
         distributed.rollout_gather says, and (rollout.precision fp8) the blocks' FP8 layers, quantised from
         the gathered weights."""
-        fp8 = self.fp8 if self.use_fp8 else None
+        fp8 = self._fp8_on()
         with (
             swapped(self.compiled),
             fsdp.gathered_weights(self.adapter.policy, per_unit=self.per_unit),
@@ -156,8 +156,12 @@ class DiffusionEngine:
         ):
             yield
 
+    def _fp8_on(self) -> Fp8Rollout | None:
+        """The FP8 layers when this call runs them (rollout.precision fp8, not turned off by `in_bf16`)."""
+        return self.fp8 if self.use_fp8 else None
+
     def _per_step_fp8(self) -> bool:
-        return self.fp8 is not None and self.use_fp8 and self.fp8_untrained_only
+        return self._fp8_on() is not None and self.fp8_untrained_only
 
     def _step_precision(self, trained: bool) -> None:
         """The step hook of FP8 on untrained steps: a step that trains a row runs the policy's own layers."""
@@ -197,7 +201,7 @@ class DiffusionEngine:
                 try:
                     trajs = self.adapter.rollout(rows)[: len(batch)]
                 except RuntimeError as e:
-                    if self.fp8 is None or not self.use_fp8 or "CUBLAS_STATUS_NOT_SUPPORTED" not in str(e):
+                    if self._fp8_on() is None or "CUBLAS_STATUS_NOT_SUPPORTED" not in str(e):
                         raise
                     # A known cuBLASLt refusal (docs/fp8_rollout.md): name the batch and the way out.
                     raise RuntimeError(

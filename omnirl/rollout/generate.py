@@ -149,11 +149,8 @@ class GenerationEngine:
         if kv_cache_gib is not None and kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib must be > 0 or None, got {kv_cache_gib}")
         self.adapter = adapter
-        self.max_num_seqs, self.max_prefill_tokens, self.kv_windows = (
-            max_num_seqs,
-            max_prefill_tokens,
-            kv_windows,
-        )
+        self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
+        self.kv_windows = kv_windows
         self.kv_cache_gib, self.kv_fraction, self.memory_budget = kv_cache_gib, kv_fraction, memory_budget
         self.kv_budget = 0.0  # bytes, set by each call
         self.device = adapter.device
@@ -191,7 +188,8 @@ class GenerationEngine:
             # Per slot, a bound on its cached tokens known without a device sync: its prompt plus the
             # decode steps since it was admitted (a finished row stops growing; the bound does not).
             bound = [0] * len(owner)
-            windows = self._windows(self._first(slots).keys.shape[2])
+            first: Any = slots.cache.layers[0]  # a _SlotLayer
+            windows = self._windows(first.keys.shape[2])
             stats["kv_windows"], columns = windows, 0
             start = time.perf_counter()
             # Warm-up steps while every slot is free, before any prefill, on the CPU too: the same order
@@ -348,16 +346,11 @@ class GenerationEngine:
         # The first token, drawn from the prompt's last hidden state, by the same bookkeeping as a step.
         self._record(slots, hidden[:, -1], index)
 
-    @staticmethod
-    def _first(slots: _Slots) -> _SlotLayer:
-        first: Any = slots.cache.layers[0]
-        return first
-
     def _windows(self, capacity: int) -> list[int]:
         """The KV windows a decode step attends to: `kv_windows` widths up to the slots' capacity, each a
-        multiple of WINDOW_COLUMNS, the last the whole capacity. A step runs
-        the narrowest that holds every busy slot's columns, so short rows do not pay for the longest
-        row's width (on CUDA one graph per window)."""
+        multiple of WINDOW_COLUMNS, the last the whole capacity. A step runs the narrowest that holds
+        every busy slot's columns, so short rows do not pay for the longest row's width (on CUDA one
+        graph per window)."""
         widths = {capacity}
         for k in range(1, self.kv_windows):
             columns = -(-capacity * k // self.kv_windows)
