@@ -81,6 +81,7 @@ def run_ours(
     stats: dict,
     compile: bool = False,
     windows: int = 4,
+    merge_lora: bool = False,
 ) -> int:
     engine = GenerationEngine(
         adapter,
@@ -89,6 +90,7 @@ def run_ours(
         cuda_graph=cuda_graph,
         compile=compile,
         kv_windows=windows,
+        merge_lora=merge_lora,
     )
     trajs = engine.generate(requests)
     keep[:] = trajs
@@ -312,11 +314,16 @@ def main() -> None:
         "(0 = text only; generate_batch takes no images and is then skipped)",
     )  # fmt: skip
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument(
+        "--lora-std", type=float, default=0.0, help="the LoRA's B weights drawn with this std (peft starts "
+        "them at 0: the LoRA's matmuls then run but add nothing, so a merged and an unmerged LoRA agree exactly)",
+    )  # fmt: skip
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--stop-frac", type=float, default=0.0, help="fraction of the vocabulary that stops")
     p.add_argument(
         "--methods", default="ours,ours_eager,generate,generate_batch", help="of ours, ours_eager, "
-        "ours_compiled (generation.compile: decoder layers compiled in the decode step), ours_one_window "
+        "ours_compiled (generation.compile: decoder layers compiled in the decode step), ours_merged "
+        "(generation.merge_lora: the LoRA merged into copies of its weights for the call), ours_one_window "
         "(generation.kv_windows 1: every step attends to the whole KV cache), vllm, "
         "vllm_unseeded, vllm_plain, vllm_plain_bias, vllm_plain_logprobs, vllm_plain_flat, vllm_plain_seeds, "
         "generate, generate_batch (vllm: the vLLM rollout backend, needs vllm installed; vllm_unseeded: the "
@@ -386,6 +393,12 @@ def run(args, tmp: str) -> None:
     # recipe with that dtype must (distributed.fsdp false).
     start = time.perf_counter()
     adapter = get_adapter("qwen3_omni_thinker")(cfg, device)
+    if args.lora_std:  # a trained adapter's path (peft starts B at 0, so the LoRA adds nothing to the numbers)
+        gen = torch.Generator(device).manual_seed(0)
+        with torch.no_grad():
+            for name, p in adapter.model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=gen, device=device) * args.lora_std)
     if args.dtype != "float16":
         cfg.distributed.param_dtype = args.dtype
         place_as_trainer(adapter.policy, adapter.fsdp_units(), cfg, None)
@@ -434,7 +447,7 @@ def write(report: dict) -> None:
 
 
 METHODS = (  # the order they run in; generate_batch switches the attention implementation: last
-    "ours", "ours_one_window", "ours_eager", "ours_compiled", "vllm", "vllm_unseeded", *PLAIN, "generate",
+    "ours", "ours_merged", "ours_one_window", "ours_eager", "ours_compiled", "vllm", "vllm_unseeded", *PLAIN, "generate",
     "generate_batch",
 )  # fmt: skip
 
@@ -444,7 +457,8 @@ def run_load(args, adapter, cfg, device, methods, stops, engines, warmed: set, e
     all_stops = set(stops) | set(adapter.eos_token_ids)
     requests = make_requests(args, stops)
     kept: dict[str, list] = {
-        m: [] for m in ("ours", "ours_one_window", "ours_eager", "ours_compiled", "vllm", "vllm_unseeded")
+        m: []
+        for m in ("ours", "ours_merged", "ours_one_window", "ours_eager", "ours_compiled", "vllm", "vllm_unseeded")
     }
     stats: dict = {}
     prompts: dict = {}
@@ -456,6 +470,9 @@ def run_load(args, adapter, cfg, device, methods, stops, engines, warmed: set, e
         }
     runs = {
         "ours": lambda reqs: run_ours(adapter, reqs, args, kept["ours"], True, stats),
+        "ours_merged": lambda reqs: run_ours(
+            adapter, reqs, args, kept["ours_merged"], True, stats, merge_lora=True
+        ),
         "ours_one_window": lambda reqs: run_ours(
             adapter, reqs, args, kept["ours_one_window"], True, stats, windows=1
         ),
@@ -537,6 +554,7 @@ def run_load(args, adapter, cfg, device, methods, stops, engines, warmed: set, e
 # replays the eager step; the KV windows only narrow the attention's reads; fused compiled kernels round
 # differently, so some samples move.
 SAME_SAMPLES = {
+    "ours_merged": ("merged_vs_ours_identical_responses", "merged LoRA vs not"),
     "ours_eager": ("graph_vs_eager_identical_responses", "CUDA graph vs eager"),
     "ours_one_window": ("windows_vs_one_window_identical_responses", "KV windows vs one window"),
     "ours_compiled": ("compiled_vs_ours_identical_responses", "compiled vs not"),
@@ -551,7 +569,7 @@ def after_first_run(args, adapter, name, kept, entry, runs, requests, device, st
         same = sum(torch.equal(a.response_ids, b.response_ids) for a, b in zip(kept["ours"], kept[name]))
         entry[key] = f"{same}/{len(kept['ours'])}"
         print(f"{label}: {same}/{len(kept['ours'])} responses identical", flush=True)
-    if args.check_logprobs and name in ("ours", "ours_compiled", "vllm", "vllm_unseeded"):
+    if args.check_logprobs and name in ("ours", "ours_merged", "ours_compiled", "vllm", "vllm_unseeded"):
         key = {"ours": "logprob_check", "ours_compiled": "compiled_logprob_check"}.get(
             name, f"{name}_logprob_check"
         )

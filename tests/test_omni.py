@@ -21,6 +21,7 @@ from omnirl.data.prompts import PromptRow
 from omnirl.models import get_adapter
 from omnirl.models.base import GenerationParams, Request
 from omnirl.models.lm import pad_responses
+from omnirl.models.peft_lora import lora_disabled
 from omnirl.recipe import config_from_dict
 from omnirl.rollout.generate import GenerationEngine, invert_cdf, sample
 
@@ -228,6 +229,40 @@ def test_kv_windows_attend_to_every_cached_column(omni, monkeypatch):
         assert (a.logprobs - b.logprobs).abs().max() <= 1e-5
     with pytest.raises(ValueError, match="kv_windows"):
         GenerationEngine(omni, max_num_seqs=3, kv_cache_gib=0.1, kv_windows=0)
+
+
+def test_merged_lora_rollout_is_the_unmerged_one(omni):
+    """generation.merge_lora: each LoRA linear runs as one GEMM on W + scale B A (peft's LoRA GEMMs never run)
+    and draws the unmerged engine's samples with its log-probs (fp32, within rounding), which are the
+    trainer's; the trainer's parameters are untouched and peft's forward is back after the call."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    reqs = requests(6, ["text", "image", "audio"], temperature=0.9)
+    reference = GenerationEngine(omni, max_num_seqs=3, kv_cache_gib=0.1).generate(reqs)
+    layers = [m for m in omni.model.modules() if isinstance(m, LoraLinear)]
+    assert len(layers) == 4 * omni.thinker.config.text_config.num_hidden_layers
+    before = [p.detach().clone() for p in omni.model.parameters()]
+    calls = []
+    hooks = [layer.lora_A["default"].register_forward_hook(lambda *a: calls.append(1)) for layer in layers]
+    try:
+        engine = GenerationEngine(omni, max_num_seqs=3, kv_cache_gib=0.1, merge_lora=True)
+        merged = engine.generate(reqs)
+        assert not calls  # no LoRA GEMM ran: every layer took its merged weight
+        assert engine.stats["lora_merged_gib"] > 0
+        assert all("forward" not in vars(layer) for layer in layers)
+        GenerationEngine(omni, max_num_seqs=3, kv_cache_gib=0.1).generate(reqs[:1])
+        assert calls  # and the unmerged engine runs peft's LoRA again
+    finally:
+        for h in hooks:
+            h.remove()
+    assert all(torch.equal(a, b) for a, b in zip(before, omni.model.parameters()))
+    for a, b in zip(reference, merged):
+        assert torch.equal(a.response_ids, b.response_ids)
+        assert (a.logprobs - b.logprobs).abs().max() <= 1e-5
+    assert_aligned(*recompute(omni, merged, 0.9), "merged LoRA")
+    with lora_disabled(omni.model):  # the LoRA matters in these numbers
+        base = GenerationEngine(omni, max_num_seqs=3, kv_cache_gib=0.1).generate(reqs)
+    assert any(not torch.equal(a.response_ids, b.response_ids) for a, b in zip(base, merged))
 
 
 def test_sample_does_not_depend_on_batch(omni):

@@ -1,18 +1,24 @@
 """The reference policy of a LoRA run: the same module with its peft LoRA layers switched off. Diffusion
 adapters (diffusers transformers, one or several experts) and omni adapters (transformers language models)
-both inject peft layers, so one switch serves every family; and the LoRA config as every export writes
+both inject peft layers, so one switch serves every family; the LoRA merged into copies of the weights it
+adapts, for a rollout (`lora_merged`) and for a vLLM push; and the LoRA config as every export writes
 it."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from typing import cast
 
+import torch
+import torch.nn.functional as F
 from peft import LoraConfig
+from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 @contextlib.contextmanager
@@ -49,6 +55,65 @@ def adapter_active(modules: list[nn.Module], name: str):
     finally:
         for layer, active in zip(layers, before):
             layer._active_adapter = active
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a (possibly FSDP2-sharded) parameter, detached (collective for a DTensor)."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+
+def mergeable(layer: nn.Module) -> bool:
+    """Whether `layer` is a peft LoRA linear layer whose output is exactly base(x) + sum scale B A x over
+    its active adapters, so one GEMM on W + sum scale B A computes it: plain LoRA (no DoRA or other
+    variant, no LoRA bias), dropout off (p 0 or eval mode), on, not merged already."""
+    if not isinstance(layer, LoraLinear) or layer.disable_adapters or layer.merged:
+        return False
+    active = [a for a in layer.active_adapters if a in layer.lora_A]
+    return bool(active) and all(
+        a not in layer.lora_variant
+        and not layer.lora_bias.get(a, False)
+        and (not layer.training or not isinstance(drop := layer.lora_dropout[a], nn.Dropout) or drop.p == 0)
+        for a in active
+    )
+
+
+def merged_weight(layer: LoraLinear) -> torch.Tensor:
+    """W + sum over the active adapters of scale B A, summed in float32 and rounded once to W's dtype, in a
+    new tensor where W is (a sharded parameter's full tensor: collective for a DTensor)."""
+    base = layer.get_base_layer()
+    w = _full(base.weight).to(torch.float32, copy=True)
+    for a in layer.active_adapters:
+        if a in layer.lora_A:
+            delta = _full(layer.lora_B[a].weight).float() @ _full(layer.lora_A[a].weight).float()
+            w += layer.scaling[a] * (delta.T if layer.fan_in_fan_out else delta)
+    return w.to(base.weight.dtype)
+
+
+def _merged_forward(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, *args, **kwargs):
+    return F.linear(x, weight, bias)
+
+
+@contextlib.contextmanager
+def lora_merged(model: nn.Module):
+    """Run every mergeable peft LoRA linear layer of `model` (`mergeable`) as one GEMM on a merged copy of
+    its weight (`merged_weight`), as a serving engine runs a LoRA, instead of peft's base GEMM plus the
+    adapter's two GEMMs, scaling and add; restored on exit. The trainer's parameters are not written: the
+    copies (the adapted weights' bytes once more) live until the exit. Take it after the weights are
+    where the forwards read them (inside `fsdp.gathered_weights`): the copies are of the weights then.
+    Yields the bytes of the copies."""
+    layers = [m for m in model.modules() if mergeable(m)]
+    total = 0
+    for layer in layers:
+        weight = merged_weight(layer)
+        bias = layer.get_base_layer().bias
+        total += weight.numel() * weight.element_size()
+        # An instance attribute shadows the class's forward until deleted (as omnirl.rollout.compiled).
+        layer.forward = functools.partial(_merged_forward, weight, None if bias is None else _full(bias))
+    try:
+        yield total
+    finally:
+        for layer in layers:
+            del layer.forward
 
 
 def sorted_sets(config):

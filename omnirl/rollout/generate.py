@@ -57,6 +57,7 @@ from omnirl.fsdp import fsdp_hooks_quiet, gathered_weights
 from omnirl.memory import GIB, free_bytes
 from omnirl.models.base import GenerationParams, OmniAdapter, OmniTrajectory, Request
 from omnirl.models.lm import output_logprobs
+from omnirl.models.peft_lora import lora_merged
 from omnirl.rollout.compiled import compile_forwards, swapped
 
 # Decode steps between two looks at which rows finished. Each look is a device->host sync that stalls the
@@ -139,6 +140,7 @@ class GenerationEngine:
         compile: bool = False,
         max_prefill_tokens: int = 16384,
         kv_windows: int = 4,
+        merge_lora: bool = False,
     ):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -155,6 +157,7 @@ class GenerationEngine:
         self.kv_budget = 0.0  # bytes, set by each call
         self.device = adapter.device
         self.per_unit = per_unit
+        self.merge_lora = merge_lora and not per_unit  # (per unit, the weights are not on the device)
         self.cuda_graph = cuda_graph and self.device.type == "cuda" and not per_unit
         self.placeholders = torch.tensor(adapter.placeholder_token_ids, device=self.device)  # [K]
         self.compiled = compile_forwards(adapter.decoder_layers(), dynamic=None) if compile else []
@@ -176,7 +179,9 @@ class GenerationEngine:
         # request's sample does not depend on which other requests share its steps.
         self._filtered = any(r.params.top_k > 0 or r.params.top_p < 1 for r in requests)
         stats = self.stats = {"decode_steps": 0, "prefills": 0, "prefill_tokens_max": 0, "capture_s": 0.0}
-        with gathered_weights(self.adapter.model, per_unit=self.per_unit):
+        merged = lora_merged(self.adapter.model) if self.merge_lora else contextlib.nullcontext(0)
+        with gathered_weights(self.adapter.model, per_unit=self.per_unit), merged as merged_bytes:
+            stats["lora_merged_gib"] = merged_bytes / GIB
             if self.kv_cache_gib is not None:
                 self.kv_budget = self.kv_cache_gib * GIB
             else:

@@ -57,6 +57,7 @@ from torch.distributed.tensor import DTensor
 
 from omnirl import distributed as D
 from omnirl.models.base import OmniAdapter, OmniTrajectory, Request
+from omnirl.models.peft_lora import merged_weight
 from omnirl.rollout import vllm_compat
 from omnirl.rollout.generate import _check_params
 
@@ -71,12 +72,6 @@ def _unwrap(t: torch.Tensor) -> torch.Tensor:
     if isinstance(t, DTensor):
         t = t.full_tensor()
     return t.detach().to("cpu", copy=True)
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """The full tensor of a (possibly FSDP-sharded) parameter where it lives, detached (collective for a
-    DTensor, as `_unwrap`); the caller copies before anything could write to it."""
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
 
 
 def kv_budget(cfg, device: torch.device) -> float:
@@ -308,12 +303,7 @@ class VLLMEngine:
         if self.mode == "merged" and not full:
             # Merged where the weights are (on the GPU: no round trip through the host), into a new tensor.
             for name, layer in self.lora_layers.items():
-                base = layer.get_base_layer()
-                w = _full(base.weight).to(torch.float32, copy=True)
-                for a in layer.active_adapters:
-                    lora_a, lora_b = _full(layer.lora_A[a].weight), _full(layer.lora_B[a].weight)
-                    w += layer.scaling[a] * (lora_b.float() @ lora_a.float())
-                yield f"{name}.weight", w.to(base.weight.dtype)
+                yield f"{name}.weight", merged_weight(layer)
             return
         merged = dict(self._weights(False)) if self.mode == "merged" else {}
         for name, p in hf.state_dict().items():
