@@ -315,8 +315,8 @@ def main() -> None:
     )  # fmt: skip
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument(
-        "--lora-std", type=float, default=0.0, help="the LoRA's B weights drawn with this std (peft starts "
-        "them at 0: the LoRA's matmuls then run but add nothing, so a merged and an unmerged LoRA agree exactly)",
+        "--lora-std", type=float, default=0.0, help="the LoRA's B weights drawn with this std (peft "
+        "starts them at 0: its matmuls then run but add nothing: merged and unmerged agree exactly)",
     )  # fmt: skip
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--stop-frac", type=float, default=0.0, help="fraction of the vocabulary that stops")
@@ -393,7 +393,7 @@ def run(args, tmp: str) -> None:
     # recipe with that dtype must (distributed.fsdp false).
     start = time.perf_counter()
     adapter = get_adapter("qwen3_omni_thinker")(cfg, device)
-    if args.lora_std:  # a trained adapter's path (peft starts B at 0, so the LoRA adds nothing to the numbers)
+    if args.lora_std:  # a trained adapter's numbers (peft starts B at 0: the LoRA adds nothing)
         gen = torch.Generator(device).manual_seed(0)
         with torch.no_grad():
             for name, p in adapter.model.named_parameters():
@@ -447,8 +447,8 @@ def write(report: dict) -> None:
 
 
 METHODS = (  # the order they run in; generate_batch switches the attention implementation: last
-    "ours", "ours_merged", "ours_one_window", "ours_eager", "ours_compiled", "vllm", "vllm_unseeded", *PLAIN, "generate",
-    "generate_batch",
+    "ours", "ours_merged", "ours_one_window", "ours_eager", "ours_compiled", "vllm", "vllm_unseeded", *PLAIN,
+    "generate", "generate_batch",
 )  # fmt: skip
 
 
@@ -456,10 +456,7 @@ def run_load(args, adapter, cfg, device, methods, stops, engines, warmed: set, e
     """Every method on one load (args.max_num_seqs, args.stop_frac), --repeats times, into `entry`."""
     all_stops = set(stops) | set(adapter.eos_token_ids)
     requests = make_requests(args, stops)
-    kept: dict[str, list] = {
-        m: []
-        for m in ("ours", "ours_merged", "ours_one_window", "ours_eager", "ours_compiled", "vllm", "vllm_unseeded")
-    }
+    kept: dict[str, list] = {m: [] for m in METHODS if m.startswith("ours") or m in ("vllm", "vllm_unseeded")}
     stats: dict = {}
     prompts: dict = {}
     if any(m in PLAIN for m in methods):  # plain vLLM's token prompts, made before any clock
