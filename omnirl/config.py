@@ -165,6 +165,13 @@ class GenerationConfig:
     widths of the KV cache (multiples of 64 columns, the widest the whole cache) that holds every busy
     slot's tokens, so while the rows are short the attention reads a fraction of the cache (one CUDA
     graph per window). 1 attends to the whole cache in every step."""
+    merge_lora: bool = False
+    """The native engine runs each LoRA linear of the rollout as one GEMM on a merged copy of its weight (W +
+    scale B A, summed in float32 once per rollout), as the vLLM backend pushes it, instead of the base GEMM
+    plus the adapter's two GEMMs, scaling and add per layer. The copies take the adapted weights' bytes
+    once more for the rollout (counted before the KV cache's share of the free memory); the trainer's
+    parameters are not written. Its samples and log-probs are the unmerged ones up to rounding (bf16:
+    W + scale B A rounds once). No effect with a full fine-tune or distributed.rollout_gather unit."""
     cuda_graph: bool = True
     """On CUDA, capture the decode step once per rollout as a CUDA graph and replay it (the step's
     kernels launched at once instead of one by one from Python); off runs it eagerly. No effect on CPU."""

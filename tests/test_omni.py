@@ -231,11 +231,13 @@ def test_kv_windows_attend_to_every_cached_column(omni, monkeypatch):
         GenerationEngine(omni, max_num_seqs=3, kv_cache_gib=0.1, kv_windows=0)
 
 
-def test_merged_lora_rollout_is_the_unmerged_one(omni):
+def test_merged_lora_rollout_is_the_unmerged_one(omni, monkeypatch):
     """generation.merge_lora: each LoRA linear runs as one GEMM on W + scale B A (peft's LoRA GEMMs never run)
     and draws the unmerged engine's samples with its log-probs (fp32, within rounding), which are the
     trainer's; the trainer's parameters are untouched and peft's forward is back after the call."""
     from peft.tuners.lora import Linear as LoraLinear
+
+    from omnirl.rollout import compiled
 
     reqs = requests(6, ["text", "image", "audio"], temperature=0.9)
     reference = GenerationEngine(omni, max_num_seqs=3, kv_cache_gib=0.1).generate(reqs)
@@ -263,6 +265,14 @@ def test_merged_lora_rollout_is_the_unmerged_one(omni):
     with lora_disabled(omni.model):  # the LoRA matters in these numbers
         base = GenerationEngine(omni, max_num_seqs=3, kv_cache_gib=0.1).generate(reqs)
     assert any(not torch.equal(a.response_ids, b.response_ids) for a, b in zip(base, merged))
+    # With generation.compile: each rollout's new merged weights recompile nothing (dynamo's guards hold
+    # each layer's forward object, which lives as long as the layer).
+    monkeypatch.setattr(compiled, "COMPILE_BACKEND", "eager")
+    both = GenerationEngine(omni, max_num_seqs=3, kv_cache_gib=0.1, merge_lora=True, compile=True)
+    both.generate(reqs[:3])
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        again = both.generate(reqs[:3])
+    assert [t.response_ids.tolist() for t in again] == [t.response_ids.tolist() for t in merged[:3]]
 
 
 def test_sample_does_not_depend_on_batch(omni):

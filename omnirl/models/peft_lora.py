@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 from typing import cast
 
 import torch
@@ -89,8 +88,17 @@ def merged_weight(layer: LoraLinear) -> torch.Tensor:
     return w.to(base.weight.dtype)
 
 
-def _merged_forward(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, *args, **kwargs):
-    return F.linear(x, weight, bias)
+class _MergedForward:
+    """A LoRA linear's forward on its merged weight. One object per layer for the layer's life, its tensors
+    replaced per rollout: a compiled caller's guards hold the object, so a new one would recompile."""
+
+    def __init__(self):
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        assert self.weight is not None  # set by lora_merged
+        return F.linear(x, self.weight, self.bias)
 
 
 @contextlib.contextmanager
@@ -104,16 +112,18 @@ def lora_merged(model: nn.Module):
     layers = [m for m in model.modules() if mergeable(m)]
     total = 0
     for layer in layers:
-        weight = merged_weight(layer)
+        forward = layer.__dict__.setdefault("_merged_forward", _MergedForward())
         bias = layer.get_base_layer().bias
-        total += weight.numel() * weight.element_size()
+        forward.weight, forward.bias = merged_weight(layer), None if bias is None else _full(bias)
+        total += forward.weight.numel() * forward.weight.element_size()
         # An instance attribute shadows the class's forward until deleted (as omnirl.rollout.compiled).
-        layer.forward = functools.partial(_merged_forward, weight, None if bias is None else _full(bias))
+        layer.forward = forward
     try:
         yield total
     finally:
         for layer in layers:
             del layer.forward
+            layer._merged_forward.weight = layer._merged_forward.bias = None
 
 
 def sorted_sets(config):
