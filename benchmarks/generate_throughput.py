@@ -82,6 +82,7 @@ def run_ours(
     compile: bool = False,
     windows: int = 4,
     merge_lora: bool = False,
+    compile_norms: bool = False,
 ) -> int:
     engine = GenerationEngine(
         adapter,
@@ -91,6 +92,7 @@ def run_ours(
         compile=compile,
         kv_windows=windows,
         merge_lora=merge_lora,
+        compile_norms=compile_norms,
     )
     trajs = engine.generate(requests)
     keep[:] = trajs
@@ -323,7 +325,9 @@ def main() -> None:
     p.add_argument(
         "--methods", default="ours,ours_eager,generate,generate_batch", help="of ours, ours_eager, "
         "ours_compiled (generation.compile: decoder layers compiled in the decode step), ours_merged "
-        "(generation.merge_lora: the LoRA merged into copies of its weights for the call), ours_one_window "
+        "(generation.merge_lora: the LoRA merged into copies of its weights for the call), ours_norms "
+        "(ours_merged with generation.compile_norms: the decode step's norms and routers compiled), "
+        "ours_one_window "
         "(generation.kv_windows 1: every step attends to the whole KV cache), vllm, "
         "vllm_unseeded, vllm_plain, vllm_plain_bias, vllm_plain_logprobs, vllm_plain_flat, vllm_plain_seeds, "
         "generate, generate_batch (vllm: the vLLM rollout backend, needs vllm installed; vllm_unseeded: the "
@@ -447,8 +451,8 @@ def write(report: dict) -> None:
 
 
 METHODS = (  # the order they run in; generate_batch switches the attention implementation: last
-    "ours", "ours_merged", "ours_one_window", "ours_eager", "ours_compiled", "vllm", "vllm_unseeded", *PLAIN,
-    "generate", "generate_batch",
+    "ours", "ours_merged", "ours_norms", "ours_one_window", "ours_eager", "ours_compiled", "vllm",
+    "vllm_unseeded", *PLAIN, "generate", "generate_batch",
 )  # fmt: skip
 
 
@@ -469,6 +473,9 @@ def run_load(args, adapter, cfg, device, methods, stops, engines, warmed: set, e
         "ours": lambda reqs: run_ours(adapter, reqs, args, kept["ours"], True, stats),
         "ours_merged": lambda reqs: run_ours(
             adapter, reqs, args, kept["ours_merged"], True, stats, merge_lora=True
+        ),
+        "ours_norms": lambda reqs: run_ours(
+            adapter, reqs, args, kept["ours_norms"], True, stats, merge_lora=True, compile_norms=True
         ),
         "ours_one_window": lambda reqs: run_ours(
             adapter, reqs, args, kept["ours_one_window"], True, stats, windows=1
@@ -494,11 +501,11 @@ def run_load(args, adapter, cfg, device, methods, stops, engines, warmed: set, e
             continue
         try:
             warm = requests[: args.warmup]
-            if name != "ours_compiled":  # (whose compiles need the timed run's shapes)
+            if name not in ("ours_compiled", "ours_norms"):  # (whose compiles need the timed run's shapes)
                 short = dataclasses.replace(warm[0].params, max_new_tokens=min(16, args.max_new_tokens))
                 warm = [dataclasses.replace(r, params=short) for r in warm]
             timed(runs[name], warm)
-            if args.warmup > 1 and name == "ours_compiled":  # other shapes: the dynamic compile, untimed
+            if args.warmup > 1 and name in ("ours_compiled", "ours_norms"):  # other shapes: dynamic compile
                 timed(runs[name], requests[: args.warmup // 2])
             cap_vllm(engines, args.max_num_seqs)  # an engine the warm-up created
             warmed.add(name)
@@ -552,6 +559,7 @@ def run_load(args, adapter, cfg, device, methods, stops, engines, warmed: set, e
 # differently, so some samples move.
 SAME_SAMPLES = {
     "ours_merged": ("merged_vs_ours_identical_responses", "merged LoRA vs not"),
+    "ours_norms": ("norms_vs_ours_identical_responses", "merged LoRA + compiled norms vs neither"),
     "ours_eager": ("graph_vs_eager_identical_responses", "CUDA graph vs eager"),
     "ours_one_window": ("windows_vs_one_window_identical_responses", "KV windows vs one window"),
     "ours_compiled": ("compiled_vs_ours_identical_responses", "compiled vs not"),
@@ -566,7 +574,14 @@ def after_first_run(args, adapter, name, kept, entry, runs, requests, device, st
         same = sum(torch.equal(a.response_ids, b.response_ids) for a, b in zip(kept["ours"], kept[name]))
         entry[key] = f"{same}/{len(kept['ours'])}"
         print(f"{label}: {same}/{len(kept['ours'])} responses identical", flush=True)
-    if args.check_logprobs and name in ("ours", "ours_merged", "ours_compiled", "vllm", "vllm_unseeded"):
+    if args.check_logprobs and name in (
+        "ours",
+        "ours_merged",
+        "ours_norms",
+        "ours_compiled",
+        "vllm",
+        "vllm_unseeded",
+    ):
         key = {"ours": "logprob_check", "ours_compiled": "compiled_logprob_check"}.get(
             name, f"{name}_logprob_check"
         )

@@ -98,6 +98,15 @@ class _SlotLayer(DynamicLayer):
         return self.window, 0
 
 
+# Modules of a decoder layer made only of element-wise work and reductions over one row (by class name, as
+# transformers names them): `compile_norms` fuses each into one or a few kernels.
+ELEMENTWISE_MODULES = ("RMSNorm", "TopKRouter")
+
+
+def _elementwise_modules(layers: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    return [m for layer in layers for m in layer.modules() if type(m).__name__.endswith(ELEMENTWISE_MODULES)]
+
+
 @dataclass
 class _Slots:
     """The device state of S slots; a free slot has `done` set. Every tensor keeps its storage for the whole
@@ -141,6 +150,7 @@ class GenerationEngine:
         max_prefill_tokens: int = 16384,
         kv_windows: int = 4,
         merge_lora: bool = False,
+        compile_norms: bool = False,
     ):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -160,7 +170,12 @@ class GenerationEngine:
         self.merge_lora = merge_lora and not per_unit  # (per unit, the weights are not on the device)
         self.cuda_graph = cuda_graph and self.device.type == "cuda" and not per_unit
         self.placeholders = torch.tensor(adapter.placeholder_token_ids, device=self.device)  # [K]
-        self.compiled = compile_forwards(adapter.decoder_layers(), dynamic=None) if compile else []
+        if compile:
+            self.compiled = compile_forwards(adapter.decoder_layers(), dynamic=None)
+        elif compile_norms:
+            self.compiled = compile_forwards(_elementwise_modules(adapter.decoder_layers()), dynamic=None)
+        else:
+            self.compiled = []
 
     @torch.no_grad()
     def generate(
