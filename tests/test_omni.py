@@ -231,6 +231,32 @@ def test_kv_windows_attend_to_every_cached_column(omni, monkeypatch):
         GenerationEngine(omni, max_num_seqs=3, kv_cache_gib=0.1, kv_windows=0)
 
 
+def test_compiled_norms_draw_the_eager_samples(omni, monkeypatch):
+    """compile_norms: only the decode step's norms and MoE routers run compiled (every one of them, in
+    every layer), the samples and log-probs are the eager engine's, and the modules are restored after."""
+    from torch._dynamo.utils import counters
+
+    from omnirl.rollout import compiled
+
+    monkeypatch.setattr(compiled, "COMPILE_BACKEND", "eager")
+    reqs = requests(5, ["text", "image"], temperature=0.8)
+    eager = GenerationEngine(omni, max_num_seqs=3, kv_cache_gib=0.1).generate(reqs)
+    engine = GenerationEngine(omni, max_num_seqs=3, kv_cache_gib=0.1, compile_norms=True)
+    modules = [m for m, _ in engine.compiled]
+    layers = omni.decoder_layers()
+    assert {type(m).__name__ for m in modules} == {
+        "Qwen3OmniMoeThinkerTextRMSNorm",
+        "Qwen3OmniMoeThinkerTextTopKRouter",
+    } and len(modules) == 5 * len(layers)  # 4 norms and the router per layer (every layer is MoE here)
+    start = counters["stats"]["unique_graphs"]
+    out = engine.generate(reqs)
+    assert counters["stats"]["unique_graphs"] > start
+    for a, b in zip(eager, out):
+        assert torch.equal(a.response_ids, b.response_ids)
+        assert (a.logprobs - b.logprobs).abs().max() <= 1e-6
+    assert all("forward" not in vars(m) for m in modules)
+
+
 def test_merged_lora_rollout_is_the_unmerged_one(omni, monkeypatch):
     """generation.merge_lora: each LoRA linear runs as one GEMM on W + scale B A (peft's LoRA GEMMs never run)
     and draws the unmerged engine's samples with its log-probs (fp32, within rounding), which are the
