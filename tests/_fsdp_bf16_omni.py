@@ -58,12 +58,18 @@ def main() -> None:
         for i in range(3)
     ]
     plain = rollout_and_score(build(sys.argv[1], info, fsdp=False), requests)
-    sharded = rollout_and_score(build(sys.argv[1], info, fsdp=True), requests)
+    sharded_adapter = build(sys.argv[1], info, fsdp=True)
+    sharded = rollout_and_score(sharded_adapter, requests)
+    # generation.merge_lora under FSDP2: the merge reads the gathered weights (B = 0: W + 0 is W exactly)
+    merged = GenerationEngine(sharded_adapter, 4, 0.25, merge_lora=True).generate(requests)
     (p_trajs, p_lp, mask, _, _), (s_trajs, s_lp, _, s_seen, s_pos) = plain, sharded
     assert max(len(t.prompt_ids) for t in p_trajs) > 600  # positions past 512: bf16 steps of 4
     for a, b in zip(p_trajs, s_trajs):
         assert torch.equal(a.response_ids, b.response_ids), "FSDP changed the rollout's samples"
         assert (a.logprobs - b.logprobs).abs().max() <= 1e-6, "FSDP changed the rollout's log-probs"
+    for a, b in zip(p_trajs, merged):
+        assert torch.equal(a.response_ids, b.response_ids), "a merged LoRA under FSDP changed the samples"
+        assert (a.logprobs - b.logprobs).abs().max() <= 1e-6, "a merged LoRA under FSDP changed the log-probs"
     assert (p_lp[mask] - s_lp[mask]).abs().max() <= 1e-6, "FSDP changed the trainer's log-probs"
     assert s_seen.dtype == torch.float32 and torch.equal(s_seen[:, :, : s_pos.shape[2]], s_pos), (
         "the rotary embedding did not get the exact M-RoPE positions"
