@@ -31,7 +31,7 @@ from omnirl.models import get_adapter
 from omnirl.models.base import GenerationParams, Request
 from omnirl.models.lm import pad_responses
 from omnirl.models.random_init import write_random_thinker
-from omnirl.rollout.generate import GenerationEngine
+from omnirl.rollout.generate import ELEMENTWISE_MODULES, GenerationEngine
 
 # The arguments that shape --random-init's thinker (omnirl.models.random_init.write_random_thinker).
 THINKER_SHAPE = (
@@ -82,7 +82,7 @@ def run_ours(
     compile: bool = False,
     windows: int = 4,
     merge_lora: bool = False,
-    compile_norms: bool = False,
+    compile_modules: tuple[str, ...] = (),
 ) -> int:
     engine = GenerationEngine(
         adapter,
@@ -92,7 +92,7 @@ def run_ours(
         compile=compile,
         kv_windows=windows,
         merge_lora=merge_lora,
-        compile_norms=compile_norms,
+        compile_modules=compile_modules,
     )
     trajs = engine.generate(requests)
     keep[:] = trajs
@@ -326,7 +326,8 @@ def main() -> None:
         "--methods", default="ours,ours_eager,generate,generate_batch", help="of ours, ours_eager, "
         "ours_compiled (generation.compile: decoder layers compiled in the decode step), ours_merged "
         "(generation.merge_lora: the LoRA merged into copies of its weights for the call), ours_norms "
-        "(ours_merged with generation.compile_norms: the decode step's norms and routers compiled), "
+        "(ours_merged with the decode step's norms and routers compiled), ours_moe (ours_norms with the "
+        "whole MoE block compiled: routing, dispatch, activations, combine; the grouped GEMMs stay aten's), "
         "ours_one_window "
         "(generation.kv_windows 1: every step attends to the whole KV cache), vllm, "
         "vllm_unseeded, vllm_plain, vllm_plain_bias, vllm_plain_logprobs, vllm_plain_flat, vllm_plain_seeds, "
@@ -445,13 +446,19 @@ def run(args, tmp: str) -> None:
     print(f"wrote {args.out}")
 
 
+# Compiled parts of the decode step (class-name ends, omnirl.rollout.generate): the norms and routers, or
+# those with the whole MoE block (whose grouped GEMMs inductor leaves to aten without max-autotune).
+MOE_MODULES = (*ELEMENTWISE_MODULES, "SparseMoeBlock")
+COMPILED = ("ours_compiled", "ours_norms", "ours_moe")
+
+
 def write(report: dict) -> None:
     """The report so far (after each method: a later one may hang)."""
     Path(report["args"]["out"]).write_text(json.dumps(report, indent=2) + "\n")
 
 
 METHODS = (  # the order they run in; generate_batch switches the attention implementation: last
-    "ours", "ours_merged", "ours_norms", "ours_one_window", "ours_eager", "ours_compiled", "vllm",
+    "ours", "ours_merged", "ours_norms", "ours_moe", "ours_one_window", "ours_eager", "ours_compiled", "vllm",
     "vllm_unseeded", *PLAIN, "generate", "generate_batch",
 )  # fmt: skip
 
@@ -475,7 +482,17 @@ def run_load(args, adapter, cfg, device, methods, stops, engines, warmed: set, e
             adapter, reqs, args, kept["ours_merged"], True, stats, merge_lora=True
         ),
         "ours_norms": lambda reqs: run_ours(
-            adapter, reqs, args, kept["ours_norms"], True, stats, merge_lora=True, compile_norms=True
+            adapter,
+            reqs,
+            args,
+            kept["ours_norms"],
+            True,
+            stats,
+            merge_lora=True,
+            compile_modules=ELEMENTWISE_MODULES,
+        ),
+        "ours_moe": lambda reqs: run_ours(
+            adapter, reqs, args, kept["ours_moe"], True, stats, merge_lora=True, compile_modules=MOE_MODULES
         ),
         "ours_one_window": lambda reqs: run_ours(
             adapter, reqs, args, kept["ours_one_window"], True, stats, windows=1
@@ -501,11 +518,11 @@ def run_load(args, adapter, cfg, device, methods, stops, engines, warmed: set, e
             continue
         try:
             warm = requests[: args.warmup]
-            if name not in ("ours_compiled", "ours_norms"):  # (whose compiles need the timed run's shapes)
+            if name not in COMPILED:  # (whose compiles need the timed run's shapes)
                 short = dataclasses.replace(warm[0].params, max_new_tokens=min(16, args.max_new_tokens))
                 warm = [dataclasses.replace(r, params=short) for r in warm]
             timed(runs[name], warm)
-            if args.warmup > 1 and name in ("ours_compiled", "ours_norms"):  # other shapes: dynamic compile
+            if args.warmup > 1 and name in COMPILED:  # other shapes: the dynamic compile, untimed
                 timed(runs[name], requests[: args.warmup // 2])
             cap_vllm(engines, args.max_num_seqs)  # an engine the warm-up created
             warmed.add(name)
@@ -560,6 +577,7 @@ def run_load(args, adapter, cfg, device, methods, stops, engines, warmed: set, e
 SAME_SAMPLES = {
     "ours_merged": ("merged_vs_ours_identical_responses", "merged LoRA vs not"),
     "ours_norms": ("norms_vs_ours_identical_responses", "merged LoRA + compiled norms vs neither"),
+    "ours_moe": ("moe_vs_ours_identical_responses", "merged LoRA + compiled norms and MoE vs neither"),
     "ours_eager": ("graph_vs_eager_identical_responses", "CUDA graph vs eager"),
     "ours_one_window": ("windows_vs_one_window_identical_responses", "KV windows vs one window"),
     "ours_compiled": ("compiled_vs_ours_identical_responses", "compiled vs not"),
@@ -578,6 +596,7 @@ def after_first_run(args, adapter, name, kept, entry, runs, requests, device, st
         "ours",
         "ours_merged",
         "ours_norms",
+        "ours_moe",
         "ours_compiled",
         "vllm",
         "vllm_unseeded",

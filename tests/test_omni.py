@@ -23,7 +23,7 @@ from omnirl.models.base import GenerationParams, Request
 from omnirl.models.lm import pad_responses
 from omnirl.models.peft_lora import lora_disabled
 from omnirl.recipe import config_from_dict
-from omnirl.rollout.generate import GenerationEngine, invert_cdf, sample
+from omnirl.rollout.generate import ELEMENTWISE_MODULES, GenerationEngine, invert_cdf, sample
 
 DEVICE = torch.device("cpu")
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -232,8 +232,9 @@ def test_kv_windows_attend_to_every_cached_column(omni, monkeypatch):
 
 
 def test_compiled_norms_draw_the_eager_samples(omni, monkeypatch):
-    """compile_norms: only the decode step's norms and MoE routers run compiled (every one of them, in
-    every layer), the samples and log-probs are the eager engine's, and the modules are restored after."""
+    """compile_modules RMSNorm, TopKRouter: only the decode step's norms and MoE routers run compiled (each
+    of them, in every layer), the samples and log-probs are the eager engine's, and the modules are restored
+    after."""
     from torch._dynamo.utils import counters
 
     from omnirl.rollout import compiled
@@ -241,7 +242,7 @@ def test_compiled_norms_draw_the_eager_samples(omni, monkeypatch):
     monkeypatch.setattr(compiled, "COMPILE_BACKEND", "eager")
     reqs = requests(5, ["text", "image"], temperature=0.8)
     eager = GenerationEngine(omni, max_num_seqs=3, kv_cache_gib=0.1).generate(reqs)
-    engine = GenerationEngine(omni, max_num_seqs=3, kv_cache_gib=0.1, compile_norms=True)
+    engine = GenerationEngine(omni, max_num_seqs=3, kv_cache_gib=0.1, compile_modules=ELEMENTWISE_MODULES)
     modules = [m for m, _ in engine.compiled]
     layers = omni.decoder_layers()
     assert {type(m).__name__ for m in modules} == {

@@ -98,13 +98,22 @@ class _SlotLayer(DynamicLayer):
         return self.window, 0
 
 
-# Modules of a decoder layer made only of element-wise work and reductions over one row (by class name, as
-# transformers names them): `compile_norms` fuses each into one or a few kernels.
+# Modules of a decoder layer made only of element-wise work and reductions over one row (by the ends of their
+# class names, as transformers names them): compiled (`compile_modules`), each fuses into a kernel or two.
 ELEMENTWISE_MODULES = ("RMSNorm", "TopKRouter")
 
 
-def _elementwise_modules(layers: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    return [m for layer in layers for m in layer.modules() if type(m).__name__.endswith(ELEMENTWISE_MODULES)]
+def _modules_named(layers: list[torch.nn.Module], suffixes: tuple[str, ...]) -> list[torch.nn.Module]:
+    """The modules of `layers` whose class names end with one of `suffixes`, outermost first: a module
+    inside one already taken is left to its parent's compile."""
+    found: list[torch.nn.Module] = []
+    for layer in layers:
+        inner: set[int] = set()
+        for m in layer.modules():
+            if id(m) not in inner and type(m).__name__.endswith(suffixes):
+                found.append(m)
+                inner.update(id(c) for c in m.modules())
+    return found
 
 
 @dataclass
@@ -150,7 +159,7 @@ class GenerationEngine:
         max_prefill_tokens: int = 16384,
         kv_windows: int = 4,
         merge_lora: bool = False,
-        compile_norms: bool = False,
+        compile_modules: tuple[str, ...] = (),
     ):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -172,8 +181,8 @@ class GenerationEngine:
         self.placeholders = torch.tensor(adapter.placeholder_token_ids, device=self.device)  # [K]
         if compile:
             self.compiled = compile_forwards(adapter.decoder_layers(), dynamic=None)
-        elif compile_norms:
-            self.compiled = compile_forwards(_elementwise_modules(adapter.decoder_layers()), dynamic=None)
+        elif compile_modules:
+            self.compiled = compile_forwards(_modules_named(adapter.decoder_layers(), compile_modules), None)
         else:
             self.compiled = []
 
