@@ -175,6 +175,12 @@ class GenerationConfig:
     cuda_graph: bool = True
     """On CUDA, capture the decode step once per rollout as a CUDA graph and replay it (the step's
     kernels launched at once instead of one by one from Python); off runs it eagerly. No effect on CPU."""
+    compile_modules: list[str] = field(default_factory=list)
+    """Parts of the decoder layers the native engine's decode step runs compiled (torch.compile, inductor):
+    the modules whose class names end with one of these, e.g. [RMSNorm, TopKRouter] (the norms and the MoE
+    router: element-wise work, ~7 kernels each per step, fused into one or two) or SparseMoeBlock (the
+    whole MoE block; its grouped GEMMs stay aten's). [] compiles none; generation.compile compiles whole
+    layers instead. Compiled on the first rollout (and once more, sizes symbolic, at other shapes)."""
     compile: bool = False
     """Run the decoder layers compiled (torch.compile, inductor) in the native engine's decode steps:
     fewer, fused kernels per step (the CUDA graph then replays those). Compiled on the first rollout, and

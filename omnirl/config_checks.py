@@ -123,6 +123,13 @@ def check_values(cfg: Config) -> None:
     for name, weight in cfg.reward.weights.items():
         if not math.isfinite(weight):
             raise bad(f"reward.weights.{name}", weight, "a finite number")
+    if cfg.generation.compile and cfg.generation.compile_modules:
+        raise ConfigError(
+            "generation.compile compiles whole decoder layers and generation.compile_modules "
+            f"{cfg.generation.compile_modules} parts of them: set one"
+        )
+    if any(not name for name in cfg.generation.compile_modules):
+        raise bad("generation.compile_modules", cfg.generation.compile_modules, "non-empty class-name ends")
     kv = cfg.generation.kv_cache_gib
     if kv is not None and not POSITIVE[0](kv):
         raise bad("generation.kv_cache_gib", kv, "a finite number > 0, or null (sized from free memory)")
@@ -203,10 +210,10 @@ def _check_vllm(cfg: Config, adapter: type) -> None:
             f"rollout.backend vllm runs autoregressive (omni) adapters; model.adapter {cfg.model.adapter!r} "
             "is a diffusion adapter (rollout.backend native)"
         )
-    if cfg.generation.compile:
+    if cfg.generation.compile or cfg.generation.compile_modules:
         raise ConfigError(
-            "generation.compile compiles the native engine's decode step; rollout.backend vllm compiles its "
-            "own (generation.cuda_graph false makes it eager): leave generation.compile false"
+            "generation.compile / compile_modules compile the native engine's decode step; rollout.backend "
+            "vllm compiles its own (generation.cuda_graph false makes it eager): leave them off"
         )
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError(

@@ -213,6 +213,14 @@ IMPOSSIBLE = {
         ["--generation.kv_cache_gib", "0"],
         "generation.kv_cache_gib must be a finite number > 0",
     ),
+    "no KV window": (
+        ["--generation.kv_windows", "0"],
+        "generation.kv_windows must be an integer >= 1, got 0",
+    ),
+    "whole layers and parts compiled": (
+        ["--generation.compile", "true", "--generation.compile_modules", "RMSNorm"],
+        "generation.compile compiles whole decoder layers and generation.compile_modules ['RMSNorm'] parts",
+    ),
     "negative KL": (["--algo.kl_beta", "-0.1"], "algo.kl_beta must be a finite number >= 0, got -0.1"),
     "adv_clip 0": (
         ["--algo.adv_clip", "0"],

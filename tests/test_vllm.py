@@ -51,10 +51,11 @@ def test_vllm_backend_refuses_a_diffusion_adapter(tiny_sd3):
         check_values(cfg)
 
 
-def test_vllm_backend_refuses_the_native_engines_compile(tmp_path):
+@pytest.mark.parametrize("setting", ["compile", "compile_modules"])
+def test_vllm_backend_refuses_the_native_engines_compile(tmp_path, setting):
     cfg = omni_config(tmp_path)
-    cfg.generation.compile = True
-    with pytest.raises(ConfigError, match="generation.compile compiles the native engine's decode step"):
+    setattr(cfg.generation, setting, True if setting == "compile" else ["RMSNorm"])
+    with pytest.raises(ConfigError, match="compile the native engine's decode step"):
         check_values(cfg)
 
 

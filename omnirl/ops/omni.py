@@ -107,6 +107,7 @@ class OmniOps:
                 max_prefill_tokens=g.max_prefill_tokens,
                 kv_windows=g.kv_windows,
                 merge_lora=g.merge_lora,
+                compile_modules=tuple(g.compile_modules),
             )
             self.sleepable = None  # the native engine runs on the actor's own module: nothing of its own
         self.correct = cfg.algo.old_logprob == "recompute" and cfg.algo.correction != "none"
