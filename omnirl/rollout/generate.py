@@ -143,7 +143,9 @@ class GenerationEngine:
     slots) once per `generate` call and replay it; the step's eager version runs elsewhere and is what
     the graph records, so the two give the same tokens. `compile`: the decoder layers (`adapter.
     decoder_layers()`) compiled for the decode step, in the first call's warm-up (and again, shapes
-    symbolic, in the first call of other shapes). `stats` describes the last call (slots, decode steps,
+    symbolic, in the first call of other shapes); `compile_modules`: only their modules whose class names
+    end with one of these. `merge_lora`: each call runs the LoRA linears on merged copies of their weights
+    (`omnirl.models.peft_lora.lora_merged`). `stats` describes the last call (slots, decode steps,
     prefills and the largest prefill group's padded tokens, capture seconds, compile included)."""
 
     def __init__(
