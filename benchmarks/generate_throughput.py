@@ -83,6 +83,7 @@ def run_ours(
     windows: int = 4,
     merge_lora: bool = False,
     compile_modules: tuple[str, ...] = (),
+    narrow: bool = False,
 ) -> int:
     engine = GenerationEngine(
         adapter,
@@ -93,6 +94,7 @@ def run_ours(
         kv_windows=windows,
         merge_lora=merge_lora,
         compile_modules=compile_modules,
+        narrow_expert_ids=narrow,
     )
     trajs = engine.generate(requests)
     keep[:] = trajs
@@ -449,7 +451,7 @@ def run(args, tmp: str) -> None:
 # Compiled parts of the decode step (class-name ends, omnirl.rollout.generate): the norms and routers, or
 # those with the whole MoE block (whose grouped GEMMs inductor leaves to aten without max-autotune).
 MOE_MODULES = (*ELEMENTWISE_MODULES, "SparseMoeBlock")
-COMPILED = ("ours_compiled", "ours_norms", "ours_moe")
+COMPILED = ("ours_compiled", "ours_norms", "ours_u8", "ours_moe")
 
 
 def write(report: dict) -> None:
@@ -458,8 +460,8 @@ def write(report: dict) -> None:
 
 
 METHODS = (  # the order they run in; generate_batch switches the attention implementation: last
-    "ours", "ours_merged", "ours_norms", "ours_moe", "ours_one_window", "ours_eager", "ours_compiled", "vllm",
-    "vllm_unseeded", *PLAIN, "generate", "generate_batch",
+    "ours", "ours_merged", "ours_norms", "ours_u8", "ours_moe", "ours_one_window", "ours_eager",
+    "ours_compiled", "vllm", "vllm_unseeded", *PLAIN, "generate", "generate_batch",
 )  # fmt: skip
 
 
@@ -491,6 +493,17 @@ def run_load(args, adapter, cfg, device, methods, stops, engines, warmed: set, e
             merge_lora=True,
             compile_modules=ELEMENTWISE_MODULES,
         ),
+        "ours_u8": lambda reqs: run_ours(
+            adapter,
+            reqs,
+            args,
+            kept["ours_u8"],
+            True,
+            stats,
+            merge_lora=True,
+            compile_modules=ELEMENTWISE_MODULES,
+            narrow=True,
+        ),  # fmt: skip
         "ours_moe": lambda reqs: run_ours(
             adapter, reqs, args, kept["ours_moe"], True, stats, merge_lora=True, compile_modules=MOE_MODULES
         ),
@@ -577,6 +590,7 @@ def run_load(args, adapter, cfg, device, methods, stops, engines, warmed: set, e
 SAME_SAMPLES = {
     "ours_merged": ("merged_vs_ours_identical_responses", "merged LoRA vs not"),
     "ours_norms": ("norms_vs_ours_identical_responses", "merged LoRA + compiled norms vs neither"),
+    "ours_u8": ("u8_vs_ours_identical_responses", "ours_norms with uint8 expert ids vs ours"),
     "ours_moe": ("moe_vs_ours_identical_responses", "merged LoRA + compiled norms and MoE vs neither"),
     "ours_eager": ("graph_vs_eager_identical_responses", "CUDA graph vs eager"),
     "ours_one_window": ("windows_vs_one_window_identical_responses", "KV windows vs one window"),

@@ -258,6 +258,30 @@ def test_compiled_norms_draw_the_eager_samples(omni, monkeypatch):
     assert all("forward" not in vars(m) for m in modules)
 
 
+def test_uint8_expert_ids_draw_the_same_samples(omni, monkeypatch):
+    """narrow_expert_ids: the decode step's grouped-GEMM experts get their top-k ids as uint8 (the dispatch
+    sorts them: fewer radix passes), every MoE layer's, and the samples and log-probs stay the same."""
+    reqs = requests(5, ["text", "image"], temperature=0.8)
+    reference = GenerationEngine(omni, max_num_seqs=3, kv_cache_gib=0.1).generate(reqs)
+    engine = GenerationEngine(omni, max_num_seqs=3, kv_cache_gib=0.1, narrow_expert_ids=True)
+    experts = [m for m, _ in engine.narrowed]
+    assert len(experts) == len(omni.decoder_layers())  # every layer is MoE in the tiny thinker
+    seen, sort = [], torch.sort
+
+    def recorded(keys, *args, **kwargs):
+        seen.append(keys.dtype)
+        return sort(keys, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "sort", recorded)  # what the dispatch sorts
+    out = engine.generate(reqs)
+    monkeypatch.undo()
+    assert torch.uint8 in seen and torch.int64 in seen  # the decode step's, and the prefill's ids
+    for a, b in zip(reference, out):
+        assert torch.equal(a.response_ids, b.response_ids)
+        assert (a.logprobs - b.logprobs).abs().max() <= 1e-6
+    assert all("forward" not in vars(m) for m in experts)
+
+
 def test_merged_lora_rollout_is_the_unmerged_one(omni, monkeypatch):
     """generation.merge_lora: each LoRA linear runs as one GEMM on W + scale B A (peft's LoRA GEMMs never run)
     and draws the unmerged engine's samples with its log-probs (fp32, within rounding), which are the

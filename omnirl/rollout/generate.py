@@ -116,6 +116,32 @@ def _modules_named(layers: list[torch.nn.Module], suffixes: tuple[str, ...]) -> 
     return found
 
 
+class _NarrowIdsForward:
+    """A grouped-GEMM MoE experts module's forward with its top-k expert ids as uint8: its dispatch sorts
+    the ids (a radix sort over every bit of their dtype), 2 radix passes in place of int64's 16. One
+    object per module for its life (a compiled caller's guards hold it)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.forward = type(module).forward.__get__(module)
+
+    def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        return self.forward(hidden, top_k_index.to(torch.uint8), top_k_weights)
+
+
+def _narrowable_experts(layers: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """transformers' MoE experts modules that run its grouped_mm implementation, have at most 256 experts,
+    no biases (whose rows the ids index) and no expert parallelism: their ids may be uint8."""
+    return [
+        m
+        for layer in layers
+        for m in layer.modules()
+        if getattr(getattr(m, "config", None), "_experts_implementation", None) == "grouped_mm"
+        and getattr(m, "num_experts", 257) <= 256
+        and getattr(m, "has_bias", True) is False
+        and getattr(m, "_is_expert_parallel", True) is False
+    ]
+
+
 @dataclass
 class _Slots:
     """The device state of S slots; a free slot has `done` set. Every tensor keeps its storage for the whole
@@ -162,6 +188,7 @@ class GenerationEngine:
         kv_windows: int = 4,
         merge_lora: bool = False,
         compile_modules: tuple[str, ...] = (),
+        narrow_expert_ids: bool = False,
     ):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -187,6 +214,11 @@ class GenerationEngine:
             self.compiled = compile_forwards(_modules_named(adapter.decoder_layers(), compile_modules), None)
         else:
             self.compiled = []
+        compiled = {id(m) for m, _ in self.compiled}
+        self.narrowed = []  # (experts module, its forward on uint8 ids) for the decode step
+        for m in _narrowable_experts(adapter.decoder_layers()) if narrow_expert_ids else []:
+            if id(m) not in compiled:
+                self.narrowed.append((m, m.__dict__.setdefault("_narrow_ids_forward", _NarrowIdsForward(m))))
 
     @torch.no_grad()
     def generate(
@@ -403,7 +435,7 @@ class GenerationEngine:
         # root forward, a child unit's hook would make itself the root of a forward (stream waits, which
         # break a graph capture; and, as the first forward of a run, a lazy init FSDP then refuses).
         quiet = contextlib.nullcontext() if self.per_unit else fsdp_hooks_quiet(self.adapter.model)
-        with quiet, swapped(self.compiled):
+        with quiet, swapped(self.narrowed), swapped(self.compiled):
             hidden = self.adapter.model(
                 input_ids=slots.last[:, None],
                 attention_mask=mask,
