@@ -171,23 +171,27 @@ class GenerationConfig:
     plus the adapter's two GEMMs, scaling and add per layer. The copies take the adapted weights' bytes
     once more for the rollout (counted before the KV cache's share of the free memory); the trainer's
     parameters are not written. Its samples and log-probs are the unmerged ones up to rounding (bf16:
-    W + scale B A rounds once). No effect with a full fine-tune or distributed.rollout_gather unit."""
+    W + scale B A rounds once: on a bf16 thinker the mean |rollout - trainer| log-prob rose from 0.024 to
+    0.037), so keep it off where the rollout's log-probs are the old ones (algo.old_logprob rollout). No
+    effect with a full fine-tune or distributed.rollout_gather unit."""
     cuda_graph: bool = True
     """On CUDA, capture the decode step once per rollout as a CUDA graph and replay it (the step's
     kernels launched at once instead of one by one from Python); off runs it eagerly. No effect on CPU."""
     compile_modules: list[str] = field(default_factory=list)
     """Parts of the decoder layers the native engine's decode step runs compiled (torch.compile, inductor):
     the modules whose class names end with one of these, e.g. [RMSNorm, TopKRouter] (the norms and the MoE
-    router: element-wise work, ~7 kernels each per step, fused into one or two) or SparseMoeBlock (the
-    whole MoE block; its grouped GEMMs stay aten's). [] compiles none; generation.compile compiles whole
-    layers instead. Compiled on the first rollout (and once more, sizes symbolic, at other shapes)."""
+    router: element-wise work, ~7 kernels each per step, fused into one or two; the mmk12 recipe's) or
+    SparseMoeBlock (the whole MoE block, measured slower: its fused combine kernel is). [] compiles none;
+    generation.compile compiles whole layers instead. Compiled on the first rollout (and once more, sizes
+    symbolic, at other shapes); measured in benchmarks/results/omni_native_decode_parts.md."""
     compile: bool = False
     """Run the decoder layers compiled (torch.compile, inductor) in the native engine's decode steps:
     fewer, fused kernels per step (the CUDA graph then replays those). Compiled on the first rollout, and
     once more with the slot and KV sizes symbolic at the first step of another KV window or slot count;
     the prefill and the trainer stay eager. rollout.backend vllm compiles its own. Off by default: on a
-    MoE thinker the compiled decode step is slower than the eager one replayed as a CUDA graph
-    (benchmarks/RESULTS.md)."""
+    MoE thinker the compiled decode step is 2x slower than the eager one replayed as a CUDA graph (inductor
+    copies each layer's KV window expanded to every query head; benchmarks/RESULTS.md):
+    generation.compile_modules compiles the parts that pay."""
 
 
 @dataclass
