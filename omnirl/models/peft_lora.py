@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -76,9 +76,10 @@ def mergeable(layer: nn.Module) -> bool:
     )
 
 
-def merged_weight(layer: LoraLinear) -> torch.Tensor:
-    """W + sum over the active adapters of scale B A, summed in float32 and rounded once to W's dtype, in a
-    new tensor where W is (a sharded parameter's full tensor: collective for a DTensor)."""
+def merged_weight(layer: Any) -> torch.Tensor:
+    """W + sum over the active adapters of scale B A of a peft LoRA linear layer, summed in float32 and
+    rounded once to W's dtype, in a new tensor where W is (a sharded parameter's full tensor: collective
+    for a DTensor)."""
     base = layer.get_base_layer()
     w = _full(base.weight).to(torch.float32, copy=True)
     for a in layer.active_adapters:
@@ -109,7 +110,7 @@ def lora_merged(model: nn.Module):
     copies (the adapted weights' bytes once more) live until the exit. Take it after the weights are
     where the forwards read them (inside `fsdp.gathered_weights`): the copies are of the weights then.
     Yields the bytes of the copies."""
-    layers = [m for m in model.modules() if mergeable(m)]
+    layers: list[Any] = [m for m in model.modules() if mergeable(m)]  # peft LoRA linears, read by name
     total = 0
     for layer in layers:
         forward = layer.__dict__.setdefault("_merged_forward", _MergedForward())
