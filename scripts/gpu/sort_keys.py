@@ -16,7 +16,7 @@ EXPERTS = (32, 128)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--out", default="sort_keys.json")
     p.add_argument("--iters", type=int, default=2000)
     args = p.parse_args()
