@@ -22,6 +22,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from benchmarks.breakdown import kernel_table
 from benchmarks.measure import place_as_trainer
+from benchmarks.vllm_methods import PLAIN, cap_vllm, run_vllm, run_vllm_plain
 from omnirl.algos.correction import consistency_metrics
 from omnirl.config import config_for
 from omnirl.distributed import device_type
@@ -31,7 +32,8 @@ from omnirl.models import get_adapter
 from omnirl.models.base import GenerationParams, Request
 from omnirl.models.lm import pad_responses
 from omnirl.models.random_init import write_random_thinker
-from omnirl.rollout.generate import ELEMENTWISE_MODULES, GenerationEngine
+from omnirl.rollout.compiled import ELEMENTWISE_MODULES
+from omnirl.rollout.generate import GenerationEngine
 
 # The arguments that shape --random-init's thinker (omnirl.models.random_init.write_random_thinker).
 THINKER_SHAPE = (
@@ -72,112 +74,14 @@ def response_length(tokens: list[int], stops: set[int]) -> int:
     return len(tokens)
 
 
-def run_ours(
-    adapter,
-    requests,
-    args,
-    keep: list,
-    cuda_graph: bool,
-    stats: dict,
-    compile: bool = False,
-    windows: int = 4,
-    merge_lora: bool = False,
-    compile_modules: tuple[str, ...] = (),
-    narrow: bool = False,
-) -> int:
-    engine = GenerationEngine(
-        adapter,
-        args.max_num_seqs,
-        args.kv_cache_gib,
-        cuda_graph=cuda_graph,
-        compile=compile,
-        kv_windows=windows,
-        merge_lora=merge_lora,
-        compile_modules=compile_modules,
-        narrow_expert_ids=narrow,
-    )
+def run_ours(adapter, requests, args, keep: list, stats: dict, **settings) -> int:
+    """The native engine with one of NATIVE's settings (GenerationEngine's keyword arguments)."""
+    engine = GenerationEngine(adapter, args.max_num_seqs, args.kv_cache_gib, **settings)
     trajs = engine.generate(requests)
     keep[:] = trajs
     stats.clear()
     stats.update(engine.stats)
     return sum(len(t.response_ids) for t in trajs)
-
-
-def run_vllm(adapter, cfg, requests, keep: list, stats: dict, engines: list, seeds: bool = True) -> int:
-    """The vLLM backend, created on first use (the warm-up's call, which then also holds its start) with the
-    same KV budget and max_num_seqs as ours; each generate pushes the trainer's weights first (their time is
-    `vllm/push_s` in the stats, inside the call's time). `seeds` False: the same engine with
-    rollout.vllm_request_seeds off (vLLM's batched sampler, no per-request seed)."""
-    cfg.rollout.vllm_request_seeds = seeds
-    from omnirl.rollout.vllm_engine import VLLMEngine
-
-    if not engines:
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # our engine's KV cache, freed: vLLM starts from what is free
-        engines.append(VLLMEngine(adapter, cfg))
-    trajs = engines[0].generate(requests)
-    keep[:] = trajs
-    stats.clear()
-    stats.update(engines[0].stats)
-    return sum(len(t.response_ids) for t in trajs)
-
-
-# Plain vLLM, and plain vLLM with one of the backend's settings added (what each costs, in the same run).
-PLAIN = {
-    "vllm_plain": (),
-    "vllm_plain_bias": ("bias",),  # the placeholder ids banned by a -inf logit bias
-    "vllm_plain_logprobs": ("logprobs",),  # the sampled token's processed log-prob, one dict per token
-    "vllm_plain_flat": ("logprobs", "flat"),  # the same log-probs as vLLM's flat lists
-    "vllm_plain_seeds": ("seeds",),  # a seed per request
-}
-
-
-def plain_params(request: Request, eos: tuple[int, ...], banned: tuple[int, ...], extras: tuple[str, ...]):
-    """vLLM SamplingParams for a request as a plain vLLM user writes them (temperature, length, stop ids, no
-    detokenizing), plus the backend's settings named in `extras`."""
-    from vllm import SamplingParams
-
-    p = request.params
-    kwargs: dict = {}
-    if "bias" in extras:
-        kwargs["logit_bias"] = {int(i): float("-inf") for i in banned}
-    if "logprobs" in extras:
-        kwargs["logprobs"] = 0
-    if "flat" in extras:
-        kwargs["flat_logprobs"] = True
-    if "seeds" in extras:
-        kwargs["seed"] = request.seed
-    return SamplingParams(
-        n=1,
-        temperature=p.temperature,
-        max_tokens=p.max_new_tokens,
-        stop_token_ids=[*eos, *p.stop_token_ids],
-        detokenize=False,
-        **kwargs,
-    )
-
-
-def run_vllm_plain(adapter, cfg, requests, prompts: dict, engines: list, extras: tuple[str, ...]) -> int:
-    """The backend's vLLM engine (created as run_vllm does where none is yet) driven directly: token prompts
-    made before the clock, no push, no cache reset, nothing read back but the token counts."""
-    if not engines:
-        run_vllm(adapter, cfg, requests[:1], [], {}, engines)
-    eos, banned = tuple(adapter.eos_token_ids), tuple(adapter.placeholder_token_ids)
-    params = [plain_params(r, eos, banned, extras) for r in requests]
-    outputs = engines[0].llm.generate([prompts[r.index] for r in requests], params, use_tqdm=False)
-    return sum(len(o.outputs[0].token_ids) for o in outputs)
-
-
-def cap_vllm(engines: list, max_num_seqs: int) -> None:
-    """At most `max_num_seqs` requests running in the vLLM engine built for the largest load: its scheduler's
-    own limit (in-process engine core), so every load runs on the same engine, kernels and CUDA graphs."""
-    if not engines:
-        return
-    scheduler = engines[0].llm.llm_engine.engine_core.engine_core.scheduler
-    # 0.26 admits up to max_num_running_reqs; 0.32 up to max_num_active_reqs (and checks the other).
-    for limit in ("max_num_running_reqs", "max_num_active_reqs"):
-        if limit in vars(scheduler):
-            setattr(scheduler, limit, max_num_seqs)
 
 
 def parse_loads(text: str, args) -> list[tuple[int, float, int]]:
@@ -448,10 +352,30 @@ def run(args, tmp: str) -> None:
     print(f"wrote {args.out}")
 
 
-# Compiled parts of the decode step (class-name ends, omnirl.rollout.generate): the norms and routers, or
-# those with the whole MoE block (whose grouped GEMMs inductor leaves to aten without max-autotune).
+# The native engine's variants: run_ours's keyword arguments. Compiled parts of the decode step are class-name
+# ends (omnirl.rollout.compiled): the norms and routers, or those with the whole MoE block (whose grouped
+# GEMMs inductor leaves to aten without max-autotune).
 MOE_MODULES = (*ELEMENTWISE_MODULES, "SparseMoeBlock")
-COMPILED = ("ours_compiled", "ours_norms", "ours_u8", "ours_moe")
+NORMS = {"merge_lora": True, "compile_modules": ELEMENTWISE_MODULES}
+NATIVE: dict[str, dict] = {
+    "ours": {},
+    "ours_merged": {"merge_lora": True},
+    "ours_norms": NORMS,
+    "ours_u8": {**NORMS, "narrow_expert_ids": True},
+    "ours_moe": {"merge_lora": True, "compile_modules": MOE_MODULES},
+    "ours_one_window": {"kv_windows": 1},
+    "ours_eager": {"cuda_graph": False},
+    "ours_compiled": {"compile": True},
+}
+# Methods whose log-probs the trainer re-scores: all but the native variants that draw ours's samples by
+# construction (the eager step the graph replays; narrower attention reads).
+LOGPROB_CHECKED = (
+    *(m for m in NATIVE if m not in ("ours_eager", "ours_one_window")),
+    "vllm",
+    "vllm_unseeded",
+)
+# Variants whose compiles need the timed run's shapes (their warm-up runs them, then other shapes).
+COMPILED = tuple(m for m, kw in NATIVE.items() if kw.get("compile") or kw.get("compile_modules"))
 
 
 def write(report: dict) -> None:
@@ -459,17 +383,15 @@ def write(report: dict) -> None:
     Path(report["args"]["out"]).write_text(json.dumps(report, indent=2) + "\n")
 
 
-METHODS = (  # the order they run in; generate_batch switches the attention implementation: last
-    "ours", "ours_merged", "ours_norms", "ours_u8", "ours_moe", "ours_one_window", "ours_eager",
-    "ours_compiled", "vllm", "vllm_unseeded", *PLAIN, "generate", "generate_batch",
-)  # fmt: skip
+# The order they run in; generate_batch switches the attention implementation: last.
+METHODS = (*NATIVE, "vllm", "vllm_unseeded", *PLAIN, "generate", "generate_batch")
 
 
 def run_load(args, adapter, cfg, device, methods, stops, engines, warmed: set, entry: dict, save) -> None:
     """Every method on one load (args.max_num_seqs, args.stop_frac), --repeats times, into `entry`."""
     all_stops = set(stops) | set(adapter.eos_token_ids)
     requests = make_requests(args, stops)
-    kept: dict[str, list] = {m: [] for m in METHODS if m.startswith("ours") or m in ("vllm", "vllm_unseeded")}
+    kept: dict[str, list] = {m: [] for m in (*NATIVE, "vllm", "vllm_unseeded")}
     stats: dict = {}
     prompts: dict = {}
     if any(m in PLAIN for m in methods):  # plain vLLM's token prompts, made before any clock
@@ -479,41 +401,12 @@ def run_load(args, adapter, cfg, device, methods, stops, engines, warmed: set, e
             r.index: TokensPrompt(prompt_token_ids=adapter.prepare(r)["input_ids"].tolist()) for r in requests
         }
     runs = {
-        "ours": lambda reqs: run_ours(adapter, reqs, args, kept["ours"], True, stats),
-        "ours_merged": lambda reqs: run_ours(
-            adapter, reqs, args, kept["ours_merged"], True, stats, merge_lora=True
-        ),
-        "ours_norms": lambda reqs: run_ours(
-            adapter,
-            reqs,
-            args,
-            kept["ours_norms"],
-            True,
-            stats,
-            merge_lora=True,
-            compile_modules=ELEMENTWISE_MODULES,
-        ),
-        "ours_u8": lambda reqs: run_ours(
-            adapter,
-            reqs,
-            args,
-            kept["ours_u8"],
-            True,
-            stats,
-            merge_lora=True,
-            compile_modules=ELEMENTWISE_MODULES,
-            narrow=True,
-        ),  # fmt: skip
-        "ours_moe": lambda reqs: run_ours(
-            adapter, reqs, args, kept["ours_moe"], True, stats, merge_lora=True, compile_modules=MOE_MODULES
-        ),
-        "ours_one_window": lambda reqs: run_ours(
-            adapter, reqs, args, kept["ours_one_window"], True, stats, windows=1
-        ),
-        "ours_eager": lambda reqs: run_ours(adapter, reqs, args, kept["ours_eager"], False, stats),
-        "ours_compiled": lambda reqs: run_ours(
-            adapter, reqs, args, kept["ours_compiled"], True, stats, compile=True
-        ),
+        **{
+            m: (
+                lambda reqs, m=m, settings=settings: run_ours(adapter, reqs, args, kept[m], stats, **settings)
+            )
+            for m, settings in NATIVE.items()
+        },
         "vllm": lambda reqs: run_vllm(adapter, cfg, reqs, kept["vllm"], stats, engines),
         "vllm_unseeded": lambda reqs: run_vllm(
             adapter, cfg, reqs, kept["vllm_unseeded"], stats, engines, seeds=False
@@ -606,15 +499,7 @@ def after_first_run(args, adapter, name, kept, entry, runs, requests, device, st
         same = sum(torch.equal(a.response_ids, b.response_ids) for a, b in zip(kept["ours"], kept[name]))
         entry[key] = f"{same}/{len(kept['ours'])}"
         print(f"{label}: {same}/{len(kept['ours'])} responses identical", flush=True)
-    if args.check_logprobs and name in (
-        "ours",
-        "ours_merged",
-        "ours_norms",
-        "ours_moe",
-        "ours_compiled",
-        "vllm",
-        "vllm_unseeded",
-    ):
+    if args.check_logprobs and name in LOGPROB_CHECKED:
         key = {"ours": "logprob_check", "ours_compiled": "compiled_logprob_check"}.get(
             name, f"{name}_logprob_check"
         )

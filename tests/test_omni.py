@@ -23,7 +23,8 @@ from omnirl.models.base import GenerationParams, Request
 from omnirl.models.lm import pad_responses
 from omnirl.models.peft_lora import lora_disabled
 from omnirl.recipe import config_from_dict
-from omnirl.rollout.generate import ELEMENTWISE_MODULES, GenerationEngine, invert_cdf, sample
+from omnirl.rollout.compiled import ELEMENTWISE_MODULES
+from omnirl.rollout.generate import GenerationEngine, invert_cdf, sample
 
 DEVICE = torch.device("cpu")
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]

@@ -25,7 +25,25 @@ COMPILE_BACKEND = "inductor"
 # limit of 8 would drop to eager silently after the eighth.
 RECOMPILE_LIMIT = 128
 
+# Modules of a decoder layer made only of element-wise work and reductions over one row (by the ends of their
+# class names, as transformers names them): compiled (generation.compile_modules), each fuses into a kernel or
+# two.
+ELEMENTWISE_MODULES = ("RMSNorm", "TopKRouter")
+
 Compiled = list[tuple[nn.Module, Callable]]
+
+
+def modules_named(layers: Iterable[nn.Module], suffixes: tuple[str, ...]) -> list[nn.Module]:
+    """The modules of `layers` whose class names end with one of `suffixes`, outermost first: a module
+    inside one already taken is left to its parent's compile."""
+    found: list[nn.Module] = []
+    for layer in layers:
+        inner: set[int] = set()
+        for m in layer.modules():
+            if id(m) not in inner and type(m).__name__.endswith(suffixes):
+                found.append(m)
+                inner.update(id(c) for c in m.modules())
+    return found
 
 
 def compile_forwards(modules: Iterable[nn.Module], dynamic: bool | None = False) -> Compiled:

@@ -58,7 +58,8 @@ from omnirl.memory import GIB, free_bytes
 from omnirl.models.base import GenerationParams, OmniAdapter, OmniTrajectory, Request
 from omnirl.models.lm import output_logprobs
 from omnirl.models.peft_lora import lora_merged
-from omnirl.rollout.compiled import compile_forwards, swapped
+from omnirl.rollout.compiled import compile_forwards, modules_named, swapped
+from omnirl.rollout.experts import narrowed_expert_forwards
 
 # Decode steps between two looks at which rows finished. Each look is a device->host sync that stalls the
 # launch queue; a row that finished meanwhile computes a few throw-away tokens, which are never recorded.
@@ -96,50 +97,6 @@ class _SlotLayer(DynamicLayer):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.window, 0
-
-
-# Modules of a decoder layer made only of element-wise work and reductions over one row (by the ends of their
-# class names, as transformers names them): compiled (`compile_modules`), each fuses into a kernel or two.
-ELEMENTWISE_MODULES = ("RMSNorm", "TopKRouter")
-
-
-def _modules_named(layers: list[torch.nn.Module], suffixes: tuple[str, ...]) -> list[torch.nn.Module]:
-    """The modules of `layers` whose class names end with one of `suffixes`, outermost first: a module
-    inside one already taken is left to its parent's compile."""
-    found: list[torch.nn.Module] = []
-    for layer in layers:
-        inner: set[int] = set()
-        for m in layer.modules():
-            if id(m) not in inner and type(m).__name__.endswith(suffixes):
-                found.append(m)
-                inner.update(id(c) for c in m.modules())
-    return found
-
-
-class _NarrowIdsForward:
-    """A grouped-GEMM MoE experts module's forward with its top-k expert ids as uint8: its dispatch sorts
-    the ids (a radix sort over every bit of their dtype), 2 radix passes in place of int64's 16. One
-    object per module for its life (a compiled caller's guards hold it)."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.forward = type(module).forward.__get__(module)
-
-    def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        return self.forward(hidden, top_k_index.to(torch.uint8), top_k_weights)
-
-
-def _narrowable_experts(layers: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    """transformers' MoE experts modules that run its grouped_mm implementation, have at most 256 experts,
-    no biases (whose rows the ids index) and no expert parallelism: their ids may be uint8."""
-    return [
-        m
-        for layer in layers
-        for m in layer.modules()
-        if getattr(getattr(m, "config", None), "_experts_implementation", None) == "grouped_mm"
-        and getattr(m, "num_experts", 257) <= 256
-        and getattr(m, "has_bias", True) is False
-        and getattr(m, "_is_expert_parallel", True) is False
-    ]
 
 
 @dataclass
@@ -211,14 +168,16 @@ class GenerationEngine:
         if compile:
             self.compiled = compile_forwards(adapter.decoder_layers(), dynamic=None)
         elif compile_modules:
-            self.compiled = compile_forwards(_modules_named(adapter.decoder_layers(), compile_modules), None)
+            self.compiled = compile_forwards(modules_named(adapter.decoder_layers(), compile_modules), None)
         else:
             self.compiled = []
+        # (experts module, its forward on uint8 ids) for the decode step, a compiled module's left as it is
         compiled = {id(m) for m, _ in self.compiled}
-        self.narrowed = []  # (experts module, its forward on uint8 ids) for the decode step
-        for m in _narrowable_experts(adapter.decoder_layers()) if narrow_expert_ids else []:
-            if id(m) not in compiled:
-                self.narrowed.append((m, m.__dict__.setdefault("_narrow_ids_forward", _NarrowIdsForward(m))))
+        self.narrowed = (
+            [(m, f) for m, f in narrowed_expert_forwards(adapter.decoder_layers()) if id(m) not in compiled]
+            if narrow_expert_ids
+            else []
+        )
 
     @torch.no_grad()
     def generate(
