@@ -126,7 +126,7 @@ def check_logprobs(adapter, trajs, temperature: float, micro_batch: int = 16) ->
         seqs, mask = seqs.to(adapter.device), mask.to(adapter.device)
         lp = adapter.token_logprobs(batch, seqs, mask, temperature)
         trainer.append(lp[mask].cpu())
-        rollout += [t.logprobs for t in chunk]
+        rollout += [t.logprobs for t in chunk if t.logprobs is not None]
         positions += [torch.arange(len(t.response_ids)) for t in chunk]
     trainer, rollout, positions = torch.cat(trainer), torch.cat(rollout), torch.cat(positions)
     m = consistency_metrics(trainer, rollout, torch.ones_like(trainer, dtype=torch.bool))  # as logged
@@ -236,9 +236,10 @@ def main() -> None:
         "whole MoE block compiled: routing, dispatch, activations, combine; the grouped GEMMs stay aten's), "
         "ours_one_window "
         "(generation.kv_windows 1: every step attends to the whole KV cache), vllm, "
-        "vllm_unseeded, vllm_plain, vllm_plain_bias, vllm_plain_logprobs, vllm_plain_flat, vllm_plain_seeds, "
-        "generate, generate_batch (vllm: the vLLM rollout backend, needs vllm installed; vllm_unseeded: the "
-        "same engine with rollout.vllm_request_seeds off; vllm_plain: that engine's LLM.generate with plain "
+        "vllm_unseeded, vllm_nolp, vllm_plain, vllm_plain_bias, vllm_plain_logprobs, vllm_plain_flat, "
+        "vllm_plain_seeds, generate, generate_batch (vllm: the vLLM rollout backend, needs vllm installed; "
+        "vllm_unseeded: the same engine with rollout.vllm_request_seeds off; vllm_nolp: unseeded and "
+        "rollout.vllm_logprobs off; vllm_plain: that engine's LLM.generate with plain "
         "sampling settings and token prompts, and _bias / _logprobs / _flat / _seeds: plus one of the "
         "backend's settings: the placeholder ban, log-probs as dicts or flat lists, per-request seeds)",
     )  # fmt: skip
@@ -384,14 +385,15 @@ def write(report: dict) -> None:
 
 
 # The order they run in; generate_batch switches the attention implementation: last.
-METHODS = (*NATIVE, "vllm", "vllm_unseeded", *PLAIN, "generate", "generate_batch")
+BACKEND = ("vllm", "vllm_unseeded", "vllm_nolp")  # our vLLM backend, as a rollout runs it
+METHODS = (*NATIVE, *BACKEND, *PLAIN, "generate", "generate_batch")
 
 
 def run_load(args, adapter, cfg, device, methods, stops, engines, warmed: set, entry: dict, save) -> None:
     """Every method on one load (args.max_num_seqs, args.stop_frac), --repeats times, into `entry`."""
     all_stops = set(stops) | set(adapter.eos_token_ids)
     requests = make_requests(args, stops)
-    kept: dict[str, list] = {m: [] for m in (*NATIVE, "vllm", "vllm_unseeded")}
+    kept: dict[str, list] = {m: [] for m in (*NATIVE, *BACKEND)}
     stats: dict = {}
     prompts: dict = {}
     if any(m in PLAIN for m in methods):  # plain vLLM's token prompts, made before any clock
@@ -410,6 +412,9 @@ def run_load(args, adapter, cfg, device, methods, stops, engines, warmed: set, e
         "vllm": lambda reqs: run_vllm(adapter, cfg, reqs, kept["vllm"], stats, engines),
         "vllm_unseeded": lambda reqs: run_vllm(
             adapter, cfg, reqs, kept["vllm_unseeded"], stats, engines, seeds=False
+        ),
+        "vllm_nolp": lambda reqs: run_vllm(
+            adapter, cfg, reqs, kept["vllm_nolp"], stats, engines, seeds=False, logprobs=False
         ),
         **{
             m: (lambda reqs, extras=extras: run_vllm_plain(adapter, cfg, reqs, prompts, engines, extras))
@@ -465,7 +470,7 @@ def run_load(args, adapter, cfg, device, methods, stops, engines, warmed: set, e
             if name.startswith("ours"):  # the engine's own account: decode steps, prefills, graph capture
                 r.update(stats)
                 r["ms_per_decode_step"] = 1e3 * (seconds - stats["capture_s"]) / stats["decode_steps"]
-            if name in ("vllm", "vllm_unseeded"):  # start, push, prepare, generate and collect times
+            if name in BACKEND:  # start, push, prepare, generate and collect times
                 r.update(stats)
                 r["tokens_per_s_generate"] = tokens / stats["vllm/generate_s"]
             if rep == 0:

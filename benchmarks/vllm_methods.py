@@ -8,12 +8,16 @@ import torch
 from omnirl.models.base import Request
 
 
-def run_vllm(adapter, cfg, requests, keep: list, stats: dict, engines: list, seeds: bool = True) -> int:
+def run_vllm(
+    adapter, cfg, requests, keep: list, stats: dict, engines: list, seeds: bool = True, logprobs: bool = True
+) -> int:
     """The vLLM backend, created on first use (the warm-up's call, which then also holds its start) with the
     same KV budget and max_num_seqs as ours; each generate pushes the trainer's weights first (their time is
     `vllm/push_s` in the stats, inside the call's time). `seeds` False: the same engine with
-    rollout.vllm_request_seeds off (vLLM's batched sampler, no per-request seed)."""
+    rollout.vllm_request_seeds off (vLLM's batched sampler, no per-request seed); `logprobs` False: with
+    rollout.vllm_logprobs off (no log-prob asked for)."""
     cfg.rollout.vllm_request_seeds = seeds
+    cfg.rollout.vllm_logprobs = logprobs
     from omnirl.rollout.vllm_engine import VLLMEngine
 
     if not engines:

@@ -234,6 +234,12 @@ class RolloutConfig:
     request's noise separately in every decode step (its batched sampler serves unseeded requests only);
     false samples all requests from vLLM's own generator, reproducible only for the same batch and
     schedule."""
+    vllm_logprobs: bool = True
+    """rollout.backend vllm: vLLM returns the log-prob of every sampled token, which algo.correction weighs
+    against the trainer's and the consistency/* metrics compare. false: it returns none and skips the host
+    work of turning them into lists at every step; the trainer's recomputed log-probs are then the only
+    ones (needs algo.old_logprob recompute and algo.correction none, the defaults then), and no
+    consistency/* metrics are logged."""
     compile: bool = False
     """torch.compile the transformer's repeated blocks for rollout (training stays eager); batches are
     padded to a few bucket sizes (rollout.diffusion.bucket_size) so that a rollout compiles each shape once

@@ -148,6 +148,11 @@ def check_values(cfg: Config) -> None:
     check_loss(cfg.algo)
     if cfg.rollout.backend == "vllm":
         _check_vllm(cfg, adapter)
+    elif not cfg.rollout.vllm_logprobs:
+        raise ConfigError(
+            "rollout.vllm_logprobs false applies to rollout.backend vllm; the native engine records its "
+            "log-probs at no extra cost"
+        )
     _check_precision(cfg, adapter)
 
 
@@ -214,6 +219,12 @@ def _check_vllm(cfg: Config, adapter: type) -> None:
         raise ConfigError(
             "generation.compile / compile_modules compile the native engine's decode step; rollout.backend "
             "vllm compiles its own (generation.cuda_graph false makes it eager): leave them off"
+        )
+    if not cfg.rollout.vllm_logprobs and (cfg.algo.old_logprob, cfg.algo.correction) != ("recompute", "none"):
+        raise ConfigError(
+            "rollout.vllm_logprobs false: the rollout records no log-probs, so the trainer recomputes them "
+            "and has nothing to correct against: needs algo.old_logprob recompute and algo.correction none "
+            f"(got {cfg.algo.old_logprob}, {cfg.algo.correction})"
         )
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError(

@@ -188,7 +188,9 @@ def backend_defaults(cfg: Config, given: set[str]) -> None:
     if "algo.old_logprob" not in given:
         cfg.algo.old_logprob = "recompute"
     if "algo.correction" not in given:
-        cfg.algo.correction = "tis"
+        # Without the rollout's log-probs (rollout.vllm_logprobs false) there is nothing to correct against.
+        vllm_silent = r.backend == "vllm" and not r.vllm_logprobs
+        cfg.algo.correction = "none" if vllm_silent else "tis"
 
 
 def to_dict(cfg: Config) -> dict:

@@ -154,6 +154,42 @@ def test_bypass_consistency_and_nonfinite_guard(tiny_qwen3_omni_k12, tmp_path):
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
+@pytest.mark.slow
+def test_update_without_rollout_logprobs_is_the_same_update(tiny_qwen3_omni_k12, tmp_path):
+    """A rollout that recorded no log-probs (rollout.vllm_logprobs false: the trajectories hold None) makes,
+    in recompute mode without a correction, the update the recorded log-probs make: the same parameters
+    after it; it logs no consistency metrics. A padding row without them stands in with zeros."""
+    from omnirl.ops.omni import TokenRow, _old_logprobs
+
+    cfg = omni_cfg(
+        tiny_qwen3_omni_k12, tmp_path, "--algo.old_logprob", "recompute", "--optim.mini_batches", "2"
+    )
+    assert cfg.algo.correction == "none"
+    adapter, ops, trajs, _, _ = rollout(cfg)
+    for i, t in enumerate(trajs):
+        t.advantage = 1.0 if i % 2 else -1.0
+    keep = torch.ones(len(trajs), dtype=torch.bool)
+    model = adapter.model
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    logs = update(cfg, ops, torch.optim.AdamW(adapter.trainable_parameters(), lr=1e-2), trajs, keep, 0)
+    after = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert logs["consistency/tokens"] > 0 and logs["train/updates"] == 2
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(start[n])
+    for t in trajs:
+        t.logprobs = None
+    silent = update(cfg, ops, torch.optim.AdamW(adapter.trainable_parameters(), lr=1e-2), trajs, keep, 0)
+    assert silent["train/updates"] == 2 and not any(k.startswith("consistency/") for k in silent)
+    assert any(not torch.equal(after[n], start[n]) for n in after)
+    assert all(torch.equal(p, after[n]) for n, p in model.named_parameters())
+
+    assert torch.equal(_old_logprobs(TokenRow(trajs[0], 0.0)), torch.zeros(len(trajs[0].response_ids)))
+    with pytest.raises(AssertionError, match="without old log-probs"):
+        _old_logprobs(TokenRow(trajs[0], 1.0))
+
+
 def score(adapter, rows, length=12):
     """Token log-probs [2, length] of fixed random responses to two MMK12 prompts, with gradients."""
     requests = [Request(r.prompt, 0, i, 0, GenerationParams(1), inputs=r.inputs) for i, r in enumerate(rows)]

@@ -78,6 +78,31 @@ def test_vllm_backend_defaults_to_recompute_and_tis(tmp_path):
     assert (cfg.algo.old_logprob, cfg.algo.correction) == ("recompute", "none")
 
 
+def test_vllm_without_logprobs_corrects_nothing_and_is_refused_elsewhere(tmp_path):
+    """rollout.vllm_logprobs false: the correction defaults to none (nothing to correct against); a recipe's
+    correction, the bypass mode or the native backend with it are one clear error each."""
+    from omnirl.recipe import backend_defaults
+
+    cfg = omni_config(tmp_path, vllm_logprobs=False)
+    backend_defaults(cfg, set())
+    assert (cfg.algo.old_logprob, cfg.algo.correction) == ("recompute", "none")
+    for given, algo in (
+        ("algo.correction", {"correction": "tis"}),
+        ("algo.old_logprob", {"old_logprob": "rollout"}),
+    ):
+        cfg = omni_config(tmp_path, vllm_logprobs=False)
+        for k, v in algo.items():
+            setattr(cfg.algo, k, v)
+        backend_defaults(cfg, {given})
+        with pytest.raises(
+            ConfigError, match="rollout.vllm_logprobs false: the rollout records no log-probs"
+        ):
+            check_values(cfg)
+    cfg = omni_config(tmp_path, backend="native", vllm_logprobs=False)
+    with pytest.raises(ConfigError, match="rollout.vllm_logprobs false applies to rollout.backend vllm"):
+        check_values(cfg)
+
+
 # ---- real vLLM ----
 
 
@@ -146,6 +171,34 @@ def test_omni_image_samples_seeds_and_logprobs(omni_vllm):
     assert all(torch.equal(a.response_ids, b.response_ids) for a, b in zip(trajs, again))
     assert all(len(t.logprobs) == len(t.response_ids) > 0 for t in trajs)
     assert max_diff(trainer_logprobs(adapter, trajs, 0.9), [t.logprobs for t in trajs]) <= TOL
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAVE_VLLM, reason=NO_VLLM)
+def test_no_logprobs_asked_draws_the_same_samples(omni_vllm):
+    """rollout.vllm_logprobs false: vLLM is asked for no log-probs (its outputs carry none), the trajectories
+    hold None, and the seeded samples are those of the engine that records them."""
+    adapter, engine = omni_vllm
+    requests = image_requests(2, 2, GenerationParams(max_new_tokens=12, temperature=0.9))
+    recorded = engine.generate(requests)
+    asked = []
+    generate = engine.llm.generate
+
+    def spy(prompts, params, **kwargs):
+        outputs = generate(prompts, params, **kwargs)
+        asked.extend((p.logprobs, o.outputs[0].logprobs) for p, o in zip(params, outputs))
+        return outputs
+
+    engine.cfg.rollout.vllm_logprobs = False
+    engine.llm.generate = spy
+    try:
+        silent = engine.generate(requests)
+    finally:
+        engine.cfg.rollout.vllm_logprobs = True
+        del engine.llm.generate
+    assert asked and all(p is None and lp is None for p, lp in asked)
+    assert all(t.logprobs is None for t in silent)
+    assert all(torch.equal(a.response_ids, b.response_ids) for a, b in zip(recorded, silent))
 
 
 @pytest.mark.vllm

@@ -80,6 +80,17 @@ def _padded(values: list[torch.Tensor], length: int, device: torch.device) -> to
     return out.to(device)
 
 
+def _old_logprobs(row: TokenRow) -> torch.Tensor:
+    """A row's old log-probs: recomputed (old_logprob recompute) or the rollout's. Padding rows (weight 0)
+    are not recomputed: the rollout's stand in, or zeros where it recorded none."""
+    if row.old is not None:
+        return row.old
+    if row.traj.logprobs is not None:
+        return row.traj.logprobs
+    assert row.weight == 0, "a trained row without old log-probs: the recompute did not run"
+    return torch.zeros(len(row.traj.response_ids))
+
+
 class OmniOps:
     """The omni half of an RL step (see the module docstring); `omnirl.trainer.train` runs it."""
 
@@ -208,7 +219,10 @@ class OmniOps:
         trajs = [r.traj for r in mb]
         batch = {k: v.to(device) for k, v in self.adapter.collate([t.prompt_inputs() for t in trajs]).items()}
         seqs, mask = pad_responses([t.response_ids for t in trajs], self.adapter.pad_token_id)  # [B, T]
-        rollout = _padded([t.logprobs for t in trajs], seqs.shape[1], device)  # [B, T]
+        recorded = [t.logprobs for t in trajs if t.logprobs is not None]
+        rollout = None  # a rollout that recorded no log-probs (rollout.vllm_logprobs false)
+        if len(recorded) == len(trajs):
+            rollout = _padded(recorded, seqs.shape[1], device)  # [B, T]
         return batch, seqs.to(device), mask.to(device), rollout
 
     def recompute_old(self, rows: list[TokenRow], pad_traj: OmniTrajectory) -> dict[str, float]:
@@ -223,6 +237,8 @@ class OmniOps:
             real = [b for b, r in enumerate(mb) if r.weight > 0]
             for b in real:
                 mb[b].old = lp[b, : len(mb[b].traj.response_ids)].cpu()
+            if rollout is None:  # no rollout log-probs: nothing to compare or correct (config_checks)
+                continue
             lp, rollout, mask = lp[real], rollout[real], mask[real]
             actor.append(lp[mask])
             rollout_all.append(rollout[mask])
@@ -235,7 +251,7 @@ class OmniOps:
                     mb[b].is_weight = w[: len(mb[b].traj.response_ids)].cpu()
                 for k, v in m.items():
                     sums[k] += v
-        self._measured = self._consistency(actor, rollout_all)
+        self._measured = self._consistency(actor, rollout_all) if actor else {}
         return sums if self.correct else {}
 
     def loss(self, mb: list[TokenRow], normaliser: float, measure: bool) -> tuple[torch.Tensor, dict]:
@@ -243,8 +259,7 @@ class OmniOps:
         batch, seqs, mask, rollout = self._inputs(mb)
         device, length = seqs.device, seqs.shape[1]
         logprob = self.adapter.token_logprobs(batch, seqs, mask, self.params.temperature)  # [B, T]
-        # Padding rows (weight 0) of a recompute run have no old log-probs: the rollout's stand in.
-        old = _padded([r.traj.logprobs if r.old is None else r.old for r in mb], length, device)
+        old = _padded([_old_logprobs(r) for r in mb], length, device)
         adv = torch.tensor([r.traj.advantage for r in mb], device=device)
         w = torch.tensor([r.weight for r in mb], device=device)
         ref = None
@@ -255,7 +270,7 @@ class OmniOps:
         if self.correct:
             empty = torch.zeros(length)
             is_weight = _padded([empty if r.is_weight is None else r.is_weight for r in mb], length, device)
-        if measure and a.old_logprob == "rollout":
+        if measure and a.old_logprob == "rollout" and rollout is not None:
             real = w > 0
             self._actor.append(logprob.detach()[real][mask[real]])
             self._rollout.append(rollout[real][mask[real]])

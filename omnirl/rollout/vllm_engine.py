@@ -13,7 +13,9 @@ excluded from sampling (a `logit_bias` of -inf, as `lm.output_logprobs` masks th
 log-prob is vLLM's "processed" one: log_softmax of the logits after that bias and the temperature, which is
 the trainer's definition as long as top-k / top-p are off (training rollouts with this backend must keep
 them off: `omnirl.config_checks._check_vllm`); it comes back as vLLM's flat lists (`flat_logprobs`), not as a
-dict and an object per token.
+dict and an object per token. With rollout.vllm_logprobs false no log-prob is asked for (vLLM then skips
+turning one into Python objects per token and step) and the trajectories carry None: the trainer recomputes
+the old log-probs and corrects nothing.
 
 Weights (`push`, at the start of every `generate`, all ranks together: a sharded parameter is gathered):
 - a dense model's LoRA: a tensor LoRA adapter built inside the worker from the trainer's LoRA tensors and
@@ -173,6 +175,7 @@ class VLLMEngine:
             _check_params(r)
         start = time.perf_counter()
         prepared = [self.adapter.prepare(r) for r in requests]
+        record = self.cfg.rollout.vllm_logprobs  # false: the trajectories' log-probs are None
         prompts, params = [], []
         for r, x in zip(requests, prepared):
             mm = {}
@@ -195,10 +198,10 @@ class VLLMEngine:
                     top_p=p.top_p,
                     top_k=p.top_k,
                     stop_token_ids=[*self.adapter.eos_token_ids, *p.stop_token_ids],
-                    logprobs=0,
+                    logprobs=0 if record else None,
                     detokenize=False,
                     logit_bias=dict(self.banned) or None,
-                    **self.flat,
+                    **(self.flat if record else {}),
                 )
             )
         lora = LoRARequest("policy", LORA_ID, "in-memory") if self.mode == "lora" else None
@@ -220,7 +223,9 @@ class VLLMEngine:
                 )
             c = out.outputs[0]
             tokens = torch.tensor(c.token_ids, dtype=torch.long)
-            lps = torch.tensor(vllm_compat.sampled_logprobs(c.logprobs, c.token_ids), dtype=torch.float32)
+            lps = None
+            if record:
+                lps = torch.tensor(vllm_compat.sampled_logprobs(c.logprobs, c.token_ids), dtype=torch.float32)
             stops = set(self.adapter.eos_token_ids) | set(r.params.stop_token_ids)
             traj = OmniTrajectory(
                 request=r,
