@@ -397,10 +397,10 @@ def test_tiny_recipe_with_vllm_under_torchrun(tmp_path):
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAVE_VLLM, reason=NO_VLLM)
 def test_throughput_benchmark_runs_both_backends_on_one_thinker(tmp_path):
-    """benchmarks.generate_throughput --methods ours,vllm,vllm_unseeded: the native engine and the vLLM
-    backend (with per-request seeds and without) on the same adapter, prompts and seeds in one process,
-    each re-scored by the trainer (fp32: Pearson 1, gap within 1e-5), with vLLM's start, push and generate
-    times apart."""
+    """benchmarks.generate_throughput --methods ours,vllm,vllm_unseeded,vllm_nolp: the native engine and the
+    vLLM backend (with per-request seeds, without, and without log-probs) on the same adapter, prompts and
+    seeds in one process, each with log-probs re-scored by the trainer (fp32: Pearson 1, gap within 1e-5),
+    with vLLM's start, push and generate times apart."""
     import json
     import subprocess
     import sys
@@ -410,7 +410,8 @@ def test_throughput_benchmark_runs_both_backends_on_one_thinker(tmp_path):
     path = make_tiny_qwen3_omni(tmp_path / "thinker", head_dim=32)
     out = tmp_path / "tput.json"
     cmd = [sys.executable, "-m", "benchmarks.generate_throughput", "--model", str(path), "--methods"]
-    cmd += ["ours,vllm,vllm_unseeded", "--num-requests", "6", "--max-num-seqs", "4", "--max-new-tokens", "12"]
+    cmd += ["ours,vllm,vllm_unseeded,vllm_nolp", "--num-requests", "6", "--max-num-seqs", "4"]
+    cmd += ["--max-new-tokens", "12"]
     cmd += ["--kv-cache-gib", "0.25", "--vllm-max-model-len", "512", "--check-logprobs", "--warmup", "2"]
     r = subprocess.run([*cmd, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -419,5 +420,6 @@ def test_throughput_benchmark_runs_both_backends_on_one_thinker(tmp_path):
     assert ours["tokens"] > 0 and vllm["tokens"] > 0
     assert vllm["tokens_per_s_generate"] >= vllm["tokens_per_s"] and vllm["vllm/push_bound"] == 8
     assert report["results"]["vllm_unseeded"]["tokens"] > 0  # rollout.vllm_request_seeds off
+    assert report["results"]["vllm_nolp"]["tokens"] > 0  # and rollout.vllm_logprobs off
     for key in ("logprob_check", "vllm_logprob_check", "vllm_unseeded_logprob_check"):
         assert report[key]["prob_pearson"] >= 0.9999 and report[key]["max_abs_diff"] <= TOL, key
