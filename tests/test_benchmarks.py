@@ -65,6 +65,7 @@ def test_rollout_packing_on_two_ranks_reports_the_slowest_rank(tiny_qwen_image, 
 ENTRIES = sorted(
     f"benchmarks.{p.stem}" for p in (ROOT / "benchmarks").glob("*.py") if "__main__" in p.read_text()
 ) + ["scripts.gpu.phase_memory", "scripts.gpu.two_gpu_runs", "scripts.gpu.fp8_kernels"]
+ENTRIES += ["scripts.gpu.fp8_block"]
 
 
 @pytest.mark.slow

@@ -76,6 +76,21 @@ def test_fp8_linear_is_the_matmul_of_the_quantised_operands():
     assert torch.equal(y, fp8_linear(x, stand_in.weight_q, stand_in.weight_scale, linear.bias))
 
 
+def test_block_sweep_runs_the_qwen_image_block_in_fp8():
+    """scripts/gpu/fp8_block on a tiny block, eager (the GPU runs it compiled too): the FP8 model runs every
+    case, near the bf16 one and not equal to it; a malformed case is one clear error."""
+    from scripts.gpu import fp8_block
+
+    cases = fp8_block.parse_cases("1:6,2:5:m")
+    assert cases == [(1, 6, False), (2, 5, True)]
+    result = fp8_block.block_sweep(D.local_device(), cases, tiny=True, grid=4, compile=False)
+    for row in result.values():
+        assert row["eager"] == "ok" and 0 < row["eager_mean_rel"] < 0.05, row
+    assert result["2:5:m"]["text_rows"] == 10
+    with pytest.raises(SystemExit, match="'2:x' is not REQUESTS:TEXT_TOKENS"):
+        fp8_block.parse_cases("1:6,2:x")
+
+
 def test_a_device_without_fp8_matmuls_fails_with_one_line_naming_it(monkeypatch):
     D.check_fp8_matmul(torch.device("cpu"))  # emulated: the tests run here
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
