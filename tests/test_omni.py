@@ -340,6 +340,26 @@ def test_sample_does_not_depend_on_batch(omni):
     assert not torch.equal(other.response_ids, batched[0].response_ids)
 
 
+def test_a_groups_samples_share_one_prepare(omni, monkeypatch):
+    """The samples of a group (one prompt and inputs dict, as batching.make_requests makes them) run the
+    processor once and share its tensors; the same prompt with another inputs dict is prepared apart; each
+    sample is the one its request draws when prepared alone."""
+    params = GenerationParams(max_new_tokens=5, temperature=0.9)
+    shared = {"image": image(0)}
+    reqs = [Request("Describe it.", 0, j, 50 + j, params, inputs=shared) for j in range(3)]
+    reqs.append(Request("Describe it.", 1, 3, 53, params, inputs={"image": image(1)}))
+    calls = []
+    prepare = omni.prepare
+    monkeypatch.setattr(omni, "prepare", lambda r: calls.append(r.index) or prepare(r))
+    trajs = GenerationEngine(omni, max_num_seqs=4, kv_cache_gib=0.1).generate(reqs)
+    assert calls == [0, 3]
+    assert trajs[0].prompt_ids is trajs[2].prompt_ids and trajs[3].prompt_ids is not trajs[0].prompt_ids
+    assert not torch.equal(trajs[0].mm_inputs["pixel_values"], trajs[3].mm_inputs["pixel_values"])
+    alone = [GenerationEngine(omni, max_num_seqs=1, kv_cache_gib=0.1).generate([r])[0] for r in reqs]
+    assert len(calls) == 2 + len(reqs)
+    assert all(torch.equal(a.response_ids, t.response_ids) for a, t in zip(alone, trajs))
+
+
 def test_greedy_equals_transformers_generate(omni):
     reqs = requests(4, ["text", "image", "audio", "image+audio"], top_k=1)
     trajs = GenerationEngine(omni, max_num_seqs=4, kv_cache_gib=0.1).generate(reqs)

@@ -267,7 +267,8 @@ class OmniAdapter(Protocol):
 
     def prepare(self, request: Request[GenerationParams]) -> dict[str, torch.Tensor]:
         """The request's prompt as host tensors without a batch dimension: input_ids [P] (chat template with
-        the image / audio placeholders expanded by the processor) and the multimodal tensors."""
+        the image / audio placeholders expanded by the processor) and the multimodal tensors. A function
+        of the request's prompt and inputs only (`prepare_once` shares it among a group's samples)."""
         ...
 
     def collate(self, inputs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -450,3 +451,17 @@ class DiffusionAdapter(Protocol):
     def offload_modules(self) -> list[nn.Module]:
         """Modules only the rollout needs (text encoders, VAE): they sleep during training."""
         ...
+
+
+def prepare_once(adapter: OmniAdapter, requests: list[Request]) -> list[dict[str, torch.Tensor]]:
+    """`adapter.prepare` of every request, run once per prompt: the samples of a group share their prompt
+    text and inputs dict (`batching.make_requests`), so they share its result (host tensors that nothing
+    writes to), and the processor's image / audio work runs once per group instead of once per sample."""
+    done: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+    out = []
+    for r in requests:
+        key = (r.prompt, id(r.inputs))  # every request is alive here: no two inputs dicts share an id
+        if key not in done:
+            done[key] = adapter.prepare(r)
+        out.append(done[key])
+    return out

@@ -55,7 +55,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from omnirl.fsdp import fsdp_hooks_quiet, gathered_weights
 from omnirl.memory import GIB, free_bytes
-from omnirl.models.base import GenerationParams, OmniAdapter, OmniTrajectory, Request
+from omnirl.models.base import GenerationParams, OmniAdapter, OmniTrajectory, Request, prepare_once
 from omnirl.models.lm import output_logprobs
 from omnirl.models.peft_lora import lora_merged
 from omnirl.rollout.compiled import compile_forwards, modules_named, swapped
@@ -189,7 +189,7 @@ class GenerationEngine:
             return []
         for r in requests:
             _check_params(r)
-        prepared = [self.adapter.prepare(r) for r in requests]  # host tensors
+        prepared = prepare_once(self.adapter, requests)  # host tensors
         results: list[OmniTrajectory | None] = [None] * len(requests)
         waiting = deque(range(len(requests)))
         # Whether rows draw through the sorted (top-k / top-p) path: one choice for the whole call, so a

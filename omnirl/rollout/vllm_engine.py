@@ -58,7 +58,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from omnirl import distributed as D
-from omnirl.models.base import OmniAdapter, OmniTrajectory, Request
+from omnirl.models.base import OmniAdapter, OmniTrajectory, Request, prepare_once
 from omnirl.models.peft_lora import merged_weight
 from omnirl.rollout import vllm_compat
 from omnirl.rollout.generate import _check_params
@@ -174,7 +174,7 @@ class VLLMEngine:
         for r in requests:
             _check_params(r)
         start = time.perf_counter()
-        prepared = [self.adapter.prepare(r) for r in requests]
+        prepared = prepare_once(self.adapter, requests)
         record = self.cfg.rollout.vllm_logprobs  # false: the trajectories' log-probs are None
         prompts, params = [], []
         for r, x in zip(requests, prepared):
