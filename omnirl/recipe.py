@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any, Literal
 
@@ -164,15 +165,25 @@ def load_config(recipe: str, overrides: list[str]) -> Config:
     given = {
         f"{section}.{key}" for section, values in data.items() if isinstance(values, dict) for key in values
     }
-    given |= {a[2:].split("=", 1)[0] for a in overrides if a.startswith("--")}
-    backend_defaults(cfg, given)
+    command_line = {a[2:].split("=", 1)[0] for a in overrides if a.startswith("--")}
+    backend_defaults(cfg, given | command_line, command_line)
     check_required(cfg, str(path))
     check_values(cfg)
     return cfg
 
 
-def backend_defaults(cfg: Config, given: set[str]) -> None:
-    """rollout.backend vllm, and an FP8 rollout whose trained transitions ran in FP8 (`fp8_trained`:
+# The native engine's decode-step settings, which the vLLM backend does not run.
+NATIVE_DECODE = ("generation.compile", "generation.compile_modules", "generation.merge_lora")
+
+
+def backend_defaults(
+    cfg: Config, given: AbstractSet[str], command_line: AbstractSet[str] = frozenset()
+) -> None:
+    """A recipe written for the native engine switched to vLLM on the command line (`command_line`: the
+    "section.field" names set there): its native decode settings (`NATIVE_DECODE`) do not apply and return
+    to their defaults, unless the command line sets them too (then `config_checks` refuses them).
+
+    rollout.backend vllm, and an FP8 rollout whose trained transitions ran in FP8 (`fp8_trained`:
     rollout.fp8_steps all, trained on its own samples with a log-prob loss): the rollout's kernels are not
     the trainer's, so the trainer recomputes the old log-probs (algo.old_logprob recompute) and corrects for
     the rollout's mismatch (algo.correction tis), unless the recipe or the command line sets these (`given`:
@@ -180,6 +191,11 @@ def backend_defaults(cfg: Config, given: set[str]) -> None:
     transitions) run every step in FP8: rollout.fp8_steps all unless given. Otherwise the dataclass
     defaults stay."""
     r = cfg.rollout
+    if r.backend == "vllm" and "rollout.backend" in command_line:
+        defaults = type(cfg)()
+        for key in set(NATIVE_DECODE) - command_line:
+            section, name = key.split(".")
+            setattr(getattr(cfg, section), name, getattr(getattr(defaults, section), name))
     explore = r.fp8_select or not loss_spec(cfg.algo.loss).logprobs
     if r.precision == "fp8" and explore and "rollout.fp8_steps" not in given:
         r.fp8_steps = "all"

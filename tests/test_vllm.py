@@ -78,6 +78,31 @@ def test_vllm_backend_defaults_to_recompute_and_tis(tmp_path):
     assert (cfg.algo.old_logprob, cfg.algo.correction) == ("recompute", "none")
 
 
+def test_a_native_recipe_switched_to_vllm_drops_its_native_decode_settings(tmp_path):
+    """mmk12 sets the native engine's merged LoRA and compiled norms; `--rollout.backend vllm` on the command
+    line puts them back to their defaults (the vLLM backend runs neither) and the recipe loads, unless the
+    command line asks for them too: then the refusal."""
+    from omnirl.recipe import backend_defaults, load_config, load_recipe
+
+    cfg, _ = load_recipe("mmk12")
+    assert cfg.generation.merge_lora and cfg.generation.compile_modules  # what the recipe sets
+    cfg.rollout.backend = "vllm"
+    backend_defaults(cfg, {"generation.merge_lora", "rollout.backend"}, {"rollout.backend"})
+    assert (cfg.generation.merge_lora, cfg.generation.compile_modules, cfg.generation.compile) == (
+        False,
+        [],
+        False,
+    )
+    args = ["--rollout.backend", "vllm", "--model.path", str(tmp_path)]
+    if HAVE_VLLM:
+        assert load_config("mmk12", args).generation.compile_modules == []
+    else:  # the vLLM checks ran past the compile settings, to vLLM's absence
+        with pytest.raises(ConfigError, match="vllm package is not importable"):
+            load_config("mmk12", args)
+    with pytest.raises(ConfigError, match="compile_modules compile the native engine's decode step"):
+        load_config("mmk12", [*args, "--generation.compile_modules", "RMSNorm"])
+
+
 def test_vllm_without_logprobs_corrects_nothing_and_is_refused_elsewhere(tmp_path):
     """rollout.vllm_logprobs false: the correction defaults to none (nothing to correct against); a recipe's
     correction, the bypass mode or the native backend with it are one clear error each."""
