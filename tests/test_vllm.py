@@ -6,7 +6,8 @@ The tests marked `vllm` run in the separate venv `scripts/vllm_cpu_env.sh` build
 everywhere. Checked: the tiny Qwen3-Omni thinker with an image generates n > 1 samples per prompt with
 per-request seeds, reproducibly, with the trainer's log-probs (fp32, 1e-5); after an update the pushed
 weights give vLLM the trainer's new log-probs, for the MoE thinker's merged LoRA and for a dense Qwen3-VL's
-tensor LoRA; a push that binds nothing fails; the tiny MMK12 recipe on 2 ranks under torchrun.
+tensor LoRA; a push that binds nothing fails; the tiny MMK12 recipe on 2 ranks under torchrun, with and
+without the rollout's log-probs (rollout.vllm_logprobs).
 """
 
 from __future__ import annotations
@@ -417,6 +418,27 @@ def test_tiny_recipe_with_vllm_under_torchrun(tmp_path):
         assert "time/train_engine_sleep_s" in m and "time/rollout_engine_wake_s" in m
         assert m["vllm/push_bound"] == 8  # the merged q/k/v/o of 2 layers, verified in vLLM
     assert "pushed weights to vLLM" in r.stdout + r.stderr
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_VLLM, reason=NO_VLLM)
+def test_tiny_recipe_without_rollout_logprobs_under_torchrun(tmp_path):
+    """mmk12_tiny with the vLLM backend asked for no log-probs, on 2 ranks: it trains (the recomputed
+    log-probs are the old ones), with no correction and no consistency metrics."""
+    from omnirl.models.tiny_k12 import make_tiny_qwen3_omni_k12
+
+    model = make_tiny_qwen3_omni_k12(tmp_path / "k12_vllm", head_dim=32)
+    out = tmp_path / "run"
+    args = ["--model.path", str(model), "--rollout.backend", "vllm", "--log.no-tensorboard"]
+    args += ["--run.output_dir", str(out), "--run.steps", "2", "--checkpoint.every", "0"]
+    args += ["--rollout.vllm_max_model_len", "512", "--rollout.vllm_logprobs", "false"]
+    torchrun(2, ROOT / "yaml/mmk12_tiny.yaml", *args, timeout=900)
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in rows] == [0, 1]
+    for m in rows:
+        assert m["train/updates"] == 2 and m["train/grad_norm"] > 0 and m["vllm/generate_s"] > 0
+        assert not any(k.startswith(("consistency/", "correction/")) for k in m), m
 
 
 @pytest.mark.vllm
