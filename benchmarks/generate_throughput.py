@@ -234,7 +234,8 @@ def main() -> None:
         "(generation.merge_lora: the LoRA merged into copies of its weights for the call), ours_norms "
         "(ours_merged with the decode step's norms and routers compiled), ours_moe (ours_norms with the "
         "whole MoE block compiled: routing, dispatch, activations, combine; the grouped GEMMs stay aten's), "
-        "ours_one_window "
+        "ours_rows (ours_norms with generation.row_buckets 4: a step computes the busy slots' smallest "
+        "of 4 slot counts), ours_one_window "
         "(generation.kv_windows 1: every step attends to the whole KV cache), vllm, "
         "vllm_unseeded, vllm_nolp, vllm_plain, vllm_plain_bias, vllm_plain_logprobs, vllm_plain_flat, "
         "vllm_plain_seeds, generate, generate_batch (vllm: the vLLM rollout backend, needs vllm installed; "
@@ -365,6 +366,7 @@ NATIVE: dict[str, dict] = {
     "ours_u8": {**NORMS, "narrow_expert_ids": True},
     "ours_moe": {"merge_lora": True, "compile_modules": MOE_MODULES},
     "ours_one_window": {"kv_windows": 1},
+    "ours_rows": {**NORMS, "row_buckets": 4},
     "ours_eager": {"cuda_graph": False},
     "ours_compiled": {"compile": True},
 }
@@ -489,6 +491,7 @@ SAME_SAMPLES = {
     "ours_merged": ("merged_vs_ours_identical_responses", "merged LoRA vs not"),
     "ours_norms": ("norms_vs_ours_identical_responses", "merged LoRA + compiled norms vs neither"),
     "ours_u8": ("u8_vs_ours_identical_responses", "ours_norms with uint8 expert ids vs ours"),
+    "ours_rows": ("rows_vs_ours_identical_responses", "ours_norms with 4 row buckets vs ours"),
     "ours_moe": ("moe_vs_ours_identical_responses", "merged LoRA + compiled norms and MoE vs neither"),
     "ours_eager": ("graph_vs_eager_identical_responses", "CUDA graph vs eager"),
     "ours_one_window": ("windows_vs_one_window_identical_responses", "KV windows vs one window"),

@@ -165,6 +165,12 @@ class GenerationConfig:
     widths of the KV cache (multiples of 64 columns, the widest the whole cache) that holds every busy
     slot's tokens, so while the rows are short the attention reads a fraction of the cache (one CUDA
     graph per window). 1 attends to the whole cache in every step."""
+    row_buckets: int = 1
+    """Slot counts of the native engine's decode step (>= 1): a step computes the smallest of this many
+    sizes (all rollout.max_num_seqs slots and halvings of them) that holds the busy slots, which are first
+    moved to the lowest slots (their KV rows copied on the device), so the tail of a rollout, where most
+    responses have stopped, does not compute every slot (one CUDA graph per size and KV window). 1
+    computes every slot in every step."""
     merge_lora: bool = False
     """The native engine runs each LoRA linear of the rollout as one GEMM on a merged copy of its weight (W +
     scale B A, summed in float32 once per rollout), as the vLLM backend pushes it, instead of the base GEMM

@@ -45,6 +45,7 @@ RANGES = {
     "generation.max_new_tokens": at_least(1),
     "generation.max_prefill_tokens": at_least(1),
     "generation.kv_windows": at_least(1),
+    "generation.row_buckets": at_least(1),
     "generation.kv_cache_fraction": ((lambda v: math.isfinite(v) and 0 < v < 1), "a number in (0, 1)"),
     "rollout.memory_budget_gib": NON_NEGATIVE,
     "rollout.prompts_per_step": at_least(1),

@@ -217,6 +217,10 @@ IMPOSSIBLE = {
         ["--generation.kv_windows", "0"],
         "generation.kv_windows must be an integer >= 1, got 0",
     ),
+    "no slot count": (
+        ["--generation.row_buckets", "0"],
+        "generation.row_buckets must be an integer >= 1, got 0",
+    ),
     "whole layers and parts compiled": (
         ["--generation.compile", "true", "--generation.compile_modules", "RMSNorm"],
         "generation.compile compiles whole decoder layers and generation.compile_modules ['RMSNorm'] parts",

@@ -117,6 +117,7 @@ class OmniOps:
                 compile=g.compile,
                 max_prefill_tokens=g.max_prefill_tokens,
                 kv_windows=g.kv_windows,
+                row_buckets=g.row_buckets,
                 merge_lora=g.merge_lora,
                 compile_modules=tuple(g.compile_modules),
             )

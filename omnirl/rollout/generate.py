@@ -19,7 +19,9 @@ mask, so a decode step has the same shapes from the first step to the last and u
 place: on CUDA it is captured once per call as a CUDA graph and replayed (`cuda_graph`), which removes
 the per-kernel launch cost that bounds a decode step of a batched MoE forward. The attention reads the
 narrowest of `kv_windows` widths of the cache that holds every busy slot's columns (a bound the host
-keeps without a sync: prompt + steps since admission), one graph per width. With `compile` the decoder
+keeps without a sync: prompt + steps since admission), one graph per width. With `row_buckets` a step
+computes only the first of a few slot counts that holds the busy slots (moved there first, their KV rows
+copied on the device: `omnirl.rollout.slots`), one graph per count and width. With `compile` the decoder
 layers run compiled in the decode step (`omnirl.rollout.compiled`: their norms, rotary embedding,
 routing and activations fused into fewer kernels; the prefill, whose shapes change with the prompts,
 stays eager; the graph then records the compiled kernels; a second compile, with the slots and KV
@@ -46,12 +48,11 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache
 
 from omnirl.fsdp import fsdp_hooks_quiet, gathered_weights
 from omnirl.memory import GIB, free_bytes
@@ -60,6 +61,7 @@ from omnirl.models.lm import output_logprobs
 from omnirl.models.peft_lora import lora_merged
 from omnirl.rollout.compiled import compile_forwards, modules_named, swapped
 from omnirl.rollout.experts import narrowed_expert_forwards
+from omnirl.rollout.slots import SlotLayer, Slots
 
 # Decode steps between two looks at which rows finished. Each look is a device->host sync that stalls the
 # launch queue; a row that finished meanwhile computes a few throw-away tokens, which are never recorded.
@@ -68,57 +70,6 @@ SYNC_EVERY = 8
 CDF_BLOCK = 1024
 # KV windows (`GenerationEngine._windows`) are multiples of this many columns, the attention kernels' tiles.
 WINDOW_COLUMNS = 64
-
-
-class _SlotLayer(DynamicLayer):
-    """One decoder layer's KV cache, one row per slot: `keys` / `values` are [S, H, C, D] buffers allocated
-    once per `generate` call. A decode step writes each slot's new token at that slot's own column
-    (`column` [S, 1, 1, 1], shared by all layers) and attends to the buffer's first `window` columns under
-    a mask, so every shape is fixed from step to step (the step can be captured in a CUDA graph, one per
-    window)."""
-
-    keys: torch.Tensor  # never None here, unlike a DynamicLayer's before its first update
-    values: torch.Tensor
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, column: torch.Tensor):
-        super().__init__()
-        self.keys, self.values, self.column = keys, values, column
-        self.window = keys.shape[2]  # the columns a step attends to (set per step by the engine)
-        self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        index = self.column.expand(-1, key_states.shape[1], 1, key_states.shape[3])  # [S, H, 1, D]
-        self.keys.scatter_(2, index, key_states)
-        self.values.scatter_(2, index, value_states)
-        return self.keys[:, :, : self.window], self.values[:, :, : self.window]
-
-    def get_seq_length(self) -> int:
-        return self.window
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.window, 0
-
-
-@dataclass
-class _Slots:
-    """The device state of S slots; a free slot has `done` set. Every tensor keeps its storage for the whole
-    call (steps update them in place), which is what a captured CUDA graph replays on."""
-
-    cache: Cache  # of _SlotLayer
-    column: torch.Tensor  # [S, 1, 1, 1] long, the column the next token's KV goes to (= length, clamped)
-    length: torch.Tensor  # [S] long, tokens in the slot's cache
-    last: torch.Tensor  # [S] long, the token to feed next
-    pos: torch.Tensor  # [S], the M-RoPE position of that token
-    n_gen: torch.Tensor  # [S] long, tokens recorded so far
-    done: torch.Tensor  # [S] bool
-    max_new: torch.Tensor  # [S] long
-    temperature: torch.Tensor  # [S] float32
-    top_p: torch.Tensor  # [S] float32
-    top_k: torch.Tensor  # [S] long
-    stops: torch.Tensor  # [S, T] long, stop / EOS ids, padded with -1
-    noise: torch.Tensor  # [S, W] float32, the request's uniforms, one per token
-    tokens: torch.Tensor  # [S, W + 1] long; column n_gen is scratch for finished rows
-    logprobs: torch.Tensor  # [S, W + 1] float32
 
 
 class GenerationEngine:
@@ -146,18 +97,21 @@ class GenerationEngine:
         merge_lora: bool = False,
         compile_modules: tuple[str, ...] = (),
         narrow_expert_ids: bool = False,
+        row_buckets: int = 1,
     ):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if kv_windows < 1:
             raise ValueError(f"kv_windows must be >= 1, got {kv_windows}")
+        if row_buckets < 1:
+            raise ValueError(f"row_buckets must be >= 1, got {row_buckets}")
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         if kv_cache_gib is not None and kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib must be > 0 or None, got {kv_cache_gib}")
         self.adapter = adapter
         self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
-        self.kv_windows = kv_windows
+        self.kv_windows, self.row_buckets = kv_windows, row_buckets
         self.kv_cache_gib, self.kv_fraction, self.memory_budget = kv_cache_gib, kv_fraction, memory_budget
         self.kv_budget = 0.0  # bytes, set by each call
         self.device = adapter.device
@@ -210,13 +164,16 @@ class GenerationEngine:
             # Per slot, a bound on its cached tokens known without a device sync: its prompt plus the
             # decode steps since it was admitted (a finished row stops growing; the bound does not).
             bound = [0] * len(owner)
-            first: Any = slots.cache.layers[0]  # a _SlotLayer
+            first: Any = slots.cache.layers[0]  # a SlotLayer
             windows = self._windows(first.keys.shape[2])
             stats["kv_windows"], columns = windows, 0
+            sizes = self._row_sizes(len(owner))
+            views = {n: slots.prefix(n) if n < len(owner) else slots for n in sizes}
+            stats["row_sizes"], stats["rows_moved"], computed = sizes, 0, 0
             start = time.perf_counter()
             # Warm-up steps while every slot is free, before any prefill, on the CPU too: the same order
             # as a CUDA graph's warm-up and capture (so CPU tests run what the GPU runs, FSDP2 included).
-            step = self._capture(slots, windows) if self.cuda_graph else self._warm_up(slots, windows)
+            step = self._capture(views, windows) if self.cuda_graph else self._warm_up(views, windows)
             stats["capture_s"] = time.perf_counter() - start
             while waiting or any(o is not None for o in owner):
                 free = [s for s, o in enumerate(owner) if o is None]
@@ -239,10 +196,12 @@ class GenerationEngine:
                 # those: the narrowest window that holds them for every busy slot.
                 need = max(b for b, o in zip(bound, owner) if o is not None) + SYNC_EVERY
                 window = next((w for w in windows if w >= need), windows[-1])
+                rows = self._pack_rows(slots, owner, bound, sizes)
                 for _ in range(SYNC_EVERY):
-                    step(window)
+                    step(window, rows)
                 stats["decode_steps"] += SYNC_EVERY
                 columns += SYNC_EVERY * window
+                computed += SYNC_EVERY * rows
                 bound = [b + SYNC_EVERY for b in bound]
                 done = slots.done.tolist()
                 finished = [s for s, o in enumerate(owner) if o is not None and done[s]]
@@ -254,11 +213,12 @@ class GenerationEngine:
                     owner[s] = None
             del step  # the graphs and their memory pool
             stats["kv_columns_mean"] = columns / max(1, stats["decode_steps"])
+            stats["rows_mean"] = computed / max(1, stats["decode_steps"])
         done = [t for t in results if t is not None]
         assert len(done) == len(results)
         return done
 
-    def _allocate(self, requests, prepared) -> _Slots:
+    def _allocate(self, requests, prepared) -> Slots:
         """Slots for the call: max_num_seqs of them, fewer if the KV cache of that many rows of the
         longest request (prompt + max_new_tokens) would exceed the budget."""
         capacity = max(len(x["input_ids"]) + r.params.max_new_tokens for r, x in zip(requests, prepared))
@@ -282,12 +242,12 @@ class GenerationEngine:
         for _ in range(num_layers):
             # zeros, not empty: a masked column still enters the attention as 0 x value, and NaN x 0 is NaN
             keys = torch.zeros(n, heads, capacity, dim, dtype=dtype, device=self.device)
-            layers.append(_SlotLayer(keys, torch.zeros_like(keys), column))
+            layers.append(SlotLayer(keys, torch.zeros_like(keys), column))
 
         def full(value, dtype, *shape):
             return torch.full((n, *shape), value, dtype=dtype, device=self.device)
 
-        return _Slots(
+        return Slots(
             cache=Cache(layers=layers),
             column=column,
             length=full(0, torch.long),
@@ -321,7 +281,7 @@ class GenerationEngine:
         self.stats["prefill_tokens_max"] = max(self.stats["prefill_tokens_max"], len(admitted) * longest)
         return admitted
 
-    def _prefill(self, slots: _Slots, free: list[int], admitted: list[int], requests, prepared) -> None:
+    def _prefill(self, slots: Slots, free: list[int], admitted: list[int], requests, prepared) -> None:
         """One forward over the admitted prompts (encoders included); their KV goes to the slots `free`
         (columns from 0, the left padding dropped), and each row's first token is drawn."""
         batch = self.adapter.collate([prepared[i] for i in admitted])
@@ -331,7 +291,7 @@ class GenerationEngine:
         hidden = self.adapter.model(**batch, position_ids=positions, cache=cache, use_cache=True)  # [k, P, H]
         length = batch["input_ids"].shape[1]
         lengths = [len(prepared[i]["input_ids"]) for i in admitted]
-        layers: list[Any] = slots.cache.layers  # a _SlotLayer per decoder layer
+        layers: list[Any] = slots.cache.layers  # a SlotLayer per decoder layer
         sources: list[Any] = cache.layers  # transformers' cache layers (typed as any layer kind)
         for layer, src in zip(layers, sources):
             src_keys, src_values = src.keys, src.values
@@ -379,11 +339,32 @@ class GenerationEngine:
             widths.add(min(capacity, -(-columns // WINDOW_COLUMNS) * WINDOW_COLUMNS))
         return sorted(widths)
 
-    def _step(self, slots: _Slots, window: int) -> None:
+    def _row_sizes(self, slots: int) -> list[int]:
+        """The slot counts a decode step runs on: `row_buckets` sizes, all slots and halvings of them. A step
+        computes the first of these that holds every busy slot once they are moved to the lowest slots
+        (`_pack_rows`), so a call's tail, where most slots are free, does not compute all of them."""
+        return sorted({-(-slots // 2**k) for k in range(self.row_buckets)})
+
+    def _pack_rows(self, slots: Slots, owner: list, bound: list[int], sizes: list[int]) -> int:
+        """The rows the next steps run on: the smallest of `sizes` that holds the busy slots, after moving
+        each busy slot beyond it into a free slot within it (its KV rows and state copied on the device;
+        `owner` and `bound` follow)."""
+        busy = [s for s, o in enumerate(owner) if o is not None]
+        rows = next(n for n in sizes if n >= len(busy))
+        sources = [s for s in busy if s >= rows]
+        if sources:
+            targets = [s for s in range(rows) if owner[s] is None][: len(sources)]
+            slots.move(sources, targets, self.device)
+            for a, b in zip(sources, targets):
+                owner[b], bound[b], owner[a] = owner[a], bound[a], None
+            self.stats["rows_moved"] += len(sources)
+        return rows
+
+    def _step(self, slots: Slots, window: int) -> None:
         """One decode step of every slot on its latest token, attending to the first `window` columns of
         the cache: fixed shapes, in-place updates, no host sync. Free and finished slots compute too
         (their writes land in columns and scratch entries that no one reads)."""
-        layers: list[Any] = slots.cache.layers  # a _SlotLayer per decoder layer
+        layers: list[Any] = slots.cache.layers  # a SlotLayer per decoder layer
         capacity = layers[0].keys.shape[2]
         for layer in layers:
             layer.window = window
@@ -406,7 +387,7 @@ class GenerationEngine:
             slots.length.add_((~slots.done).long())
             self._record(slots, hidden[:, -1], None)
 
-    def _record(self, slots: _Slots, hidden: torch.Tensor, index: torch.Tensor | None) -> None:
+    def _record(self, slots: Slots, hidden: torch.Tensor, index: torch.Tensor | None) -> None:
         """Draw the next token of the slots `index` (all when None) after their last hidden states [R, H],
         record it and its log-prob, and update `done` / `last`, in place."""
 
@@ -445,38 +426,41 @@ class GenerationEngine:
             ):
                 getattr(slots, name).index_copy_(0, index, value)
 
-    def _warm_up(self, slots: _Slots, windows: list[int]) -> Callable[[int], None]:
-        """Two decode steps per window while every slot is free (they change nothing that matters: free
-        slots' state is overwritten when a request takes them); returns the eager step."""
-        for window in windows:
-            for _ in range(2):  # lazy initialisations, cuBLAS workspaces, autotuning
-                self._step(slots, window)
-        return lambda window: self._step(slots, window)
+    def _warm_up(self, views: dict[int, Slots], windows: list[int]) -> Callable[[int, int], None]:
+        """Two decode steps per window and row count (`views`: the slots' prefix of each) while every slot is
+        free (they change nothing that matters: free slots' state is overwritten when a request takes
+        them); returns the eager step of (window, rows)."""
+        for rows in sorted(views, reverse=True):
+            for window in windows:
+                for _ in range(2):  # lazy initialisations, cuBLAS workspaces, autotuning
+                    self._step(views[rows], window)
+        return lambda window, rows: self._step(views[rows], window)
 
-    def _capture(self, slots: _Slots, windows: list[int]) -> Callable[[int], None]:
-        """The decode step as one CUDA graph per window: warmed up (on a side stream, as capture requires)
-        and captured while every slot is free, replayed on the same buffers. The graphs share one memory
-        pool: they never run at once, and a step keeps nothing in the pool past its end."""
+    def _capture(self, views: dict[int, Slots], windows: list[int]) -> Callable[[int, int], None]:
+        """The decode step as one CUDA graph per window and row count: warmed up (on a side stream, as
+        capture requires) and captured while every slot is free, replayed on the same buffers. The graphs
+        share one memory pool: they never run at once, and a step keeps nothing in the pool past its end."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._warm_up(slots, windows)
+            self._warm_up(views, windows)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         pool, graphs = torch.cuda.graph_pool_handle(), {}
         try:
-            for window in windows:
-                graphs[window] = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graphs[window], pool=pool):
-                    self._step(slots, window)
+            for rows in sorted(views, reverse=True):
+                for window in windows:
+                    graphs[window, rows] = graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self._step(views[rows], window)
         except RuntimeError as e:
             raise RuntimeError(
                 f"capturing the decode step in a CUDA graph failed ({e}); generation.cuda_graph: false "
                 "runs it eagerly"
             ) from e
-        return lambda window: graphs[window].replay()
+        return lambda window, rows: graphs[window, rows].replay()
 
     def _collect(
-        self, slots: _Slots, finished: list[int], owner, requests, prepared
+        self, slots: Slots, finished: list[int], owner, requests, prepared
     ) -> list[tuple[int, OmniTrajectory]]:
         """(request index, trajectory) of the finished slots, on the host."""
         if not finished:
