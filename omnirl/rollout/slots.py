@@ -20,7 +20,7 @@ class SlotLayer(DynamicLayer):
     once per `generate` call. A decode step writes each slot's new token at that slot's own column
     (`column` [S, 1, 1, 1], shared by all layers) and attends to the buffer's first `window` columns under
     a mask, so every shape is fixed from step to step (the step can be captured in a CUDA graph, one per
-    window)."""
+    window and slot count)."""
 
     keys: torch.Tensor  # never None here, unlike a DynamicLayer's before its first update
     values: torch.Tensor
