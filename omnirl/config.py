@@ -155,11 +155,11 @@ class GenerationConfig:
     """With kv_cache_gib null: the fraction of the free device memory (rollout.memory_budget_gib when set)
     the KV cache takes; the rest is left to the forwards' activations. In (0, 1)."""
     max_prefill_tokens: int = 16384
-    """Padded prompt tokens per prefill forward of the native engine (prompts in a group x the longest of
-    them; a prompt longer than this is prefilled alone): a prefill's memory (its KV before the copy into
-    the slots, the MoE and attention work space) grows with them and is not part of the KV budget, so
-    this bounds what the rollout needs beside the weights and the KV cache. rollout.backend vllm
-    schedules its own (chunked) prefill."""
+    """Padded prompt tokens per prefill forward of the native engine (distinct prompts in a group x the
+    longest of them: a group's samples share one prefill; a prompt longer than this is prefilled alone):
+    a prefill's memory (its KV before the copy into the slots, the MoE and attention work space) grows
+    with them and is not part of the KV budget, so this bounds what the rollout needs beside the weights
+    and the KV cache. rollout.backend vllm schedules its own (chunked) prefill."""
     kv_windows: int = 4
     """KV windows of the native engine's decode step (>= 1): a step attends to the narrowest of this many
     widths of the KV cache (multiples of 64 columns, the widest the whole cache) that holds every busy

@@ -368,10 +368,11 @@ def test_sample_does_not_depend_on_batch(omni):
     assert not torch.equal(other.response_ids, batched[0].response_ids)
 
 
-def test_a_groups_samples_share_one_prepare(omni, monkeypatch):
+def test_a_groups_samples_share_one_prepare_and_prefill(omni, monkeypatch):
     """The samples of a group (one prompt and inputs dict, as batching.make_requests makes them) run the
-    processor once and share its tensors; the same prompt with another inputs dict is prepared apart; each
-    sample is the one its request draws when prepared alone."""
+    processor once and share its tensors, and their prompt is prefilled once; the same prompt with another
+    inputs dict is prepared and prefilled apart; each sample is the one its request draws alone, and the
+    group's samples differ (each its own seed)."""
     params = GenerationParams(max_new_tokens=5, temperature=0.9)
     shared = {"image": image(0)}
     reqs = [Request("Describe it.", 0, j, 50 + j, params, inputs=shared) for j in range(3)]
@@ -379,8 +380,11 @@ def test_a_groups_samples_share_one_prepare(omni, monkeypatch):
     calls = []
     prepare = omni.prepare
     monkeypatch.setattr(omni, "prepare", lambda r: calls.append(r.index) or prepare(r))
-    trajs = GenerationEngine(omni, max_num_seqs=4, kv_cache_gib=0.1).generate(reqs)
+    engine = GenerationEngine(omni, max_num_seqs=4, kv_cache_gib=0.1)
+    trajs = engine.generate(reqs)
     assert calls == [0, 3]
+    assert engine.stats["prefills"] == 1 and engine.stats["prefill_rows"] == 2  # 4 requests, 2 prompts
+    assert len({tuple(t.response_ids.tolist()) for t in trajs[:3]}) > 1
     assert trajs[0].prompt_ids is trajs[2].prompt_ids and trajs[3].prompt_ids is not trajs[0].prompt_ids
     assert not torch.equal(trajs[0].mm_inputs["pixel_values"], trajs[3].mm_inputs["pixel_values"])
     alone = [GenerationEngine(omni, max_num_seqs=1, kv_cache_gib=0.1).generate([r])[0] for r in reqs]

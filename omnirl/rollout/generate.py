@@ -9,8 +9,9 @@ memory free when the call starts, its weights gathered (`memory_budget`, when gi
 memory: what tests and capped runs set). A call allocates S slots
 (`max_num_seqs`, fewer if the KV-cache budget holds fewer rows of the longest prompt + max_new_tokens):
 one KV-cache row per slot in every decoder layer, [S, kv heads, C, head dim]. Waiting requests are
-prefilled in groups (one forward, images and audio through the model's own encoders; the left padding
-of the batched prompts is dropped when their KV is copied into free slots from column 0); every decode
+prefilled in groups (one forward, images and audio through the model's own encoders, each distinct prompt
+once: a group's samples share their prompt's KV and last hidden state; the left padding of the batched
+prompts is dropped when their KV is copied into free slots from column 0); every decode
 step then runs one forward of all S slots on their latest tokens; a finished slot is freed and a waiting
 request takes it (continuous batching).
 
@@ -79,8 +80,10 @@ class GenerationEngine:
     decoder_layers()`) compiled for the decode step, in the first call's warm-up (and again, shapes
     symbolic, in the first call of other shapes); `compile_modules`: only their modules whose class names
     end with one of these. `merge_lora`: each call runs the LoRA linears on merged copies of their weights
-    (`omnirl.models.peft_lora.lora_merged`). `stats` describes the last call (slots, decode steps,
-    prefills and the largest prefill group's padded tokens, capture seconds, compile included)."""
+    (`omnirl.models.peft_lora.lora_merged`). `row_buckets`: a step computes only as many slots as the
+    busy ones need, of that many sizes (`_row_sizes`). `stats` describes the last call (slots, decode steps,
+    prefills, their forward rows and the largest prefill group's padded tokens, capture seconds, compile
+    included, rows computed per step and slots moved)."""
 
     def __init__(
         self,
@@ -149,7 +152,9 @@ class GenerationEngine:
         # Whether rows draw through the sorted (top-k / top-p) path: one choice for the whole call, so a
         # request's sample does not depend on which other requests share its steps.
         self._filtered = any(r.params.top_k > 0 or r.params.top_p < 1 for r in requests)
-        stats = self.stats = {"decode_steps": 0, "prefills": 0, "prefill_tokens_max": 0, "capture_s": 0.0}
+        stats: dict[str, Any] = {"decode_steps": 0, "prefills": 0, "prefill_rows": 0, "prefill_tokens_max": 0}
+        self.stats = stats
+        stats["capture_s"] = 0.0
         merged = lora_merged(self.adapter.model) if self.merge_lora else contextlib.nullcontext(0)
         with gathered_weights(self.adapter.model, per_unit=self.per_unit), merged as merged_bytes:
             stats["lora_merged_gib"] = merged_bytes / GIB
@@ -267,28 +272,40 @@ class GenerationEngine:
 
     def _admit(self, waiting: deque, free: int, prepared: list[dict]) -> list[int]:
         """The next prefill group: waiting requests in order, at most `free` of them and as many as keep the
-        group's padded tokens (its size x its longest prompt) within max_prefill_tokens (one at least). A
-        prefill's memory (its own KV before the copy into the slots, the MoE and attention work space)
-        grows with these tokens and is not part of the KV budget, so this bounds it."""
+        group's padded tokens (its distinct prompts x the longest, `_prefill` running each prompt once)
+        within max_prefill_tokens (one at least). A prefill's memory (its own KV before the copy into the
+        slots, the MoE and attention work space) grows with these tokens and is not part of the KV budget,
+        so this bounds it."""
         admitted = [waiting.popleft()]
+        prompts = {id(prepared[admitted[0]])}
         longest = len(prepared[admitted[0]]["input_ids"])
         while waiting and len(admitted) < free:
-            n = max(longest, len(prepared[waiting[0]]["input_ids"]))
-            if (len(admitted) + 1) * n > self.max_prefill_tokens:
+            x = prepared[waiting[0]]
+            n = max(longest, len(x["input_ids"]))
+            if len(prompts | {id(x)}) * n > self.max_prefill_tokens:
                 break
             admitted.append(waiting.popleft())
+            prompts.add(id(x))
             longest = n
-        self.stats["prefill_tokens_max"] = max(self.stats["prefill_tokens_max"], len(admitted) * longest)
+        self.stats["prefill_tokens_max"] = max(self.stats["prefill_tokens_max"], len(prompts) * longest)
         return admitted
 
     def _prefill(self, slots: Slots, free: list[int], admitted: list[int], requests, prepared) -> None:
-        """One forward over the admitted prompts (encoders included); their KV goes to the slots `free`
-        (columns from 0, the left padding dropped), and each row's first token is drawn."""
-        batch = self.adapter.collate([prepared[i] for i in admitted])
+        """One forward over the admitted prompts (encoders included), each distinct prompt once (a group's
+        samples share their `prepare_once` result): its KV goes to the slots `free` of every request that
+        has it (columns from 0, the left padding dropped), and each request's first token is drawn from its
+        prompt's last hidden state with the request's own uniform."""
+        forward_row: dict[int, int] = {}  # id of a prepared prompt -> its row in the forward
+        for i in admitted:
+            forward_row.setdefault(id(prepared[i]), len(forward_row))
+        distinct = list({id(prepared[i]): prepared[i] for i in admitted}.values())
+        rows = [forward_row[id(prepared[i])] for i in admitted]  # each request's row in the forward
+        self.stats["prefill_rows"] += len(distinct)
+        batch = self.adapter.collate(distinct)
         batch = {k: v.to(self.device) for k, v in batch.items()}
-        positions = self.adapter.rope_positions(batch)  # [3, k, P]
+        positions = self.adapter.rope_positions(batch)  # [3, u, P]
         cache = DynamicCache()
-        hidden = self.adapter.model(**batch, position_ids=positions, cache=cache, use_cache=True)  # [k, P, H]
+        hidden = self.adapter.model(**batch, position_ids=positions, cache=cache, use_cache=True)  # [u, P, H]
         length = batch["input_ids"].shape[1]
         lengths = [len(prepared[i]["input_ids"]) for i in admitted]
         layers: list[Any] = slots.cache.layers  # a SlotLayer per decoder layer
@@ -296,10 +313,11 @@ class GenerationEngine:
         for layer, src in zip(layers, sources):
             src_keys, src_values = src.keys, src.values
             assert src_keys is not None and src_values is not None  # the prefill filled every layer
-            for row, (s, n) in enumerate(zip(free, lengths)):
+            for s, row, n in zip(free, rows, lengths):
                 layer.keys[s, :, :n] = src_keys[row, :, length - n :]
                 layer.values[s, :, :n] = src_values[row, :, length - n :]
         del cache
+        rows_t = torch.tensor(rows, device=self.device)
         params = [requests[i].params for i in admitted]
         index = torch.tensor(free, device=self.device)
         noise = torch.zeros(len(admitted), slots.noise.shape[1])  # [k, W]
@@ -316,7 +334,9 @@ class GenerationEngine:
             target.index_copy_(0, index, values)
 
         put("length", lengths)
-        put("pos", positions.amax(dim=(0, 2)) + 1)  # the next position after each prompt
+        put(
+            "pos", (positions.amax(dim=(0, 2)) + 1).index_select(0, rows_t)
+        )  # the next position after each prompt
         put("n_gen", [0] * len(admitted))
         put("done", [False] * len(admitted))
         put("max_new", [p.max_new_tokens for p in params])
@@ -326,7 +346,7 @@ class GenerationEngine:
         put("stops", stops)
         put("noise", noise)
         # The first token, drawn from the prompt's last hidden state, by the same bookkeeping as a step.
-        self._record(slots, hidden[:, -1], index)
+        self._record(slots, hidden[:, -1].index_select(0, rows_t), index)
 
     def _windows(self, capacity: int) -> list[int]:
         """The KV windows a decode step attends to: `kv_windows` widths up to the slots' capacity, each a
