@@ -50,10 +50,11 @@ def make_requests(args, stops: tuple[int, ...]) -> list[Request]:
     )
     out = []
     for i in range(args.num_requests):
-        n = rng.randint(args.prompt_words // 2, args.prompt_words)
-        prompt = " ".join(rng.choice(WORDS) for _ in range(n))
-        inputs = {"image": noise_image(i, args.image_size)} if args.image_size else {}
-        out.append(Request(prompt, i, i, 1000 + i, params, inputs=inputs))
+        if i % args.group_size == 0:  # a group's samples share one prompt and inputs, as a rollout's do
+            n = rng.randint(args.prompt_words // 2, args.prompt_words)
+            prompt = " ".join(rng.choice(WORDS) for _ in range(n))
+            inputs = {"image": noise_image(i, args.image_size)} if args.image_size else {}
+        out.append(Request(prompt, i // args.group_size, i, 1000 + i, params, inputs=inputs))  # pyright: ignore[reportPossiblyUnbound]
     return out
 
 
@@ -218,6 +219,11 @@ def main() -> None:
     p.add_argument("--kv-cache-gib", type=float, default=16.0)
     p.add_argument("--prompt-words", type=int, default=40, help="prompts have words in [n / 2, n]")
     p.add_argument(
+        "--group-size", type=int, default=1, help="samples per prompt: consecutive requests share a prompt "
+        "and its image, with their own seeds, as a rollout's groups do (the native engine prepares and "
+        "prefills each prompt once; vLLM's prefix cache reuses it)",
+    )  # fmt: skip
+    p.add_argument(
         "--image-size", type=int, default=0, help="each prompt also gets a noise image of this size "
         "(0 = text only; generate_batch takes no images and is then skipped)",
     )  # fmt: skip
@@ -272,6 +278,8 @@ def main() -> None:
         parse_loads(args.loads, args)
     except ValueError as e:
         p.error(str(e))  # one error line, exit 2, before anything loads
+    if args.group_size < 1:
+        p.error(f"--group-size must be >= 1, got {args.group_size}")
 
     torch.set_num_threads(1 if device_type() == "cpu" else torch.get_num_threads())
     tmp = tempfile.mkdtemp()  # the checkpoint stays until the end: the vLLM backend reads it too

@@ -438,9 +438,9 @@ def test_rollout_packing_interleaved_pairs_on_tiny_wan(layout, tiny_wan_ti2v, ti
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype, lora", [("bfloat16", "bfloat16"), ("float16", "float32")])
 def test_generation_benchmark_ranks_what_its_engine_ran(tiny_qwen3_omni, tmp_path, dtype, lora):
-    """generate_throughput --kernels: one more run of each method under the profiler, its costliest
-    operators (device kernels on CUDA) ranked with their calls and shares of the busy time, and the busy
-    time per decode step of the native engine. The thinker is placed as a recipe of its dtype places it:
+    """generate_throughput --kernels (on a group of 3 samples of one prompt): one more run of each method
+    under the profiler, its costliest operators (device kernels on CUDA) ranked with their calls and shares
+    of the busy time, and the busy time per decode step of the native engine. The thinker is placed as a recipe of its dtype places it:
     bf16 under FSDP2 with the LoRA gathered in bf16 (no float32 LoRA matmul), float16 unwrapped (FSDP2's
     mixed precision has no float16), the LoRA then in peft's float32."""
     out = tmp_path / "tput.json"
@@ -448,9 +448,11 @@ def test_generation_benchmark_ranks_what_its_engine_ran(tiny_qwen3_omni, tmp_pat
         sys.executable, "-m", "benchmarks.generate_throughput", "--model", str(tiny_qwen3_omni), "--methods",
         "ours,ours_one_window", "--num-requests", "3", "--max-num-seqs", "2", "--max-new-tokens", "4",
         "--warmup", "0", "--kv-cache-gib", "0.25", "--kernels", "4", "--kernel-methods", "ours", "--dtype",
-        dtype, "--out", str(out),
+        dtype, "--group-size", "3", "--out", str(out),
     ])  # fmt: skip
     report = json.loads(out.read_text())
+    # one prompt for the 3 requests (--group-size 3), prefilled once in each of the 2 prefills (2 slots)
+    assert (report["results"]["ours"]["prefills"], report["results"]["ours"]["prefill_rows"]) == (2, 2)
     # the engine without KV windows, side by side: the same samples
     assert report["windows_vs_one_window_identical_responses"] == "3/3"
     assert report["lora_compute_dtype"] == [lora]
