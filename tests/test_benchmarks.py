@@ -440,9 +440,9 @@ def test_rollout_packing_interleaved_pairs_on_tiny_wan(layout, tiny_wan_ti2v, ti
 def test_generation_benchmark_ranks_what_its_engine_ran(tiny_qwen3_omni, tmp_path, dtype, lora):
     """generate_throughput --kernels (on a group of 3 samples of one prompt): one more run of each method
     under the profiler, its costliest operators (device kernels on CUDA) ranked with their calls and shares
-    of the busy time, and the busy time per decode step of the native engine. The thinker is placed as a recipe of its dtype places it:
-    bf16 under FSDP2 with the LoRA gathered in bf16 (no float32 LoRA matmul), float16 unwrapped (FSDP2's
-    mixed precision has no float16), the LoRA then in peft's float32."""
+    of the busy time, and the busy time per decode step of the native engine. The thinker is placed as a
+    recipe of its dtype places it: bf16 under FSDP2 with the LoRA gathered in bf16 (no float32 LoRA
+    matmul), float16 unwrapped (FSDP2's mixed precision has no float16), the LoRA then in peft's float32."""
     out = tmp_path / "tput.json"
     run([
         sys.executable, "-m", "benchmarks.generate_throughput", "--model", str(tiny_qwen3_omni), "--methods",
