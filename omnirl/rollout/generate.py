@@ -152,9 +152,14 @@ class GenerationEngine:
         # Whether rows draw through the sorted (top-k / top-p) path: one choice for the whole call, so a
         # request's sample does not depend on which other requests share its steps.
         self._filtered = any(r.params.top_k > 0 or r.params.top_p < 1 for r in requests)
-        stats: dict[str, Any] = {"decode_steps": 0, "prefills": 0, "prefill_rows": 0, "prefill_tokens_max": 0}
+        stats: dict[str, Any] = {
+            "decode_steps": 0,
+            "prefills": 0,
+            "prefill_rows": 0,
+            "prefill_tokens_max": 0,
+            "capture_s": 0.0,
+        }
         self.stats = stats
-        stats["capture_s"] = 0.0
         merged = lora_merged(self.adapter.model) if self.merge_lora else contextlib.nullcontext(0)
         with gathered_weights(self.adapter.model, per_unit=self.per_unit), merged as merged_bytes:
             stats["lora_merged_gib"] = merged_bytes / GIB
@@ -295,13 +300,13 @@ class GenerationEngine:
         samples share their `prepare_once` result): its KV goes to the slots `free` of every request that
         has it (columns from 0, the left padding dropped), and each request's first token is drawn from its
         prompt's last hidden state with the request's own uniform."""
-        forward_row: dict[int, int] = {}  # id of a prepared prompt -> its row in the forward
+        distinct: dict[int, dict] = {}  # id of a prepared prompt -> the prompt, in forward-row order
         for i in admitted:
-            forward_row.setdefault(id(prepared[i]), len(forward_row))
-        distinct = list({id(prepared[i]): prepared[i] for i in admitted}.values())
+            distinct.setdefault(id(prepared[i]), prepared[i])
+        forward_row = {key: row for row, key in enumerate(distinct)}
         rows = [forward_row[id(prepared[i])] for i in admitted]  # each request's row in the forward
         self.stats["prefill_rows"] += len(distinct)
-        batch = self.adapter.collate(distinct)
+        batch = self.adapter.collate(list(distinct.values()))
         batch = {k: v.to(self.device) for k, v in batch.items()}
         positions = self.adapter.rope_positions(batch)  # [3, u, P]
         cache = DynamicCache()
@@ -334,9 +339,8 @@ class GenerationEngine:
             target.index_copy_(0, index, values)
 
         put("length", lengths)
-        put(
-            "pos", (positions.amax(dim=(0, 2)) + 1).index_select(0, rows_t)
-        )  # the next position after each prompt
+        after_prompt = positions.amax(dim=(0, 2)) + 1  # [u] the next position after each prompt
+        put("pos", after_prompt.index_select(0, rows_t))
         put("n_gen", [0] * len(admitted))
         put("done", [False] * len(admitted))
         put("max_new", [p.max_new_tokens for p in params])
