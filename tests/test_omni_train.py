@@ -73,6 +73,17 @@ def rollout(cfg):
     return adapter, ops, trajs, per, pool.rewards["mmk12"]
 
 
+def signed_rollout(cfg):
+    """Step 0's rollout for an update of every sample, advantages alternating -1 / +1: (adapter, ops,
+    trajectories, keep mask, the parameters before any update)."""
+    adapter, ops, trajs, _, _ = rollout(cfg)
+    for i, t in enumerate(trajs):
+        t.advantage = 1.0 if i % 2 else -1.0
+    keep = torch.ones(len(trajs), dtype=torch.bool)
+    before = {n: p.detach().clone() for n, p in adapter.model.named_parameters()}
+    return adapter, ops, trajs, keep, before
+
+
 def steady(rows: list[dict]) -> list[dict]:
     """Metrics rows without the wall-clock and memory readings, which no two runs share."""
     return [{k: v for k, v in r.items() if not k.startswith(("time/", "mem/"))} for r in rows]
@@ -130,12 +141,8 @@ def test_bypass_consistency_and_nonfinite_guard(tiny_qwen3_omni_k12, tmp_path):
     cfg = omni_cfg(
         tiny_qwen3_omni_k12, tmp_path, "--algo.old_logprob", "rollout", "--optim.mini_batches", "1"
     )
-    adapter, ops, trajs, _, _ = rollout(cfg)
-    for i, t in enumerate(trajs):
-        t.advantage = 1.0 if i % 2 else -1.0
-    keep = torch.ones(len(trajs), dtype=torch.bool)
+    adapter, ops, trajs, keep, before = signed_rollout(cfg)
     model = adapter.model
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.AdamW(adapter.trainable_parameters(), lr=1e-2)
 
     good = float(trajs[3].logprobs[0])
@@ -165,12 +172,8 @@ def test_update_without_rollout_logprobs_is_the_same_update(tiny_qwen3_omni_k12,
         tiny_qwen3_omni_k12, tmp_path, "--algo.old_logprob", "recompute", "--optim.mini_batches", "2"
     )
     assert cfg.algo.correction == "none"
-    adapter, ops, trajs, _, _ = rollout(cfg)
-    for i, t in enumerate(trajs):
-        t.advantage = 1.0 if i % 2 else -1.0
-    keep = torch.ones(len(trajs), dtype=torch.bool)
+    adapter, ops, trajs, keep, start = signed_rollout(cfg)
     model = adapter.model
-    start = {n: p.detach().clone() for n, p in model.named_parameters()}
 
     logs = update(cfg, ops, torch.optim.AdamW(adapter.trainable_parameters(), lr=1e-2), trajs, keep, 0)
     after = {n: p.detach().clone() for n, p in model.named_parameters()}
