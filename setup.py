@@ -32,10 +32,11 @@ setup(
         "vllm": ["vllm>=0.26"],
         "test": [
             "pytest>=8",
-            "ruff>=0.6",
-            # The type checker of scripts/test.sh (configured in pyproject.toml); its nodejs extra brings
-            # the Node.js it runs on as a wheel.
-            "pyright[nodejs]>=1.1.400",
+            # The linter and type checker of scripts/test.sh (configured in pyproject.toml) are pinned: their
+            # releases change verdicts and formatting on unchanged code. pyright's nodejs extra brings the
+            # Node.js it runs on as a wheel.
+            "ruff==0.17.6",
+            "pyright[nodejs]==1.1.414",
             "rapidocr>=3.4",
             "onnxruntime>=1.18",
             "math-verify>=0.7",
