@@ -221,6 +221,11 @@ def _check_vllm(cfg: Config, adapter: type) -> None:
             "generation.compile / compile_modules compile the native engine's decode step; rollout.backend "
             "vllm compiles its own (generation.cuda_graph false makes it eager): leave them off"
         )
+    if cfg.generation.merge_lora:
+        raise ConfigError(
+            "generation.merge_lora merges the LoRA for the native engine's decode step; rollout.backend vllm "
+            "places the LoRA itself (merged into the pushed weights, or as vLLM's adapter): leave it off"
+        )
     if not cfg.rollout.vllm_logprobs and (cfg.algo.old_logprob, cfg.algo.correction) != ("recompute", "none"):
         raise ConfigError(
             "rollout.vllm_logprobs false: the rollout records no log-probs, so the trainer recomputes them "

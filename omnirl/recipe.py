@@ -181,7 +181,8 @@ def backend_defaults(
 ) -> None:
     """A recipe written for the native engine switched to vLLM on the command line (`command_line`: the
     "section.field" names set there): its native decode settings (`NATIVE_DECODE`) do not apply and return
-    to their defaults, unless the command line sets them too (then `config_checks` refuses them).
+    to their defaults, unless the command line sets them too (then `config_checks` refuses them: they
+    are the native engine's alone).
 
     rollout.backend vllm, and an FP8 rollout whose trained transitions ran in FP8 (`fp8_trained`:
     rollout.fp8_steps all, trained on its own samples with a log-prob loss): the rollout's kernels are not

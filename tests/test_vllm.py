@@ -102,6 +102,8 @@ def test_a_native_recipe_switched_to_vllm_drops_its_native_decode_settings(tmp_p
             load_config("mmk12", args)
     with pytest.raises(ConfigError, match="compile_modules compile the native engine's decode step"):
         load_config("mmk12", [*args, "--generation.compile_modules", "RMSNorm"])
+    with pytest.raises(ConfigError, match="merge_lora merges the LoRA for the native engine's decode"):
+        load_config("mmk12", [*args, "--generation.merge_lora"])
 
 
 def test_vllm_without_logprobs_corrects_nothing_and_is_refused_elsewhere(tmp_path):
