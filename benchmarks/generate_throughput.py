@@ -49,12 +49,13 @@ def make_requests(args, stops: tuple[int, ...]) -> list[Request]:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_token_ids=stops
     )
     out = []
-    for i in range(args.num_requests):
-        if i % args.group_size == 0:  # a group's samples share one prompt and inputs, as a rollout's do
-            n = rng.randint(args.prompt_words // 2, args.prompt_words)
-            prompt = " ".join(rng.choice(WORDS) for _ in range(n))
-            inputs = {"image": noise_image(i, args.image_size)} if args.image_size else {}
-        out.append(Request(prompt, i // args.group_size, i, 1000 + i, params, inputs=inputs))  # pyright: ignore[reportPossiblyUnbound]
+    for first in range(0, args.num_requests, args.group_size):
+        # a group's samples share one prompt and inputs, as a rollout's do
+        n = rng.randint(args.prompt_words // 2, args.prompt_words)
+        prompt = " ".join(rng.choice(WORDS) for _ in range(n))
+        inputs = {"image": noise_image(first, args.image_size)} if args.image_size else {}
+        for i in range(first, min(first + args.group_size, args.num_requests)):
+            out.append(Request(prompt, first // args.group_size, i, 1000 + i, params, inputs=inputs))
     return out
 
 
