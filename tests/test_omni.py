@@ -298,10 +298,6 @@ def test_row_buckets_draw_the_same_samples(omni):
     engine = GenerationEngine(omni, max_num_seqs=8, kv_cache_gib=0.1, row_buckets=3)
     packed = engine.generate(reqs)
     stats = engine.stats
-    print(
-        {k: stats[k] for k in ("row_sizes", "rows_moved", "rows_mean", "decode_steps")},
-        every.stats["rows_mean"],
-    )
     assert stats["row_sizes"] == [2, 4, 8] and every.stats["rows_mean"] == 8
     assert stats["rows_moved"] > 0 and stats["rows_mean"] < 8
     for a, b in zip(full, packed):
