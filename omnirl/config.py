@@ -45,8 +45,10 @@ class ModelConfig:
     """Weight and compute dtype of the frozen parts (text encoders, VAE, the frozen transformer base)."""
     finetune: Literal["lora", "full"] = "lora"
     """Train a LoRA (base frozen and replicated) or every transformer weight (FSDP2-sharded)."""
-    gradient_checkpointing: bool = False
-    """Recompute activations of each transformer block in the backward pass."""
+    gradient_checkpointing: bool | Literal["auto"] = "auto"
+    """Recompute activations of each transformer block in the backward pass. 'auto': off unless the update
+    would not fit the device without it, decided at the first update from one measured micro-batch and
+    printed with its reason (omnirl.autotune; docs/memory.md)."""
     weights: Literal["pretrained", "random"] = "pretrained"
     """pretrained: the weights at model.path. random: every model built from its config at model.path with
     random weights (omnirl.models.random_init), the same on every rank, reading no weight files: for
@@ -394,6 +396,10 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
+    compile: bool = False
+    """torch.compile the transformer's repeated blocks for the update too (forward, backward, the KL
+    reference pass), block by block as rollout.compile does for the rollout; micro-batches are padded to a
+    few row counts so that no step recompiles (benchmarks/RESULTS.md has what it gives)."""
     on_nonfinite: Literal["skip", "stop"] = "skip"
     """A non-finite sample, loss or gradient norm in a step: 'skip' drops that optimizer step on every rank
     (counted in train/skipped_nonfinite), 'stop' ends the run naming the step. Either way a step whose

@@ -53,6 +53,11 @@ def _convert(tp: Any, value: Any, key: str, src: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        if is_bool_or_literal(tp):  # e.g. bool | Literal["auto"]: true, false or one of the words
+            words = [w for a in args if typing.get_origin(a) is Literal for w in typing.get_args(a)]
+            if isinstance(value, bool) or value in words:
+                return value
+            raise bad("true, false or " + ", ".join(repr(w) for w in words))
         (inner,) = [a for a in args if a is not type(None)]
         return _convert(inner, value, key, src)
     if origin is Literal:
@@ -214,16 +219,27 @@ def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def is_bool_or_literal(tp: Any) -> bool:
+    """A field that takes true, false or one of some words (`bool | Literal["auto"]`)."""
+    args = typing.get_args(tp)
+    return (
+        typing.get_origin(tp) in (typing.Union, types.UnionType)
+        and bool in args
+        and any(typing.get_origin(a) is Literal for a in args)
+    )
+
+
 def bool_values(config_cls: type[Config], overrides: list[str]) -> list[str]:
     """`--section.flag true|false` (or `=true|false`, any case) as tyro's `--section.flag` /
     `--section.no-flag`, so a boolean field of `config_cls` takes a value like every other field; other
     arguments pass as they are."""
     hints = typing.get_type_hints(config_cls)
-    flags = set()
+    flags, worded = set(), set()
     for section in dataclasses.fields(config_cls):
         if dataclasses.is_dataclass(hints[section.name]):
             fields = typing.get_type_hints(hints[section.name]).items()
             flags |= {f"{section.name}.{name}" for name, tp in fields if tp is bool}
+            worded |= {f"{section.name}.{name}" for name, tp in fields if is_bool_or_literal(tp)}
     out, i = [], 0
     while i < len(overrides):
         arg, value = overrides[i], None
@@ -232,6 +248,17 @@ def bool_values(config_cls: type[Config], overrides: list[str]) -> list[str]:
             name, value = name.split("=", 1)
         elif name in flags and i + 1 < len(overrides) and overrides[i + 1].lower() in ("true", "false"):
             value, i = overrides[i + 1], i + 1
+        if name in worded:  # bool | Literal[...]: tyro takes True / False; a bare flag means true
+            following = overrides[i + 1] if value is None and i + 1 < len(overrides) else None
+            if value is None and (following is None or following.startswith("--")):
+                value = "true"
+            elif value is None:
+                value, i = following, i + 1
+            assert value is not None
+            word = {"true": "True", "false": "False"}.get(value.lower(), value)
+            out += [f"--{name}", word]
+            i += 1
+            continue
         if name in flags and value is not None and value.lower() in ("true", "false"):
             section, field_name = name.split(".")
             arg = f"--{section}.{field_name}" if value.lower() == "true" else f"--{section}.no-{field_name}"

@@ -20,14 +20,38 @@ from torch.distributed.tensor import DTensor
 
 from omnirl import distributed as D
 from omnirl.algos.advantages import group_advantages
+from omnirl.autotune import AutoCheckpointing
 from omnirl.batching import split_mini_batches
 from omnirl.config import Config
 from omnirl.models.base import derive_seed
 from omnirl.ops import KindOps
+from omnirl.phase_clock import PhaseClock
+from omnirl.rollout.compiled import compile_forwards, swapped
 from omnirl.scoring import nonfinite_parts
 
 
-def update(cfg: Config, ops: KindOps, optimizer, trajs: list, keep: torch.Tensor, step: int) -> dict:
+class UpdateTuning:
+    """What a run's updates carry from step to step: the pending `model.gradient_checkpointing: auto`
+    decision (`omnirl.autotune`), the blocks compiled for training (`train.compile`, swapped in only while
+    an update runs, as the rollout swaps its own) and the clock of the update's parts."""
+
+    def __init__(self, cfg: Config, ops: KindOps):
+        self.auto = AutoCheckpointing(cfg.model.gradient_checkpointing)
+        self.clock = PhaseClock(ops.adapter.device)
+        self.compiled = compile_forwards(ops.adapter.fsdp_units()) if cfg.train.compile else []
+        if hasattr(ops, "clock"):  # the ops that time a part of their loss (the KL reference pass)
+            ops.clock = self.clock  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def update(
+    cfg: Config,
+    ops: KindOps,
+    optimizer,
+    trajs: list,
+    keep: torch.Tensor,
+    step: int,
+    tuning: UpdateTuning | None = None,
+) -> dict:
     """One RL step's policy update over this rank's samples; returns the logged (global) metrics.
 
     `keep` [N] bool marks the samples of groups with reward spread. Losses are divided by the global count
@@ -47,39 +71,68 @@ def update(cfg: Config, ops: KindOps, optimizer, trajs: list, keep: torch.Tensor
         }
     # Every rank must hold the same keys: reduce_metrics all-reduces them as one tensor.
     sums: dict[str, float] = {"train/skipped_nonfinite": 0.0}
-    rows_all = ops.update_rows(trajs, keep, gen)
-    if cfg.algo.old_logprob == "recompute":
-        with torch.no_grad():
-            sums.update(ops.recompute_old(rows_all, trajs[0]))
-    first = True
-    for _ in range(cfg.optim.epochs):
-        for rows in split_mini_batches(rows_all, cfg.optim.mini_batches):
-            measure, first = first, False
-            total = D.all_reduce(torch.tensor([float(ops.count(rows))], dtype=torch.float64))
-            if total.item() == 0:
-                continue  # no rank kept anything: nothing to learn from this mini-batch
-            optimizer.zero_grad(set_to_none=True)
-            mb_sums: dict[str, float] = {}
-            finite_loss = True
-            for mb in ops.micro_batches(rows, trajs[0]):
-                loss, m = ops.loss(mb, total.item(), measure)
-                loss.backward()
-                finite_loss &= bool(torch.isfinite(loss.detach()))
-                for k, v in m.items():
-                    mb_sums[k] = combine(k, mb_sums.get(k), float(v))
-            sync_grads(cfg, ops.policy)
-            grad_norm = clip_grads(cfg, ops.policy)
-            if skip_nonfinite(cfg, step, finite_loss, grad_norm):
+    tuning = tuning or UpdateTuning(cfg, ops)
+    mark = tuning.clock.mark
+    with swapped(tuning.compiled):
+        rows_all = ops.update_rows(trajs, keep, gen)
+        if cfg.algo.old_logprob == "recompute":
+            mark("recompute")
+            with torch.no_grad():
+                sums.update(ops.recompute_old(rows_all, trajs[0]))
+        mark("idle")
+        decided = probe(tuning, ops, optimizer, rows_all, trajs[0], cfg.optim.mini_batches)
+        first = True
+        for _ in range(cfg.optim.epochs):
+            for rows in split_mini_batches(rows_all, cfg.optim.mini_batches):
+                measure, first = first, False
+                total = D.all_reduce(torch.tensor([float(ops.count(rows))], dtype=torch.float64))
+                if total.item() == 0:
+                    continue  # no rank kept anything: nothing to learn from this mini-batch
                 optimizer.zero_grad(set_to_none=True)
-                sums["train/skipped_nonfinite"] += 1
-                continue
-            optimizer.step()
-            for k, v in mb_sums.items():  # a skipped update's (non-finite) loss metrics are not logged
-                sums[k] = combine(k, sums.get(k), v)
-            sums["train/grad_norm_sum"] = sums.get("train/grad_norm_sum", 0.0) + grad_norm
-            sums["train/updates"] = sums.get("train/updates", 0.0) + 1
+                mb_sums: dict[str, float] = {}
+                finite_loss = True
+                for mb in ops.micro_batches(rows, trajs[0]):
+                    mark("forward")
+                    loss, m = ops.loss(mb, total.item(), measure)
+                    mark("backward")
+                    loss.backward()
+                    mark("idle")
+                    finite_loss &= bool(torch.isfinite(loss.detach()))
+                    for k, v in m.items():
+                        mb_sums[k] = combine(k, mb_sums.get(k), float(v))
+                mark("optimizer")
+                sync_grads(cfg, ops.policy)
+                grad_norm = clip_grads(cfg, ops.policy)
+                if skip_nonfinite(cfg, step, finite_loss, grad_norm):
+                    optimizer.zero_grad(set_to_none=True)
+                    sums["train/skipped_nonfinite"] += 1
+                    continue
+                optimizer.step()
+                mark("idle")
+                for k, v in mb_sums.items():  # a skipped update's (non-finite) loss metrics are not logged
+                    sums[k] = combine(k, sums.get(k), v)
+                sums["train/grad_norm_sum"] = sums.get("train/grad_norm_sum", 0.0) + grad_norm
+                sums["train/updates"] = sums.get("train/updates", 0.0) + 1
+    mark("idle")
     steps = int(sums.get("train/updates", 0))  # skipped ones are not counted: the same on every rank
-    return {**summarise(reduce_metrics(sums), world), **ops.measured(steps), "rollout/nonfinite_samples": 0.0}
+    return {
+        **summarise(reduce_metrics(sums), world),
+        **ops.measured(steps),
+        "rollout/nonfinite_samples": 0.0,
+        **decided,
+        **tuning.clock.totals(),
+    }
+
+
+def probe(tuning: UpdateTuning, ops: KindOps, optimizer, rows: list, pad_traj, mini_batches: int) -> dict:
+    """The pending auto decisions, made on the step's first micro-batch (collective: every rank calls it,
+    also one whose rows are all dropped: it probes on padding rows)."""
+    if not tuning.auto.pending:
+        return tuning.auto.maybe_decide(ops, optimizer, None, 1.0)
+    first = split_mini_batches(rows, mini_batches)[0]
+    total = D.all_reduce(torch.tensor([float(ops.count(first))], dtype=torch.float64)).item()
+    mbs = ops.micro_batches(first, pad_traj) if total else []
+    return tuning.auto.maybe_decide(ops, optimizer, mbs[0] if mbs else None, max(total, 1.0))
 
 
 def sync_grads(cfg: Config, model: nn.Module) -> None:

@@ -22,7 +22,7 @@ from omnirl.models import build_adapter
 from omnirl.ops import check_before_loading, shard
 from omnirl.rewards.pool import RewardPool
 from omnirl.scoring import regenerate_selected, rollout_and_score, validate
-from omnirl.step import assign_advantages, check_learned, per_rank, reward_stats, update
+from omnirl.step import UpdateTuning, assign_advantages, check_learned, per_rank, reward_stats, update
 
 
 def train(cfg: Config) -> dict[str, float]:
@@ -59,6 +59,7 @@ def _train(cfg: Config, dist: D.DistInfo) -> dict[str, float]:
     logger = MetricsLogger(cfg.run.output_dir, dist.is_main, cfg.log.tensorboard, start, history)
     logger.progress(cfg.run.steps, initial=start)
     sleeper = Sleeper(dist.device) if cfg.memory.sleep else None
+    tuning = UpdateTuning(cfg, ops)  # auto checkpointing, train.compile, the update's clock
     logs: dict[str, float] = {}
     updates = skipped_updates = 0.0  # of this run's steps: none applied and some skipped is an error
     try:
@@ -88,7 +89,7 @@ def _train(cfg: Config, dist: D.DistInfo) -> dict[str, float]:
                 engine=engine,
                 engine_awake=False,
             ):
-                update_metrics = update(cfg, ops, optimizer, trajs, keep, step)
+                update_metrics = update(cfg, ops, optimizer, trajs, keep, step, tuning)
             logs = {**reward_stats(per_reward), **adv_metrics, **update_metrics, **stats, **frozen}
             updates += update_metrics.get("train/updates", 0.0)
             skipped_updates += update_metrics["train/skipped_nonfinite"]

@@ -417,6 +417,6 @@ def make_trainable(model: BagelModel, cfg: Config, device: torch.device) -> int:
         for name, p in model.named_parameters():
             if "_moe_gen" in name or name.startswith(GENERATION_MODULES):
                 p.requires_grad_(True)
-    model.gradient_checkpointing = cfg.model.gradient_checkpointing
+    model.gradient_checkpointing = cfg.model.gradient_checkpointing is True  # auto: omnirl.autotune
     place_policy(model, cfg.distributed.frozen_base, device)
     return count

@@ -196,7 +196,7 @@ def make_trainable(transformer: Any, cfg: Config, device: torch.device) -> None:
         cast_training_params(transformer, torch.float32)
     else:
         transformer.requires_grad_(True)
-    if cfg.model.gradient_checkpointing:
+    if cfg.model.gradient_checkpointing is True:  # auto decides at the first update (omnirl.autotune)
         transformer.enable_gradient_checkpointing()
     place_policy(transformer, cfg.distributed.frozen_base, device)
 

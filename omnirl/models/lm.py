@@ -221,7 +221,7 @@ def make_trainable_lm(model: nn.Module, cfg, path: str) -> peft.LoraConfig | Non
                 p.data = p.data.float()
     else:
         model.requires_grad_(True)
-    if cfg.model.gradient_checkpointing:
+    if cfg.model.gradient_checkpointing is True:  # auto decides at the first update (omnirl.autotune)
         body: Any = model.model  # the transformers base model, read by name
         checkpoint_decoder_layers(model, body.language_model.layers)
     return lora_config

@@ -48,8 +48,9 @@ from omnirl.data.prompts import PromptRow
 from omnirl.metrics import MetricsLogger
 from omnirl.models.base import DecodesLatents, DiffusionAdapter, Output, Request, SamplingParams, Trajectory
 from omnirl.models.flow_sde import StepOut, flow_step, sliding_window
+from omnirl.phase_clock import PhaseClock
 from omnirl.rewards import get_reward
-from omnirl.rollout.diffusion import DiffusionEngine
+from omnirl.rollout.diffusion import DiffusionEngine, bucket_size
 
 SHOWN = 8  # samples a logging step writes (log.image_every)
 
@@ -115,15 +116,24 @@ def pair_logprob(
     )  # fmt: skip
 
 
-def micro_batches(pairs: list[Pair], size: int, pad_from: Trajectory) -> list[list[Pair]]:
-    """Split into micro-batches of `size` pairs, as many on every rank (batching.equalise)."""
-    return equalise([pairs[i : i + size] for i in range(0, len(pairs), size)], Pair(pad_from, 0, 0.0))
+def micro_batches(
+    pairs: list[Pair], size: int, pad_from: Trajectory, bucket: bool = False
+) -> list[list[Pair]]:
+    """Split into micro-batches of `size` pairs, as many on every rank (batching.equalise). `bucket`
+    (train.compile) pads each with zero-weight pairs up to a bucket size (1, 2, 4, 8, ..., `size`), so that
+    a compiled update meets a few row counts only and never recompiles for a new one."""
+    pad = Pair(pad_from, 0, 0.0)
+    out = equalise([pairs[i : i + size] for i in range(0, len(pairs), size)], pad)
+    if bucket:
+        out = [mb + [pad] * (bucket_size(len(mb), size) - len(mb)) for mb in out]
+    return out
 
 
 class DiffusionOps:
     """The diffusion half of an RL step (the module docstring); `omnirl.trainer.train` runs it."""
 
     sleepable = None  # the diffusion engine runs on the actor's own module: no weights of its own to sleep
+    clock: PhaseClock | None = None  # the update's clock (omnirl.step.UpdateTuning): times the KL pass
 
     def __init__(self, cfg: Config, adapter: DiffusionAdapter):
         self.cfg, self.adapter = cfg, adapter
@@ -256,7 +266,7 @@ class DiffusionOps:
         return float(len(pairs))
 
     def micro_batches(self, pairs: list[Pair], pad_traj: Trajectory) -> list[list[Pair]]:
-        return micro_batches(pairs, self.cfg.optim.micro_batch_size, pad_traj)
+        return micro_batches(pairs, self.cfg.optim.micro_batch_size, pad_traj, self.cfg.train.compile)
 
     def loss(self, mb: list[Pair], normaliser: float, measure: bool) -> tuple[torch.Tensor, dict]:
         a = self.cfg.algo
@@ -281,8 +291,12 @@ class DiffusionOps:
             }
         kl = None
         if a.kl_beta > 0:
+            if self.clock is not None:
+                self.clock.mark("kl_reference")
             with torch.no_grad(), reference(self.adapter, self.ref_model) as ref:
                 mean_ref = pair_logprob(self.adapter, mb, self.params, policy=ref).mean
+            if self.clock is not None:
+                self.clock.mark("forward")
             kl = flow_kl(out.mean, mean_ref, out.std_dev_t if a.kl_form == "flow_grpo" else out.std)
         divergence = None
         if self.spec.divergence:

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -157,6 +158,120 @@ def summarise_steps(rows: list[dict]) -> list[dict]:
     ]
 
 
+UPDATE_PARTS = ("recompute", "forward", "kl_reference", "backward", "optimizer")
+
+
+def step_split(rows: list[dict], flops: dict | None) -> dict:
+    """The whole step, split: per steady-state step (every step after step 0) generation, scoring wait,
+    the update's parts (`time/train_<part>_s`), sleep/wake and the rest, with median, min and max over those
+    steps; step 0 apart (compiling and first-touch costs); images per second; and, given the counted
+    transformer FLOPs of the rollout and the update (`flops`), each phase's MFU: the FLOPs' time at the
+    measured bf16 matmul ceiling over the measured time."""
+
+    def parts(r: dict) -> dict[str, float]:
+        out = {
+            "generation": r.get("time/generate_s") or 0.0,
+            "scoring wait": r.get("time/score_wait_s") or 0.0,
+        }
+        for part in UPDATE_PARTS:
+            out[f"update {part.replace('_', ' ')}"] = r.get(f"time/train_{part}_s") or 0.0
+        out["sleep/wake"] = sum(v for k, v in r.items() if re.match(r"^time/\w+_(sleep|wake)_s$", k) and v)
+        step = r.get("time/step_s") or 0.0
+        out["other"] = max(step - sum(out.values()), 0.0)
+        out["step"] = step
+        out["rollout"] = r.get("time/rollout_s") or 0.0
+        out["update"] = r.get("time/train_s") or 0.0
+        return out
+
+    if not rows:
+        return {}
+    steady = [parts(r) for r in rows[1:]] or [parts(rows[0])]
+    names = list(steady[0])
+
+    def stat(name: str) -> dict:
+        vals = [p[name] for p in steady]
+        return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+
+    out = {
+        "steady_steps": [r["step"] for r in rows[1:]] or [rows[0]["step"]],
+        "parts": {n: stat(n) for n in names},
+        "step0": parts(rows[0]),
+        "gradient_checkpointing": rows[-1].get("train/gradient_checkpointing"),
+    }
+    step = out["parts"]["step"]["median"]
+    if flops:
+        out["images_per_s"] = flops["images"] / step if step else None
+        ceiling = flops["ceiling_tflops"] * 1e12
+        for phase, key in (("rollout", "rollout_flop"), ("update", "update_flop")):
+            t = out["parts"][phase]["median"]
+            out[f"{phase}_mfu"] = flops[key] / ceiling / t if t and flops.get(key) else None
+    return out
+
+
+def split_table(split: dict, flops: dict | None) -> str:
+    if not split:
+        return ""
+    p = split["parts"]
+    lines = [
+        f"**The whole step** (median of steps {split['steady_steps']}, min-max in brackets; step 0 apart)",
+        "",
+        "| part | steady s | step 0 s |",
+        "|---|---|---|",
+    ]
+    for name, v in p.items():
+        lines.append(
+            f"| {name} | {v['median']:.2f} ({v['min']:.2f}-{v['max']:.2f}) | {split['step0'][name]:.2f} |"
+        )
+    notes = []
+    if split.get("images_per_s"):
+        notes.append(f"{split['images_per_s']:.3f} images/s per GPU")
+    for phase in ("rollout", "update"):
+        if split.get(f"{phase}_mfu"):
+            notes.append(f"{phase} at {100 * split[f'{phase}_mfu']:.0f}% of the bf16 rate")
+    if flops:
+        notes.append(
+            f"counted: rollout {flops['rollout_flop'] / 1e15:.2f} PFLOP, "
+            f"update {flops['update_flop'] / 1e15:.2f} "
+            f"PFLOP ({flops['update_passes']:g} transformer passes a row), measured matmul ceiling "
+            f"{flops['ceiling_tflops']:.0f} TFLOP/s"
+        )
+    if split.get("gradient_checkpointing") is not None:
+        notes.append(f"gradient checkpointing {'on' if split['gradient_checkpointing'] else 'off'}")
+    return "\n".join(lines) + ("\n\n" + "; ".join(notes) + "." if notes else "") + "\n"
+
+
+def count_flops(cfg, rows: list[dict], ceiling_tflops: float | None) -> dict | None:
+    """Transformer FLOPs of the run's steady-state step, counted with FlopCounterMode on the meta device
+    (benchmarks.measure.transformer_flops: one row at the family's fixed text length; None for families
+    whose rows have per-prompt lengths). A trained row: forward + activation-gradient backward (2 passes),
+    + 1 with gradient checkpointing, + 1 for the KL reference, + 1 for a recomputed old policy."""
+    import torch
+
+    from benchmarks.measure import text_lengths, transformer_flops
+    from omnirl.models import build_adapter
+    from omnirl.ops.diffusion import sampling_params
+
+    if not rows or not ceiling_tflops or cfg.model.adapter not in ("sd3", "wan", "ltx2"):
+        return None
+    adapter = build_adapter(cfg, torch.device("meta"))
+    params = sampling_params(cfg)
+    per_row = transformer_flops(adapter, params)(text_lengths(adapter, None)[0])
+    halves = 2 if cfg.sampling.guidance_scale > 1 else 1
+    images = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    trained = cfg.sampling.sde_window_size or cfg.sampling.num_steps - 1
+    kept = rows[-1].get("adv/kept_frac", 1.0)
+    ckpt = rows[-1].get("train/gradient_checkpointing", 0.0)
+    passes = 2 + ckpt + (cfg.algo.kl_beta > 0) + (cfg.algo.old_logprob == "recompute")
+    return {
+        "images": images,
+        "row_tflop": per_row / 1e12,
+        "rollout_flop": images * cfg.sampling.num_steps * halves * per_row,
+        "update_flop": images * kept * trained * halves * per_row * passes * cfg.optim.epochs,
+        "update_passes": passes,
+        "ceiling_tflops": ceiling_tflops,
+    }
+
+
 # ---------------------------------------------------------------------------------------------- driver
 
 
@@ -211,6 +326,7 @@ def settings(cfg) -> dict:
     return {
         "model_path": cfg.model.path, "adapter": cfg.model.adapter, "dtype": cfg.model.dtype,
         "finetune": cfg.model.finetune, "gradient_checkpointing": cfg.model.gradient_checkpointing,
+        "train_compile": cfg.train.compile, "rollout_precision": cfg.rollout.precision,
         "lora_rank": cfg.lora.rank, "lora_alpha": cfg.lora.alpha,
         "lora_targets": len(cfg.lora.target_modules),
         "height": cfg.sampling.height, "width": cfg.sampling.width, "num_steps": cfg.sampling.num_steps,
@@ -263,6 +379,13 @@ def main(argv: list[str]) -> int:
         "--budget-s", type=float, default=0, help="end within this many seconds, the run stopped if need be"
     )
     p.add_argument("--noise-weight", type=float, default=1e-3, help="weight of the uniform_noise reward")
+    p.add_argument(
+        "--reward",
+        nargs="+",
+        metavar="NAME=WEIGHT",
+        help="rewards in place of the recipe's (e.g. jpeg_compressibility=1: a CPU reward, so the step's "
+        "reward wait is not the OCR engine's)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the temporary folder (printed)")
     p.add_argument(
         "--qwen-bpe",
@@ -331,6 +454,8 @@ def drive(
     ckpt_s = time.perf_counter() - t0
     prompts = PROMPTS_PER_RANK * a.gpus
     make_data(spec.data, work / "data", a.tiny, rows=max(16, prompts * a.steps))
+    if a.reward:
+        recipe["reward"]["weights"] = {n: float(w) for n, w in (x.split("=", 1) for x in a.reward)}
     paths = recipe["reward"].get("paths", {})
     weights, dropped = reward_weights(recipe["reward"]["weights"], a.noise_weight, paths)
     if dropped:
@@ -384,7 +509,14 @@ def drive(
         if loads[-1]["allocated_gib_after"] is not None:
             built += f", {loads[-1]['allocated_gib_after']:.1f} GiB on the device"
     head = header(tag, cfg, device, built)
+    try:
+        flops = count_flops(cfg, rows, device.get("matmul_tflops"))
+    except Exception as e:  # a count that cannot run on the meta device leaves the MFU out, not the run
+        print(f"phase_memory: no FLOP count ({type(e).__name__}: {e})", file=sys.stderr)
+        flops = None
+    split = step_split(rows, flops)
     table = head + "\n\n" + (report(rows, title=f"{tag}, ") if rows else "no step finished\n")
+    table += ("\n" + split_table(split, flops)) if split else ""
     problems = []
     if rc:
         problems.append(
@@ -409,6 +541,7 @@ def drive(
         "settings": settings(cfg), "reward_left_out": dropped, "device": device,
         "rc": rc, "timed_out": timed_out, "problems": problems, "checkpoint_write_s": ckpt_s,
         "run_s": run_s, "wall_s": time.perf_counter() - start, "per_step": summarise_steps(rows),
+        "step_split": split, "flops": flops,
         "table": table, "metrics": rows,
     }  # fmt: skip
     (out / f"{tag}.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -435,10 +568,15 @@ def header(tag: str, cfg, device: dict, built: str) -> str:
         f"{r.prompts_per_step} prompts x {r.group_size} images per step, max_num_seqs {r.max_num_seqs}, "
         f"CFG {'fused' if r.fused_cfg else 'as two forwards'}, {'compiled' if r.compile else 'eager'}, "
         f"micro-batch {o.micro_batch_size}, {lora}, gradient checkpointing "
-        f"{'on' if cfg.model.gradient_checkpointing else 'off'}, sleep {'on' if cfg.memory.sleep else 'off'}"
+        f"{ckpt_word(cfg.model.gradient_checkpointing)}, sleep {'on' if cfg.memory.sleep else 'off'}, "
+        f"update {'compiled' if cfg.train.compile else 'eager'}, rollout {cfg.rollout.precision}"
         f", frozen base {d.frozen_base} (rollout gathers per {d.rollout_gather})"
         + (f"; {built}" if built else "")
     )
+
+
+def ckpt_word(value) -> str:
+    return "auto" if value == "auto" else "on" if value else "off"
 
 
 def check_plan(cfg, world: int) -> dict:
@@ -560,6 +698,11 @@ def worker(recipe: str, info: str, cap_gib: float, overrides: list[str]) -> None
         })  # fmt: skip
         path.write_text(json.dumps(record, indent=1) + "\n")
 
+    if cuda:  # the bf16 matmul ceiling the MFU is taken against, measured here before the run
+        from benchmarks.measure import matmul_tflops
+
+        record["matmul_tflops"] = matmul_tflops(device)
+        torch.cuda.empty_cache()
     path.write_text(json.dumps(record, indent=1) + "\n")
     trace_phases(record, path)
     BUILD_HOOKS.append(recorded)

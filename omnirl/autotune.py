@@ -1,0 +1,160 @@
+"""Memory-for-speed settings decided from measured memory, not by habit (docs/memory.md#auto-settings).
+
+`model.gradient_checkpointing: auto` (the default) builds the policy without checkpointing and decides at
+the first update, from one measured micro-batch: the update's first micro-batch runs its forward, loss and
+backward without checkpointing under `memory.peak_bytes` (the policy's gradients it leaves are discarded),
+and checkpointing stays off when that peak, plus the optimizer state the first optimizer step will
+allocate, plus a margin, fits the device memory free in the update; otherwise (or when the probe itself
+runs out of memory) it is turned on. Every rank decides the same (the "on" votes are all-reduced), since
+checkpointing changes which collectives a sharded backward runs. The decision and its reason are printed
+once and logged as `train/gradient_checkpointing`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from omnirl import distributed as D
+from omnirl import memory
+
+GIB = 2**30
+MARGIN_FRACTION = 0.05  # of the device's memory, kept free beyond the measured peak (fragmentation)
+MARGIN_MIN_BYTES = 2 * GIB
+
+
+@dataclass
+class Decision:
+    on: bool
+    reason: str
+
+
+def checkpointing_on(value: bool | str) -> bool:
+    """What the policy is built with: `model.gradient_checkpointing` true; auto and false build without."""
+    return value is True
+
+
+def set_checkpointing(policy: nn.Module, on: bool) -> None:
+    """Turn activation checkpointing of `policy`'s repeated blocks on or off, for each kind of model omnirl
+    trains, found outermost first inside `policy` (Wan A14B's policy holds two diffusers experts): a
+    diffusers model (`enable_gradient_checkpointing`), a transformers model (its decoder layers, as
+    `omnirl.models.lm.checkpoint_decoder_layers` sets them), or a port with a `gradient_checkpointing`
+    flag (BAGEL)."""
+    import diffusers
+    import transformers
+
+    done: set[int] = set()
+    for m in policy.modules():
+        if id(m) in done:
+            continue
+        if isinstance(m, diffusers.ModelMixin):
+            m.enable_gradient_checkpointing() if on else m.disable_gradient_checkpointing()
+        elif isinstance(m, transformers.PreTrainedModel):
+            from omnirl.models.lm import checkpoint_decoder_layers
+
+            layers = decoder_layers(m)
+            if on:
+                checkpoint_decoder_layers(m, layers)
+            else:
+                m.gradient_checkpointing_disable()
+                for layer in layers:
+                    layer.training = False
+        elif isinstance(getattr(m, "gradient_checkpointing", None), bool):
+            setattr(m, "gradient_checkpointing", on)  # noqa: B010 (nn.Module's __setattr__ types tensors)
+        else:
+            continue
+        done.update(id(c) for c in m.modules())
+    if not done:
+        raise TypeError(f"model.gradient_checkpointing: no checkpointing to set in a {type(policy).__name__}")
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a transformers multimodal LM (as omnirl.models.lm reads them) or plain LM."""
+    body = getattr(model, "model", None)
+    inner = getattr(body, "language_model", body)
+    layers = getattr(inner, "layers", None)
+    if isinstance(layers, nn.ModuleList):
+        return layers
+    return model.get_decoder().layers  # pyright: ignore[reportCallIssue, reportAttributeAccessIssue]
+
+
+def optimizer_state_bytes(policy: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes AdamW's state (exp_avg, exp_avg_sq) will take once the first optimizer step makes it: 0 when
+    it exists already (it is allocated, so the free memory counts it)."""
+    if memory.optimizer_state(optimizer):
+        return 0
+    total = 0
+    for p in policy.parameters():
+        if p.requires_grad:
+            local = p.to_local() if isinstance(p, DTensor) else p
+            total += 2 * local.numel() * local.element_size()
+    return total
+
+
+def total_bytes(device: torch.device) -> int:
+    if device.type == "cpu":
+        return 0
+    accel = getattr(torch, device.type)
+    return accel.get_device_properties(device).total_memory
+
+
+def decide(peak: int | None, free: int, state: int, total: int, micro_batch: int) -> Decision:
+    """Checkpointing on or off from the probe's peak (None: it ran out of memory), the free bytes before
+    it, the optimizer state still to come and the device's size."""
+    if peak is None:
+        return Decision(True, f"a micro-batch of {micro_batch} rows ran out of device memory without it")
+    margin = max(MARGIN_MIN_BYTES, int(MARGIN_FRACTION * total)) if total else 0
+    need = peak + state + margin
+    what = (
+        f"a micro-batch of {micro_batch} rows needs {peak / GIB:.2f} GiB without it, the optimizer state "
+        f"{state / GIB:.2f} GiB more, margin {margin / GIB:.2f} GiB; {free / GIB:.2f} GiB free"
+    )
+    return Decision(need > free, what)
+
+
+def probe_checkpointing(ops, optimizer: torch.optim.Optimizer, mb: list, normaliser: float) -> Decision:
+    """Measure one micro-batch's forward, loss and backward without checkpointing and decide (collective:
+    every rank calls it with its first micro-batch). The random state and the gradients are as before."""
+    device = ops.adapter.device
+    set_checkpointing(ops.policy, False)
+    free = memory.free_bytes(device)
+    state = optimizer_state_bytes(ops.policy, optimizer)
+
+    def run() -> None:
+        loss, _ = ops.loss(mb, normaliser, False)
+        loss.backward()
+
+    devices = [device] if device.type != "cpu" else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
+        try:
+            peak: int | None = memory.peak_bytes(run, device)
+        except torch.OutOfMemoryError:
+            peak = None
+    optimizer.zero_grad(set_to_none=True)
+    if peak is None:
+        memory.empty_cache()
+    mine = decide(peak, free, state, total_bytes(device), len(mb))
+    votes = D.all_reduce(torch.tensor([float(mine.on)]), op=torch.distributed.ReduceOp.MAX)
+    on = bool(votes.item())
+    reason = mine.reason if on == mine.on else f"another rank needs it ({mine.reason} on this one)"
+    set_checkpointing(ops.policy, on)
+    return Decision(on, reason)
+
+
+class AutoCheckpointing:
+    """The pending `model.gradient_checkpointing: auto` decision of a run: made at its first update."""
+
+    def __init__(self, value: bool | str):
+        self.pending = value == "auto"
+        self.on = checkpointing_on(value)
+
+    def maybe_decide(self, ops, optimizer, mb: list | None, normaliser: float) -> dict[str, float]:
+        if not self.pending or mb is None:
+            return {"train/gradient_checkpointing": float(self.on)}
+        decision = probe_checkpointing(ops, optimizer, mb, normaliser)
+        self.pending, self.on = False, decision.on
+        D.print0(f"model.gradient_checkpointing auto: {'on' if decision.on else 'off'} ({decision.reason})")
+        return {"train/gradient_checkpointing": float(self.on)}

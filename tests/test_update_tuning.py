@@ -1,0 +1,165 @@
+"""The update's speed settings on the tiny SD3: `model.gradient_checkpointing: auto` decides from measured
+memory and changes nothing but memory, `train.compile` computes what the eager update does and does not
+recompile from one step to the next, and micro-batches are bucketed for it."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from omnirl import autotune, memory
+from omnirl import distributed as D
+from omnirl.algos.advantages import group_advantages
+from omnirl.batching import make_requests
+from omnirl.data.prompts import load_prompts
+from omnirl.models import get_adapter
+from omnirl.ops.diffusion import DiffusionOps, Pair, micro_batches, sampling_params
+from omnirl.recipe import load_config
+from omnirl.rewards.pool import RewardPool
+from omnirl.rollout import compiled
+from omnirl.scoring import rollout_and_score
+from omnirl.step import UpdateTuning, update
+
+GIB = 2**30
+
+
+def test_decide_keeps_checkpointing_off_only_where_the_update_fits():
+    # 10 GiB peak + 2 GiB of optimizer state + a 4 GiB margin (5% of 80) against what is free.
+    fits = autotune.decide(10 * GIB, 20 * GIB, 2 * GIB, 80 * GIB, 8)
+    tight = autotune.decide(10 * GIB, 15 * GIB, 2 * GIB, 80 * GIB, 8)
+    oom = autotune.decide(None, 100 * GIB, 0, 80 * GIB, 8)
+    assert not fits.on and tight.on and oom.on
+    assert "10.00 GiB" in fits.reason and "20.00 GiB free" in fits.reason
+    assert "ran out of device memory" in oom.reason
+
+
+def test_checkpointing_values_parse_from_recipe_and_command_line():
+    assert load_config("sd3_tiny_flowgrpo", []).model.gradient_checkpointing == "auto"
+    for args, want in (
+        (["--model.gradient_checkpointing", "false"], False),
+        (["--model.gradient_checkpointing", "true"], True),
+        (["--model.gradient_checkpointing"], True),
+        (["--model.gradient_checkpointing=auto"], "auto"),
+    ):
+        assert load_config("sd3_tiny_flowgrpo", args).model.gradient_checkpointing == want, args
+    assert load_config("mmk12_tiny", []).model.gradient_checkpointing is True  # the recipe's own value
+
+
+def test_set_checkpointing_finds_every_kind_of_block_owner():
+    class Port(nn.Module):  # BAGEL's port: a flag of its own
+        def __init__(self):
+            super().__init__()
+            self.gradient_checkpointing = False
+            self.layer = nn.Linear(2, 2)
+
+    port = nn.ModuleDict({"a": Port(), "b": Port()})  # held in a container, as Wan A14B's experts are
+    autotune.set_checkpointing(port, True)
+    assert all(m.gradient_checkpointing is True for m in port.values())
+    with pytest.raises(TypeError, match="no checkpointing"):
+        autotune.set_checkpointing(nn.Linear(2, 2), True)
+
+
+def test_micro_batches_are_bucketed_for_a_compiled_update():
+    pad = object()
+    pairs = [Pair(pad, 0, 1.0) for _ in range(11)]  # pyright: ignore[reportArgumentType]
+    plain = micro_batches(pairs, 4, pad)  # pyright: ignore[reportArgumentType]
+    bucketed = micro_batches(pairs, 4, pad, bucket=True)  # pyright: ignore[reportArgumentType]
+    assert [len(mb) for mb in plain] == [4, 4, 3]
+    assert [len(mb) for mb in bucketed] == [4, 4, 4]
+    assert [p.weight for p in bucketed[-1]] == [1.0, 1.0, 1.0, 0.0]  # the padding row weighs nothing
+
+
+def rollout(tiny_sd3, tmp_path, *overrides):
+    cfg = load_config(
+        "sd3_tiny_flowgrpo",
+        ["--model.path", str(tiny_sd3), "--run.output_dir", str(tmp_path / "out"),
+         "--rollout.prompts_per_step", "2", "--rollout.group_size", "3", "--optim.micro_batch_size", "4",
+         *overrides],
+    )  # fmt: skip
+    dist = D.init_distributed()
+    D.seed_everything(0)
+    adapter = get_adapter("sd3")(cfg, dist.device)
+    requests, _ = make_requests(cfg, load_prompts(cfg.data.train_path), 0, dist, sampling_params(cfg))
+    pool = RewardPool(cfg.reward.weights, 1, 60)
+    ops = DiffusionOps(cfg, adapter)
+    trajs, _ = rollout_and_score(ops, pool, requests)
+    pool.close()
+    adv, keep, _ = group_advantages(
+        torch.tensor([t.reward for t in trajs]), torch.tensor([t.request.group_id for t in trajs]), 5.0, False
+    )
+    for t, a in zip(trajs, adv.tolist()):
+        t.advantage = a
+    return cfg, ops, trajs, keep
+
+
+def updated(cfg, ops, trajs, keep, steps=1, tuning=None):
+    """The LoRA after `steps` updates on the same samples, from the same start; the last update's metrics."""
+    policy = ops.policy
+    start = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
+    tuning = tuning or UpdateTuning(cfg, ops)
+    for step in range(steps):
+        logs = update(cfg, ops, opt, copy.deepcopy(trajs), keep, step, tuning)
+    after = {n: p.detach().clone() for n, p in policy.named_parameters() if "lora_" in n}
+    with torch.no_grad():
+        for n, p in policy.named_parameters():
+            p.copy_(start[n])
+    return after, logs
+
+
+@pytest.mark.slow
+def test_auto_checkpointing_decides_by_measured_memory_and_changes_no_result(tiny_sd3, tmp_path, monkeypatch):
+    cfg, ops, trajs, keep = rollout(tiny_sd3, tmp_path, "--algo.kl_beta", "0.04")
+    assert cfg.model.gradient_checkpointing == "auto"
+    policy = ops.policy
+    assert not policy.is_gradient_checkpointing  # built without it: the first update decides
+
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 1 << 50)  # everything fits: off
+    off, logs_off = updated(cfg, ops, trajs, keep)
+    assert logs_off["train/gradient_checkpointing"] == 0.0 and not policy.is_gradient_checkpointing
+
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 1 << 10)  # nothing fits: on
+    on, logs_on = updated(cfg, ops, trajs, keep)
+    assert logs_on["train/gradient_checkpointing"] == 1.0 and policy.is_gradient_checkpointing
+
+    # Neither the probe nor checkpointing changes the update: the same LoRA as with checkpointing
+    # turned off by hand (the probe's gradients are dropped and the random state is restored).
+    autotune.set_checkpointing(policy, False)
+    plain, _ = updated(cfg, ops, trajs, keep, tuning=UpdateTuning(load_config(
+        "sd3_tiny_flowgrpo", ["--model.path", str(tiny_sd3), "--model.gradient_checkpointing", "false",
+                              "--algo.kl_beta", "0.04"]
+    ), ops))  # fmt: skip
+    for n in plain:
+        torch.testing.assert_close(off[n], plain[n], rtol=0, atol=1e-6)
+        torch.testing.assert_close(on[n], plain[n], rtol=0, atol=1e-6)
+    assert any(not torch.equal(plain[n], p.detach()) for n, p in policy.named_parameters() if n in plain)
+    for part in ("forward", "backward", "optimizer", "kl_reference"):
+        assert logs_off[f"time/train_{part}_s"] > 0
+
+
+@pytest.mark.slow
+def test_compiled_update_equals_eager_and_compiles_once(tiny_sd3, tmp_path, monkeypatch):
+    # The "eager" backend: dynamo's graphs without inductor's slow CPU code generation (what recompiles is
+    # decided by dynamo's guards before any backend runs).
+    monkeypatch.setattr(compiled, "COMPILE_BACKEND", "eager")
+    cfg, ops, trajs, keep = rollout(
+        tiny_sd3, tmp_path, "--model.gradient_checkpointing", "false", "--algo.kl_beta", "0.04"
+    )  # the KL reference pass (LoRA off) compiles too
+    eager, _ = updated(cfg, ops, trajs, keep, steps=2)
+    cfg_c = copy.deepcopy(cfg)
+    cfg_c.train.compile = True
+    ops.cfg = cfg_c
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    tuning = UpdateTuning(cfg_c, ops)
+    _, logs = updated(cfg_c, ops, trajs, keep, steps=1, tuning=tuning)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0, "nothing ran compiled"
+    compiled_lora, _ = updated(cfg_c, ops, trajs, keep, steps=2, tuning=tuning)  # steps 0 and 1 again
+    assert counters["stats"]["unique_graphs"] == graphs, "a later step compiled again"
+    for n in eager:
+        torch.testing.assert_close(compiled_lora[n], eager[n], rtol=0, atol=1e-5)
+    # The swap is undone after the update: the rollout and anything else run the plain forwards.
+    assert all("forward" not in vars(m) for m, _ in tuning.compiled)
