@@ -73,14 +73,16 @@ def update(
     sums: dict[str, float] = {"train/skipped_nonfinite": 0.0}
     tuning = tuning or UpdateTuning(cfg, ops)
     mark = tuning.clock.mark
+    rows_all = ops.update_rows(trajs, keep, gen)
+    # Eager, before the compiled blocks are swapped in: on the CPU the probe counts memory under a dispatch
+    # mode, which compiled code does not run under.
+    decided = probe(tuning, ops, optimizer, rows_all, trajs[0], cfg.optim.mini_batches)
     with swapped(tuning.compiled):
-        rows_all = ops.update_rows(trajs, keep, gen)
         if cfg.algo.old_logprob == "recompute":
             mark("recompute")
             with torch.no_grad():
                 sums.update(ops.recompute_old(rows_all, trajs[0]))
-        mark("idle")
-        decided = probe(tuning, ops, optimizer, rows_all, trajs[0], cfg.optim.mini_batches)
+            mark("idle")
         first = True
         for _ in range(cfg.optim.epochs):
             for rows in split_mini_batches(rows_all, cfg.optim.mini_batches):

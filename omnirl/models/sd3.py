@@ -34,9 +34,16 @@ T5_MAX_SEQUENCE_LENGTH = 256
 
 @dataclass
 class SD3Settings:
-    """SD3 has no settings of its own: its prompts are padded to fixed lengths, its sizes are sampling.*."""
+    """SD3's prompts are padded to fixed lengths (CLIP 77 + T5 `max_sequence_length`); its sizes are
+    sampling.*."""
 
-    RANGES: ClassVar[dict] = {}
+    max_sequence_length: int = T5_MAX_SEQUENCE_LENGTH
+    """T5 tokens of a prompt (the pipeline's default 256; flow_grpo's SD3 training encodes 128). A
+    tokenizer with a smaller limit (the tiny model's) lowers it."""
+
+    RANGES: ClassVar[dict] = {
+        "max_sequence_length": ((lambda v: 1 <= v <= 512), "an integer in [1, 512] (T5's trained length)"),
+    }
 
 
 class SD3Adapter(DiffusersBase):
@@ -73,7 +80,8 @@ class SD3Adapter(DiffusersBase):
         tokenizers = [
             AutoTokenizer.from_pretrained(path, subfolder=f"tokenizer{s}") for s in ("", "_2", "_3")
         ]
-        self.max_sequence_length = min(T5_MAX_SEQUENCE_LENGTH, tokenizers[2].model_max_length)
+        settings = cast(SD3Settings, cfg.family)
+        self.max_sequence_length = min(settings.max_sequence_length, tokenizers[2].model_max_length)
 
         # (from_pretrained is typed as maybe a tuple: with return_unused_kwargs)
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")

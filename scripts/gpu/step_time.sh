@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The whole RL step on one GPU, per diffusion recipe, through scripts.gpu.phase_memory (full-size random-init
+# models, the trainer itself): the steady-state split (generation, scoring wait, the update's forward, KL
+# reference pass, backward and optimizer, sleep/wake), step 0 apart, images/s and each phase's MFU.
+#
+#   bash scripts/gpu/step_time.sh OUT_DIR [JOBS] [CAP_S]
+#
+# JOBS (default "sd35 sd35_compiled"), in the order given, one process each:
+#   sd35:          SD3.5-Medium Flow-GRPO LoRA at the reference comparison's settings (512 px, 10 steps, CFG
+#                  4.5, 4 prompts x 8 images, LoRA r32 on the attention projections, micro-batches of 8,
+#                  2 optimizer steps, kl_beta 0.04, T5 at 128 tokens, the JPEG compressibility reward), the
+#                  recipe's shipped defaults otherwise (gradient checkpointing auto)
+#   sd35_compiled: the same with train.compile and rollout.compile
+#   sd35_gc:       the same as sd35 with gradient checkpointing forced on (the recipes' former value)
+#   qwen:          Qwen-Image Flow-GRPO OCR LoRA at its recipe's settings, 32 images, the JPEG reward
+#   qwen_compiled: the same with train.compile and rollout.compile
+# Writes OUT_DIR/step_JOB.{json,md,log}; CAP_S (default 280) stops a job (its JSON is still written).
+# QWEN_BPE=path to qwen.tiktoken gives Qwen-Image the real Qwen2 tokenizer. TINY=1: the tiny recipes on the
+# CPU, 2 steps (a rehearsal of the plumbing).
+set -uo pipefail
+out=${1:?usage: bash scripts/gpu/step_time.sh OUT_DIR [JOBS] [CAP_S]}
+read -r -a jobs <<<"${2:-sd35 sd35_compiled}"
+cap=${3:-280}
+mkdir -p "$out" && out=$(realpath "$out")
+bpe=${QWEN_BPE:+$(realpath "$QWEN_BPE")}
+cd "$(dirname "$0")/../.." || exit 1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+ckpt=${CKPT_DIR:-/tmp/omnirl_step_ckpt}
+write() {  # MODEL: the random-init checkpoint, written once per machine
+    [[ -f $ckpt/$1/model_index.json ]] && return
+    local extra=""
+    [[ $1 == qwen_image && -n $bpe ]] && extra=", '$bpe'"
+    python -c "from pathlib import Path; from omnirl.models.random_init import write_random_checkpoint as w; \
+w('$1', Path('$ckpt/$1')$extra)"
+}
+sd35=(--recipe sd35_flowgrpo_ocr --rollout.prompts_per_step 4 --rollout.group_size 8
+    --family.max_sequence_length 128 --reward jpeg_compressibility=1 --steps 4)
+qwen=(--recipe qwen_image_flowgrpo_ocr --rollout.prompts_per_step 4 --rollout.group_size 8
+    --reward jpeg_compressibility=1 --steps 3)
+[[ -n $bpe ]] && qwen+=(--qwen-bpe "$bpe")
+compiled=(--train.compile true --rollout.compile true)
+for job in "${jobs[@]}"; do
+    case $job in
+    sd35) model=sd35 args=("${sd35[@]}") ;;
+    sd35_compiled) model=sd35 args=("${sd35[@]}" "${compiled[@]}") ;;
+    sd35_gc) model=sd35 args=("${sd35[@]}" --model.gradient_checkpointing true) ;;
+    qwen) model=qwen_image args=("${qwen[@]}") ;;
+    qwen_compiled) model=qwen_image args=("${qwen[@]}" "${compiled[@]}") ;;
+    *) echo "step_time.sh: unknown job $job" >&2; exit 2 ;;
+    esac
+    if [[ ${TINY:-0} == 1 ]]; then
+        args+=(--tiny --steps 2 --rollout.prompts_per_step 2 --rollout.group_size 2)
+    else
+        write "$model" || exit 1
+        args+=(--model.path "$ckpt/$model")
+    fi
+    mkdir -p "$out/$job"
+    python -m scripts.gpu.phase_memory "${args[@]}" --budget-s "$cap" --out "$out/$job" 2>&1 |
+        tee "$out/step_$job.log"
+    for f in "$out/$job"/*.json; do [[ -f $f ]] && cp "$f" "$out/step_$job.json"; done
+    for f in "$out/$job"/*.md; do [[ -f $f ]] && cp "$f" "$out/step_$job.md"; done
+    rm -rf "${out:?}/$job"
+done
