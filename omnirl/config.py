@@ -400,6 +400,12 @@ class TrainConfig:
     """torch.compile the transformer's repeated blocks for the update too (forward, backward, the KL
     reference pass), block by block as rollout.compile does for the rollout; micro-batches are padded to a
     few row counts so that no step recompiles (benchmarks/RESULTS.md has what it gives)."""
+    precision: Literal["bf16", "fp8"] = "bf16"
+    """The update's GEMMs of the frozen base of a LoRA run: 'fp8' runs them (the forward and the activation
+    gradient of the backward) in float8 e4m3 with row-wise scales, the same GEMM an FP8 rollout runs, the
+    base quantised once per run in both layouts; the LoRA branches and the layers the family keeps in bf16
+    stay in the model's precision (omnirl.train_fp8, docs/fp8_rollout.md). Needs model.finetune lora and a
+    device with FP8 matmuls (or the CPU's emulation)."""
     on_nonfinite: Literal["skip", "stop"] = "skip"
     """A non-finite sample, loss or gradient norm in a step: 'skip' drops that optimizer step on every rank
     (counted in train/skipped_nonfinite), 'stop' ends the run naming the step. Either way a step whose

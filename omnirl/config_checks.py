@@ -160,10 +160,13 @@ def check_values(cfg: Config) -> None:
 def fp8_trained(cfg: Config) -> bool:
     """The loss trains on transitions the rollout sampled in FP8: rollout.precision fp8 at every step
     (fp8_steps all) on the rollout's own samples (fp8_select 0) with a log-prob loss (not DiffusionNFT,
-    which has no transitions). Then the trainer recomputes the old log-probs and corrects."""
+    which has no transitions). Then the trainer recomputes the old log-probs and corrects, unless the
+    update runs the same FP8 GEMMs (train.precision fp8): then behaviour and trained policy are one
+    function."""
     r = cfg.rollout
     return (
         r.precision == "fp8"
+        and cfg.train.precision != "fp8"
         and r.fp8_steps == "all"
         and not r.fp8_select
         and loss_spec(cfg.algo.loss).logprobs
@@ -174,6 +177,11 @@ def _check_precision(cfg: Config, adapter: type) -> None:
     """rollout.precision fp8 and Sol-RL's selection (rollout.fp8_select): a diffusion adapter, weights the
     rollout can quantise once per phase, and old log-probs of the trained precision."""
     r, a = cfg.rollout, cfg.algo
+    if cfg.train.precision == "fp8" and (cfg.model.finetune != "lora" or adapter.kind != "diffusion"):
+        raise ConfigError(
+            "train.precision fp8 runs the frozen base of a LoRA run in FP8: it needs model.finetune lora and "
+            f"a diffusion adapter (model.adapter {cfg.model.adapter!r}, finetune {cfg.model.finetune!r})"
+        )
     if r.precision == "bf16":
         if r.fp8_select:
             raise ConfigError("rollout.fp8_select needs rollout.precision fp8 (it selects among FP8 samples)")

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -28,19 +29,32 @@ from omnirl.ops import KindOps
 from omnirl.phase_clock import PhaseClock
 from omnirl.rollout.compiled import compile_forwards, swapped
 from omnirl.scoring import nonfinite_parts
+from omnirl.train_fp8 import Fp8Update
 
 
 class UpdateTuning:
     """What a run's updates carry from step to step: the pending `model.gradient_checkpointing: auto`
     decision (`omnirl.autotune`), the blocks compiled for training (`train.compile`, swapped in only while
-    an update runs, as the rollout swaps its own) and the clock of the update's parts."""
+    an update runs, as the rollout swaps its own), the FP8 base layers of `train.precision fp8`
+    (`omnirl.train_fp8`) and the clock of the update's parts."""
 
     def __init__(self, cfg: Config, ops: KindOps):
         self.auto = AutoCheckpointing(cfg.model.gradient_checkpointing)
         self.clock = PhaseClock(ops.adapter.device)
         self.compiled = compile_forwards(ops.adapter.fsdp_units()) if cfg.train.compile else []
+        self.fp8: Fp8Update | None = None
+        if cfg.train.precision == "fp8":
+            D.check_fp8_matmul(ops.adapter.device)
+            units, keep = ops.adapter.fsdp_units(), ops.adapter.fp8_keep_bf16
+            self.fp8 = Fp8Update(units, keep, cfg.rollout.fp8_fast_accum)
         if hasattr(ops, "clock"):  # the ops that time a part of their loss (the KL reference pass)
             ops.clock = self.clock  # pyright: ignore[reportAttributeAccessIssue]
+
+    @contextlib.contextmanager
+    def running(self):
+        """What an update runs under: the compiled blocks and the FP8 base layers swapped in."""
+        with swapped(self.compiled), self.fp8.swapped() if self.fp8 else contextlib.nullcontext():
+            yield
 
 
 def update(
@@ -77,7 +91,7 @@ def update(
     # Eager, before the compiled blocks are swapped in: on the CPU the probe counts memory under a dispatch
     # mode, which compiled code does not run under.
     decided = probe(tuning, ops, optimizer, rows_all, trajs[0], cfg.optim.mini_batches)
-    with swapped(tuning.compiled):
+    with tuning.running():
         if cfg.algo.old_logprob == "recompute":
             mark("recompute")
             with torch.no_grad():

@@ -12,6 +12,8 @@
 #                  recipe's shipped defaults otherwise (gradient checkpointing auto)
 #   sd35_compiled: the same with train.compile and rollout.compile
 #   sd35_gc:       the same as sd35 with gradient checkpointing forced on (the recipes' former value)
+#   sd35_fp8:      sd35_compiled with FP8 in both halves: rollout.precision fp8 at every step and
+#                  train.precision fp8 (one function: no bf16 recompute of the old log-probs)
 #   qwen:          Qwen-Image Flow-GRPO OCR LoRA at its recipe's settings, 32 images, the JPEG reward
 #   qwen_compiled: the same with train.compile and rollout.compile
 # Writes OUT_DIR/step_JOB.{json,md,log}; CAP_S (default 280) stops a job (its JSON is still written).
@@ -39,11 +41,13 @@ qwen=(--recipe qwen_image_flowgrpo_ocr --rollout.prompts_per_step 4 --rollout.gr
     --reward jpeg_compressibility=1 --steps 3)
 [[ -n $bpe ]] && qwen+=(--qwen-bpe "$bpe")
 compiled=(--train.compile true --rollout.compile true)
+fp8=(--rollout.precision fp8 --rollout.fp8_steps all --train.precision fp8)
 for job in "${jobs[@]}"; do
     case $job in
     sd35) model=sd35 args=("${sd35[@]}") ;;
     sd35_compiled) model=sd35 args=("${sd35[@]}" "${compiled[@]}") ;;
     sd35_gc) model=sd35 args=("${sd35[@]}" --model.gradient_checkpointing true) ;;
+    sd35_fp8) model=sd35 args=("${sd35[@]}" "${compiled[@]}" "${fp8[@]}") ;;
     qwen) model=qwen_image args=("${qwen[@]}") ;;
     qwen_compiled) model=qwen_image args=("${qwen[@]}" "${compiled[@]}") ;;
     *) echo "step_time.sh: unknown job $job" >&2; exit 2 ;;
