@@ -1,11 +1,12 @@
 """Memory-for-speed settings decided from measured memory, not by habit (docs/memory.md#auto-settings).
 
 `model.gradient_checkpointing: auto` (the default) builds the policy without checkpointing and decides at
-the first update, from one measured micro-batch: the update's first micro-batch runs its forward, loss and
-backward without checkpointing under `memory.peak_bytes` (the policy's gradients it leaves are discarded),
-and checkpointing stays off when that peak, plus the optimizer state the first optimizer step will
-allocate, plus a margin, fits the device memory free in the update; otherwise (or when the probe itself
-runs out of memory) it is turned on. Every rank decides the same (the "on" votes are all-reduced), since
+the first update, from measured memory: the first one and two rows of the update's first micro-batch run
+their forward, loss and backward without checkpointing under `memory.peak_bytes` (the gradients they leave
+are discarded), the line through the two peaks predicts the whole micro-batch's, and checkpointing stays
+off when that peak, plus the optimizer state the first optimizer step will allocate, plus a margin, fits
+the device memory free in the update; otherwise (or when a probe itself runs out of memory) it is turned
+on. Every rank decides the same (the "on" votes are all-reduced), since
 checkpointing changes which collectives a sharded backward runs. The decision and its reason are printed
 once and logged as `train/gradient_checkpointing`.
 """
@@ -102,10 +103,10 @@ def total_bytes(device: torch.device) -> int:
 
 
 def decide(peak: int | None, free: int, state: int, total: int, micro_batch: int) -> Decision:
-    """Checkpointing on or off from the probe's peak (None: it ran out of memory), the free bytes before
-    it, the optimizer state still to come and the device's size."""
+    """Checkpointing on or off from the predicted peak of a micro-batch without it (None: the probe ran
+    out of memory), the free bytes before it, the optimizer state still to come and the device's size."""
     if peak is None:
-        return Decision(True, f"a micro-batch of {micro_batch} rows ran out of device memory without it")
+        return Decision(True, f"a probe of a micro-batch of {micro_batch} rows ran out of device memory")
     margin = max(MARGIN_MIN_BYTES, int(MARGIN_FRACTION * total)) if total else 0
     need = peak + state + margin
     what = (
@@ -115,28 +116,44 @@ def decide(peak: int | None, free: int, state: int, total: int, micro_batch: int
     return Decision(need > free, what)
 
 
+def predicted_peak(peaks: dict[int, int], rows: int) -> int:
+    """The peak of `rows` rows from the measured peaks of one and two rows (the line through them: a
+    micro-batch's activations grow with its rows), rounded up; one measurement alone is taken as is."""
+    if len(peaks) == 1 or rows <= 1:
+        return peaks[min(peaks)]
+    per_row = max(peaks[2] - peaks[1], 0)
+    return peaks[1] + (rows - 1) * per_row
+
+
 def probe_checkpointing(ops, optimizer: torch.optim.Optimizer, mb: list, normaliser: float) -> Decision:
-    """Measure one micro-batch's forward, loss and backward without checkpointing and decide (collective:
-    every rank calls it with its first micro-batch). The random state and the gradients are as before."""
+    """Measure the forward, loss and backward of the first one and two rows of a micro-batch without
+    checkpointing, predict the whole micro-batch's peak and decide (collective: every rank calls it with
+    its first micro-batch). Two small rows cannot run out of memory where the whole micro-batch would, on
+    one rank while another waits in a collective. The random state and the gradients are as before."""
     device = ops.adapter.device
     set_checkpointing(ops.policy, False)
     free = memory.free_bytes(device)
     state = optimizer_state_bytes(ops.policy, optimizer)
-
-    def run() -> None:
-        loss, _ = ops.loss(mb, normaliser, False)
-        loss.backward()
-
     devices = [device] if device.type != "cpu" else []
+    peaks: dict[int, int] = {}
+    oom = False
     with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
-        try:
-            peak: int | None = memory.peak_bytes(run, device)
-        except torch.OutOfMemoryError:
-            peak = None
-    optimizer.zero_grad(set_to_none=True)
-    if peak is None:
+        for rows in sorted({1, min(2, len(mb))}):
+
+            def run(part=mb[:rows]) -> None:
+                loss, _ = ops.loss(part, normaliser, False)
+                loss.backward()
+
+            try:
+                peaks[rows] = memory.peak_bytes(run, device)
+            except torch.OutOfMemoryError:
+                oom = True
+                break
+            finally:
+                optimizer.zero_grad(set_to_none=True)
+    if oom:
         memory.empty_cache()
-    mine = decide(peak, free, state, total_bytes(device), len(mb))
+    mine = decide(None if oom else predicted_peak(peaks, len(mb)), free, state, total_bytes(device), len(mb))
     votes = D.all_reduce(torch.tensor([float(mine.on)]), op=torch.distributed.ReduceOp.MAX)
     on = bool(votes.item())
     reason = mine.reason if on == mine.on else f"another rank needs it ({mine.reason} on this one)"

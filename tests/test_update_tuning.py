@@ -32,6 +32,9 @@ def test_decide_keeps_checkpointing_off_only_where_the_update_fits():
     assert not fits.on and tight.on and oom.on
     assert "10.00 GiB" in fits.reason and "20.00 GiB free" in fits.reason
     assert "ran out of device memory" in oom.reason
+    # The line through the peaks of one and two rows predicts eight.
+    assert autotune.predicted_peak({1: 5 * GIB, 2: 6 * GIB}, 8) == 12 * GIB
+    assert autotune.predicted_peak({1: 5 * GIB}, 1) == 5 * GIB
 
 
 def test_checkpointing_values_parse_from_recipe_and_command_line():
