@@ -26,6 +26,7 @@ level, never on the policy: the ratio new / old and so the loss and its gradient
 
 from __future__ import annotations
 
+import math
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from omnirl.config import Config, ConfigError
+from omnirl.config_checks import POSITIVE
 from omnirl.fsdp import DTYPES, compute_dtype, load_pretrained, place_policy
 from omnirl.models.bagel_port import (
     LATENT_CHANNELS,
@@ -78,9 +80,9 @@ class BagelSettings:
     """The schedule's shift s: sigma = s t / (1 + (s - 1) t) over t = linspace(1, 0, num_steps + 1)."""
 
     RANGES: ClassVar[dict] = {
-        "cfg_image_scale": (lambda v: v >= 1, ">= 1"),
+        "cfg_image_scale": ((lambda v: math.isfinite(v) and v >= 1), "a finite number >= 1 (1 = off)"),
         "cfg_interval": (lambda v: len(v) == 2 and 0 <= v[0] < v[1] <= 1, "[lo, hi] with 0 <= lo < hi <= 1"),
-        "timestep_shift": (lambda v: v > 0, "> 0"),
+        "timestep_shift": POSITIVE,
     }
 
 
