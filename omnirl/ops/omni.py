@@ -110,9 +110,9 @@ class OmniOps:
             windows = -(-adapter.context_tokens // WINDOW_COLUMNS)
             if g.kv_windows > windows:
                 raise ConfigError(
-                    f"generation.kv_windows must be at most {windows} for model.path {cfg.model.path!r} (its "
-                    f"context of {adapter.context_tokens} tokens in windows of {WINDOW_COLUMNS} columns), got "
-                    f"{g.kv_windows}"
+                    f"generation.kv_windows must be at most {windows} for model.path {cfg.model.path!r} "
+                    f"(its context of {adapter.context_tokens} tokens in windows of {WINDOW_COLUMNS} "
+                    f"columns), got {g.kv_windows}"
                 )
             self.engine = GenerationEngine(
                 adapter,
