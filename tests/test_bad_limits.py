@@ -3,6 +3,8 @@ field or the data row, exit status 2, nothing written, instead of a hang in step
 kills. A limit that only the model knows (its context) is checked once the model is loaded, before step 0;
 the others when the recipe loads."""
 
+import json
+
 import pytest
 
 from tests.test_bad_input import ROOT, refused_run
@@ -37,3 +39,19 @@ def test_kv_windows_past_the_context(tiny_qwen3_omni, tmp_path, capsys, monkeypa
     args = [*omni_args(tiny_qwen3_omni), "--generation.kv_windows", "1000000000"]
     err = refused_run(args, tmp_path, capsys, "generation.kv_windows must be at most 16 for model.path")
     assert "(its context of 1024 tokens in windows of 64 columns), got 1000000000" in err
+
+
+@pytest.mark.parametrize("size", ["5 kB", "100 kB"])
+def test_bagel_prompt_past_the_llm_context_is_refused_by_row(size, tiny_bagel, tmp_path, capsys, monkeypatch):
+    """A BAGEL prompt whose context with the image's query position is more than the language model's
+    positions (the tiny model's 2048) is refused by file:row before step 0, as the omni models' are: it
+    ran silently past the context (5 kB), or grew the process until the kernel killed it (100 kB)."""
+    monkeypatch.chdir(ROOT)
+    long = "a red cube on a blue table, " * (180 if size == "5 kB" else 3600)
+    rows = tmp_path / "prompts.jsonl"
+    rows.write_text(json.dumps({"prompt": "a red cube"}) + "\n" + json.dumps({"prompt": long}) + "\n")
+    args = ["--recipe", "bagel_tiny_flowgrpo", "--model.path", str(tiny_bagel)]
+    args += ["--data.train_path", str(rows)]
+    err = refused_run(args, tmp_path, capsys, f"{rows}:2: the prompt ({len(long)} characters) is ")
+    assert "context tokens; with the image's query position after them that is more than the language " in err
+    assert "model's 2048 positions (max_position_embeddings): shorten it" in err

@@ -43,6 +43,7 @@ from transformers import AutoTokenizer
 
 from omnirl.config import Config, ConfigError
 from omnirl.config_checks import POSITIVE
+from omnirl.data.prompts import PromptRow
 from omnirl.fsdp import DTYPES, compute_dtype, load_pretrained, place_policy
 from omnirl.models.bagel_port import (
     LATENT_CHANNELS,
@@ -161,6 +162,20 @@ class BagelAdapter(DiffusersBase):
     def prompt_ids(self, prompt: str) -> list[int]:
         """The context's tokens: <|im_start|>, the prompt's own (no special token added), <|im_end|>."""
         return [self.bos, *self.tokenizer.encode(prompt, add_special_tokens=False), self.eos]
+
+    def prompt_problem(self, row: PromptRow) -> str | None:
+        """Why the row's prompt cannot run: its context (`prompt_ids`) and the image's query position after
+        it are more positions than the language model has (its max_position_embeddings; the official
+        inference does not truncate), or None."""
+        tokens = len(self.prompt_ids(row.prompt))
+        limit = cast(BagelConfig, self.transformer.config).llm.max_position_embeddings
+        if tokens < limit:
+            return None
+        return (
+            f"the prompt ({len(row.prompt)} characters) is {tokens} context tokens; with the image's query "
+            f"position after them that is more than the language model's {limit} positions "
+            f"(max_position_embeddings): shorten it"
+        )
 
     def compat_key(self, request: Request) -> tuple:
         return request.params.key  # contexts are padded to the batch's longest: nothing to add
