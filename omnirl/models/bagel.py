@@ -36,8 +36,7 @@ from typing import ClassVar, cast
 import peft
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from transformers import AutoTokenizer
 
@@ -62,6 +61,7 @@ from omnirl.models.base import Output, Request, Trajectory
 from omnirl.models.diffusers_setup import DiffusersBase, trajectories
 from omnirl.models.flow_sde import WindowedSampler, host_rows, phase, to_host
 from omnirl.models.peft_lora import peft_config, sorted_sets
+from omnirl.weights import load_safetensors, safe_open
 
 DECODE_ROWS = 16  # images the VAE decodes at once
 LORA_FILE = "adapter_model.safetensors"  # peft's
@@ -338,7 +338,7 @@ class BagelAdapter(DiffusersBase):
         weights it adapts (W += alpha / r * B A, in float32)."""
         model = BagelModel.from_pretrained(model_path, torch.float32)
         config = cast(peft.LoraConfig, peft.LoraConfig.from_pretrained(str(lora_dir)))  # (typed as the base)
-        lora = load_file(Path(lora_dir) / LORA_FILE)
+        lora = load_safetensors(Path(lora_dir) / LORA_FILE)
         ours = {official_name(k): k for k in model.state_dict()}
         params = dict(model.named_parameters())
         scale = config.lora_alpha / config.r
@@ -357,7 +357,7 @@ def write_like(model_path: str, out_dir: str | Path, model: BagelModel, dtype: t
     """`model` in the official layout of `model_path` under `out_dir`: its weights in ema.safetensors in
     `dtype` beside the source's understanding-only tensors, the source's autoencoder and tokenizer files."""
     src, out = Path(model_path), Path(out_dir)
-    with safe_open(src / WEIGHTS, "pt") as f:
+    with safe_open(src / WEIGHTS) as f:
         skipped = {k: f.get_tensor(k) for k in f.keys() if k.startswith(SKIPPED_PREFIXES)}
     state = {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items() if "lora_" not in k}
     save_official(model, load_vae(src / VAE_WEIGHTS, torch.float32), out, dtype, skipped, state)
