@@ -336,9 +336,13 @@ class BagelAdapter(DiffusersBase):
     def merge_lora(cls, model_path: str, lora_dir: Path, out_dir: str | Path, dtype: torch.dtype) -> None:
         """The official layout of `model_path` in `dtype` with the peft LoRA of `lora_dir` fused into the
         weights it adapts (W += alpha / r * B A, in float32)."""
+        file, config_file = Path(lora_dir) / LORA_FILE, Path(lora_dir) / "adapter_config.json"
+        try:  # (typed as the base class)
+            config = cast(peft.LoraConfig, peft.LoraConfig.from_pretrained(str(lora_dir)))
+        except (OSError, ValueError, TypeError) as e:
+            raise ConfigError(f"{config_file}: not a peft LoRA config ({e})") from None
+        lora = load_safetensors(file)
         model = BagelModel.from_pretrained(model_path, torch.float32)
-        config = cast(peft.LoraConfig, peft.LoraConfig.from_pretrained(str(lora_dir)))  # (typed as the base)
-        lora = load_safetensors(Path(lora_dir) / LORA_FILE)
         ours = {official_name(k): k for k in model.state_dict()}
         params = dict(model.named_parameters())
         scale = config.lora_alpha / config.r
@@ -346,8 +350,17 @@ class BagelAdapter(DiffusersBase):
             if ".lora_A." not in key:
                 continue
             module = key.removeprefix("base_model.model.").split(".lora_A.")[0]
-            b = lora[key.replace(".lora_A.", ".lora_B.")]
-            weight = params[ours[f"{module}.weight"]]
+            b = lora.get(key.replace(".lora_A.", ".lora_B."))
+            name = ours.get(f"{module}.weight")
+            if b is None or name is None:
+                what = "has no lora_B pair" if b is None else "adapts no weight of this BAGEL"
+                raise ConfigError(f"{file}: {key} {what}: a LoRA of another model?")
+            weight = params[name]
+            if (b.shape[0], a.shape[1]) != tuple(weight.shape):
+                raise ConfigError(
+                    f"{file}: {key} updates a {b.shape[0]}x{a.shape[1]} weight; this BAGEL's {module} is "
+                    f"{weight.shape[0]}x{weight.shape[1]}: a LoRA of another model?"
+                )
             with torch.no_grad():
                 weight += scale * (b.float() @ a.float())
         write_like(model_path, out_dir, model, dtype)
