@@ -13,8 +13,10 @@ failure summary names it as the cause (torchrun itself exits 1); the other ranks
 for the launcher to end them, and report it themselves only where rank 0 did not fail.
 A run that training drove to NaN or infinity (every sample of a step, every update skipped, or
 train.on_nonfinite stop) ends with one line `error: ...` naming the step, exit status 1, and exports
-nothing. Anything else is a bug and keeps its traceback; under torchrun `@record` also puts it in the
-launcher's failure summary, so the first failing rank's cause is named there.
+nothing. Ctrl-C ends the run with one line (exit status 130), and so does a full disk (naming the file
+being written; exit status 1); the complete checkpoints are kept. Anything else is a bug and keeps its
+traceback; under torchrun `@record` also puts it in the launcher's failure summary, so the first failing
+rank's cause is named there.
 """
 
 import argparse
