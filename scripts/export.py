@@ -45,6 +45,7 @@ from omnirl.export import (
 )
 from omnirl.fsdp import DTYPES
 from omnirl.models.bagel_port import LLM_CONFIG, WEIGHTS
+from omnirl.weights import check_weight_files
 
 PEFT_CONFIG, PEFT_FILE = "adapter_config.json", "adapter_model.safetensors"  # a peft adapter's files
 
@@ -82,6 +83,7 @@ def main(argv: list[str]) -> int:
         check_out(args.out, [args.source])
         if args.model_path:
             check_model_path(args.model_path, "--model-path")
+            check_weight_files(args.model_path)  # its files' headers, before anything loads
         if is_checkpoint:
             return export_checkpoint(parser, args)
         if is_peft:

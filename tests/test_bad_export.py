@@ -378,3 +378,15 @@ def test_bagel_peft_lora_dir_refusals(bagel_lora_dir, tiny_bagel, tiny_sd3, tmp_
         capsys, f"{other / 'adapter_model.safetensors'}: {key} updates a ",
         other, tmp_path / "out", "--merge", "--model-path", tiny_bagel,
     )  # fmt: skip
+
+
+def test_merge_onto_a_damaged_model_names_its_file(bagel_lora_dir, tiny_bagel, tmp_path, capsys):
+    """--model-path's weight files are checked before anything loads, as model.path's are for a run."""
+    model = tmp_path / "bagel"
+    shutil.copytree(tiny_bagel, model)
+    data = (model / "ema.safetensors").read_bytes()
+    (model / "ema.safetensors").write_bytes(data[: len(data) // 2])
+    export_refused(
+        capsys, f"{model / 'ema.safetensors'}: truncated: its header describes ",
+        bagel_lora_dir, tmp_path / "out", "--merge", "--model-path", model,
+    )  # fmt: skip
