@@ -351,7 +351,9 @@ def adapter_from_checkpoint(path: Path, model_path: str = "") -> tuple[object, C
         cfg.lora.rank, cfg.lora.alpha = ident["lora.rank"], ident["lora.alpha"]
         cfg.lora.target_modules = ident["lora.target_modules"]
     from omnirl.models import get_adapter
+    from omnirl.weights import check_weight_files
 
+    check_weight_files(cfg.model.path)  # a damaged file of the base model is named before any loads
     adapter = get_adapter(cfg.model.adapter)(cfg, torch.device("cpu"))
     load_weights(path, adapter.policy)
     return adapter, cfg

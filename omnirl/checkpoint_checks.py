@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from omnirl import distributed as D
 from omnirl.config import ConfigError
+from omnirl.weights import LOAD_ERRORS, load_fault
 
 FORMAT = 2  # 2: manifest.json
 MANIFEST = "manifest.json"
@@ -189,9 +190,10 @@ class SafeReader(FileSystemReader):
             raise
         except Exception as e:  # any failure to parse these untrusted bytes means they are not a shard
             files = sorted({self.storage_data[item.storage_index].relative_path for item in plan.items})
+            reason = load_fault(e) if isinstance(e, pickle.UnpicklingError) else _first_line(e)
             raise CheckpointError(
                 f"{Path(self.path) / files[0] if len(files) == 1 else Path(self.path)}: not a checkpoint "
-                f"shard omnirl wrote, so nothing was loaded ({_first_line(e)})"
+                f"shard omnirl wrote, so nothing was loaded ({reason})"
             ) from None
 
 
@@ -207,11 +209,9 @@ class SafePlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value) -> None:
         try:
             obj = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as e:
-            # torch's message is a paragraph; the line naming the refused global is the one that matters.
-            reason = next((line for line in str(e).splitlines() if "GLOBAL" in line), str(e).splitlines()[0])
+        except LOAD_ERRORS as e:
             raise CheckpointError(
-                f"{read_item.dest_index.fqn}: not plain data, so it was not loaded ({reason})"
+                f"{read_item.dest_index.fqn}: not plain data, so it was not loaded ({load_fault(e)})"
             ) from None
         value = io.BytesIO()  # what the default planner reads, now known to be plain data
         torch.save(obj, value)
@@ -242,7 +242,7 @@ def read_rng_and_history(path: Path, rank: int) -> tuple[dict, list[dict]]:
     try:
         rng = torch.load(rng_file, weights_only=True)
     except Exception as e:  # any failure to parse these untrusted bytes means they are not an RNG file
-        problems.append(f"{rng_file}: not an RNG state file omnirl wrote ({_first_line(e)})")
+        problems.append(f"{rng_file}: not an RNG state file omnirl wrote ({load_fault(e)})")
     else:
         if not (isinstance(rng, dict) and {"python", "numpy", "torch"} <= rng.keys()):
             problems.append(

@@ -16,11 +16,11 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from omnirl.checkpoint_checks import check_finite
 from omnirl.config import ConfigError
 from omnirl.models.diffusers_setup import LORA_FILE
+from omnirl.weights import safe_open
 
 STEM = LORA_FILE.removesuffix(".safetensors")
 
@@ -59,11 +59,11 @@ def read_lora(file: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """The tensors of a diffusers LoRA file and the LoRA config its metadata carries (`{}` without one);
     a ConfigError when it is no readable safetensors file or holds NaN or infinity."""
     try:
-        with safe_open(file, "pt") as f:
+        with safe_open(file) as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
             raw = (f.metadata() or {}).get("lora_adapter_metadata", "{}")
-    except (SafetensorError, OSError) as e:
-        raise ConfigError(f"{file}: not a readable safetensors file, truncated or damaged? ({e})") from None
+    except OSError as e:
+        raise ConfigError(f"{file}: not readable ({e})") from None
     try:
         metadata = json.loads(raw)
     except json.JSONDecodeError as e:

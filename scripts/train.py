@@ -13,12 +13,15 @@ failure summary names it as the cause (torchrun itself exits 1); the other ranks
 for the launcher to end them, and report it themselves only where rank 0 did not fail.
 A run that training drove to NaN or infinity (every sample of a step, every update skipped, or
 train.on_nonfinite stop) ends with one line `error: ...` naming the step, exit status 1, and exports
-nothing. Anything else is a bug and keeps its traceback; under torchrun `@record` also puts it in the
-launcher's failure summary, so the first failing rank's cause is named there.
+nothing. Ctrl-C ends the run with one line (exit status 130), and so does a full disk (naming the file
+being written; exit status 1); the complete checkpoints are kept. Anything else is a bug and keeps its
+traceback; under torchrun `@record` also puts it in the launcher's failure summary, so the first failing
+rank's cause is named there.
 """
 
 import argparse
 import contextlib
+import errno
 import gc
 import io
 import json
@@ -26,6 +29,7 @@ import os
 import sys
 import time
 
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from omnirl.config import Config, ConfigError
@@ -52,6 +56,7 @@ def main(argv: list[str]) -> int:
             tyro.cli(Config, args=rest, description="omnirl: pass --recipe NAME plus overrides")
         print("error: --recipe NAME is required (a yaml/NAME.yaml recipe or a path)", file=sys.stderr)
         return 2
+    cfg = None
     try:
         cfg = parse(args.recipe, rest)
         from omnirl import distributed
@@ -74,7 +79,42 @@ def main(argv: list[str]) -> int:
     except NonFiniteError as e:
         report(f"error: {e}")
         return 1
+    except KeyboardInterrupt:
+        where = f" in {cfg.run.output_dir}/checkpoints" if cfg is not None else ""
+        report(
+            f"error: interrupted (Ctrl-C): the complete checkpoints{where} are kept (one being written is "
+            "not), and the same command continues from the newest (checkpoint.resume auto)"
+        )
+        return 130
+    except BaseException as e:
+        full = disk_full(e)
+        if full is None:
+            raise
+        report(
+            f"error: no space left on the device writing {full.filename or 'a file'}: the complete "
+            "checkpoints are kept (one being written is not); free space and the same command continues from "
+            "the newest"
+        )
+        return 1
     return 0
+
+
+def disk_full(e: BaseException) -> OSError | None:
+    """The OSError of a full disk (ENOSPC) or quota (EDQUOT) behind `e`: itself, its cause or context, or
+    one rank's failure in a checkpoint write (DCP's CheckpointException holds each rank's), else None."""
+    seen = set()
+    todo: list[BaseException | None] = [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
+            return x
+        if isinstance(x, CheckpointException):  # its failures: {rank: (exception, traceback)}
+            todo += [failure for failure, _ in x.failures.values()]
+        todo += [x.__cause__, x.__context__]
+    return None
 
 
 def report(line: str) -> None:

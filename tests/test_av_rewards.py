@@ -213,7 +213,7 @@ def test_imagebind_file_is_matched_key_by_key(tiny_imagebind, tmp_path):
         with pytest.raises(ConfigError, match=re.escape(expected)):
             load_imagebind(str(tmp_path / "bad.pth"), tiny_imagebind_arch())
     (tmp_path / "bad.pth").write_bytes(b"not a checkpoint")
-    with pytest.raises(ConfigError, match="bad.pth: not readable as a torch checkpoint"):
+    with pytest.raises(ConfigError, match="bad.pth: not a PyTorch weight file: not the zip archive"):
         load_imagebind(str(tmp_path / "bad.pth"), tiny_imagebind_arch())
 
 

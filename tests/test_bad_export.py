@@ -62,6 +62,7 @@ def assert_one_error_after_loading(status: int, capsys, expected: str) -> None:
     lines = [line for line in err.replace("\r", "\n").splitlines() if line.startswith("error: ")]
     assert status == 2 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
     assert expected in lines[0]
+    assert "weights_only" not in err, lines[0]  # torch's advice to load untrusted bytes unrestricted
 
 
 def export_refused(capsys, expected: str, *args) -> None:
@@ -115,7 +116,7 @@ def test_truncated_lora_file_is_one_line(a14b_lora_dir, tmp_path, capsys):
     (lora / LORA_FILE_2).write_bytes(data[: len(data) // 2])
     for extra in ([], ["--format", "peft"]):
         export_refused(
-            capsys, f"{lora / LORA_FILE_2}: not a readable safetensors file", lora, tmp_path / "out", *extra
+            capsys, f"{lora / LORA_FILE_2}: truncated: its header describes ", lora, tmp_path / "out", *extra
         )
 
 
@@ -317,3 +318,75 @@ def test_second_of_two_runs_started_together_is_refused_before_loading(tiny_sd3,
             if r.poll() is None:
                 r.kill()
             r.wait()
+
+
+# a run's peft adapter directory (BAGEL's lora/)
+
+
+@pytest.fixture(scope="module")
+def bagel_lora_dir(tiny_bagel, tmp_path_factory) -> Path:
+    """The LoRA directory a BAGEL run writes at its end (its adapter's export_lora: a peft adapter)."""
+    from omnirl.models.bagel import BagelAdapter, BagelSettings
+
+    targets = ["q_proj_moe_gen", "k_proj_moe_gen", "v_proj_moe_gen", "o_proj_moe_gen"]
+    cfg = tiny_config("bagel", tiny_bagel, rank=4, alpha=8.0, target_modules=targets)
+    cfg.family = BagelSettings()
+    adapter = BagelAdapter(cfg, torch.device("cpu"))
+    perturb_lora(adapter, 0.05)
+    out = tmp_path_factory.mktemp("bagel") / "lora"
+    adapter.export_lora(out)
+    return out
+
+
+def test_bagel_peft_lora_dir_copies_and_merges(bagel_lora_dir, tiny_bagel, tmp_path, capsys):
+    """A BAGEL run's own lora/ (adapter_config.json, adapter_model.safetensors) exports as it is and, with
+    --merge, fused into the official layout: an adapted weight is W + alpha / r * B A, the rest unchanged."""
+    from safetensors.torch import load_file
+
+    assert export_status(bagel_lora_dir, tmp_path / "copy") == 0
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (tmp_path / "copy" / name).read_bytes() == (bagel_lora_dir / name).read_bytes()
+    assert export_status(bagel_lora_dir, tmp_path / "merged", "--merge", "--model-path", tiny_bagel) == 0
+    base, merged = load_file(tiny_bagel / "ema.safetensors"), load_file(tmp_path / "merged/ema.safetensors")
+    lora = load_file(bagel_lora_dir / "adapter_model.safetensors")
+    module = "language_model.model.layers.0.self_attn.q_proj_moe_gen"
+    a, b = lora[f"base_model.model.{module}.lora_A.weight"], lora[f"base_model.model.{module}.lora_B.weight"]
+    expected = base[f"{module}.weight"] + 8.0 / 4 * (b @ a)
+    assert torch.allclose(merged[f"{module}.weight"], expected, atol=1e-6)
+    assert not torch.equal(merged[f"{module}.weight"], base[f"{module}.weight"])
+    unadapted = "language_model.model.layers.0.self_attn.q_proj.weight"  # the understanding copy
+    assert torch.equal(merged[unadapted], base[unadapted])
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_bagel_peft_lora_dir_refusals(bagel_lora_dir, tiny_bagel, tiny_sd3, tmp_path, capsys):
+    """Merged onto a model that is not BAGEL, or holding a LoRA of another shape: one line naming what is
+    wrong, nothing written."""
+    export_refused(
+        capsys, f"--model-path '{tiny_sd3}' is not a BAGEL checkpoint in the official layout",
+        bagel_lora_dir, tmp_path / "out", "--merge", "--model-path", tiny_sd3,
+    )  # fmt: skip
+    other = tmp_path / "other"
+    shutil.copytree(bagel_lora_dir, other)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(other / "adapter_model.safetensors")
+    key = next(k for k in sorted(tensors) if ".lora_A." in k)
+    tensors[key] = torch.zeros(tensors[key].shape[0], tensors[key].shape[1] + 1)
+    save_file(tensors, other / "adapter_model.safetensors")
+    export_refused(
+        capsys, f"{other / 'adapter_model.safetensors'}: {key} updates a ",
+        other, tmp_path / "out", "--merge", "--model-path", tiny_bagel,
+    )  # fmt: skip
+
+
+def test_merge_onto_a_damaged_model_names_its_file(bagel_lora_dir, tiny_bagel, tmp_path, capsys):
+    """--model-path's weight files are checked before anything loads, as model.path's are for a run."""
+    model = tmp_path / "bagel"
+    shutil.copytree(tiny_bagel, model)
+    data = (model / "ema.safetensors").read_bytes()
+    (model / "ema.safetensors").write_bytes(data[: len(data) // 2])
+    export_refused(
+        capsys, f"{model / 'ema.safetensors'}: truncated: its header describes ",
+        bagel_lora_dir, tmp_path / "out", "--merge", "--model-path", model,
+    )  # fmt: skip

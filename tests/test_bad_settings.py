@@ -1,8 +1,9 @@
 """A model family's own settings (`family.*`: the `Settings` of each adapter in omnirl.models) are checked
 when the recipe loads, like every other section: a value a run cannot use is one line `error: ...` naming
 the field, exit status 2, before any model loads, with nothing written (to run.output_dir or the working
-directory). Every number of every family is tried at 0, -1 and NaN through the entry point's `main`
-in-process: it is the code the command line runs, and the refusal comes before anything heavy."""
+directory). Every number of every family is tried at 0, -1, NaN and (a float) infinity through the entry
+point's `main` in-process: it is the code the command line runs, and the refusal comes before anything
+heavy."""
 
 import dataclasses
 import typing
@@ -10,7 +11,7 @@ import typing
 import pytest
 
 from omnirl.models import ADAPTERS, get_adapter
-from tests.test_bad_input import load_train_script
+from tests.test_bad_input import ROOT, load_train_script
 
 # The entry point's @record, under pytest's capture.
 pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
@@ -40,11 +41,17 @@ def numeric_fields(adapter: str) -> list[str]:
     return [f.name for f in dataclasses.fields(settings) if hints[f.name] in NUMBERS]
 
 
+def tried_values(adapter: str, name: str) -> tuple[str, ...]:
+    """0, -1 and NaN for every number; infinity too for a float (an integer field does not parse it)."""
+    floats = typing.get_type_hints(get_adapter(adapter).Settings)[name] in (float, float | None)
+    return ("0", "-1", "nan", "inf") if floats else ("0", "-1", "nan")
+
+
 NUMERIC = [
     (adapter, name, value)
     for adapter in sorted(ADAPTERS)
     for name in numeric_fields(adapter)
-    for value in ("0", "-1", "nan")
+    for value in tried_values(adapter, name)
     if (adapter, name, value) not in LEGITIMATE
 ]
 
@@ -63,6 +70,7 @@ def refused(adapter: str, overrides: list[str], tmp_path, capsys, monkeypatch) -
 
 
 def test_every_family_number_is_tried():
+    assert ("bagel", "timestep_shift", "inf") in NUMERIC and ("bagel", "cfg_image_scale", "inf") in NUMERIC
     assert {a for a in ADAPTERS if dataclasses.fields(get_adapter(a).Settings)} == set(RECIPES)
     fields = {(a, name) for a, name, _ in NUMERIC}
     assert ("wan", "fps") in fields and ("qwen_image_edit", "condition_area") in fields
@@ -86,8 +94,8 @@ FAMILY_VALUES = {
     "Wan frames off the VAE's temporal factor": (
         "wan",
         ["--family.num_frames", "10"],
-        "family.num_frames must be an integer >= 1 with num_frames - 1 divisible by 4 (the VAE's temporal "
-        "factor), got 10",
+        "family.num_frames must be an integer in [1, 4093] with num_frames - 1 divisible by 4 (the VAE's "
+        "temporal factor; at most 1024 latent frames, the transformer's rotary table), got 10",
     ),
     "Wan guidance below 1": (
         "wan",
@@ -125,6 +133,11 @@ FAMILY_VALUES = {
         ["--family.logprob_pooling", "sum"],
         "family.logprob_pooling must be one of joint, equal, got 'sum'",
     ),
+    "Wan frames past the transformer's rotary table": (
+        "wan",
+        ["--family.num_frames", "100000001"],
+        "family.num_frames must be an integer in [1, 4093] with num_frames - 1 divisible by 4",
+    ),
     "edit buckets out of order": (
         "qwen_image_edit",
         ["--family.prompt_length_buckets", "128", "64"],
@@ -137,3 +150,32 @@ FAMILY_VALUES = {
 def test_family_value_is_one_line(case, tmp_path, capsys, monkeypatch):
     adapter, overrides, expected = FAMILY_VALUES[case]
     assert expected in refused(adapter, overrides, tmp_path, capsys, monkeypatch)
+
+
+# A video's length against the checkpoint's own configs (its audio rate, its positional range): read before
+# any weights, so the line still comes before the model loads.
+LTX2_DURATIONS = {
+    "frame rate leaving no audio": (
+        ["--family.frame_rate", "1e12"],
+        "family.num_frames 9 at family.frame_rate 1e+12 is 9e-12 s of video; model.path {path!r} needs at "
+        "least 0.02 s (one latent frame of audio) and at most 20 s (the transformer's positional range)",
+    ),
+    "video past the positional range": (
+        ["--family.num_frames", "100000001"],
+        "family.num_frames 100000001 at family.frame_rate 24 is 4.17e+06 s of video",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LTX2_DURATIONS))
+def test_ltx2_duration_is_refused_before_any_weights_load(case, tiny_ltx2, tmp_path, capsys, monkeypatch):
+    import omnirl.models.ltx2 as ltx2
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("weights loaded before the duration was checked")
+
+    monkeypatch.setattr(ltx2, "load_pretrained", no_loading)
+    overrides, expected = LTX2_DURATIONS[case]
+    data = ["--data.train_path", str(ROOT / "data/sd3_tiny_prompts.jsonl")]  # refused() leaves the root
+    err = refused("ltx2", [*overrides, "--model.path", str(tiny_ltx2), *data], tmp_path, capsys, monkeypatch)
+    assert expected.format(path=str(tiny_ltx2)) in err

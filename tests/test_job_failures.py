@@ -210,3 +210,84 @@ def test_second_run_on_a_held_directory_and_a_killed_launcher(tiny_sd3, tmp_path
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         first.wait()
+
+
+# A run stopped by its environment: one line naming the cause, the complete checkpoints kept.
+
+SMALL = ["--run.steps", "3", "--checkpoint.every", "1", "--rollout.prompts_per_step", "2",
+         "--rollout.group_size", "2", "--sampling.num_steps", "2", "--sampling.sde_window_size", "0",
+         "--log.tensorboard", "false", "--validation.every", "0"]  # fmt: skip
+
+
+def stopped_run(tiny_sd3, tmp_path, capsys, monkeypatch) -> tuple[int, str, Path]:
+    from tests.test_bad_input import load_train_script
+
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "out"
+    args = [
+        "--recipe",
+        "sd3_tiny_flowgrpo",
+        "--model.path",
+        str(tiny_sd3),
+        *SMALL,
+        "--run.output_dir",
+        str(out),
+    ]
+    status = load_train_script().main(args)
+    err = capsys.readouterr().err
+    errors = [line for line in err.replace("\r", "\n").splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    return status, errors[0], out
+
+
+def second_call_raises(monkeypatch, module, name: str, exc: BaseException) -> None:
+    """`module.name` runs as before on its first call and raises `exc` on its second."""
+    original, calls = getattr(module, name), []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise exc
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapped)
+
+
+@pytest.mark.slow  # a tiny run of a few steps in this process
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+def test_ctrl_c_is_one_line_and_keeps_the_checkpoints(tiny_sd3, tmp_path, capsys, monkeypatch):
+    import omnirl.trainer
+
+    second_call_raises(monkeypatch, omnirl.trainer, "rollout_and_score", KeyboardInterrupt())
+    status, line, out = stopped_run(tiny_sd3, tmp_path, capsys, monkeypatch)
+    assert status == 130
+    assert line.startswith(
+        f"error: interrupted (Ctrl-C): the complete checkpoints in {out}/checkpoints are kept"
+    )
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000001"]
+    assert not (out / ".lock").exists()
+
+
+@pytest.mark.slow  # a tiny run of a few steps in this process
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+def test_disk_full_is_one_line_and_keeps_the_checkpoints(tiny_sd3, tmp_path, capsys, monkeypatch):
+    """A full disk while a checkpoint is written (DCP reports each rank's failure in a CheckpointException)
+    is one line naming the file; the checkpoint written before it stays whole, the partial one is not one."""
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import omnirl.checkpoint
+
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "model_optim/__0_0.distcp")
+    second_call_raises(
+        monkeypatch, omnirl.checkpoint.dcp, "save", CheckpointException("save", {0: (full, None)})
+    )
+    status, line, out = stopped_run(tiny_sd3, tmp_path, capsys, monkeypatch)
+    assert status == 1
+    assert line.startswith(
+        "error: no space left on the device writing model_optim/__0_0.distcp: the complete"
+    )
+    complete = [p.name for p in (out / "checkpoints").iterdir() if not p.name.endswith(".tmp")]
+    assert complete == ["step_000001"]
+    omnirl.checkpoint.verify(out / "checkpoints/step_000001")  # whole: its manifest holds

@@ -7,6 +7,7 @@ import importlib
 from typing import TYPE_CHECKING, cast
 
 from omnirl.config import ConfigError
+from omnirl.weights import check_weight_files
 
 if TYPE_CHECKING:
     import torch
@@ -30,6 +31,7 @@ def build_adapter(cfg: Config, device: torch.device):
     model.path, or built from the configs there with random weights (`random_init.random_weights`)."""
     adapter_cls = get_adapter(cfg.model.adapter)
     if cfg.model.weights == "pretrained":
+        check_weight_files(cfg.model.path)  # a damaged file is named before any component loads
         return adapter_cls(cfg, device)
     from omnirl.models.random_init import random_weights
 

@@ -26,6 +26,7 @@ level, never on the policy: the ratio new / old and so the loss and its gradient
 
 from __future__ import annotations
 
+import math
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -35,12 +36,13 @@ from typing import ClassVar, cast
 import peft
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from transformers import AutoTokenizer
 
 from omnirl.config import Config, ConfigError
+from omnirl.config_checks import POSITIVE
+from omnirl.data.prompts import PromptRow
 from omnirl.fsdp import DTYPES, compute_dtype, load_pretrained, place_policy
 from omnirl.models.bagel_port import (
     LATENT_CHANNELS,
@@ -59,6 +61,7 @@ from omnirl.models.base import Output, Request, Trajectory
 from omnirl.models.diffusers_setup import DiffusersBase, trajectories
 from omnirl.models.flow_sde import WindowedSampler, host_rows, phase, to_host
 from omnirl.models.peft_lora import peft_config, sorted_sets
+from omnirl.weights import load_safetensors, safe_open
 
 DECODE_ROWS = 16  # images the VAE decodes at once
 LORA_FILE = "adapter_model.safetensors"  # peft's
@@ -78,9 +81,9 @@ class BagelSettings:
     """The schedule's shift s: sigma = s t / (1 + (s - 1) t) over t = linspace(1, 0, num_steps + 1)."""
 
     RANGES: ClassVar[dict] = {
-        "cfg_image_scale": (lambda v: v >= 1, ">= 1"),
+        "cfg_image_scale": ((lambda v: math.isfinite(v) and v >= 1), "a finite number >= 1 (1 = off)"),
         "cfg_interval": (lambda v: len(v) == 2 and 0 <= v[0] < v[1] <= 1, "[lo, hi] with 0 <= lo < hi <= 1"),
-        "timestep_shift": (lambda v: v > 0, "> 0"),
+        "timestep_shift": POSITIVE,
     }
 
 
@@ -159,6 +162,20 @@ class BagelAdapter(DiffusersBase):
     def prompt_ids(self, prompt: str) -> list[int]:
         """The context's tokens: <|im_start|>, the prompt's own (no special token added), <|im_end|>."""
         return [self.bos, *self.tokenizer.encode(prompt, add_special_tokens=False), self.eos]
+
+    def prompt_problem(self, row: PromptRow) -> str | None:
+        """Why the row's prompt cannot run: its context (`prompt_ids`) and the image's query position after
+        it are more positions than the language model has (its max_position_embeddings; the official
+        inference does not truncate), or None."""
+        tokens = len(self.prompt_ids(row.prompt))
+        limit = cast(BagelConfig, self.transformer.config).llm.max_position_embeddings
+        if tokens < limit:
+            return None
+        return (
+            f"the prompt ({len(row.prompt)} characters) is {tokens} context tokens; with the image's query "
+            f"position after them that is more than the language model's {limit} positions "
+            f"(max_position_embeddings): shorten it"
+        )
 
     def compat_key(self, request: Request) -> tuple:
         return request.params.key  # contexts are padded to the batch's longest: nothing to add
@@ -319,9 +336,13 @@ class BagelAdapter(DiffusersBase):
     def merge_lora(cls, model_path: str, lora_dir: Path, out_dir: str | Path, dtype: torch.dtype) -> None:
         """The official layout of `model_path` in `dtype` with the peft LoRA of `lora_dir` fused into the
         weights it adapts (W += alpha / r * B A, in float32)."""
+        file, config_file = Path(lora_dir) / LORA_FILE, Path(lora_dir) / "adapter_config.json"
+        try:  # (typed as the base class)
+            config = cast(peft.LoraConfig, peft.LoraConfig.from_pretrained(str(lora_dir)))
+        except (OSError, ValueError, TypeError) as e:
+            raise ConfigError(f"{config_file}: not a peft LoRA config ({e})") from None
+        lora = load_safetensors(file)
         model = BagelModel.from_pretrained(model_path, torch.float32)
-        config = cast(peft.LoraConfig, peft.LoraConfig.from_pretrained(str(lora_dir)))  # (typed as the base)
-        lora = load_file(Path(lora_dir) / LORA_FILE)
         ours = {official_name(k): k for k in model.state_dict()}
         params = dict(model.named_parameters())
         scale = config.lora_alpha / config.r
@@ -329,8 +350,17 @@ class BagelAdapter(DiffusersBase):
             if ".lora_A." not in key:
                 continue
             module = key.removeprefix("base_model.model.").split(".lora_A.")[0]
-            b = lora[key.replace(".lora_A.", ".lora_B.")]
-            weight = params[ours[f"{module}.weight"]]
+            b = lora.get(key.replace(".lora_A.", ".lora_B."))
+            name = ours.get(f"{module}.weight")
+            if b is None or name is None:
+                what = "has no lora_B pair" if b is None else "adapts no weight of this BAGEL"
+                raise ConfigError(f"{file}: {key} {what}: a LoRA of another model?")
+            weight = params[name]
+            if (b.shape[0], a.shape[1]) != tuple(weight.shape):
+                raise ConfigError(
+                    f"{file}: {key} updates a {b.shape[0]}x{a.shape[1]} weight; this BAGEL's {module} is "
+                    f"{weight.shape[0]}x{weight.shape[1]}: a LoRA of another model?"
+                )
             with torch.no_grad():
                 weight += scale * (b.float() @ a.float())
         write_like(model_path, out_dir, model, dtype)
@@ -340,7 +370,7 @@ def write_like(model_path: str, out_dir: str | Path, model: BagelModel, dtype: t
     """`model` in the official layout of `model_path` under `out_dir`: its weights in ema.safetensors in
     `dtype` beside the source's understanding-only tensors, the source's autoencoder and tokenizer files."""
     src, out = Path(model_path), Path(out_dir)
-    with safe_open(src / WEIGHTS, "pt") as f:
+    with safe_open(src / WEIGHTS) as f:
         skipped = {k: f.get_tensor(k) for k in f.keys() if k.startswith(SKIPPED_PREFIXES)}
     state = {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items() if "lora_" not in k}
     save_official(model, load_vae(src / VAE_WEIGHTS, torch.float32), out, dtype, skipped, state)

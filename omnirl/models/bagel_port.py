@@ -45,7 +45,6 @@ import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKL
 from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
-from safetensors import safe_open
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import Qwen2Config
@@ -57,6 +56,7 @@ from transformers.models.qwen2.modeling_qwen2 import (
 )
 
 from omnirl.config import ConfigError
+from omnirl.weights import safe_open
 
 LLM_CONFIG, WEIGHTS, VAE_WEIGHTS = "llm_config.json", "ema.safetensors", "ae.safetensors"
 LATENT_CHANNELS = 16  # the FLUX VAE's latent channels
@@ -100,7 +100,7 @@ class BagelConfig:
         llm = Qwen2Config.from_dict(raw)
         side = MAX_LATENT_SIZE
         if (path / WEIGHTS).is_file():
-            with safe_open(path / WEIGHTS, "pt") as f:
+            with safe_open(path / WEIGHTS) as f:
                 side = math.isqrt(f.get_slice("latent_pos_embed.pos_embed").get_shape()[0])
         return cls(llm=llm, max_latent_size=side, qk_norm=bool(raw.get("qk_norm", True)))
 
@@ -350,7 +350,7 @@ def load_official(path: Path, model: nn.Module, dtype: torch.dtype) -> dict[str,
     file lacks, is a ConfigError naming it."""
     ours = {official_name(k): k for k in model.state_dict()}
     state = {}
-    with safe_open(path, "pt") as f:
+    with safe_open(path) as f:
         for key in f.keys():
             if key.startswith(SKIPPED_PREFIXES):
                 continue
@@ -382,7 +382,7 @@ def load_vae(path: str | Path, dtype: torch.dtype) -> AutoencoderKL:
     converted by diffusers' `convert_ldm_vae_checkpoint`; a key the conversion leaves unread, or one the
     model lacks, is a ConfigError naming it."""
     path = Path(path)
-    with safe_open(path, "pt") as f:
+    with safe_open(path) as f:
         source = {k: f.get_tensor(k) for k in f.keys()}
     vae = AutoencoderKL(**vae_config(source))
     converted = convert_ldm_vae_checkpoint(source, vae.config)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -190,7 +191,11 @@ def checkpoint_decoder_layers(hf_model: Any, layers: nn.ModuleList) -> None:
     transformers checkpoints a layer only while `layer.training` is set, so the layers' own flag is set
     and nothing else: the model stays in eval mode (no dropout anywhere), so the rollout and the trainer
     compute the same function. Without gradients (rollout, recompute) a layer runs as usual."""
-    hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with warnings.catch_warnings():
+        # Later transformers 5 releases rename it activation_checkpointing_enable and warn at every load;
+        # setup.py's range starts before the rename, so the old name, which still works, stays.
+        warnings.filterwarnings("ignore", "`gradient_checkpointing_enable` is deprecated", FutureWarning)
+        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for layer in layers:
         layer.training = True
 

@@ -42,6 +42,9 @@ from diffusers import (
     LTX2Pipeline,
     LTX2VideoTransformer3DModel,
 )
+from diffusers.models.autoencoders.autoencoder_kl_ltx2_audio import (
+    LATENT_DOWNSAMPLE_FACTOR as AUDIO_LATENT_FACTOR,
+)
 from diffusers.pipelines.ltx2 import LTX2TextConnectors
 from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, rescale_noise_cfg
 from diffusers.video_processor import VideoProcessor
@@ -104,6 +107,25 @@ class LTX2Settings:
     }
 
 
+def check_duration(path: str, s: LTX2Settings) -> None:
+    """family.num_frames / family.frame_rate seconds against the checkpoint's own configs (no weights
+    read): at least one latent frame of audio (the audio VAE's rate: sample_rate / mel_hop_length / 4 per
+    second; fewer is an empty audio stream the transformer cannot take), and at most the transformer's
+    positional range (`pos_embed_max_pos` seconds, LTX-2's longest clip: its positions are seconds over
+    that range). A ConfigError naming both fields otherwise."""
+    # (load_config is typed as maybe a tuple: with return_unused_kwargs)
+    audio: Any = AutoencoderKLLTX2Audio.load_config(path, subfolder="audio_vae")
+    transformer: Any = LTX2VideoTransformer3DModel.load_config(path, subfolder="transformer")
+    per_second = audio["sample_rate"] / audio["mel_hop_length"] / AUDIO_LATENT_FACTOR
+    seconds, longest = s.num_frames / s.frame_rate, transformer.get("pos_embed_max_pos", 20)
+    if round(seconds * per_second) < 1 or seconds > longest:
+        raise ConfigError(
+            f"family.num_frames {s.num_frames} at family.frame_rate {s.frame_rate:g} is {seconds:.3g} s of "
+            f"video; model.path {path!r} needs at least {0.5 / per_second:.3g} s (one latent frame of audio) "
+            f"and at most {longest} s (the transformer's positional range)"
+        )
+
+
 @dataclass(frozen=True)
 class Grid:
     """A request's latent grid: video frames x height x width tokens and audio frames."""
@@ -131,6 +153,7 @@ class LTX2Adapter(DiffusersBase):
         super().__init__(cfg, device)
         path, dtype = cfg.model.path, DTYPES[cfg.model.dtype]
         self.settings: LTX2Settings = cfg.family
+        check_duration(path, self.settings)  # from the configs alone, before any weights load
         self.transformer = load_pretrained(
             LTX2VideoTransformer3DModel, path, subfolder="transformer", torch_dtype=self.transformer_dtype
         )

@@ -412,7 +412,7 @@ def write_random_thinker(
     read back, nor built in float32."""
     import tempfile
 
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
     from transformers import (
         Qwen3OmniMoeConfig,
         Qwen3OmniMoeThinkerConfig,
@@ -422,6 +422,7 @@ def write_random_thinker(
     from omnirl.fsdp import DTYPES
     from omnirl.models.tiny import make_tiny_qwen3_omni
     from omnirl.models.tiny_omni import add_vllm_config_keys
+    from omnirl.weights import load_safetensors
 
     tiny = make_tiny_qwen3_omni(out_dir / "tiny")
     full = json.loads((tiny / "config.json").read_text())
@@ -468,7 +469,7 @@ def write_random_thinker(
         model.save_pretrained(tmp)  # the thinker's checkpoint names, then under `thinker.`
         del model
         for shard in sorted(Path(tmp).glob("*.safetensors")):
-            tensors = {f"thinker.{k}": v for k, v in load_file(shard).items()}
+            tensors = {f"thinker.{k}": v for k, v in load_safetensors(shard).items()}
             save_file(tensors, path / shard.name, metadata={"format": "pt"})
         index = Path(tmp, "model.safetensors.index.json")
         if index.is_file():

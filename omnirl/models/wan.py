@@ -59,6 +59,9 @@ from omnirl.models.flow_sde import WindowedSampler, phase, to_host
 # load_into_transformer_2=True)` loads it (diffusers names both experts' LoRA keys "transformer.").
 LORA_FILE_2 = "pytorch_lora_weights_transformer_2.safetensors"
 EXPERTS = ("transformer", "transformer_2")
+# Latent frames the transformer has rotary positions for: WanTransformer3DModel's rope_max_seq_len, 1024
+# in every Wan2.1 / 2.2 checkpoint; a longer video has frames without positions.
+ROPE_FRAMES = 1024
 LORA_FILES = {"transformer": LORA_FILE, "transformer_2": LORA_FILE_2}
 
 
@@ -128,8 +131,9 @@ class WanSettings:
     # factor 4; the adapter checks num_frames against the checkpoint's own again.
     RANGES: ClassVar[dict] = {
         "num_frames": (
-            (lambda v: v >= 1 and (v - 1) % 4 == 0),
-            "an integer >= 1 with num_frames - 1 divisible by 4 (the VAE's temporal factor)",
+            (lambda v: 1 <= v <= 4 * (ROPE_FRAMES - 1) + 1 and (v - 1) % 4 == 0),
+            f"an integer in [1, {4 * (ROPE_FRAMES - 1) + 1}] with num_frames - 1 divisible by 4 (the VAE's "
+            f"temporal factor; at most {ROPE_FRAMES} latent frames, the transformer's rotary table)",
         ),
         "fps": POSITIVE,
         "flow_shift": POSITIVE,

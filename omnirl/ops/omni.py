@@ -37,7 +37,7 @@ from omnirl.data.prompts import PromptRow
 from omnirl.metrics import MetricsLogger
 from omnirl.models.base import GenerationParams, OmniAdapter, OmniTrajectory, Request
 from omnirl.models.lm import pad_responses
-from omnirl.rollout.generate import GenerationEngine
+from omnirl.rollout.generate import WINDOW_COLUMNS, GenerationEngine
 
 
 def generation_params(cfg: Config, tokenizer) -> GenerationParams:
@@ -106,6 +106,14 @@ class OmniOps:
             self.engine = self.sleepable = VLLMEngine(adapter, cfg)
         else:
             g, r = cfg.generation, cfg.rollout
+            # A slot's cache is at most the model's context; its windows are multiples of WINDOW_COLUMNS.
+            windows = -(-adapter.context_tokens // WINDOW_COLUMNS)
+            if g.kv_windows > windows:
+                raise ConfigError(
+                    f"generation.kv_windows must be at most {windows} for model.path {cfg.model.path!r} "
+                    f"(its context of {adapter.context_tokens} tokens in windows of {WINDOW_COLUMNS} "
+                    f"columns), got {g.kv_windows}"
+                )
             self.engine = GenerationEngine(
                 adapter,
                 r.max_num_seqs,
@@ -144,6 +152,12 @@ class OmniOps:
             raise ConfigError(
                 f"distributed.rollout_gather unit with an omni model needs one rank, got {world}: use "
                 "phase (the whole base on the device for the rollout, also with frozen_base offload)"
+            )
+        sizes = (cfg.rollout.max_num_seqs - 1).bit_length() + 1  # all slots, halved down to one
+        if cfg.generation.row_buckets > sizes:
+            raise ConfigError(
+                f"generation.row_buckets must be at most {sizes} (rollout.max_num_seqs "
+                f"{cfg.rollout.max_num_seqs} slots, halved down to one), got {cfg.generation.row_buckets}"
             )
         if cfg.optim.micro_batch_tokens < 0:
             raise ConfigError(f"optim.micro_batch_tokens must be >= 0, got {cfg.optim.micro_batch_tokens}")

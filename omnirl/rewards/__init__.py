@@ -38,6 +38,7 @@ from torch import nn
 
 from omnirl.config import ConfigError
 from omnirl.models.base import Output
+from omnirl.weights import check_weight_files
 
 REWARDS = {
     "jpeg_compressibility": "omnirl.rewards.jpeg:JpegCompressibility",
@@ -90,6 +91,7 @@ class LocalCheckpoint:
         for group in self.files:
             if not any(os.path.isfile(os.path.join(path, f)) for f in group):
                 raise ConfigError(f"{key} {path!r} lacks {' or '.join(group)}, which reward {name} loads")
+        check_weight_files(path)  # their headers: a damaged file is named before any reward loads
 
 
 _WEIGHTS = (

@@ -46,7 +46,6 @@ import torch.nn.functional as F
 from diffusers import FlowMatchEulerDiscreteScheduler
 from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import check_target_module_exists
-from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
@@ -55,6 +54,7 @@ from omnirl import fsdp
 from omnirl.config import ConfigError
 from omnirl.models.base import Latent, derive_seed
 from omnirl.models.peft_lora import adapter_active
+from omnirl.weights import load_safetensors, torch_load
 
 CONFIG, LORA_DIR, HEAD = "config.json", "checkpoint/backbone_lora", "checkpoint/rm_head.pt"
 LORA_FILE = "adapter_model.safetensors"
@@ -215,7 +215,7 @@ def lora_modules(
         and check_target_module_exists(config, name)
     ]
     expected = {f"{PREFIX}{name}.lora_{ab}.weight" for name in targets for ab in "AB"}
-    state = load_file(path / LORA_DIR / LORA_FILE)
+    state = load_safetensors(path / LORA_DIR / LORA_FILE)
     check_keys(path / LORA_DIR / LORA_FILE, set(state), expected)
     return config, {k.removeprefix(PREFIX): v for k, v in state.items()}
 
@@ -261,7 +261,7 @@ class DinaLRM:
 
         dim = transformer.config.num_attention_heads * transformer.config.attention_head_dim
         head = RewardHead(dim, len(self.visual_idx), len(self.text_idx), model.get("reward_head", {}))
-        state = torch.load(root / HEAD, map_location="cpu", weights_only=True)
+        state = torch_load(root / HEAD)
         check_keys(root / HEAD, set(state), set(head.state_dict()))
         head.load_state_dict(state)
         self.head = head.float().eval().requires_grad_(False).to(adapter.device)  # small: kept in float32

@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration
 
 from omnirl import distributed as D
 from omnirl.config import ConfigError
 from omnirl.rewards import to_pil
+from omnirl.weights import load_safetensors
 
 WEIGHTS = "HPSv3.safetensors"
 REWARD_TOKEN = "<|Reward|>"
@@ -80,7 +80,7 @@ class HPSv3Reward:
         text_config: Any = vlm.config.text_config  # (typed as maybe a dict, the constructor's argument)
         assert text_config is not None  # a Qwen2-VL config holds its language model's
         head = reward_head(text_config.hidden_size)
-        state = load_file(Path(path) / WEIGHTS)
+        state = load_safetensors(Path(path) / WEIGHTS)
         head.load_state_dict(
             {k.removeprefix("rm_head."): v for k, v in state.items() if k.startswith("rm_head.")}
         )

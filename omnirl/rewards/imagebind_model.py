@@ -19,13 +19,13 @@ the learned positions are never interpolated.
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from omnirl.config import ConfigError
+from omnirl.weights import torch_load
 
 
 @dataclass(frozen=True)
@@ -260,10 +260,7 @@ def load_imagebind(path: str, arch: ImageBindArch = HUGE) -> ImageBind:
     """The three towers with the official checkpoint's weights at `path`: every key of the towers built
     here present with its shape, every other key one of the unused towers'; else a ConfigError naming the
     file and the key."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # 4.5 GB: not read twice
-    except (RuntimeError, OSError, pickle.UnpicklingError) as e:
-        raise ConfigError(f"{path}: not readable as a torch checkpoint ({e})") from None
+    state = torch_load(path, mmap=True)  # 4.5 GB: not read twice
     if not isinstance(state, dict):
         raise ConfigError(f"{path}: not a state dict (a {type(state).__name__}); expected imagebind_huge.pth")
     model = ImageBind(arch)
