@@ -186,7 +186,9 @@ def test_full_finetune_trains_every_weight_in_float32(tiny_flux):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["flux_tiny_flowgrpo", "flux_tiny_dancegrpo", "flux_tiny_mixgrpo"])
+@pytest.mark.parametrize(
+    "recipe", ["flux_tiny_flowgrpo", "flux_tiny_dancegrpo", "flux_tiny_mixgrpo", "flux_tiny_dgpo"]
+)
 def test_tiny_recipes_under_torchrun_fsdp(recipe, tiny_flux, tmp_path):
     from tests.test_train import ROOT, read_jsonl, torchrun
 
