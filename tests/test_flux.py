@@ -203,3 +203,26 @@ def test_tiny_recipes_under_torchrun_fsdp(recipe, tiny_flux, tmp_path):
     assert (out / "lora/pytorch_lora_weights.safetensors").is_file()
     assert (out / "samples/step_000001.png").is_file()
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_random_init_dry_run_counts_flux1_dev():
+    """--dry-run --random-init builds FLUX.1-dev's full-size models from their public configs on the meta
+    device and counts them: the transformer 11.9 B, T5-XXL's encoder 4.76 B, CLIP-L's text tower 0.12 B."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.test_train import ROOT
+
+    cmd = [sys.executable, "-m", "benchmarks.rollout_packing", "--model", "flux1_dev", "--random-init"]
+    r = subprocess.run(
+        [*cmd, "--dry-run", "--images", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    counts = dict(re.findall(r"^  (\w+) +\w+ +[\d,]+ params \(([\d.]+) B\)", r.stdout, re.M))
+    assert 11.8 < float(counts["transformer"]) < 12.0, r.stdout
+    assert 4.7 < float(counts["text_encoder_2"]) < 4.8 and 0.1 < float(counts["text_encoder"]) < 0.13, (
+        r.stdout
+    )
+    assert "TFLOP per image" in r.stdout
