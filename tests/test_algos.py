@@ -225,8 +225,11 @@ def test_get_loss():
     assert get_loss("flow_grpo") is flow_grpo_loss
     assert get_loss("flow_dppo", "diffusion") is flow_dppo_loss
     assert get_loss("diffusion_nft", "diffusion") is diffusion_nft_loss
-    assert {"flow_grpo", "flow_dppo", "diffusion_nft", "grpo", "gspo"} <= set(LOSSES)
-    with pytest.raises(ValueError, match="unknown algo.loss 'ppo'; known losses: diffusion_nft, flow_dppo"):
+    assert get_loss("dgpo", "diffusion") is dgpo_loss
+    assert {"flow_grpo", "flow_dppo", "diffusion_nft", "dgpo", "grpo", "gspo"} <= set(LOSSES)
+    with pytest.raises(
+        ValueError, match="unknown algo.loss 'ppo'; known losses: dgpo, diffusion_nft, flow_dppo"
+    ):
         get_loss("ppo")
 
 
