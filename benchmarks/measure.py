@@ -17,6 +17,7 @@ from omnirl.distributed import all_reduce
 from omnirl.fsdp import compute_dtype
 from omnirl.memory import synchronize
 from omnirl.models.base import Request, SamplingParams, derive_seed
+from omnirl.models.flux.adapter import FluxAdapter
 from omnirl.models.ltx2 import LTX2Adapter
 from omnirl.models.qwen_image import padded_lengths
 from omnirl.models.sd3 import SD3Adapter
@@ -51,14 +52,15 @@ def text_lengths(adapter, request: Request) -> tuple[int, int]:
     if isinstance(adapter, SD3Adapter):
         n = CLIP_TOKENS + adapter.max_sequence_length
         return n, n
-    if isinstance(adapter, (WanAdapter, LTX2Adapter)):  # LTX-2: Gemma pads to it, the connectors keep it
+    # LTX-2: Gemma pads to it, the connectors keep it; FLUX: T5 pads to it, CLIP enters pooled
+    if isinstance(adapter, (WanAdapter, LTX2Adapter, FluxAdapter)):
         return adapter.max_sequence_length, adapter.max_sequence_length
     return adapter.prompt_length(request.prompt), adapter.prompt_length(request.negative_prompt)
 
 
 def batch_lengths(adapter, batch: list[Request]) -> tuple[int, int]:
     """(conditional, negative) text lengths a packed batch is padded to, as the adapter's rollout pads it."""
-    if isinstance(adapter, (SD3Adapter, WanAdapter, LTX2Adapter)):
+    if isinstance(adapter, (SD3Adapter, WanAdapter, LTX2Adapter, FluxAdapter)):
         return text_lengths(adapter, batch[0])
     cond, neg = zip(*(text_lengths(adapter, r) for r in batch))
     guided = batch[0].params.guidance_scale > 1
@@ -70,8 +72,8 @@ def transformer_flops(adapter, params: SamplingParams):
     """FLOPs of one transformer row as a function of its text length, counted with FlopCounterMode on
     one-row, unguided `adapter.velocity` calls over zero embeddings (so it works on the meta device too).
     Qwen-Image: counted at three lengths and fitted exactly by a quadratic (linear layers grow linearly
-    with the tokens, attention quadratically). SD3 and Wan: one count, every row has the same text length
-    (Wan's two A14B experts have one shape: the count of one holds for both)."""
+    with the tokens, attention quadratically). SD3, FLUX and Wan: one count, every row has the same text
+    length (Wan's two A14B experts have one shape: the count of one holds for both)."""
     import numpy as np
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -79,6 +81,7 @@ def transformer_flops(adapter, params: SamplingParams):
     if isinstance(adapter, LTX2Adapter):
         return ltx2_flops(adapter, params)
     sd3, wan = isinstance(adapter, SD3Adapter), isinstance(adapter, WanAdapter)
+    flux = isinstance(adapter, FluxAdapter)
     cfg = adapter.config if wan else adapter.policy.config
     if wan:  # [C, f, h, w] video latents, UMT5 embeddings of width text_dim
         shape, width = adapter.latent_shape(params.height, params.width), cfg.text_dim
@@ -89,7 +92,7 @@ def transformer_flops(adapter, params: SamplingParams):
 
     def count(length: int) -> float:
         embeds = {"prompt_embeds": torch.zeros(1, length, width, device=dev)}
-        if sd3:
+        if sd3 or flux:
             embeds["pooled_prompt_embeds"] = torch.zeros(1, cfg.pooled_projection_dim, device=dev)
         elif not wan:  # on the host: velocity only asks whether every row is full (then passes no mask)
             embeds["prompt_embeds_mask"] = torch.ones(1, length, dtype=torch.bool)
@@ -109,7 +112,7 @@ def transformer_flops(adapter, params: SamplingParams):
                 adapter.velocity(x, torch.full((1,), 0.5, device=dev), embeds, 1.0)
         return counter.get_total_flops()
 
-    if sd3 or wan:
+    if sd3 or wan or flux:
         flops = count(text_lengths(adapter, None)[0])
         return lambda length: flops
     lengths = (16, 128, 256)

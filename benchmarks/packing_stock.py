@@ -15,6 +15,7 @@ from benchmarks.packing_cells import Cell, batch_shapes, guarded, prompt_buckets
 from omnirl import distributed as D
 from omnirl import fsdp
 from omnirl.models.base import SamplingParams
+from omnirl.models.flux.adapter import FluxAdapter
 from omnirl.models.ltx2 import LTX2Adapter
 from omnirl.models.sd3 import SD3Adapter
 from omnirl.models.wan import WanAdapter
@@ -51,6 +52,14 @@ def stock_pipe(adapter, params: SamplingParams):
             stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0, audio_modality_scale=1.0,
             num_frames=s.num_frames,
             frame_rate=s.frame_rate, max_sequence_length=adapter.max_sequence_length, output_type="np",
+        )  # fmt: skip
+    elif isinstance(adapter, FluxAdapter):
+        # The embedded guidance; true CFG only above 1 (the pipeline runs it when given negative prompts).
+        # The pipeline shifts its schedule by calculate_shift, not by a recipe's fixed family.shift: the
+        # same steps and shapes, so the same time.
+        cfg_kwargs = dict(
+            guidance_scale=adapter.guidance, true_cfg_scale=params.guidance_scale,
+            max_sequence_length=adapter.max_sequence_length,
         )  # fmt: skip
     elif isinstance(adapter, SD3Adapter):
         cfg_kwargs = dict(

@@ -1,6 +1,6 @@
-"""Packed vs serial diffusion rollout (Qwen-Image, SD3.5-Medium, Wan2.2 TI2V-5B and T2V-A14B, LTX-2.3) through
-omnirl's DiffusionEngine, against the stock diffusers pipeline. Flags, cells and how to run it:
-benchmarks/README.md."""
+"""Packed vs serial diffusion rollout (Qwen-Image, SD3.5-Medium, Wan2.2 TI2V-5B and T2V-A14B, LTX-2.3,
+FLUX.1-dev) through omnirl's DiffusionEngine, against the stock diffusers pipeline. Flags, cells and how to
+run it: benchmarks/README.md."""
 
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ MODELS = {
     "wan22_ti2v": "wan22_ti2v_dancegrpo",
     "wan22_a14b": "wan22_a14b_flowgrpo_lora",
     "ltx23": "ltx23_t2av_flowgrpo_lora",
+    "flux1_dev": "flux_dancegrpo_hpsv3",
 }
 VIDEO_MODELS = ("wan22_ti2v", "wan22_a14b", "ltx23")
 

@@ -341,6 +341,15 @@ class AlgoConfig:
     """diffusion_nft: the largest eta of the old policy's soft update (see nft_old_decay_rate), < 1."""
     nft_old_decay_delay: int = 0
     """diffusion_nft: optimizer steps before the old policy's eta starts to grow (see nft_old_decay_rate)."""
+    dgpo_beta: float = 100.0
+    """dgpo: beta, the scale of a group's preference margin: each (group, time) weighs its rows by
+    sigmoid(sum over the group of A_i beta (dsm_i - dsm_ref_i) / group_size) (the reference's beta_dpo)."""
+    dgpo_timesteps: int = 4
+    """dgpo: the times each sample is trained at per update, drawn per group without replacement from the
+    steps 0 .. dgpo_max_step of the rollout's schedule (the reference's num_train_timesteps)."""
+    dgpo_max_step: int = 6
+    """dgpo: the last step index of the rollout's schedule whose sigma a trained time may be (the
+    reference's trunc_steps: the low-noise end of the schedule is not trained)."""
     adv_clip: float | None = 5.0
     """Advantages are clamped to [-adv_clip, adv_clip]; null leaves them unclamped (Flow-DPPO's references,
     UniRL and VeRL-Omni: one success in a group of 48 keeps its sqrt(47) = 6.86). diffusion_nft needs a

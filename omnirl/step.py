@@ -240,7 +240,7 @@ def combine(key: str, total: float | None, value: float) -> float:
 
 
 # The namespaces of the losses' metrics: sums and counts over the rows of the "loss/count".
-LOSS_METRICS = ("loss/", "dppo/", "nft/")
+LOSS_METRICS = ("loss/", "dppo/", "nft/", "dgpo/")
 
 
 def reduce_metrics(sums: dict[str, float]) -> dict[str, float]:

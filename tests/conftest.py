@@ -99,3 +99,12 @@ def tiny_bagel(tmp_path_factory) -> Path:
 
     torch.set_num_threads(2)  # the CI machine has 2 cores, shared
     return make_tiny_bagel(tmp_path_factory.mktemp("tiny") / "bagel")
+
+
+@pytest.fixture(scope="session")
+def tiny_flux(tmp_path_factory) -> Path:
+    """The tiny random-init FLUX.1-dev (a FluxPipeline checkpoint), built once per session."""
+    from omnirl.models.flux.tiny import make_tiny_flux
+
+    torch.set_num_threads(2)  # the CI machine has 2 cores, shared
+    return make_tiny_flux(tmp_path_factory.mktemp("tiny") / "flux")

@@ -9,8 +9,11 @@ import torch
 from omnirl.algos.advantages import group_advantages
 from omnirl.algos.losses import (
     LOSSES,
+    DGPOInputs,
     NFTInputs,
     RowInputs,
+    dgpo_loss,
+    dgpo_margin,
     diffusion_nft_loss,
     flow_dppo_loss,
     flow_grpo_loss,
@@ -222,8 +225,11 @@ def test_get_loss():
     assert get_loss("flow_grpo") is flow_grpo_loss
     assert get_loss("flow_dppo", "diffusion") is flow_dppo_loss
     assert get_loss("diffusion_nft", "diffusion") is diffusion_nft_loss
-    assert {"flow_grpo", "flow_dppo", "diffusion_nft", "grpo", "gspo"} <= set(LOSSES)
-    with pytest.raises(ValueError, match="unknown algo.loss 'ppo'; known losses: diffusion_nft, flow_dppo"):
+    assert get_loss("dgpo", "diffusion") is dgpo_loss
+    assert {"flow_grpo", "flow_dppo", "diffusion_nft", "dgpo", "grpo", "gspo"} <= set(LOSSES)
+    with pytest.raises(
+        ValueError, match="unknown algo.loss 'ppo'; known losses: dgpo, diffusion_nft, flow_dppo"
+    ):
         get_loss("ppo")
 
 
@@ -344,3 +350,74 @@ def test_diffusion_nft_loss_by_hand():
     same, _ = diffusion_nft_loss(NFTInputs(v_old, v_old, target, t, adv, w), nft, 2)
     plain = [(5 / 0.5) * ((0.5**2 * (1 + 1) / 2) / (0.5 * 1)), 10 * ((0.0 + 1.0) / 2) / 0.5]
     assert same.item() == pytest.approx(sum(plain) / 2)
+
+
+def _reference_dgpo(model_v, ref_v, target_v, adv, group_ids, beta, group_size):
+    """DGPO's loss at one time as its reference computes it (Luo-Yihong/DGPO, scripts/train_sd3_dgpo.py,
+    `compute_group_dgpo_loss_allreduce` on one process): each group's weight is the sigmoid of the sum
+    over its rows of A beta (dsm - dsm_ref) / group_size, detached, and the loss the batch mean of
+    weight * A * dsm."""
+    batch = model_v.shape[0]
+    dsm = (target_v - model_v).square().reshape(batch, -1).mean(dim=1)
+    ref_dsm = (target_v - ref_v).square().reshape(batch, -1).mean(dim=1)
+    term = adv * beta * (dsm.detach() - ref_dsm.detach()) / group_size
+    sums = torch.zeros(int(group_ids.max()) + 1, dtype=term.dtype).scatter_add_(0, group_ids, term)
+    weights = torch.sigmoid(sums)[group_ids]
+    return (weights.detach() * adv * dsm).mean()
+
+
+@pytest.mark.parametrize("kl_beta", [0.0, 0.02])
+def test_dgpo_loss_equals_its_reference_over_micro_batches(kl_beta):
+    """Three groups of 4 rows, split over two micro-batches plus a padding row: the group weights from the
+    margins summed over all of a group's rows, the loss summed over micro-batches, and its gradient equal
+    the reference's batch mean (plus its KL term kl_beta * mean (v - v_ref)^2 when kl_beta > 0)."""
+    gen = torch.Generator().manual_seed(0)
+    groups, size, shape, beta = 3, 4, (2, 4, 4), 100.0
+    n = groups * size
+    group_ids = torch.arange(groups).repeat_interleave(size)
+    target = torch.randn(n, *shape, generator=gen, dtype=torch.float64)
+    ref_v = target + 0.3 * torch.randn(n, *shape, generator=gen, dtype=torch.float64)
+    base = ref_v + 0.05 * torch.randn(n, *shape, generator=gen, dtype=torch.float64)
+    adv = torch.randn(n, generator=gen, dtype=torch.float64).clamp(-5, 5)
+
+    ref_v_grad = base.clone().requires_grad_(True)
+    expected = _reference_dgpo(ref_v_grad, ref_v, target, adv, group_ids, beta, size)
+    if kl_beta:
+        expected = expected + kl_beta * (ref_v_grad - ref_v).square().reshape(n, -1).mean(dim=1).mean()
+    expected.backward()
+
+    ours_v = base.clone().requires_grad_(True)
+    margins = dgpo_margin(ours_v, ref_v, target, adv, beta, size)
+    weight = torch.sigmoid(torch.zeros(groups, dtype=torch.float64).index_add(0, group_ids, margins.double()))
+    algo = AlgoConfig(loss="dgpo", kl_beta=kl_beta)
+    order = torch.randperm(n, generator=gen)  # micro-batches that split every group
+    total = torch.zeros((), dtype=torch.float64)
+    for idx in (order[:5], order[5:]):
+        inputs = DGPOInputs(
+            ours_v[idx],
+            target[idx],
+            adv[idx],
+            weight[group_ids[idx]],
+            torch.ones(len(idx)),
+            ref_velocity=ref_v[idx],
+        )
+        loss, metrics = dgpo_loss(inputs, algo, float(n))
+        loss.backward()
+        total = total + loss.detach()
+        assert metrics["loss/count"] == len(idx)
+    # A padding row (weight 0) adds nothing, to the loss or the gradient.
+    pad = DGPOInputs(ours_v[:1], target[:1], adv[:1], weight[:1], torch.zeros(1), ref_velocity=ref_v[:1])
+    pad_loss, _ = dgpo_loss(pad, algo, float(n))
+    pad_loss.backward()
+    assert pad_loss.item() == 0
+    assert torch.allclose(total.float(), expected.detach().float(), rtol=1e-6, atol=1e-9), (total, expected)
+    assert ours_v.grad is not None and ref_v_grad.grad is not None
+    assert torch.allclose(ours_v.grad, ref_v_grad.grad, rtol=1e-5, atol=1e-10)
+    assert 0 < weight.min() < weight.max() < 1  # the groups' weights differ: the sums are per group
+
+
+def test_dgpo_refuses_more_times_than_steps():
+    from omnirl.algos.losses import check_dgpo
+
+    with pytest.raises(ConfigError, match="algo.dgpo_timesteps"):
+        check_dgpo(AlgoConfig(loss="dgpo", dgpo_timesteps=8, dgpo_max_step=6))

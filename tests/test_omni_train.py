@@ -243,7 +243,9 @@ def test_gradient_checkpointing_recomputes_decoder_layers(tiny_qwen3_omni_k12, t
 def test_bad_settings_are_named(tiny_qwen3_omni_k12, tmp_path):
     with pytest.raises(ConfigError, match="omni models train with grpo, gspo"):
         check_before_loading(omni_cfg(tiny_qwen3_omni_k12, tmp_path, "--algo.loss", "flow_grpo"))
-    with pytest.raises(ConfigError, match="diffusion models train with diffusion_nft, flow_dppo, flow_grpo"):
+    with pytest.raises(
+        ConfigError, match="diffusion models train with dgpo, diffusion_nft, flow_dppo, flow_grpo"
+    ):
         get_loss(omni_cfg(tiny_qwen3_omni_k12, tmp_path).algo.loss, "diffusion")
     with pytest.raises(ConfigError, match="kl_beta > 0 with model.finetune full"):
         OmniOps.check_config(

@@ -423,6 +423,28 @@ def test_mini_batches_hold_the_same_rows_on_any_number_of_ranks():
 
 
 @pytest.mark.slow
+def test_tiny_dgpo_group_weights_do_not_depend_on_the_ranks(tiny_sd3, tmp_path):
+    """sd3_tiny_dgpo's first step on 2 ranks and on 1: a group's rows are spread over the ranks, and its
+    weight (the sigmoid of its margins summed over all of them) is the same, as are the loss and the
+    update; there are no log-probs."""
+    runs = {}
+    for ranks in (2, 1):
+        out = tmp_path / f"run{ranks}"
+        r = torchrun(
+            ranks, ROOT / "yaml/sd3_tiny_dgpo.yaml", "--model.path", str(tiny_sd3), "--run.output_dir",
+            str(out), "--run.steps", "1", "--log.image_every", "0",
+        )  # fmt: skip
+        assert "Traceback" not in r.stderr
+        runs[ranks] = read_jsonl(out / "metrics.jsonl")[0]
+    two, one = runs[2], runs[1]
+    assert two["train/updates"] == 1 and two["train/grad_norm"] > 0
+    assert 0 < two["dgpo/group_weight"] < 1 and two["dgpo/dsm"] > 0
+    assert not any(k.startswith("consistency/") for k in two)
+    for key in ("dgpo/group_weight", "dgpo/dsm", "loss/policy", "train/grad_norm"):
+        assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), key
+
+
+@pytest.mark.slow
 def test_tiny_nft_recipe_under_torchrun_fsdp(tiny_sd3, tmp_path):
     """sd3_tiny_nft for 3 steps on 2 ranks, with two optimizer steps per rollout: the second mini-batch
     takes the old velocity from the rollout policy's parameters swapped into the FSDP2-sharded LoRA, so it

@@ -54,6 +54,13 @@ LOSSES = {
         logprobs=False,
         check="omnirl.algos.losses:check_nft",
     ),
+    "dgpo": LossSpec(
+        "diffusion",
+        "omnirl.algos.losses:dgpo_loss",
+        ops="omnirl.ops.dgpo:DGPOOps",
+        logprobs=False,
+        check="omnirl.algos.losses:check_dgpo",
+    ),
     "grpo": LossSpec("omni", "omnirl.algos.losses:grpo_loss"),
     "gspo": LossSpec("omni", "omnirl.algos.losses:gspo_loss", check="omnirl.algos.losses:check_gspo"),
 }
@@ -102,6 +109,15 @@ def check_nft(algo: AlgoConfig) -> None:
         )
 
 
+def check_dgpo(algo: AlgoConfig) -> None:
+    if algo.dgpo_timesteps > algo.dgpo_max_step + 1:
+        raise ConfigError(
+            f"algo.dgpo_timesteps ({algo.dgpo_timesteps}) must be at most algo.dgpo_max_step + 1 "
+            f"({algo.dgpo_max_step + 1}): the times are drawn without replacement from steps 0 .. "
+            "dgpo_max_step"
+        )
+
+
 def check_gspo(algo: AlgoConfig) -> None:
     # GSPO's objective weighs every response the same; token_mean (and dr_grpo's token sum) weigh a
     # response by its length, which is another objective under GSPO's name.
@@ -135,6 +151,18 @@ class NFTInputs:
     target: torch.Tensor  # [M, *latent] the flow-matching velocity eps - x0
     t: torch.Tensor  # [M] in (0, 1]
     advantages: torch.Tensor  # [M], already clamped to +-algo.adv_clip (advantages.group_advantages)
+    weights: torch.Tensor  # [M] 1 for real rows, 0 for padding
+    ref_velocity: torch.Tensor | None = None  # [M, *latent] the reference policy's, for the KL term
+
+
+@dataclass(frozen=True)
+class DGPOInputs:
+    """The input record of dgpo over M rows that are each (clean sample x0, time t, noise eps)."""
+
+    velocity: torch.Tensor  # [M, *latent] v_theta(x_t, t) at the forward-noised x_t (the only gradient)
+    target: torch.Tensor  # [M, *latent] the flow-matching velocity eps - x0
+    advantages: torch.Tensor  # [M], already clamped to +-algo.adv_clip (advantages.group_advantages)
+    group_weight: torch.Tensor  # [M] its (group, time)'s weight: sigmoid of the summed `dgpo_margin`s
     weights: torch.Tensor  # [M] 1 for real rows, 0 for padding
     ref_velocity: torch.Tensor | None = None  # [M, *latent] the reference policy's, for the KL term
 
@@ -327,6 +355,66 @@ def diffusion_nft_loss(
     }
     kl = None if ref_velocity is None else ((v - ref_velocity.detach().float()) ** 2).mean(dim=dims)  # [M]
     return _row_loss(sums, w, kl, kl_beta, normaliser)
+
+
+def dgpo_margin(
+    velocity: torch.Tensor,
+    ref_velocity: torch.Tensor,
+    target: torch.Tensor,
+    advantages: torch.Tensor,
+    beta: float,
+    group_size: int,
+) -> torch.Tensor:
+    """[M] each row's share of its group's preference margin, A beta (dsm - dsm_ref) / group_size, with
+    dsm = mean((target - v)^2) over latent dims of the policy's velocity and dsm_ref the reference
+    policy's (DGPO, arXiv 2510.08425: the reference's `compute_group_dgpo_loss_allreduce`). No gradient.
+    A (group, time)'s weight is the sigmoid of the sum of its rows' margins, all of them (every rank's,
+    every micro-batch's): the gradient factor of -log sigmoid(-margin), the group preference likelihood
+    DGPO maximises."""
+    dims = tuple(range(1, velocity.dim()))
+    dsm = (target.float() - velocity.detach().float()).pow(2).mean(dim=dims)
+    dsm_ref = (target.float() - ref_velocity.detach().float()).pow(2).mean(dim=dims)
+    return advantages.float() * beta * (dsm - dsm_ref) / group_size
+
+
+def dgpo_loss(
+    inputs: DGPOInputs, algo: AlgoConfig, normaliser: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """DGPO (arXiv 2510.08425, Luo-Yihong/DGPO) over M rows, each one (clean sample x0, time t, noise eps):
+    a group preference learned directly by flow matching on the forward process, with no log-prob, so the
+    rollout may sample with an ODE.
+
+    inputs (`DGPOInputs`): velocity v_theta(x_t, t) at x_t = (1 - t) x0 + t eps (eps shared by the rows of
+    a group at a time), target eps - x0, advantages (clamped to +-adv_clip), the weight w_g of each row's
+    (group, time) (sigmoid of the group's summed `dgpo_margin`s A_j beta (dsm_j - dsm_ref_j) /
+    group_size, detached), weights, and ref_velocity for the KL term (kl_beta > 0).
+
+    policy_i = w_g(i) A_i dsm_i, dsm_i = mean((target - v)^2) over latent dims: its gradient is the group
+    preference likelihood's. loss = (sum_i w_i policy_i + kl_beta * sum_i w_i mean((v_i - v_ref_i)^2)) /
+    normaliser, with `normaliser` the global number of real rows of the mini-batch (the reference's mean
+    over rows, and its KL term with beta = kl_beta).
+
+    Metrics (sums over real rows; divide by the summed "loss/count"): loss/policy_sum, loss/count,
+    dgpo/dsm_sum, dgpo/group_weight_sum, loss/kl_sum (with ref_velocity).
+    """
+    v, adv, ref_velocity = inputs.velocity.float(), inputs.advantages.detach().float(), inputs.ref_velocity
+    assert v.shape == inputs.target.shape and v.dim() >= 2, v.shape
+    assert adv.shape == inputs.group_weight.shape == inputs.weights.shape == v.shape[:1], adv.shape
+    assert normaliser > 0, normaliser
+    assert ref_velocity is not None or algo.kl_beta == 0, "kl_beta > 0 needs ref_velocity"
+    dims = tuple(range(1, v.dim()))
+    w = inputs.weights.detach().float()
+    group_weight = inputs.group_weight.detach().float()
+    dsm = (inputs.target.detach().float() - v).pow(2).mean(dim=dims)  # [M]
+    policy = group_weight * adv * dsm  # [M]
+    sums = {
+        "loss/policy_sum": (w * policy).sum(),
+        "loss/count": w.sum(),
+        "dgpo/dsm_sum": (w * dsm.detach()).sum(),
+        "dgpo/group_weight_sum": (w * group_weight).sum(),
+    }
+    kl = None if ref_velocity is None else ((v - ref_velocity.detach().float()) ** 2).mean(dim=dims)  # [M]
+    return _row_loss(sums, w, kl, algo.kl_beta, normaliser)
 
 
 def _row_loss(

@@ -23,6 +23,7 @@ ADAPTERS = {
     "wan": "omnirl.models.wan:WanAdapter",
     "ltx2": "omnirl.models.ltx2:LTX2Adapter",
     "bagel": "omnirl.models.bagel:BagelAdapter",
+    "flux": "omnirl.models.flux.adapter:FluxAdapter",
 }
 
 

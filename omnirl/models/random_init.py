@@ -212,6 +212,10 @@ def write_random_checkpoint(model: str, out: Path, qwen_bpe: str | Path | None =
         (out / "scheduler" / "scheduler_config.json").write_text(json.dumps(LTX2_SCHEDULER))
     elif model == "bagel":
         write_random_bagel(out)
+    elif model == "flux1_dev":
+        from omnirl.models.flux.config import write_random_flux
+
+        write_random_flux(out)
     else:
         raise ValueError(f"--random-init has no configs for {model!r}")
 

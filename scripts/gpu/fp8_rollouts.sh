@@ -12,6 +12,11 @@
 #            steps, all packed compiled, and the stock pipeline compiled
 #   sd35:    SD3.5-Medium at its recipe's 48 images per GPU, the same four
 #   wan:     Wan2.2 TI2V-5B, 16 videos, the same four
+#   flux:    FLUX.1-dev at flux_dancegrpo_hpsv3's settings (720 px, 16 steps, no true CFG), 24 images in
+#            batches of 12 (a group), the same four
+#   fluxstep: one whole step (then a second) of flux_dancegrpo_hpsv3 compiled, bf16 then FP8 on the
+#            untrained steps, with a LoRA (the recipe's full fine-tune of 12 B weights with Adam does not
+#            fit one GPU)
 #   solrl:   one whole step (then a second) of qwen_image_flowgrpo_ocr compiled: bf16, FP8 on the untrained
 #            steps, and Sol-RL (FP8 on every step, 2 best + 2 worst of each group regenerated in bf16)
 # Full-size random-init models (benchmarks.rollout_packing, scripts.gpu.phase_memory); QWEN_BPE=path to
@@ -40,6 +45,18 @@ run_job() {  # JOB GPU
     qwen128) read -r -a args <<<"--images 128 $(four 32 :split)" ;;
     sd35) read -r -a args <<<"--model sd35 --images 48 $(four 32 '')" ;;
     wan) read -r -a args <<<"--model wan22_ti2v --images 16 $(four 16 :split)" ;;
+    flux) read -r -a args <<<"--model flux1_dev --images 24 --steps 16 $(four 12 '')" ;;
+    fluxstep)
+        for mode in bf16 untrained; do
+            local extra=()
+            [[ $mode != bf16 ]] && extra=(--rollout.precision fp8)
+            CUDA_VISIBLE_DEVICES=$gpu MASTER_PORT=$((29555 + gpu)) timeout -k 10 "$cap" \
+                python -m scripts.gpu.phase_memory --recipe flux_dancegrpo_hpsv3 --steps 2 --rollout.compile \
+                --model.finetune lora "${extra[@]}" --out "$out/fp8_fluxstep_$mode" \
+                >"$out/fp8_fluxstep_$mode.log" 2>&1
+        done
+        return
+        ;;
     solrl)
         local recipe=(--recipe qwen_image_flowgrpo_ocr --steps 2 --rollout.compile)
         [[ -n $bpe ]] && recipe+=(--qwen-bpe "$bpe")

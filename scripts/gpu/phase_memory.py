@@ -40,6 +40,7 @@ RECIPES = {
     "wan22_ti2v_dancegrpo": Recipe("wan22_ti2v", "wan22_ti2v_tiny_dancegrpo", "wan22_ti2v", "ocr"),
     "wan22_a14b_flowgrpo_lora": Recipe("wan22_a14b", "wan22_a14b_tiny_flowgrpo_lora", "wan22_a14b", "ocr"),
     "ltx23_t2av_flowgrpo_lora": Recipe("ltx23", "ltx23_tiny_t2av_flowgrpo", "ltx2", "ocr"),
+    "flux_dancegrpo_hpsv3": Recipe("flux1_dev", "flux_tiny_dancegrpo", "flux", "ocr"),
 }
 # Packages a reward needs beyond the trainer's; a reward whose packages are missing is left out.
 REWARD_NEEDS = {

@@ -1,0 +1,142 @@
+"""The DGPO update (arXiv 2510.08425, Luo-Yihong/DGPO): `DGPOOps`, for `DiffusionAdapter`s with algo.loss
+dgpo.
+
+Why a class of its own: DGPO learns a group preference directly, by flow matching on the forward process
+of the rollout's final samples, so its training rows are not the rollout's transitions and it reads no
+log-prob (the rollout may sample with an ODE). The rollout half is `DiffusionOps`'s, inherited unchanged;
+the update half (rows, the group weights, micro-batches, the loss) is here.
+
+A row (`DGPORow`) is (sample, time, noise): the sample's clean latents x0 (`Trajectory.final_latents`), a
+time t = sigma_j of the rollout's schedule and a standard-normal noise. As in the reference
+(scripts/train_sd3_dgpo.py), each sample is trained at `algo.dgpo_timesteps` step indices j drawn
+without replacement from 0 .. `algo.dgpo_max_step`, and the samples of a group share their times and, at
+each time, their noise (its `use_shared_noise`), so the group's members are compared on the same x_t
+draw. The reference draws the times once for the whole batch on rank 0 and broadcasts them; here each
+group draws its own from its group seed, which every rank knows, so nothing is broadcast and the draw does
+not depend on the number of ranks. The policy's velocity at x_t = (1 - t) x0 + t eps is the conditional
+one (guidance 1), as the reference trains; the reference policy is the LoRA off (or, for a full
+fine-tune, a frozen copy of the initial weights).
+
+A (group, time)'s weight is the sigmoid of its rows' summed margins (`losses.dgpo_margin`), which needs
+all of the group's rows: they are spread over ranks and micro-batches. So `update_rows` runs one no-grad
+pass over every row first (the policy's and the reference's velocities), all-reduces the margins per
+(group, time) over ranks, and gives each row its weight. The reference computes the same sums from the
+forward that takes the gradient, with the weights not changing during an optimizer step's accumulation:
+with one mini-batch per update (the DGPO recipes) the weights are the same; with several, they are those
+of the update's start. The reference's optional trust region on an EMA copy of the policy (`clip_dsm`,
+`use_ema_ref`) is not implemented.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from omnirl import distributed as D
+from omnirl.algos.losses import DGPOInputs, dgpo_margin
+from omnirl.batching import equalise, global_positions
+from omnirl.config import Config, ConfigError
+from omnirl.models.base import DiffusionAdapter, Trajectory, derive_seed
+from omnirl.ops.diffusion import DiffusionOps, reference
+
+
+@dataclass
+class DGPORow:
+    """The k-th of the `algo.dgpo_timesteps` rows of a sample: its time index `time_index(max_step)` and
+    its noise `noise()`, both drawn from its group's seed (the same for every sample of the group)."""
+
+    traj: Trajectory
+    k: int
+    weight: float  # 1 for real rows, 0 for the padding rows of short ranks
+    position: float = 0.0  # its place in the step's shuffle of all ranks' rows (batching.global_positions)
+    group_weight: float = 0.0  # its (group, time)'s weight, set by DGPOOps.update_rows
+
+    def time_index(self, max_step: int) -> int:
+        """The k-th of the group's permutation of the step indices 0 .. max_step."""
+        g = torch.Generator().manual_seed(derive_seed(self.traj.request.group_seed, -5, -1))
+        return int(torch.randperm(max_step + 1, generator=g)[self.k])
+
+    def noise(self) -> torch.Tensor:
+        """[*latent] the group's forward-process noise at its k-th time."""
+        g = torch.Generator().manual_seed(derive_seed(self.traj.request.group_seed, -5, self.k))
+        return torch.randn(self.traj.final_latents.shape, generator=g)
+
+
+class DGPOOps(DiffusionOps):
+    """DGPO's update over `DiffusionOps`'s rollout (the module docstring)."""
+
+    def __init__(self, cfg: Config, adapter: DiffusionAdapter):
+        super().__init__(cfg, adapter)
+        if cfg.algo.dgpo_max_step >= cfg.sampling.num_steps:
+            raise ConfigError(
+                f"algo.dgpo_max_step ({cfg.algo.dgpo_max_step}) must be below sampling.num_steps "
+                f"({cfg.sampling.num_steps}): it is a step index of the rollout's schedule"
+            )
+        if self.ref_model is None and cfg.model.finetune == "full":
+            # DGPO always compares with the reference policy: a full fine-tune keeps a frozen copy (which
+            # the trainer shards like the policy), as `build_reference` does for a KL term.
+            self.ref_model = copy.deepcopy(adapter.policy).requires_grad_(False).eval()
+
+    def inputs(self, mb: list[DGPORow]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+        """x_t [M, *latent], t [M], target eps - x0 [M, *latent] and the embeddings of a micro-batch."""
+        device, max_step = self.adapter.device, self.cfg.algo.dgpo_max_step
+        x0 = torch.stack([r.traj.final_latents for r in mb]).to(device).float()  # [M, *latent]
+        noise = torch.stack([r.noise() for r in mb]).to(device)  # [M, *latent]
+        t = torch.stack([r.traj.sigmas[r.time_index(max_step)] for r in mb]).to(device).float()  # [M]
+        tt = t.reshape(-1, *([1] * (x0.dim() - 1)))
+        embeds = {k: e.to(device) for k, e in self.adapter.batch_embeds([r.traj.embeds for r in mb]).items()}
+        return (1 - tt) * x0 + tt * noise, t, noise - x0, embeds
+
+    # The update's rows are DGPORow, not DiffusionOps's Pair (it reuses DiffusionOps's rollout only): the
+    # update methods override DiffusionOps's with their own row type.
+    def update_rows(self, trajs: list[Trajectory], keep: torch.Tensor, gen: torch.Generator) -> list[DGPORow]:  # pyright: ignore[reportIncompatibleMethodOverride]
+        a, r = self.cfg.algo, self.cfg.rollout
+        m = a.dgpo_timesteps
+        where = global_positions(gen, r.prompts_per_step * r.group_size * m)
+        rows = [
+            DGPORow(t, k, 1.0, position=where[t.request.index * m + k])
+            for t, kept in zip(trajs, keep.tolist())
+            if kept
+            for k in range(m)
+        ]
+        # The group weights: every row's margin, summed per (group, time) over all ranks.
+        sums = torch.zeros(r.prompts_per_step * m, dtype=torch.float64)
+        with torch.no_grad():
+            for mb in self.micro_batches(rows, trajs[0]):
+                x_t, t, target, embeds = self.inputs(mb)
+                v = self.adapter.velocity(x_t, t, embeds, 1.0)
+                with reference(self.adapter, self.ref_model) as ref:
+                    v_ref = self.adapter.velocity(x_t, t, embeds, 1.0, policy=ref)
+                adv = torch.tensor([row.traj.advantage for row in mb], device=v.device)
+                margin = dgpo_margin(v, v_ref, target, adv, a.dgpo_beta, r.group_size).cpu().double()
+                for row, value in zip(mb, margin.tolist()):
+                    if row.weight:
+                        sums[row.traj.request.group_id * m + row.k] += value
+        weights = torch.sigmoid(D.all_reduce(sums))
+        for row in rows:
+            row.group_weight = float(weights[row.traj.request.group_id * m + row.k])
+        return sorted(rows, key=lambda row: row.position)
+
+    def recompute_old(self, rows: list[DGPORow], pad_traj: Trajectory) -> dict[str, float]:  # pyright: ignore[reportIncompatibleMethodOverride]
+        raise AssertionError("dgpo has no old log-probs (check_config refuses recompute)")
+
+    def micro_batches(self, rows: list[DGPORow], pad_traj: Trajectory) -> list[list[DGPORow]]:  # pyright: ignore[reportIncompatibleMethodOverride]
+        size = self.cfg.optim.micro_batch_size
+        return equalise([rows[i : i + size] for i in range(0, len(rows), size)], DGPORow(pad_traj, 0, 0.0))
+
+    def loss(self, mb: list[DGPORow], normaliser: float, measure: bool) -> tuple[torch.Tensor, dict]:  # pyright: ignore[reportIncompatibleMethodOverride]
+        a, adapter = self.cfg.algo, self.adapter
+        x_t, t, target, embeds = self.inputs(mb)
+        v = adapter.velocity(x_t, t, embeds, 1.0)  # [M, *latent] the conditional velocity
+        v_ref = None
+        if a.kl_beta > 0:
+            with torch.no_grad(), reference(adapter, self.ref_model) as ref:
+                v_ref = adapter.velocity(x_t, t, embeds, 1.0, policy=ref)
+        device = v.device
+        adv = torch.tensor([r.traj.advantage for r in mb], device=device)
+        group_weight = torch.tensor([r.group_weight for r in mb], device=device)
+        w = torch.tensor([r.weight for r in mb], device=device)
+        inputs = DGPOInputs(v, target, adv, group_weight, w, ref_velocity=v_ref)
+        return self.loss_fn(inputs, a, normaliser)
