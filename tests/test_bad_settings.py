@@ -18,6 +18,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 
 # A tiny recipe of each family whose settings have fields (sd3's and qwen_vl's have none).
 RECIPES = {
+    "sd3": "sd3_tiny_flowgrpo",
     "qwen_image": "qwen_image_tiny_flowgrpo",
     "qwen_image_edit": "qwen_image_edit_tiny_flowgrpo",
     "wan": "wan22_a14b_tiny_flowgrpo_lora",
