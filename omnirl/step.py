@@ -88,15 +88,15 @@ def update(
     tuning = tuning or UpdateTuning(cfg, ops)
     mark = tuning.clock.mark
     rows_all = ops.update_rows(trajs, keep, gen)
-    # Eager, before the compiled blocks are swapped in: on the CPU the probe counts memory under a dispatch
-    # mode, which compiled code does not run under.
+    if cfg.algo.old_logprob == "recompute":
+        mark("recompute")
+        with torch.no_grad(), tuning.running():
+            sums.update(ops.recompute_old(rows_all, trajs[0]))
+        mark("idle")
+    # Eager, outside the compiled blocks: on the CPU the probe counts memory under a dispatch mode, which
+    # compiled code does not run under.
     decided = probe(tuning, ops, optimizer, rows_all, trajs[0], cfg.optim.mini_batches)
     with tuning.running():
-        if cfg.algo.old_logprob == "recompute":
-            mark("recompute")
-            with torch.no_grad():
-                sums.update(ops.recompute_old(rows_all, trajs[0]))
-            mark("idle")
         first = True
         for _ in range(cfg.optim.epochs):
             for rows in split_mini_batches(rows_all, cfg.optim.mini_batches):
