@@ -16,7 +16,7 @@ RESULTS = ROOT / "benchmarks/results"
 QUOTES = [
     ("README.md", "quickstart_cpu_2026-12-05.json",
      "raise the mean JPEG reward from {first:.3f} to {last:.3f} ({change:+.3f})"),
-    ("README.md", "quickstart_cpu_2026-12-05.json", "its {steps} steps take minutes on 2 CPU cores"),
+    ("README.md", "quickstart_cpu_2026-12-05.json", "its {steps} steps took {step_s:.0f} s on the shared"),
     ("benchmarks/RESULTS.md", "quickstart_cpu_2026-12-05.json",
      "| Quickstart: tiny SD3 Flow-GRPO, {steps} steps on 2 ranks | 2-core CPU | JPEG reward {first:.3f} -> "
      "{last:.3f} ({change:+.3f}) | 2026-12-05 |"),
