@@ -1,8 +1,8 @@
 """`scripts/train.py --help` and `--help-all`.
 
 `--help` is short: the recipe's header, the fields it sets (value and documentation) section by section,
-the names of the other fields of those sections, and the recipes in yaml/. `--help-all` documents every
-field of every section. Both read the attribute docstrings of omnirl.config (and of the family's
+the names of the other fields of those sections (the vLLM backend's only where the recipe runs it), and
+the recipes in yaml/. `--help-all` documents every field of every section. Both read the attribute docstrings of omnirl.config (and of the family's
 `Settings`), as tyro does, and wrap them to the terminal as whole paragraphs.
 """
 
@@ -94,7 +94,9 @@ def help_text(cfg: Config | None, source: Path | None, full: bool, width: int | 
         rest = []
         for f in dataclasses.fields(cls):
             if not full and f.name not in given[section.name]:
-                rest.append(f"--{section.name}.{f.name}")
+                # The vLLM backend's settings only where the recipe runs it.
+                if not (f.name.startswith("vllm_") and cfg.rollout.backend != "vllm"):
+                    rest.append(f"--{section.name}.{f.name}")
                 continue
             tp = typing.get_type_hints(cls)[f.name]
             flag = f"--{section.name}.{f.name} {type_name(tp)} = {getattr(values, f.name)!r}"

@@ -198,6 +198,7 @@ def test_help_is_the_recipes_sections_and_help_all_every_field():
     assert "\n\nyaml/sd3_tiny_flowgrpo.yaml: The quickstart: Flow-GRPO" in short
     assert "  --optim.lr float = 0.01\n      AdamW learning rate.\n" in short
     assert "--generation." not in short  # an omni section the recipe does not set
+    assert "--rollout.vllm_" not in short and "--rollout.vllm_" in help_text(cfg, source, full=True)
     assert "also: " in short and all(name in short for name in RECIPES) and "--help-all" in short
     full = help_text(cfg, source, full=True, width=80)
     for section in dataclasses.fields(cfg):
