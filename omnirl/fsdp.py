@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import warnings
 from typing import Any, TypeVar
 
 import torch
@@ -91,6 +92,14 @@ def apply_fsdp(
         own = ignored & set(unit.parameters())
         fully_shard(unit, mesh=mesh, mp_policy=mp, offload_policy=placed, ignored_params=own)
         unit.register_forward_pre_hook(functools.partial(cast_inputs, DTYPES[param_dtype]), with_kwargs=True)
+    # A root whose last layer is an nn.Linear on a 3-D input returns a view (torch views the 2-D matmul's
+    # result back to 3-D): Qwen-Image-Edit's and LTX-2's proj_out, which their recipes' LoRA leaves out.
+    # FSDP2 warns on every forward that an in-place op on that view would drop its pre-backward hook;
+    # the adapters read the root's output out of place only (slices, casts, arithmetic), so it does not
+    # apply to it. Units' outputs are left to the warning.
+    warnings.filterwarnings(
+        "ignore", message=rf"FSDP2-wrapped module \(FSDP{type(model).__name__}\) returned a view tensor"
+    )
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=placed, ignored_params=ignored)
     # Read by `compute_dtype`. (torch types Module.__setattr__ for tensors and modules; any value is kept.)
     model._omnirl_compute_dtype = DTYPES[param_dtype]  # pyright: ignore[reportArgumentType]

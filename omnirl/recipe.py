@@ -2,8 +2,9 @@
 dataclasses -> tyro CLI overrides -> the value checks.
 
 A recipe only supplies values. An unknown key, a value of the wrong type or a missing required value is
-one `ConfigError` line naming the key and the file. CLI overrides are `--section.field value` (tyro), and
-`--help` prints every field with the attribute docstrings of omnirl.config.
+one `ConfigError` line naming the key and the file. CLI overrides are `--section.field value` (tyro); a
+flag that names no field is refused with the closest one. `scripts/train.py --help` (omnirl.cli_help)
+prints the fields with the attribute docstrings of omnirl.config.
 """
 
 from __future__ import annotations
@@ -164,6 +165,7 @@ def load_config(recipe: str, overrides: list[str]) -> Config:
     import tyro
 
     cfg, path = load_recipe(recipe, override_adapter(overrides))
+    check_flags(type(cfg), overrides)
     args = bool_values(type(cfg), overrides)
     cfg = tyro.cli(type(cfg), default=cfg, args=args, description=f"omnirl recipe {path}")
     data = yaml.safe_load(path.read_text()) or {}
@@ -227,6 +229,35 @@ def is_bool_or_literal(tp: Any) -> bool:
         and bool in args
         and any(typing.get_origin(a) is Literal for a in args)
     )
+
+
+def check_flags(config_cls: type[Config], overrides: list[str]) -> None:
+    """Every `--section.field` (or `--section.field=value`, `--section.no-flag`) names a field of
+    `config_cls` (a dict field's entries are `--section.field.KEY`): an unknown one is a ConfigError naming
+    that flag alone, with the closest field's flag when one is close (difflib)."""
+    import difflib
+
+    hints = typing.get_type_hints(config_cls)
+    fields, flags, dicts = set(), set(), []
+    for section in dataclasses.fields(config_cls):
+        if dataclasses.is_dataclass(hints[section.name]):
+            for name, tp in typing.get_type_hints(hints[section.name]).items():
+                fields.add(f"{section.name}.{name}")
+                if tp is bool:
+                    flags.add(f"{section.name}.no_{name}")
+                if typing.get_origin(tp) is dict:
+                    dicts.append(f"{section.name}.{name}.")
+    for arg in overrides:
+        if not arg.startswith("--") or arg in ("--help", "--help-all"):
+            continue
+        name = arg[2:].split("=", 1)[0]
+        if name.replace("-", "_") in fields | flags or name.startswith(tuple(dicts)):
+            continue
+        name = name.replace("-", "_")
+        flag = arg.split("=", 1)[0]
+        close = difflib.get_close_matches(name, sorted(fields), n=1)
+        hint = f"did you mean --{close[0]}?" if close else "--help lists the options"
+        raise ConfigError(f"unrecognized option {flag} ({hint})")
 
 
 def bool_values(config_cls: type[Config], overrides: list[str]) -> list[str]:

@@ -7,11 +7,45 @@ e.g. `model.path: tiny_models/sd3`. A family already built is skipped unless --f
 """
 
 import argparse
+import logging
+import re
 import shutil
 import time
 from pathlib import Path
 
+import diffusers
+import transformers
+
 from omnirl.models.tiny import TINY_MODELS
+
+
+class KnownWarnings(logging.Filter):
+    """The library warnings a build prints that do not apply to these models (a filter on the libraries'
+    handlers, so every other warning still shows):
+    - transformers' "`CLIPImageProcessor` requires torchvision (not installed); falling back to
+      `CLIPImageProcessorPil`" (Siglip's too): the PIL processors are the ones omnirl runs (no torchvision).
+    - "Unrecognized keys in `rope_parameters` ... {'mrope_section', 'mrope_interleaved'}": the Qwen3-Omni
+      talker's text config shares the thinker's M-RoPE parameters but, unlike the thinker's, does not list
+      them as known; its rotary embedding (a subclass of the thinker's) reads mrope_section all the same.
+    - diffusers' "self.processor=None ... cannot be saved": the Qwen-Image-Edit processor is saved from its
+      parts right after the pipeline (building one needs torchvision), and model_index.json names it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if "requires torchvision (not installed); falling back to" in text:
+            return False
+        rope = re.match(r"Unrecognized keys in `rope_parameters` for 'rope_type'='default': \{(.*)\}$", text)
+        if rope and all(k.strip(" '").startswith("mrope_") for k in rope.group(1).split(",")):
+            return False
+        return text != "self.processor=None of type <class 'NoneType'> cannot be saved."
+
+
+def quiet_known_warnings() -> None:
+    transformers.logging.get_logger("transformers")  # sets up the library's handler
+    diffusers.logging.get_logger("diffusers")
+    for library in ("transformers", "diffusers"):
+        for handler in logging.getLogger(library).handlers:
+            handler.addFilter(KnownWarnings())
 
 
 def main() -> None:
@@ -24,6 +58,7 @@ def main() -> None:
     parser.add_argument("--only", choices=sorted(TINY_MODELS), action="append", help="build only this family")
     parser.add_argument("--force", action="store_true", help="rebuild families that already exist")
     args = parser.parse_args()
+    quiet_known_warnings()
 
     for name in args.only or sorted(TINY_MODELS):
         target = Path(args.out) / name

@@ -75,7 +75,7 @@ def test_group_advantages_clamped(global_std):
     assert metrics["adv/clip_frac"] > 0
 
 
-def test_group_advantages_unclamped_for_flow_dppo():
+def test_group_advantages_unclamped_for_flow_dppo(tmp_path):
     """Flow-DPPO's references (UniRL, VeRL-Omni) clamp no advantage. One success in a group of 48: mean
     1/48, population std sqrt(47) / 48, so A = (47/48) / (sqrt(47)/48 + 1e-4) = 6.85 (clamped at the
     default adv_clip 5 it would be 5.00); the failures keep -(1/48) / std = -0.146. The DPPO recipes leave
@@ -93,6 +93,7 @@ def test_group_advantages_unclamped_for_flow_dppo():
         assert load_recipe(name)[0].algo.adv_clip is None, name
     nft = load_recipe("sd3_tiny_nft")[0]
     nft.algo.adv_clip = None  # NFT maps A to A / (2 adv_clip) + 0.5: it needs the bound
+    nft.model.path = str(tmp_path)  # a folder that exists, whatever tiny models the tree holds
     with pytest.raises(ConfigError, match="algo.adv_clip null: algo.loss diffusion_nft needs a number"):
         check_values(nft)
 

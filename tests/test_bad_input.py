@@ -5,6 +5,7 @@ the launch decides."""
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +65,10 @@ def bad_inputs(tiny_sd3, tmp_path) -> dict[str, tuple[list[str], str]]:
             ["sd3_tiny_flowgrpo", "--optim.lr", "abc"],
             "Error parsing --optim.lr: could not convert string to float: 'abc'",
         ),
+        "misspelt flag": (
+            ["sd3_tiny_flowgrpo", "--optim.lrr", "1e-4"],
+            "error: unrecognized option --optim.lrr (did you mean --optim.lr?)\n",  # the flag alone
+        ),
         "missing data file": (
             [
                 "sd3_tiny_flowgrpo",
@@ -72,7 +77,7 @@ def bad_inputs(tiny_sd3, tmp_path) -> dict[str, tuple[list[str], str]]:
                 "--data.train_path",
                 str(tmp_path / "nope.jsonl"),
             ],
-            f"prompt file not found: {tmp_path / 'nope.jsonl'}",
+            f"data.train_path: prompt file not found: {tmp_path / 'nope.jsonl'}",
         ),
         "resume from no checkpoint": (
             ["sd3_tiny_flowgrpo", "--model.path", str(tiny_sd3), "--checkpoint.resume", str(tmp_path)],
@@ -91,6 +96,7 @@ CASES = [
     "unknown reward",
     "unknown adapter",
     "bad override",
+    "misspelt flag",
     "missing data file",
     "resume from no checkpoint",
     "malformed data row",
@@ -119,6 +125,26 @@ def test_bad_input_exit_status_from_the_command_line(tmp_path):
     )
     assert r.returncode == 2
     assert r.stderr == "error: Error parsing --optim.lr: could not convert string to float: 'abc'\n"
+
+
+@pytest.mark.slow
+def test_the_launcher_keeps_the_one_line_contract(tiny_sd3, tmp_path):
+    """`python scripts/train.py --nproc_per_node 2 ...`, README's launch: a mistake the config check finds
+    is refused before any rank starts, one which only a rank finds (the data file is read there) is that
+    rank's line; the launcher adds nothing (no torchrun banner, no failure summary) and exits 2."""
+    launch = [sys.executable, "scripts/train.py", "--nproc_per_node", "2", "--recipe", "sd3_tiny_flowgrpo"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cases = {
+        "error: unrecognized option --optim.lrr (did you mean --optim.lr?)\n": ["--optim.lrr", "1e-4"],
+        f"error: data.train_path: prompt file not found: {tmp_path / 'nope.jsonl'}\n": [
+            "--model.path", str(tiny_sd3), "--data.train_path", str(tmp_path / "nope.jsonl"),
+            "--run.output_dir", str(tmp_path / "out"),
+        ],
+    }  # fmt: skip
+    for expected, args in cases.items():
+        r = subprocess.run([*launch, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+        assert (r.returncode, r.stderr) == (2, expected), r.stdout[-2000:]
+    assert not (tmp_path / "out").exists()
 
 
 # Impossible values: found when the recipe loads, before the model (or anything else) is loaded.

@@ -60,8 +60,9 @@ def test_unknown_recipe_lists_known():
         load_config("nope", [])
 
 
-def test_cli_overrides():
-    cfg = load_config("sd3_tiny_flowgrpo", ["--optim.lr", "1e-4", "--sampling.sde_window_range", "1", "3"])
+def test_cli_overrides(tmp_path):
+    args = ["--model.path", str(tmp_path), "--optim.lr", "1e-4", "--sampling.sde_window_range", "1", "3"]
+    cfg = load_config("sd3_tiny_flowgrpo", args)
     assert cfg.optim.lr == 1e-4 and cfg.sampling.sde_window_range == (1, 3)
 
 
@@ -99,20 +100,23 @@ def test_help_documents_every_field():
 
 
 def test_family_settings_are_the_adapters_and_strict(tmp_path):
-    cfg = load_config("qwen_image_tiny_flowgrpo", ["--family.prompt_length_buckets", "16", "48"])
+    # The tiny recipes' model.path names a folder under tiny_models/, which this check never reads: a folder
+    # that exists, whatever tiny models the working tree holds.
+    path = ["--model.path", str(tmp_path)]
+    cfg = load_config("qwen_image_tiny_flowgrpo", [*path, "--family.prompt_length_buckets", "16", "48"])
     assert type(cfg.family).__name__ == "QwenImageSettings" and cfg.family.prompt_length_buckets == [16, 48]
-    assert load_config("sd3_tiny_flowgrpo", []).family == config_for("sd3").family
+    assert load_config("sd3_tiny_flowgrpo", path).family == config_for("sd3").family
     with pytest.raises(ConfigError, match="unknown key 'family.condition_area'"):
         config_from_dict({"model": {"adapter": "qwen_image"}, "family": {"condition_area": 4}})
     with pytest.raises(ConfigError, match="family.prompt_length_buckets: expected a list"):
         config_from_dict({"model": {"adapter": "qwen_image"}, "family": {"prompt_length_buckets": 64}})
     with pytest.raises(ConfigError, match="family.prompt_length_buckets must be distinct ascending"):
-        load_config("qwen_image_tiny_flowgrpo", ["--family.prompt_length_buckets", "64", "32"])
+        load_config("qwen_image_tiny_flowgrpo", [*path, "--family.prompt_length_buckets", "64", "32"])
     with pytest.raises(ConfigError, match="unknown adapter 'nope'"):
         config_from_dict({"model": {"adapter": "nope"}})
     # --model.adapter decides which family section the recipe's keys are checked against.
     with pytest.raises(ConfigError, match="unknown key 'family.prompt_length_buckets'"):
-        load_config("qwen_image_tiny_flowgrpo", ["--model.adapter", "sd3"])
+        load_config("qwen_image_tiny_flowgrpo", [*path, "--model.adapter", "sd3"])
 
 
 @pytest.mark.slow
@@ -141,12 +145,15 @@ def test_reward_of_another_modality_fails_before_loading(tmp_path):
     assert not out.exists()
 
 
-def test_booleans_take_true_and_false_as_well_as_the_no_form():
-    cfg = load_config("sd3_tiny_flowgrpo", ["--log.tensorboard", "false", "--rollout.fused_cfg=False"])
+def test_booleans_take_true_and_false_as_well_as_the_no_form(tmp_path):
+    path = ["--model.path", str(tmp_path)]
+    cfg = load_config("sd3_tiny_flowgrpo", [*path, "--log.tensorboard", "false", "--rollout.fused_cfg=False"])
     assert cfg.log.tensorboard is False and cfg.rollout.fused_cfg is False
-    cfg = load_config("sd3_tiny_flowgrpo", ["--log.no-tensorboard", "--model.gradient-checkpointing", "TRUE"])
+    cfg = load_config(
+        "sd3_tiny_flowgrpo", [*path, "--log.no-tensorboard", "--model.gradient-checkpointing", "TRUE"]
+    )
     assert cfg.log.tensorboard is False and cfg.model.gradient_checkpointing is True
-    cfg = load_config("sd3_tiny_flowgrpo", ["--model.gradient_checkpointing", "--run.name", "false"])
+    cfg = load_config("sd3_tiny_flowgrpo", [*path, "--model.gradient_checkpointing", "--run.name", "false"])
     assert cfg.model.gradient_checkpointing is True and cfg.run.name == "false"  # a string stays a string
 
 
@@ -163,8 +170,12 @@ def test_missing_local_model_path_fails_without_a_hub_lookup(path, monkeypatch):
 
 
 def test_quickstart_rendezvous_takes_a_free_port():
-    script = (Path(__file__).resolve().parent.parent / "scripts/quickstart.sh").read_text()
-    assert "torchrun --standalone" in script and "master_port" not in script
+    """The quickstart launches through scripts/train.py, whose launcher starts the ranks as `torchrun
+    --standalone` does: a rendezvous on a free local port."""
+    root = Path(__file__).resolve().parent.parent
+    script = (root / "scripts/quickstart.sh").read_text()
+    assert "python scripts/train.py --nproc_per_node 2" in script and "master_port" not in script
+    assert '["--standalone", "--nproc_per_node", nproc' in (root / "scripts/train.py").read_text()
 
 
 def test_sd35_recipe_uses_flow_grpos_advantages_and_kl():
@@ -172,3 +183,36 @@ def test_sd35_recipe_uses_flow_grpos_advantages_and_kl():
     weigh its KL form (kl_beta 0.04 with s_t before sqrt(|dt|))."""
     cfg, _ = load_recipe("sd35_flowgrpo_ocr")
     assert cfg.algo.global_std and cfg.algo.kl_beta == 0.04 and cfg.algo.kl_form == "flow_grpo"
+
+
+def test_help_is_the_recipes_sections_and_help_all_every_field():
+    """--help: the recipe's header, the fields it sets with their values and documentation, the rest of
+    those sections by name, every recipe, and where the rest is; --help-all: every field of every section.
+    Both wrap whole paragraphs to the width (no docstring's source line break inside them)."""
+    import dataclasses
+
+    from omnirl.cli_help import help_text
+
+    cfg, source = load_recipe("sd3_tiny_flowgrpo")
+    short = help_text(cfg, source, full=False, width=80)
+    assert "\n\nyaml/sd3_tiny_flowgrpo.yaml: The quickstart: Flow-GRPO" in short
+    assert "  --optim.lr float = 0.01\n      AdamW learning rate.\n" in short
+    assert "--generation." not in short  # an omni section the recipe does not set
+    assert "--rollout.vllm_" not in short and "--rollout.vllm_" in help_text(cfg, source, full=True)
+    assert "also: " in short and all(name in short for name in RECIPES) and "--help-all" in short
+    full = help_text(cfg, source, full=True, width=80)
+    for section in dataclasses.fields(cfg):
+        values = getattr(cfg, section.name)
+        if dataclasses.is_dataclass(values):
+            assert all(f"  --{section.name}.{f.name} " in full for f in dataclasses.fields(values))
+    # A docstring written over two source lines is one paragraph, wrapped only at the width.
+    wide = help_text(cfg, source, full=True, width=200)
+    doc = (
+        "Rows per training forward/backward: (sample, trained step) pairs of a diffusion model, responses of"
+    )
+    assert f"\n      {doc} an omni model.\n" in wide
+    for text in (short, full, help_text(None, None, full=False, width=80)):
+        assert max(len(line) for line in text.splitlines()) <= 80
+        assert "{None}" not in text
+    no_recipe = help_text(None, None, full=False, width=80)
+    assert "--recipe NAME --help" in no_recipe and "mmk12_tiny" in no_recipe

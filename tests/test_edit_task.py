@@ -95,7 +95,16 @@ def test_shipped_tiny_edit_set_and_the_generator(tmp_path, monkeypatch):
 def test_requests_carry_the_rows_source_image(tmp_path):
     cfg = load_config(
         "qwen_image_edit_tiny_flowgrpo",
-        ["--run.output_dir", str(tmp_path), "--rollout.prompts_per_step", "2", "--rollout.group_size", "3"],
+        [
+            "--model.path",
+            str(tmp_path),
+            "--run.output_dir",
+            str(tmp_path),
+            "--rollout.prompts_per_step",
+            "2",
+            "--rollout.group_size",
+            "3",
+        ],  # fmt: skip
     )
     rows = load_edit_rows(cfg.data.train_path)
     requests, rows = make_requests(cfg, rows, 0, D.init_distributed(), sampling_params(cfg))

@@ -193,7 +193,7 @@ def test_nft_rows_and_the_old_velocity(tiny_sd3, tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(ops.trainable(), moved))  # the policy itself untouched
 
 
-def test_nft_times_and_noises_per_pass_by_hand():
+def test_nft_times_and_noises_per_pass_by_hand(tmp_path):
     """DiffusionNFT's training times as its reference draws them: per sample and pass a random
     int(0.99 T) of the T sigmas before 0 (T = 10: 9 of sigma_0 .. sigma_9, the last one included), each with
     fresh noise, x_t = (1 - t) x0 + t noise. Written out: the sample's pass-p permutation is
@@ -203,7 +203,7 @@ def test_nft_times_and_noises_per_pass_by_hand():
 
     from omnirl.algos.losses import diffusion_nft_loss
 
-    cfg = load_config("sd3_tiny_nft", [])
+    cfg = load_config("sd3_tiny_nft", ["--model.path", str(tmp_path)])
     cfg.rollout.prompts_per_step, cfg.rollout.group_size = 4, 2
     sigmas = torch.linspace(1.0, 0.0, 11)
     trajs = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from omnirl import distributed as D
@@ -18,8 +19,17 @@ def load_data(cfg: Config) -> tuple[list[PromptRow], list[PromptRow], list[str] 
     A skipped row is warned about once, with its file and line."""
     skipped: list[str] | None = [] if cfg.data.on_bad_row == "skip" else None
     load = LOADERS[cfg.data.format]
-    rows = load(cfg.data.train_path, skipped)
-    val_rows = load(cfg.data.val_path, skipped) if cfg.validation.every and cfg.data.val_path else []
+
+    def read(key: str, path: str) -> list[PromptRow]:
+        try:
+            return load(path, skipped)
+        except DataError as e:
+            if os.path.isfile(path):  # a row or the file's content: the message names the file and line
+                raise
+            raise DataError(f"{key}: {e}") from None  # a missing file: named with the field that set it
+
+    rows = read("data.train_path", cfg.data.train_path)
+    val_rows = read("data.val_path", cfg.data.val_path) if cfg.validation.every and cfg.data.val_path else []
     if skipped:
         D.print0(f"warning: skipped {len(skipped)} malformed data rows (data.on_bad_row: skip):")
         D.print0("\n".join(f"  {e}" for e in skipped))

@@ -438,9 +438,12 @@ def drive(
 
     source = resolve_recipe(spec.tiny if a.tiny else name)
     recipe = yaml.safe_load(source.read_text())
-    # The user's overrides decide max_num_seqs (hence the prompt counts below) and the model path.
-    cfg = parse(str(source), overrides)
-    ckpt = cfg.model.path if override_given(overrides, "model.path") else None
+    # The user's overrides decide max_num_seqs (hence the prompt counts below) and the model path. Without
+    # one, the checkpoint is written below: the recipe's own path (tiny_models/..., a hub id) is never read,
+    # so the check sees an existing folder in its place, whatever the working tree holds.
+    given = override_given(overrides, "model.path")
+    cfg = parse(str(source), overrides if given else [*overrides, "--model.path", str(work)])
+    ckpt = cfg.model.path if given else None
     t0 = time.perf_counter()
     if ckpt is None:
         ckpt = str(work / "ckpt")
