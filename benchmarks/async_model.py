@@ -137,7 +137,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--link-gbs", type=float, default=100.0, help="broadcast bandwidth, GB/s (assumed)")
     ap.add_argument("--lora-gib", type=float, default=0.5, help="a LoRA's trained bytes, GiB (assumed)")
-    ap.add_argument("--mmk12-samples", type=int, default=64, help="samples per step of the mmk12 run")
+    ap.add_argument(
+        "--mmk12-samples", type=int, default=128, help="responses per step of the mmk12 run (8 prompts x 16)"
+    )
     ap.add_argument("--sd35", nargs=4, type=float, metavar=("SAMPLES", "ROLLOUT_S", "UPDATE_S", "SLEEP_S"),
                     help="an SD3.5 Flow-GRPO step measured apart (adds a row)")  # fmt: skip
     ap.add_argument("--out", type=Path)
