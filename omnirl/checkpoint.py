@@ -86,6 +86,8 @@ def identity(cfg: Config) -> dict:
             "lora.alpha": cfg.lora.alpha,
             "lora.target_modules": sorted(cfg.lora.target_modules),
         }
+    if cfg.distributed.mode == "async":  # its checkpoints hold samples generated ahead of the update
+        ident |= {"distributed.mode": "async", "distributed.max_staleness": cfg.distributed.max_staleness}
     return ident
 
 
@@ -160,16 +162,21 @@ def save(
     optimizer: torch.optim.Optimizer,
     dist,
     extra: dict[str, torch.Tensor] | None = None,
+    rank_file: tuple[str, bytes] | None = None,
 ) -> Path:
     """Write the checkpoint after `steps_done` steps; every rank calls this (DCP save is collective).
     `extra`: tensors beyond the weights and the optimizer that the run's state holds (`KindOps.state`;
-    DTensors sharded like the trained parameters), restored in place by `load`."""
+    DTensors sharded like the trained parameters), restored in place by `load`. `rank_file` (NAME, bytes),
+    given on every rank or on none: each rank's own state beyond those, written to NAME/rank_RRRRR.pt and
+    hashed in the manifest (the asynchronous mode's generated-but-untrained samples)."""
     root = Path(cfg.run.output_dir) / "checkpoints"
     final = root / f"step_{steps_done:06d}"
     tmp = root / f"{final.name}.tmp"
     if dist.is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while writing this step
         (tmp / "rng").mkdir(parents=True)
+        if rank_file is not None:
+            (tmp / rank_file[0]).mkdir()
     D.barrier()
     state = {
         "model": get_model_state_dict(model, options=OPTIONS),
@@ -178,8 +185,11 @@ def save(
     if extra:
         state["extra"] = dict(extra)
     # FileSystemWriter fsyncs every file it writes (sync_files defaults to True).
-    dcp.save(state, checkpoint_id=tmp / "model_optim")
+    dcp.save(state, checkpoint_id=tmp / "model_optim", process_group=D.group())
     _write(tmp / "rng" / f"rank_{dist.rank:05d}.pt", lambda f: torch.save(D.rng_state(), f))
+    if rank_file is not None:
+        name, data = rank_file
+        _write(tmp / name / f"rank_{dist.rank:05d}.pt", lambda f: f.write(data))
     if dist.is_main:
         metrics = Path(cfg.run.output_dir) / "metrics.jsonl"
         rows = metrics.read_bytes() if metrics.is_file() else b""
@@ -196,7 +206,7 @@ def save(
         }
         _write(tmp / "meta.json", lambda f: f.write(json.dumps(meta, indent=2).encode()))
     D.barrier()  # every rank's files are written and fsynced
-    write_manifest(tmp, dist)
+    write_manifest(tmp, dist, [rank_file[0]] if rank_file is not None else [])
     if dist.is_main:
         commit(tmp, final, cfg.checkpoint.keep)
     D.barrier()  # no rank goes on before the checkpoint exists
@@ -231,10 +241,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(tmp: Path, dist) -> None:
+def write_manifest(tmp: Path, dist, rank_dirs: list[str] | None = None) -> None:
     """`tmp`/manifest.json: each file's size and hash, the hashing shared out over the ranks (collective);
-    rank 0 writes it, after every other file."""
-    files = checkpoint_files(tmp, dist.world_size)
+    rank 0 writes it, after every other file. `rank_dirs`: folders holding one file per rank
+    (`save`'s `rank_file`)."""
+    per_rank = [f"{d}/rank_{r:05d}.pt" for d in rank_dirs or [] for r in range(dist.world_size)]
+    files = sorted(checkpoint_files(tmp, dist.world_size) + per_rank)
     mine = {
         rel: {"size": (tmp / rel).stat().st_size, "xxh3_128": file_hash(tmp / rel)}
         for rel in files[dist.rank :: dist.world_size]

@@ -224,7 +224,12 @@ def read_state(path: Path, state: dict) -> None:
     `check_finite`. DCP wraps what a rank raised in a CheckpointException (a BaseException): our own
     CheckpointError comes out as itself."""
     try:
-        dcp.load(state, storage_reader=SafeReader(path / "model_optim"), planner=SafePlanner())
+        dcp.load(
+            state,
+            storage_reader=SafeReader(path / "model_optim"),
+            planner=SafePlanner(),
+            process_group=D.group(),
+        )
     except CheckpointException as e:
         for exc, _ in e.failures.values():
             if isinstance(exc, CheckpointError):

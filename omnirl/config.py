@@ -447,6 +447,22 @@ class DistributedConfig:
     gather issued ahead (FSDP2 forward prefetch), so every rank runs the same number of forwards (a rank
     with fewer batches runs padding batches). Omni models: one rank only (ranks decode different numbers
     of steps) and no CUDA graph."""
+    mode: Literal["colocated", "async"] = "colocated"
+    """'colocated': every rank generates and trains, one phase after the other. 'async': some ranks only
+    generate (distributed.rollout_ranks) and the others only train, at the same time: the rollout ranks
+    generate step k + 1 with the policy of step k while the training ranks update on step k's samples;
+    the trained tensors go to the rollout ranks by a broadcast after each update (omnirl.async_mode;
+    docs/async.md)."""
+    rollout_ranks: float = 0.5
+    """distributed.mode async: the ranks that generate, as a count (1, 2, ...) or as a fraction of the
+    job's ranks (0 < f < 1, rounded); the last ranks of the job generate, the first ones train, and
+    both sides need at least one rank."""
+    max_staleness: int = 1
+    """distributed.mode async: how many updates older than the one it is trained after a sample's policy
+    may be. 0 makes the rollout wait for every update (the colocated algorithm on disjoint ranks); s >= 1
+    lets the rollout of step k use the policy of step k - s, and the loss weights each sample by the
+    truncated importance weight of the trainer's to the rollout's probability (algo.old_logprob
+    recompute, algo.correction tis or mis)."""
     timeout_s: int = 600
     """Collective timeout: a rank that hangs ends the job after this long (NCCL's watchdog takes about a
     minute more); one that raises or dies ends it at once (torchrun stops the other ranks)."""

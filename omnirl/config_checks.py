@@ -141,7 +141,11 @@ def check_values(cfg: Config) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if not cfg.lora.target_modules:
         raise ConfigError("lora.target_modules is empty: name the modules that receive LoRA")
-    if cfg.rollout.prompts_per_step % world:
+    if cfg.distributed.mode == "async":
+        from omnirl.async_mode import check_async  # the rollout and training ranks' own counts
+
+        check_async(cfg, world)
+    elif cfg.rollout.prompts_per_step % world:
         raise ConfigError(
             f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must divide by the number of ranks "
             f"({world}): each rank takes an equal share of the step's prompts"

@@ -275,30 +275,52 @@ def set_rng_state(state: dict) -> None:
         torch.get_device_module(kind).set_rng_state(state[kind])
 
 
+# The group that the collectives below (and checkpoints) run on: None is every rank of the job. The
+# asynchronous mode (omnirl.async_mode) runs its training ranks and its rollout ranks each in a group of
+# their own, so the code they share with the colocated loop reduces over the right ranks.
+_group: dist.ProcessGroup | None = None
+
+
+@contextlib.contextmanager
+def within(group: dist.ProcessGroup | None):
+    """Run the collectives of this module (and checkpoints) on `group` instead of every rank."""
+    global _group
+    previous, _group = _group, group
+    try:
+        yield
+    finally:
+        _group = previous
+
+
+def group() -> dist.ProcessGroup | None:
+    """The group the collectives run on (`within`); None: every rank."""
+    return _group
+
+
 def barrier() -> None:
-    """Wait for every rank; a no-op without a process group."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    """Wait for every rank of the group; a no-op without a process group."""
+    if dist.is_initialized() and dist.get_world_size(_group) > 1:
+        dist.barrier(group=_group)
 
 
 def rank_and_world() -> tuple[int, int]:
-    """(rank, world size) of the process group, (0, 1) without one."""
+    """(rank, world size) in the group, (0, 1) without a process group."""
     if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+        return dist.get_rank(_group), dist.get_world_size(_group)
     return 0, 1
 
 
 def all_gather_object(obj) -> list:
     """Every rank's `obj` (picklable), in rank order; [obj] without a process group."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_initialized() or dist.get_world_size(_group) == 1:
         return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out = [None] * dist.get_world_size(_group)
+    dist.all_gather_object(out, obj, group=_group)
     return out
 
 
 def all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
     """In-place all-reduce (SUM by default) that is a no-op without a process group."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+    if dist.is_initialized() and dist.get_world_size(_group) > 1:
+        dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=_group)
     return t

@@ -75,7 +75,7 @@ def update(
     sums differs; where groups were dropped they hold unequal numbers of rows (each divided by its own
     count)."""
     gen = torch.Generator().manual_seed(derive_seed(cfg.run.seed, step, -1))
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    world = D.rank_and_world()[1]
     if nonfinite := nonfinite_samples(cfg, trajs, step):  # the step's update is skipped, or the run stops
         sums = {"train/skipped_nonfinite": 1.0}  # one skipped update, on every rank
         return {
@@ -308,8 +308,7 @@ def per_rank(logs: dict[str, float]) -> dict[str, float]:
         or k.startswith("mem/frozen_")
         or k in ("time/generate_s", "time/score_wait_s")
     )
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    rank, world = D.rank_and_world()
     table = torch.zeros(world, len(keys), dtype=torch.float64)  # [ranks, keys]: a sum of one row each
     table[rank] = torch.tensor([float(logs[k]) for k in keys], dtype=torch.float64)
     D.all_reduce(table)

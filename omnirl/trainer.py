@@ -33,6 +33,10 @@ def train(cfg: Config) -> dict[str, float]:
     # First: a run already there, or an output_dir that cannot be written, fails before anything loads.
     D.lock_output_dir(cfg.run.output_dir)
     try:
+        if cfg.distributed.mode == "async":  # rollout and update on disjoint ranks: a loop of its own
+            from omnirl.async_mode import train_async
+
+            return train_async(cfg, dist)
         return _train(cfg, dist)
     finally:
         D.unlock_output_dir(cfg.run.output_dir)  # a run refused before writing leaves no directory

@@ -155,9 +155,10 @@ class DiffusionOps:
             fp8_fast_accum=r.fp8_fast_accum,
         )
         a = cfg.algo
-        # Only an FP8 rollout whose trained steps ran in FP8 and that trains on its own samples has a
-        # behaviour policy other than the trainer's.
-        self.correct = fp8_trained(cfg) and a.correction != "none"
+        # Only an FP8 rollout whose trained steps ran in FP8 and that trains on its own samples, or an
+        # asynchronous run's rollout of an older policy, has a behaviour policy other than the trainer's.
+        stale = cfg.distributed.mode == "async" and cfg.distributed.max_staleness > 0
+        self.correct = (fp8_trained(cfg) or stale) and a.correction != "none"
         if a.correction != "none" and not self.correct and self.spec.logprobs:
             D.print0(
                 f"warning: algo.correction {a.correction!r} is ignored: a diffusion rollout samples with the "
