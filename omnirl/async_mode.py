@@ -285,6 +285,9 @@ class _Trainer:
         self.optimizer = torch.optim.AdamW(
             trained, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
         )
+        from omnirl.step import UpdateTuning
+
+        self.tuning = UpdateTuning(cfg, ops)  # auto checkpointing, train.compile, the update's clock
         self.queue: dict[int, list[dict]] = {}  # step -> one message per rollout rank
         self.logs: dict[str, float] = {}
         self.updates = self.skipped_updates = 0.0
@@ -375,7 +378,7 @@ class _Trainer:
                 per_reward[k] = np.concatenate([per_reward[k], v])
         keep, adv_metrics = assign_advantages(cfg, trajs)
         self.optimizer.zero_grad(set_to_none=True)
-        update_metrics = update(cfg, ops, self.optimizer, trajs, keep, step)
+        update_metrics = update(cfg, ops, self.optimizer, trajs, keep, step, self.tuning)
         self.updates += update_metrics.get("train/updates", 0.0)
         self.skipped_updates += update_metrics["train/skipped_nonfinite"]
         stale = [float(step - m["version"]) for m in msgs for _ in m["trajs"]]
