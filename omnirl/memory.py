@@ -125,7 +125,8 @@ class _LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            # A tensor subclass (FSDP2's DTensor) has no storage of its own: its local tensor is counted.
+            if type(t) is not torch.Tensor or t.device.type != "cpu":
                 continue
             storage = t.untyped_storage()
             key, n = storage.data_ptr(), storage.nbytes()
