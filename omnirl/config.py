@@ -537,9 +537,9 @@ class HealthConfig:
     guard_drop: float = 0.2
     """Alert when the guard reward falls this far (relative to its spread at the first guard: std of the
     guard samples) below its first value while the training reward rises."""
-    adapt_kl_init: float = 0.01
+    adapt_kl_init: float = 0.1
     """adapt: the KL weight an alert starts from when algo.kl_beta is 0."""
-    adapt_rate: float = 0.2
+    adapt_rate: float = 0.5
     """adapt: the controller's gain K: beta <- beta (1 + K e), e in [-1, 1] the metric's clipped
     relative distance from its threshold."""
     adapt_kl_max: float = 10.0
