@@ -41,7 +41,7 @@ def run(model_path: str, steps: int, out: Path, mode: str) -> None:
         sys.executable, "scripts/train.py", "--recipe", "sd3_tiny_flowgrpo",
         "--model.path", model_path, "--run.steps", str(steps), "--run.output_dir", str(out),
         "--checkpoint.every", "0", "--log.image_every", "10", "--health.on_alert", mode,
-        "--health.guard_every", "10", "--health.guard_prompts", json.dumps(GUARD_PROMPTS),
+        "--health.guard_every", "10", "--health.guard_prompts", *GUARD_PROMPTS,
     ]  # fmt: skip
     subprocess.run(cmd, check=True)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 
@@ -231,8 +232,12 @@ def test_an_ungameable_reward_does_not_alert(tiny_sd3, tmp_path, capsys, monkeyp
     monkeypatch.chdir(ROOT)
     out = tmp_path / "out"
     args = ["--model.path", str(tiny_sd3), "--run.output_dir", str(out), "--health.on_alert", "stop"]
-    reward = ["--reward.weights", '{"jpeg_incompressibility": 1.0}', "--run.steps", "60"]
-    status = train_main(["--recipe", "sd3_tiny_flowgrpo", *args, *reward, "--log.image_every", "0"])
+    recipe = yaml.safe_load((ROOT / "yaml/sd3_tiny_flowgrpo.yaml").read_text())
+    recipe["reward"]["weights"] = {"jpeg_incompressibility": 1.0}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    status = train_main(
+        ["--recipe", str(tmp_path / "recipe.yaml"), *args, "--run.steps", "60", "--log.image_every", "0"]
+    )
     assert status == 0, capsys.readouterr().err[-2000:]
     rows = read_metrics(out / "metrics.jsonl")
     assert len(rows) == 60 and rows[-1]["health/alerts"] == 0
