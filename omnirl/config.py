@@ -535,8 +535,8 @@ class HealthConfig:
     guard_reward: dict[str, float] = field(default_factory=dict)
     """Reward name -> weight of the guard's own score (empty: the training reward alone)."""
     guard_drop: float = 0.2
-    """Alert when the guard reward falls this far (relative to its spread at the first guard: std of the
-    guard samples) below its first value while the training reward rises."""
+    """Alert when the guard reward falls this fraction of its first value's magnitude below that value while
+    the training reward is above its first steps' mean."""
     adapt_kl_init: float = 0.1
     """adapt: the KL weight an alert starts from when algo.kl_beta is 0."""
     adapt_rate: float = 0.5
