@@ -521,6 +521,69 @@ class CheckpointConfig:
 
 
 @dataclass
+class HealthConfig:
+    """The run's self-checks (omnirl.health, docs/health.md): the LoRA proof before the first step, the
+    rollout-vs-trainer parity gate, the reward-hacking monitors and what an alert does."""
+
+    on_alert: Literal["warn", "stop", "adapt"] = "warn"
+    """What a monitor's alert does: 'warn' prints one line (metric, value, threshold, step); 'stop' saves a
+    checkpoint and ends the run (exit status 1); 'adapt' raises algo.kl_beta while an alert holds and
+    relaxes it once the metric recovers (the adaptive KL controller of Ziegler et al. 2019)."""
+    monitors: bool = True
+    """Log the sample statistics every step (health/*): in-group diversity, image, video, audio and
+    response statistics; off also turns off the alerts they raise."""
+    baseline_steps: int = 3
+    """The first steps of the run whose in-group diversity is the reference of health/diversity_ratio."""
+    diversity_min: float = 0.5
+    """Alert when the step's in-group diversity falls below this fraction of the first steps'."""
+    dark_max: float = 0.9
+    """Alert when the fraction of dark pixels (luma < 0.05) of the step's images passes this."""
+    saturated_max: float = 0.9
+    """Alert when the fraction of clipped pixels (a channel at 0 or 1) of the step's images passes this."""
+    entropy_min: float = 0.5
+    """Alert when the images' colour entropy falls below this fraction of the first steps'."""
+    repetition_max: float = 0.5
+    """Omni models: alert when the fraction of repeated 3-grams of the responses passes this."""
+    silence_max: float = 0.9
+    """Audio: alert when the fraction of silent 10 ms frames (below -60 dBFS) passes this."""
+    patience: int = 2
+    """Consecutive steps a metric must stay past its threshold before it alerts (and, with adapt, before
+    the KL weight relaxes again)."""
+    parity: bool = True
+    """The parity gate: at the first update and every parity_every steps, the trainer's log-prob of the
+    rollout's recorded steps (tokens) against the rollout's; past the tolerance of the run's precision the
+    run stops with one line."""
+    parity_every: int = 50
+    """Steps between two parity checks after the first update (0: only the first)."""
+    parity_tolerance: dict[str, float] = field(
+        default_factory=lambda: {"fp32": 1e-3, "bf16": 5e-2, "fp8": 0.5, "vllm": 0.5}
+    )
+    """Largest mean |trainer - rollout| log-prob gap of a timestep (diffusion) or of the tokens (omni),
+    per precision of the rollout: fp32, bf16, fp8 (rollout.precision fp8) and vllm (rollout.backend)."""
+    lora_proof: bool = True
+    """Count the LoRA modules per expert, stream and copy before the first step (a target that binds
+    nothing, or an expert left without LoRA, is an error), and check after the first optimizer step that
+    the module the rollout runs changed."""
+    guard_prompts: list[str] = field(default_factory=list)
+    """Held-out prompts generated every guard_every steps with fixed seeds (the validation sampler) and
+    scored by guard_reward and the training reward; a grid of them goes to tensorboard (guard)."""
+    guard_every: int = 0
+    """Steps between two guard generations (0: never)."""
+    guard_reward: dict[str, float] = field(default_factory=dict)
+    """Reward name -> weight of the guard's own score (empty: the training reward alone)."""
+    guard_drop: float = 0.2
+    """Alert when the guard reward falls this fraction of its first value's magnitude below that value while
+    the training reward is above its first steps' mean."""
+    adapt_kl_init: float = 0.1
+    """adapt: the KL weight an alert starts from when algo.kl_beta is 0."""
+    adapt_rate: float = 0.5
+    """adapt: the controller's gain K: beta <- beta (1 + K e), e in [-1, 1] the metric's clipped
+    relative distance from its threshold."""
+    adapt_kl_max: float = 10.0
+    """adapt: the largest KL weight the controller sets."""
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -539,6 +602,7 @@ class Config:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     family: Any = None
     """The model family's own settings: an instance of the `Settings` dataclass of the adapter named by
     model.adapter. `config_class` types it; a plain `Config()` has none."""

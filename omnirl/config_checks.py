@@ -162,6 +162,9 @@ def check_values(cfg: Config) -> None:
             "log-probs at no extra cost"
         )
     _check_precision(cfg, adapter)
+    from omnirl.health import check_health  # omnirl.health imports this module
+
+    check_health(cfg)
 
 
 def fp8_trained(cfg: Config) -> bool:

@@ -8,6 +8,7 @@ the next rollout with no weight transfer. What depends on the kind of model is b
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -16,6 +17,7 @@ from omnirl import checkpoint
 from omnirl import distributed as D
 from omnirl.config import Config
 from omnirl.data import check_prompts, load_data
+from omnirl.health import Health
 from omnirl.memory import Sleeper, module_tensors, optimizer_state, phase
 from omnirl.metrics import MetricsLogger
 from omnirl.models import build_adapter
@@ -53,6 +55,7 @@ def _train(cfg: Config, dist: D.DistInfo) -> dict[str, float]:
     ops = ops_cls(cfg, adapter)
     # Prompts too long for the model: found now that its tokenizer is loaded, before anything is written.
     rows, val_rows = (check_prompts(r, ops.prompt_problem, skipped) for r in (rows, val_rows))
+    health = Health(cfg, ops, rewards, dist)  # the LoRA proof: one error line before the first step
     frozen = shard(cfg, ops, dist)  # the frozen bytes each rank holds, logged every step
     o = cfg.optim
     trained = [p for p in ops.policy.parameters() if p.requires_grad]
@@ -60,6 +63,7 @@ def _train(cfg: Config, dist: D.DistInfo) -> dict[str, float]:
     start, history = (0, [])
     if resume:
         start, history = checkpoint.load(resume, cfg, ops.policy, optimizer, dist, ops.state())
+        health.resume(history)
     logger = MetricsLogger(cfg.run.output_dir, dist.is_main, cfg.log.tensorboard, start, history)
     logger.progress(cfg.run.steps, initial=start)
     sleeper = Sleeper(dist.device) if cfg.memory.sleep else None
@@ -93,6 +97,7 @@ def _train(cfg: Config, dist: D.DistInfo) -> dict[str, float]:
                 engine=engine,
                 engine_awake=False,
             ):
+                health.before_update(step)
                 update_metrics = update(cfg, ops, optimizer, trajs, keep, step, tuning)
             logs = {**reward_stats(per_reward), **adv_metrics, **update_metrics, **stats, **frozen}
             updates += update_metrics.get("train/updates", 0.0)
@@ -105,17 +110,23 @@ def _train(cfg: Config, dist: D.DistInfo) -> dict[str, float]:
                 with phase("validate", logs, sleeper, wake=["offload"], engine=engine):
                     logs.update(validate(cfg, ops, rewards, val_rows, dist))
             logs.update(per_rank(logs))
+            guard_phase = functools.partial(phase, "guard", logs, sleeper, wake=["offload"], engine=engine)
+            logs.update(health.after_step(step, logs, trajs, logger, guard_phase))
             logger.log(step, logs)
             if cfg.log.image_every and step % cfg.log.image_every == 0:
                 ops.log_samples(logger, step, trajs)
             logger.update(step, logs["reward/mean"], logs["time/step_s"])
             every = cfg.checkpoint.every
-            if every and ((step + 1) % every == 0 or step + 1 == cfg.run.steps):
-                checkpoint.save(cfg, step + 1, ops.policy, optimizer, dist, ops.state())
+            save = functools.partial(checkpoint.save, cfg, step + 1, ops.policy, optimizer, dist, ops.state())
+            saved = bool(every) and ((step + 1) % every == 0 or step + 1 == cfg.run.steps)
+            if saved:
+                save()
+            health.stop_if_needed(None if saved else save)  # a failed check, or an alert with on_alert stop
         check_learned(cfg.run.steps - start, updates, skipped_updates)
         if cfg.export.lora_at_end and cfg.model.finetune == "lora":
             checkpoint.export_lora(cfg, ops.adapter, ops.policy, dist)
     finally:
         logger.close()  # ends the progress bar's line: an error reported now starts its own
+        health.finish()  # the run's alerts, also when it stops
     rewards.close()
     return logs

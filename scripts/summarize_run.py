@@ -7,6 +7,8 @@ python scripts/summarize_run.py outputs/RUN/metrics.jsonl [--key reward/mean] [-
 `--record` writes what it prints, every step's value and where it came from (the commit, the command,
 the machine, the library versions) to FILE.json: a result page's numbers are quoted from such a file, and
 tests/test_results.py holds every quote to its record.
+
+The health alerts are those of health_alerts.jsonl beside metrics.jsonl (docs/health.md), one line each.
 """
 
 import argparse
@@ -52,6 +54,7 @@ def provenance(command: str) -> dict:
         },
         "versions": versions,
     }
+from pathlib import Path
 
 
 def main() -> None:
@@ -89,6 +92,14 @@ def main() -> None:
         with open(a.record, "w") as f:
             json.dump(record, f, indent=1)
             f.write("\n")
+    alerts_file = Path(a.metrics).parent / "health_alerts.jsonl"
+    alerts = [json.loads(line) for line in open(alerts_file) if line.strip()] if alerts_file.exists() else []
+    print(f"health alerts: {len(alerts)}")
+    for x in alerts:
+        print(
+            f"  step {x['step']}: {x['metric']} {x['value']:.4g} past its threshold {x['threshold']:g} "
+            f"(on_alert {x['action']})"
+        )
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from omnirl.config import Config, ConfigError
 from omnirl.data.prompts import DataError
 from omnirl.distributed import exit_now
+from omnirl.health import HealthError
 from omnirl.recipe import load_config
 from omnirl.step import NonFiniteError
 
@@ -82,7 +83,7 @@ def main(argv: list[str]) -> int:
     except USER_ERRORS as e:
         report("error: " + " ".join(line.strip() for line in str(e).splitlines()))
         return 2
-    except NonFiniteError as e:
+    except (NonFiniteError, HealthError) as e:
         report(f"error: {e}")
         return 1
     except KeyboardInterrupt:

@@ -47,6 +47,7 @@ class LossSpec:
 LOSSES = {
     "flow_grpo": LossSpec("diffusion", "omnirl.algos.losses:flow_grpo_loss"),
     "flow_dppo": LossSpec("diffusion", "omnirl.algos.losses:flow_dppo_loss", divergence=True),
+    "grpo_guard": LossSpec("diffusion", "omnirl.algos.losses:grpo_guard_loss", divergence=True),
     "diffusion_nft": LossSpec(
         "diffusion",
         "omnirl.algos.losses:diffusion_nft_loss",
@@ -140,6 +141,8 @@ class RowInputs:
     kl: torch.Tensor | None = None  # [M] per-row KL to the reference policy (`flow_kl`), with gradient
     is_weight: torch.Tensor | None = None  # [M] rollout-correction weights c_i (omnirl.algos.correction)
     divergence: torch.Tensor | None = None  # [M] the exact KL to the behaviour policy (LossSpec.divergence)
+    std: torch.Tensor | None = None  # [M] the step's standard deviation (grpo_guard's ratio scale)
+    dt: torch.Tensor | None = None  # [M] the step's |sigma_next - sigma| (grpo_guard's re-weighting)
 
 
 @dataclass(frozen=True)
@@ -211,6 +214,50 @@ def flow_grpo_loss(
         "loss/ratio_sum": (w * ratio).sum(),
         "loss/clip_count": (w * ((ratio - 1).abs() > clip_range)).sum(),
         "loss/approx_kl_sum": (w * 0.5 * log_ratio**2).sum(),
+        "loss/count": w.sum(),
+    }
+    return _row_loss(sums, w, kl, algo.kl_beta, normaliser)
+
+
+def grpo_guard_loss(
+    inputs: RowInputs, algo: AlgoConfig, normaliser: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GRPO-Guard (Wang et al. 2025, "Mitigating Implicit Over-Optimization in Flow Matching via Regulated
+    Clipping"): Flow-GRPO's clipped objective with its ratio normalised and its gradient re-weighted
+    per denoising step, as the reference training scripts define them.
+
+    inputs: as `flow_grpo_loss`, and divergence (the bias b_i = mean over latent dims of
+    (mu_theta - mu_old)^2 / (2 s_i^2), `flow_kl` of the two step means with the step's std, WITH its
+    gradient), std (s_i = std_dev_t sqrt(|dt|), the step's standard deviation) and dt (|dt|).
+
+    RatioNorm: r_i = exp((logprob_i - old_logprob_i + b_i) s_i). The Gaussian log-ratio of one step is
+    -b_i plus a term of mean 0 and standard deviation ~|mu_theta - mu_old| / s_i: adding b_i back centres
+    it on 0 (the ratio's mean on 1), and the factor s_i makes its spread the same at every step.
+    Gradient re-weighting: policy_i = max(-A_i r_i, -A_i clip(r_i, 1 - eps, 1 + eps)) / |dt_i|.
+    loss = (sum_i w_i c_i policy_i + kl_beta * sum_i w_i kl_i) / normaliser.
+
+    The reference computes s and dt as means over its micro-batch, which holds one denoising step (its
+    rows share them); here each row uses its own step's, which is the same on such a batch and keeps a
+    micro-batch of mixed steps exact. Metrics: those of flow_grpo_loss, and loss/ratio_bias_sum (sum of b_i).
+    """
+    assert inputs.divergence is not None and inputs.std is not None and inputs.dt is not None
+    logprob, clip_range, kl, is_weight = inputs.logprob, algo.clip_range, inputs.kl, inputs.is_weight
+    w, adv = _check_rows(inputs, normaliser, algo.kl_beta)
+    scale = inputs.std.detach().to(logprob.dtype)
+    bias = inputs.divergence.to(logprob.dtype)
+    log_ratio = (logprob - inputs.old_logprob.detach() + bias) * scale
+    ratio = torch.exp(log_ratio)
+    policy = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_range, 1 + clip_range))  # [M]
+    dt = inputs.dt.detach().to(logprob.dtype)
+    policy = policy / torch.where(dt > 0, dt, 1.0)
+    if is_weight is not None:
+        policy = policy * is_weight.detach().to(policy.dtype)
+    sums = {
+        "loss/policy_sum": (w * policy).sum(),
+        "loss/ratio_sum": (w * ratio).sum(),
+        "loss/clip_count": (w * ((ratio - 1).abs() > clip_range)).sum(),
+        "loss/approx_kl_sum": (w * 0.5 * (logprob - inputs.old_logprob.detach()) ** 2).sum(),
+        "loss/ratio_bias_sum": (w * bias.detach()).sum(),
         "loss/count": w.sum(),
     }
     return _row_loss(sums, w, kl, algo.kl_beta, normaliser)

@@ -26,6 +26,7 @@ from typing import Any
 import peft
 import torch
 from diffusers.training_utils import cast_training_params
+from peft.utils.error import NoMatchingPeftModuleError
 from torch import nn
 
 from omnirl.config import Config, ConfigError
@@ -184,15 +185,20 @@ def make_trainable(transformer: Any, cfg: Config, device: torch.device) -> None:
     base (`place_policy`: then it stays on the host until `fully_shard` places it)."""
     if cfg.model.finetune == "lora":
         transformer.requires_grad_(False)
-        transformer.add_adapter(
-            peft.LoraConfig(
-                r=cfg.lora.rank,
-                lora_alpha=cfg.lora.alpha,  # pyright: ignore[reportArgumentType] (peft types it int)
-                target_modules=cfg.lora.target_modules,
-                init_lora_weights=True if cfg.lora.init == "default" else "gaussian",
-                lora_dropout=cfg.lora.dropout,
-            )
+        config = peft.LoraConfig(
+            r=cfg.lora.rank,
+            lora_alpha=cfg.lora.alpha,  # pyright: ignore[reportArgumentType] (peft types it int)
+            target_modules=cfg.lora.target_modules,
+            init_lora_weights=True if cfg.lora.init == "default" else "gaussian",
+            lora_dropout=cfg.lora.dropout,
         )
+        try:
+            transformer.add_adapter(config)
+        except NoMatchingPeftModuleError:
+            raise ConfigError(
+                f"lora.target_modules {cfg.lora.target_modules} bind no module of the "
+                f"{type(transformer).__name__}: the run would train nothing"
+            ) from None
         cast_training_params(transformer, torch.float32)
     else:
         transformer.requires_grad_(True)

@@ -302,7 +302,14 @@ class DiffusionOps:
         divergence = None
         if self.spec.divergence:
             divergence = flow_kl(out.mean, self._old_means(mb, out.mean), out.std)  # the exact KL
-        inputs = RowInputs(out.logprob, old, adv, w, kl=kl, is_weight=is_weight, divergence=divergence)
+        std = dt = None
+        if a.loss == "grpo_guard":  # its ratio scale and re-weighting read the step's std and |dt|
+            steps = torch.stack([p.traj.step_indices[p.k] for p in mb])
+            sig = mb[0].traj.sigmas
+            std, dt = out.std, (sig[steps + 1] - sig[steps]).abs().to(device)
+        inputs = RowInputs(
+            out.logprob, old, adv, w, kl=kl, is_weight=is_weight, divergence=divergence, std=std, dt=dt
+        )
         loss, metrics = self.loss_fn(inputs, a, normaliser)
         return loss, {**metrics, **streams}
 

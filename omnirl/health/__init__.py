@@ -1,0 +1,272 @@
+"""Training that cannot fool itself: the run's self-checks, on by default (`health:` section, docs/health.md).
+
+`Health` is what the trainer calls, at five points of the loop:
+
+- `Health(cfg, ops, rewards, dist)`, once the LoRA is attached: the LoRA proof (`omnirl.health.lora`): the
+  LoRA layers per expert, stream and copy are logged, and a target that binds nothing or an expert left
+  without LoRA is one `error:` line before the first step.
+- `resume(history)`: a resumed run takes its diversity baseline and its adapted KL weight from the rows
+  it logged before.
+- `before_update(step)`: at the run's first update, a fingerprint of the module the rollout runs.
+- `after_step(...)`: the fingerprint again after the first optimizer step (unchanged: the run stops), the
+  parity gate (`omnirl.health.parity`), the sample statistics (`omnirl.health.monitors`), the guard set
+  every health.guard_every steps, the alerts and what health.on_alert does about them
+  (`omnirl.health.alerts`); returns the health/* metrics of the step.
+- `stop_if_needed(save)`: after the step is logged, a fatal check raises a HealthError, and an alert with
+  on_alert stop saves a checkpoint (`save`) and raises; `finish()` prints the run's alerts and writes them
+  to output_dir/health_alerts.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from omnirl import distributed as D
+from omnirl.config import Config, ConfigError
+from omnirl.health import lora as L
+from omnirl.health import monitors as M
+from omnirl.health import parity as P
+from omnirl.health.alerts import Alert, Alerts
+from omnirl.health.parity import ParityError
+
+ALERTS_FILE = "health_alerts.jsonl"
+GUARD_STEP = -2  # the guard's seeds: derive_seed(run.seed, GUARD_STEP, i), apart from training (>= 0) and
+# validation's (-1)
+
+
+class HealthError(RuntimeError):
+    """A run that trains nothing or the wrong thing (an update that did not reach the rollout, the parity
+    gate) or an alert with health.on_alert stop: one `error:` line, exit status 1."""
+
+
+def check_health(cfg: Config) -> None:
+    """The health section's values, at load (one ConfigError line naming the field)."""
+    h = cfg.health
+    for name in ("baseline_steps", "patience"):
+        if getattr(h, name) < 1:
+            raise ConfigError(f"health.{name} must be an integer >= 1, got {getattr(h, name)}")
+    for name in ("parity_every", "guard_every"):
+        if getattr(h, name) < 0:
+            raise ConfigError(f"health.{name} must be an integer >= 0, got {getattr(h, name)}")
+    fractions = ("diversity_min", "dark_max", "saturated_max", "entropy_min", "repetition_max", "silence_max")
+    for name in fractions:
+        v = getattr(h, name)
+        if not (math.isfinite(v) and 0 <= v <= 1):
+            raise ConfigError(f"health.{name} must be a number in [0, 1], got {v}")
+    for name in ("guard_drop", "adapt_kl_init", "adapt_rate", "adapt_kl_max"):
+        v = getattr(h, name)
+        if not (math.isfinite(v) and v > 0):
+            raise ConfigError(f"health.{name} must be a finite number > 0, got {v}")
+    if set(h.parity_tolerance) != {"fp32", "bf16", "fp8", "vllm"}:
+        raise ConfigError(
+            "health.parity_tolerance must name exactly fp32, bf16, fp8 and vllm, got "
+            f"{sorted(h.parity_tolerance)}"
+        )
+    if any(not (math.isfinite(v) and v > 0) for v in h.parity_tolerance.values()):
+        raise ConfigError(f"health.parity_tolerance: every tolerance must be > 0, got {h.parity_tolerance}")
+    if h.guard_every and not h.guard_prompts:
+        raise ConfigError("health.guard_every > 0 needs health.guard_prompts (the guard set's prompts)")
+    if h.on_alert == "adapt" and cfg.model.finetune == "full" and cfg.algo.kl_beta == 0:
+        raise ConfigError(
+            "health.on_alert adapt with model.finetune full needs algo.kl_beta > 0: a full fine-tune keeps "
+            "its reference copy only for a KL term"
+        )
+
+
+class Health:
+    def __init__(self, cfg: Config, ops: Any, rewards: Any, dist: D.DistInfo):
+        self.cfg, self.ops, self.rewards, self.dist = cfg, ops, rewards, dist
+        self.trained = ops.adapter.trained_modules() if hasattr(ops.adapter, "trained_modules") else {}
+        self.trained = self.trained or {"policy": ops.policy}
+        self.full = cfg.model.finetune == "full"
+        if cfg.health.lora_proof and not self.full:
+            counts = L.census(cfg, self.trained)
+            D.print0(f"health: LoRA proof: {L.describe(counts)}")
+            L.check_census(cfg, counts)
+        self.alerts = Alerts(cfg)
+        self.first_update = True  # the run's first step that applied an optimizer step is still to come
+        self.before: dict[str, float] | None = None
+        self.reached = not cfg.health.lora_proof  # the first update reached the rollout's module
+        self.fatal: str | None = None
+        self.stop_alert: Alert | None = None
+        self.baseline: dict[str, list[float]] = {"diversity": [], "colour_entropy": []}
+        self.guard_first: float | None = None
+        self.reward_first: list[float] = []
+        self.guard_pool = None
+
+    def resume(self, history: list[dict]) -> None:
+        """Continue a resumed run: the baseline of its first steps and its last adapted KL weight."""
+        h = self.cfg.health
+        for row in history:
+            for k in self.baseline:
+                if row.get("step", 0) < h.baseline_steps and f"health/{k}" in row:
+                    self.baseline[k].append(row[f"health/{k}"])
+            if "health/guard_reward" in row and self.guard_first is None:
+                self.guard_first = row["health/guard_reward"]
+            if row.get("step", 0) < h.baseline_steps and "reward/mean" in row:
+                self.reward_first.append(row["reward/mean"])
+        if history and "health/kl_beta" in history[-1]:
+            self.cfg.algo.kl_beta = history[-1]["health/kl_beta"]
+        if history:
+            self.first_update = False
+            self.reached = True
+
+    def before_update(self, step: int) -> None:
+        """At the run's first update: the fingerprint of the module the rollout runs (collective)."""
+        if not self.reached and self.before is None:
+            self.before = L.fingerprint(self.trained, self.full)
+
+    def after_step(
+        self,
+        step: int,
+        logs: dict[str, float],
+        trajs: list,
+        logger: Any,
+        wake: Callable[[], Any],
+    ) -> dict[str, float]:
+        """The step's health/* metrics (every rank the same); see the module docstring. Collective."""
+        out: dict[str, float] = {}
+        updated = logs.get("train/updates", 0.0) > 0
+        if updated and not self.reached and self.before is not None:
+            after = L.fingerprint(self.trained, self.full)
+            same = [k for k in after if after[k] == self.before[k]]
+            if same:
+                self.fatal = (
+                    f"step {step}: the first optimizer step left the rollout's module unchanged ("
+                    f"{', '.join(same)}: LoRA update |B A| sum {after[same[0]]:.6g} before and after): the "
+                    "rollout would sample the initial policy for the whole run"
+                )
+            self.reached = True
+        if any(k.startswith("consistency/") for k in logs):
+            due = P.due(self.cfg, step, self.first_update)
+            try:
+                gate = P.gate(self.cfg, step, logs)
+                out.update(gate)
+            except ParityError as e:
+                if due:
+                    self.fatal = self.fatal or str(e)
+                out["health/parity_gap"] = _largest_gap(logs)
+        if updated:
+            self.first_update = False
+        if self.cfg.health.monitors:
+            out.update(self._monitors(step, logs, trajs))
+        h = self.cfg.health
+        if h.guard_every and (step + 1) % h.guard_every == 0:
+            with wake():
+                out.update(self._guard(step, logs, logger))
+        if self.cfg.health.monitors:
+            for alert in self.alerts.observe(step, {**logs, **out}):
+                D.print0(("warning: " if h.on_alert != "stop" else "") + alert.line())
+                if h.on_alert == "stop" and self.stop_alert is None:
+                    self.stop_alert = alert
+            if h.on_alert == "adapt":
+                self.cfg.algo.kl_beta = self.alerts.adapt({**logs, **out})
+        out["health/kl_beta"] = self.cfg.algo.kl_beta
+        out["health/alerts"] = float(len(self.alerts.history))
+        return out
+
+    def _monitors(self, step: int, logs: dict[str, float], trajs: list) -> dict[str, float]:
+        means = M.reduce_means(M.step_sums(trajs), M.STATISTICS)
+        out = {f"health/{k}": v for k, v in means.items() if not math.isnan(v)}
+        h = self.cfg.health
+        for k, ratio in (("diversity", "diversity_ratio"), ("colour_entropy", "colour_entropy_ratio")):
+            v = means[k]
+            if math.isnan(v):
+                continue
+            if step < h.baseline_steps:
+                self.baseline[k].append(v)
+            base = float(np.mean(self.baseline[k])) if self.baseline[k] else math.nan
+            if base > 0 and step >= h.baseline_steps:
+                out[f"health/{ratio}"] = v / base
+        if step < h.baseline_steps and math.isfinite(logs.get("reward/mean", math.nan)):
+            self.reward_first.append(logs["reward/mean"])
+        return out
+
+    def _guard(self, step: int, logs: dict[str, float], logger: Any) -> dict[str, float]:
+        """The guard prompts with fixed seeds through the validation sampler, scored by the training reward
+        and health.guard_reward; the grid of rank 0's samples to tensorboard (guard) and guard/."""
+        from omnirl.models.base import Request, derive_seed
+        from omnirl.rewards.pool import RewardPool
+        from omnirl.scoring import rollout_and_score
+
+        h, cfg = self.cfg.health, self.cfg
+        if h.guard_reward and self.guard_pool is None:
+            r = cfg.reward
+            self.guard_pool = RewardPool(
+                h.guard_reward, r.num_workers, r.timeout_s, r.paths, adapter=self.ops.adapter, cfg=cfg
+            )
+        params = self.ops.validation_params()
+        requests = [
+            Request(p, i, i, derive_seed(cfg.run.seed, GUARD_STEP, i), params, cfg.sampling.negative_prompt)
+            for i, p in enumerate(h.guard_prompts)
+            if i % self.dist.world_size == self.dist.rank
+        ]
+        trajs, _ = rollout_and_score(self.ops, self.rewards, requests)
+        train = [t.reward for t in trajs]
+        guard = train
+        if self.guard_pool is not None and trajs:
+            outputs = [t.output for t in trajs]
+            result = self.guard_pool.score(outputs, [t.request.prompt for t in trajs], [{} for _ in trajs])
+            guard = result.total.tolist()
+        t = D.all_reduce(torch.tensor([sum(train), sum(guard), float(len(trajs))], dtype=torch.float64))
+        train_mean, guard_mean = (t[0] / t[2]).item(), (t[1] / t[2]).item()
+        out = {"health/guard_train_reward": train_mean, "health/guard_reward": guard_mean}
+        if self.guard_first is None:
+            self.guard_first = guard_mean
+        first_reward = float(np.mean(self.reward_first)) if self.reward_first else math.nan
+        rising = logs.get("reward/mean", math.nan) > first_reward
+        drop = (self.guard_first - guard_mean) / max(abs(self.guard_first), 1e-8)
+        out["health/guard_drop"] = drop if rising else 0.0
+        images = [t.output.image for t in trajs if t.output.image is not None]
+        if images and logger.enabled:
+            from PIL import Image
+
+            from omnirl.metrics import make_grid
+
+            grid = make_grid(images)
+            folder = Path(cfg.run.output_dir) / "guard"
+            folder.mkdir(exist_ok=True)
+            Image.fromarray(grid).save(folder / f"step_{step:06d}.png")
+            tb = getattr(logger, "_tb", None)
+            if tb is not None:
+                tb.add_image("guard", grid, step, dataformats="HWC")
+        return out
+
+    def stop_if_needed(self, save: Callable[[], object] | None) -> None:
+        """After the step is logged: a fatal check raises; an alert with on_alert stop saves a checkpoint
+        (`save`; None: this step's was saved already), then raises."""
+        if self.fatal:
+            raise HealthError(self.fatal)
+        if self.stop_alert is not None:
+            if save is not None:
+                save()
+            raise HealthError(self.stop_alert.line() + "; a checkpoint of this step was saved")
+
+    def finish(self) -> None:
+        """The run's alerts: printed, and written to output_dir/health_alerts.jsonl (rank 0)."""
+        if self.guard_pool is not None:
+            self.guard_pool.close()
+        if not self.dist.is_main:
+            return
+        path = Path(self.cfg.run.output_dir) / ALERTS_FILE
+        with open(path, "a") as f:
+            for a in self.alerts.history:
+                f.write(json.dumps(a.__dict__) + "\n")
+        if self.alerts.history:
+            print(f"health: {len(self.alerts.history)} alert(s) in this run:", flush=True)
+            for a in self.alerts.history:
+                print("  " + a.line(), flush=True)
+        elif self.cfg.health.monitors:
+            print("health: no alerts in this run", flush=True)
+
+
+def _largest_gap(logs: dict[str, float]) -> float:
+    gaps = [v for k, v in logs.items() if P.TIMESTEP.match(k)]
+    return max(gaps) if gaps else logs.get("consistency/logprob_abs_diff_mean", math.nan)
