@@ -19,6 +19,7 @@ import platform
 import subprocess
 import sys
 from importlib import metadata
+from pathlib import Path
 
 
 def summary(vals: list[float], window: int) -> tuple[int, float, float]:
@@ -54,7 +55,6 @@ def provenance(command: str) -> dict:
         },
         "versions": versions,
     }
-from pathlib import Path
 
 
 def main() -> None:
