@@ -241,5 +241,5 @@ def test_an_ungameable_reward_does_not_alert(tiny_sd3, tmp_path, capsys, monkeyp
     assert status == 0, capsys.readouterr().err[-2000:]
     rows = read_metrics(out / "metrics.jsonl")
     assert len(rows) == 40 and rows[-1]["health/alerts"] == 0
-    assert min(r["health/diversity_ratio"] for r in rows[3:]) > 0.8
+    assert min(r["health/diversity_ratio"] for r in rows[3:]) > 0.5  # health.diversity_min
     assert not (out / "health_alerts.jsonl").read_text()
