@@ -13,6 +13,7 @@ once and logged as `train/gradient_checkpointing`.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -139,8 +140,10 @@ def probe_checkpointing(ops, optimizer: torch.optim.Optimizer, mb: list, normali
     oom = False
     with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
         for rows in (1, 2):  # on every rank, also one whose micro-batch is one padding row: collectives
+            # Copies of the rows: a loss may count on them (DiffusionNFT draws each pass's time anew).
+            part = [copy.copy(r) for r in (mb * 2)[:rows]]
 
-            def run(part=(mb * 2)[:rows]) -> None:
+            def run(part=part) -> None:
                 loss, _ = ops.loss(part, normaliser, False)
                 loss.backward()
 

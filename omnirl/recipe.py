@@ -243,7 +243,7 @@ def check_flags(config_cls: type[Config], overrides: list[str]) -> None:
         if dataclasses.is_dataclass(hints[section.name]):
             for name, tp in typing.get_type_hints(hints[section.name]).items():
                 fields.add(f"{section.name}.{name}")
-                if tp is bool:
+                if tp is bool or is_bool_or_literal(tp):
                     flags.add(f"{section.name}.no_{name}")
                 if typing.get_origin(tp) is dict:
                     dicts.append(f"{section.name}.{name}.")
@@ -279,6 +279,10 @@ def bool_values(config_cls: type[Config], overrides: list[str]) -> list[str]:
             name, value = name.split("=", 1)
         elif name in flags and i + 1 < len(overrides) and overrides[i + 1].lower() in ("true", "false"):
             value, i = overrides[i + 1], i + 1
+        if name.replace(".no_", ".", 1) in worded and ".no_" in name and value is None:
+            out += [f"--{name.replace('.no_', '.', 1)}", "False"]  # --section.no-field: false
+            i += 1
+            continue
         if name in worded:  # bool | Literal[...]: tyro takes True / False; a bare flag means true
             following = overrides[i + 1] if value is None and i + 1 < len(overrides) else None
             if value is None and (following is None or following.startswith("--")):
