@@ -18,14 +18,7 @@ import contextlib
 import torch
 from torch import nn
 
-from omnirl.rollout.fp8 import FP8, fp8_layers, quantise_rows
-
-
-def scaled_mm(a_q, a_scale, b_q_rows, b_scale, out_dtype, fast_accum: bool) -> torch.Tensor:
-    """a [M, K] (float8, scales [M, 1]) @ B.T with B [N, K] given as float8 rows (scales [1, N])."""
-    return torch._scaled_mm(
-        a_q, b_q_rows.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype, use_fast_accum=fast_accum
-    )
+from omnirl.rollout.fp8 import FP8, fp8_layers, fp8_linear, quantise_rows
 
 
 class _Fp8FrozenMatmul(torch.autograd.Function):
@@ -35,18 +28,14 @@ class _Fp8FrozenMatmul(torch.autograd.Function):
     def forward(ctx, x, w_q, w_scale, wt_q, wt_scale, fast_accum: bool):  # pyright: ignore[reportIncompatibleMethodOverride]
         ctx.save_for_backward(wt_q, wt_scale)
         ctx.fast_accum = fast_accum
-        shape = x.shape
-        q, scale = quantise_rows(x.reshape(-1, shape[-1]))
-        y = scaled_mm(q, scale, w_q, w_scale, x.dtype, fast_accum)
-        return y.reshape(*shape[:-1], w_q.shape[0])
+        return fp8_linear(x, w_q, w_scale, None, fast_accum)  # the FP8 rollout's own GEMM
 
     @staticmethod
     def backward(ctx, grad_y):  # pyright: ignore[reportIncompatibleMethodOverride]
         wt_q, wt_scale = ctx.saved_tensors
-        shape = grad_y.shape
-        q, scale = quantise_rows(grad_y.reshape(-1, shape[-1]))
-        grad_x = scaled_mm(q, scale, wt_q, wt_scale, grad_y.dtype, ctx.fast_accum)
-        return grad_x.reshape(*shape[:-1], wt_q.shape[0]), None, None, None, None, None
+        # grad_x = grad_y @ W = grad_y @ (W^T)^T: the same GEMM with the rows of W^T as the weight.
+        grad_x = fp8_linear(grad_y, wt_q, wt_scale, None, ctx.fast_accum)
+        return grad_x, None, None, None, None, None
 
 
 class Float8FrozenLinear(nn.Module):
