@@ -46,7 +46,7 @@ def test_checkpointing_values_parse_from_recipe_and_command_line(tmp_path):
         (["--model.gradient_checkpointing=auto"], "auto"),
     ):
         assert load_config("sd3_tiny_flowgrpo", args).model.gradient_checkpointing == want, args
-    # The recipe's own value; its model path points at a folder the quickstart builds, so any folder stands in.
+    # The recipe's own value; its model path is a folder the quickstart builds: any folder stands in.
     assert load_config("mmk12_tiny", ["--model.path", str(tmp_path)]).model.gradient_checkpointing is True
 
 

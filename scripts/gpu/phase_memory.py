@@ -492,7 +492,8 @@ def drive(
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.gpus}"]
     cmd = [*torchrun, "-m", "scripts.gpu.phase_memory", "--worker", str(derived), str(info), str(a.cap_gib)]
     cmd += overrides
-    print(f"phase_memory: {tag}: {a.steps} steps, {prompts} prompts x {cfg.rollout.group_size} images per "
+    r = cfg.rollout
+    print(f"phase_memory: {tag}: {a.steps} steps, {r.prompts_per_step} prompts x {r.group_size} images per "
           f"step on {a.gpus} rank(s), max_num_seqs {cfg.rollout.max_num_seqs}, micro-batch "
           f"{cfg.optim.micro_batch_size}, sleep {cfg.memory.sleep}", flush=True)  # fmt: skip
     run_start = time.perf_counter()
