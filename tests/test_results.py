@@ -10,9 +10,23 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks/results"
+TINY = "benchmarks/results/tiny_recipes_cpu.md"
+LTX = "ltx23_tiny_t2av_flowgrpo_cpu_2026-12-05.json"
+WAN = "wan22_ti2v_tiny_dancegrpo_cpu_2026-12-05.json"
+NFT = "sd3_tiny_nft_cpu_2026-12-05.json"
+NFT_DECAY0 = "sd3_tiny_nft_decay0_cpu_2026-12-05.json"
+DPPO = "qwen_image_tiny_flowdppo_cpu_2026-12-05.json"
+PICKSCORE = "sd3_tiny_flowgrpo_pickscore_cpu_2026-12-05.json"
+
+
+def std(name: str) -> str:
+    """The record of the same run's within-step reward std (`--key reward/std`)."""
+    return name.replace("_cpu_", "_std_cpu_")
+
 
 # (file, record, quoted text): the text is formatted from the record (first, last, change, steps, step_s,
-# and blocks: the means of its blocks of 10 steps) and must appear in the file, whitespace aside.
+# values: every step's; b: the means of its blocks of 10 steps, blocks: those joined at 3 decimals; min and
+# max of the values) and must appear in the file, whitespace aside.
 QUOTES = [
     ("README.md", "quickstart_cpu_2026-12-05.json",
      "raise the mean JPEG reward from {first:.3f} to {last:.3f} ({change:+.3f})"),
@@ -30,6 +44,40 @@ QUOTES = [
     ("benchmarks/results/tiny_recipes_cpu.md", "bagel_tiny_cpu_2026-12-05.json", "({step_s:.0f} s of steps)"),
     ("benchmarks/results/tiny_recipes_cpu.md", "bagel_tiny_cpu_2026-12-05.json",
      "The means of the ten blocks of 10 steps: {blocks}:"),
+    ("docs/log.md", "bagel_tiny_cpu_2026-12-05.json", "({change:+.3f} in {steps} steps at the reference's"),
+    # The tiny recipes of tiny_recipes_cpu.md: LTX-2.3, Wan2.2 DanceGRPO, DiffusionNFT, Flow-DPPO, PickScore.
+    (TINY, LTX, "in dBFS), {steps} steps on 2 ranks ({step_s:.0f} s of steps)"),
+    (TINY, LTX,
+     "| `ltx23_tiny_t2av_flowgrpo` | {steps} | {first:.2f} dB | {last:.2f} dB | **{change:+.2f} dB** (the "
+     "first 10"),
+    (TINY, std(LTX), "steps' within-step std: {first:.2f} dB) |"),
+    (TINY, LTX,
+     "Per step the loudness rises from {values[0]:.2f} dB (step 0) to {values[9]:.2f} dB at step 9 and then "
+     "holds: the blocks of 10 steps are {b[0]:.2f}, {b[1]:.2f}, {b[2]:.2f}, {b[3]:.2f}."),
+    (TINY, LTX,
+     "last 3's): {values[0]:.2f}, {values[1]:.2f}, {values[2]:.2f}, {values[3]:.2f}, {values[4]:.2f}, "
+     "{values[5]:.2f}, {values[6]:.2f}, {values[7]:.2f}."),
+    (TINY, WAN, "trained | {steps} | {first:.4f} | {last:.4f} | **{change:+.4f}** (the first 10 steps'"),
+    (TINY, std(WAN), "within-step std: {first:.4f}) | {step_s:.0f} s |"),
+    (TINY, WAN, "(Wan: {b[0]:.3f}, {b[1]:.3f}, {b[2]:.3f}, {b[3]:.3f}, {b[4]:.3f}, {b[5]:.3f})"),
+    (TINY, NFT,
+     "the soft-updated old policy | {steps} | {first:.4f} | {last:.4f} | **{change:+.4f}** | "
+     "{step_s:.0f} s |"),
+    (TINY, NFT_DECAY0,
+     "`--algo.nft_old_decay_max 0` (the old policy the rollout's) rose from {first:.4f} to {last:.4f}, "
+     "**{change:+.4f}** ({step_s:.0f} s of steps;"),
+    (TINY, DPPO,
+     "(`algo.adv_clip null`) | {steps} | {first:.4f} | {last:.4f} | **{change:+.4f}** | {step_s:.0f} s |"),
+    (TINY, PICKSCORE, "`--only sd3 --only pickscore` ({step_s:.0f} s of steps)"),
+    (TINY, PICKSCORE,
+     "| `sd3_tiny_flowgrpo_pickscore` | {steps} | {first:.4f} | {last:.4f} | **{change:+.4f}** |"),
+    (TINY, PICKSCORE, "The means of the ten blocks of 10 steps: {blocks}:"),
+    (TINY, std(PICKSCORE), "the first 10 steps' within-step std is {first:.4f})"),
+    ("benchmarks/RESULTS.md", DPPO, "{change:+.3f} (DPPO, unclamped)"),
+    ("benchmarks/RESULTS.md", NFT, "{change:+.3f} (NFT, soft old policy)"),
+    ("benchmarks/RESULTS.md", WAN, "{change:+.4f} (Wan DanceGRPO)"),
+    ("benchmarks/RESULTS.md", PICKSCORE, "{change:+.3f} (PickScore, {steps} steps)"),
+    ("benchmarks/RESULTS.md", LTX, "{change:+.2f} dB (LTX-2.3 audio loudness, {steps} steps)"),
 ]  # fmt: skip
 
 
@@ -43,7 +91,8 @@ def summarize_run():
 def record(name: str) -> dict:
     r = json.loads((RESULTS / name).read_text())
     v = r["values"]
-    return {**r, "blocks": ", ".join(f"{sum(v[i : i + 10]) / 10:.3f}" for i in range(0, len(v), 10))}
+    b = [sum(v[i : i + 10]) / len(v[i : i + 10]) for i in range(0, len(v), 10)]
+    return {**r, "b": b, "blocks": ", ".join(f"{x:.3f}" for x in b), "min": min(v), "max": max(v)}
 
 
 @pytest.mark.parametrize("path, name, quote", QUOTES)
