@@ -17,6 +17,8 @@ NFT = "sd3_tiny_nft_cpu_2026-12-05.json"
 NFT_DECAY0 = "sd3_tiny_nft_decay0_cpu_2026-12-05.json"
 DPPO = "qwen_image_tiny_flowdppo_cpu_2026-12-05.json"
 PICKSCORE = "sd3_tiny_flowgrpo_pickscore_cpu_2026-12-05.json"
+FLUX = "benchmarks/results/flux_tiny_cpu.md"
+FLUX_RUNS = [f"flux_tiny_{a}" for a in ("flowgrpo", "dancegrpo", "mixgrpo", "dgpo")] + ["sd3_tiny_dgpo"]
 
 
 def std(name: str) -> str:
@@ -78,6 +80,32 @@ QUOTES = [
     ("benchmarks/RESULTS.md", WAN, "{change:+.4f} (Wan DanceGRPO)"),
     ("benchmarks/RESULTS.md", PICKSCORE, "{change:+.3f} (PickScore, {steps} steps)"),
     ("benchmarks/RESULTS.md", LTX, "{change:+.2f} dB (LTX-2.3 audio loudness, {steps} steps)"),
+    # tiny FLUX.1-dev and DGPO
+    *(
+        quote
+        for name in FLUX_RUNS
+        for quote in [
+            (FLUX, f"{name}_cpu_2026-12-05.json",
+             f"| `{name}` | " "{steps} | {first:.4f} | {last:.4f} | **{change:+.4f}** (the first 10 steps'"),
+            (FLUX, f"{name}_std_cpu_2026-12-05.json", "within-step std: {first:.4f}) | {step_s:.0f} s |"),
+            (FLUX, f"{name}_cpu_2026-12-05.json",
+             f"| `{name}` | " + " | ".join(f"{{b[{i}]:.4f}}" for i in range(6)) + " |"),
+        ]
+    ),
+    (FLUX, "sd3_tiny_dgpo_lr1e-2_t4_cpu_2026-12-05.json",
+     "moved its reward by {change:+.4f} in {steps} steps (first 10 {first:.4f}, last 10 {last:.4f}; "
+     "{step_s:.0f} s of steps;"),
+    (FLUX, "sd3_tiny_dgpo_std_cpu_2026-12-05.json",
+     "the SD3 recipe's first 10 steps' within-step std, {first:.4f}"),
+    (FLUX, "sd3_tiny_dgpo_group_weight_cpu_2026-12-05.json", "starts at {values[0]:.1f} (the policy is the"),
+    (FLUX, "sd3_tiny_dgpo_group_weight_cpu_2026-12-05.json", "between {min:.3f} and {max:.3f} (SD3)"),
+    (FLUX, "flux_tiny_dgpo_group_weight_cpu_2026-12-05.json", "between {min:.3f} and {max:.3f} (FLUX)"),
+    ("benchmarks/RESULTS.md", "flux_tiny_flowgrpo_cpu_2026-12-05.json", "| {change:+.3f} (Flow-GRPO),"),
+    ("benchmarks/RESULTS.md", "flux_tiny_dancegrpo_cpu_2026-12-05.json", "{change:+.3f} (DanceGRPO),"),
+    ("benchmarks/RESULTS.md", "flux_tiny_mixgrpo_cpu_2026-12-05.json", "{change:+.3f} (MixGRPO),"),
+    ("benchmarks/RESULTS.md", "flux_tiny_dgpo_cpu_2026-12-05.json", "{change:+.3f} (FLUX DGPO),"),
+    ("benchmarks/RESULTS.md", "sd3_tiny_dgpo_cpu_2026-12-05.json",
+     "{change:+.3f} (SD3 DGPO), JPEG compressibility, {steps} steps each"),
 ]  # fmt: skip
 
 
