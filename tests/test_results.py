@@ -149,3 +149,22 @@ def test_a_short_run_compares_its_halves():
     assert summary([1.0, 2.0, 3.0], 10) == (1, 1.0, 3.0)
     assert summary([5.0], 10) == (1, 5.0, 5.0)
     assert summary([0.0] * 10 + [1.0] * 20, 10) == (10, 0.0, 1.0)
+
+
+def test_the_health_page_is_its_record():
+    """health_quickstart.md's reward and diversity lines, from the per-step curves its benchmark wrote."""
+    runs = json.loads((RESULTS / "health_quickstart_cpu_2026-12-05.json").read_text())["runs"]
+    text = " ".join((RESULTS / "health_quickstart.md").read_text().split())
+    cells = []
+    for mode in ("warn", "adapt"):
+        reward = [v for _, v in runs[mode]["curves"]["reward/mean"]]
+        first, last = sum(reward[:10]) / 10, sum(reward[-10:]) / 10
+        cells.append(f"{first:.4f} -> {last:.4f} ({last - first:+.4f})")
+    assert f"| mean reward, steps 0-9 -> 110-119 | {cells[0]} | {cells[1]} |" in text
+    lowest = []
+    for mode in ("warn", "adapt"):
+        step, ratio = min(runs[mode]["curves"]["health/diversity_ratio"], key=lambda p: p[1])
+        lowest.append(f"{ratio:.3f} ({step})")
+    assert f"| in-group diversity / first 3 steps', lowest (step) | {lowest[0]} | {lowest[1]} |" in text
+    (alert,) = runs["warn"]["alerts"]
+    assert f"step {alert['step']}: `health/diversity_ratio` {alert['value']:.4f} below 0.5" in text
