@@ -4,6 +4,8 @@ kills. A limit that only the model knows (its context) is read from model.path's
 that is not at hand checked once the model is loaded, before step 0; the others when the recipe loads."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -47,6 +49,14 @@ def test_kv_windows_past_the_context(tiny_qwen3_omni, tmp_path, capsys, monkeypa
         args = [*omni_args(tiny_qwen3_omni), "--generation.kv_windows", windows]
         err = refused_run(args, tmp_path, capsys, "generation.kv_windows must be at most 16 for model.path")
         assert f"(its context of 1024 tokens in windows of 64 columns), got {windows}" in err
+    # In a process of its own: reading the config printed transformers' warning on the talker's M-RoPE
+    # keys (once per process) before the error line.
+    out = tmp_path / "o"
+    args = [*omni_args(tiny_qwen3_omni), "--generation.kv_windows", "17", "--run.output_dir", str(out)]
+    r = subprocess.run([sys.executable, "scripts/train.py", *args], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("error: generation.kv_windows must be at most 16"), r.stderr
+    assert r.stderr.count("\n") == 1 and not out.exists(), r.stderr
 
 
 @pytest.mark.parametrize("size", ["5 kB", "100 kB"])

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import transformers
 from torch import nn
 from transformers import AutoConfig
 
@@ -96,10 +97,14 @@ def _context_from_config(path: str) -> int | None:
     """The language model's context (its text config's max_position_embeddings) from model.path's
     config.json alone, before any weights load; None where no config is at hand (a Hub name not in the
     local cache, a folder without one): the check then runs once the model is loaded."""
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # a probe: the config's warnings are the model load's to print
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError):
         return None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
     config = getattr(config, "thinker_config", None) or config  # a whole Qwen3-Omni: its thinker's
     context = getattr(config.get_text_config(), "max_position_embeddings", None)
     return context if isinstance(context, int) else None
