@@ -49,8 +49,12 @@ def test_kv_windows_past_the_context(tiny_qwen3_omni, tmp_path, capsys, monkeypa
         args = [*omni_args(tiny_qwen3_omni), "--generation.kv_windows", windows]
         err = refused_run(args, tmp_path, capsys, "generation.kv_windows must be at most 16 for model.path")
         assert f"(its context of 1024 tokens in windows of 64 columns), got {windows}" in err
-    # In a process of its own: reading the config printed transformers' warning on the talker's M-RoPE
-    # keys (once per process) before the error line.
+
+
+@pytest.mark.slow
+def test_kv_windows_refusal_is_the_only_line(tiny_qwen3_omni, tmp_path):
+    """In a process of its own (the warning comes once per process): reading the config printed
+    transformers' warning on the talker's M-RoPE keys before the error line."""
     out = tmp_path / "o"
     args = [*omni_args(tiny_qwen3_omni), "--generation.kv_windows", "17", "--run.output_dir", str(out)]
     r = subprocess.run([sys.executable, "scripts/train.py", *args], cwd=ROOT, capture_output=True, text=True)
