@@ -152,7 +152,8 @@ def test_a_short_run_compares_its_halves():
 
 
 def test_the_health_page_is_its_record():
-    """health_quickstart.md's reward and diversity lines, from the per-step curves its benchmark wrote."""
+    """health_quickstart.md's reward and diversity lines (and docs/health.md's example alert), from the
+    per-step curves its benchmark wrote."""
     runs = json.loads((RESULTS / "health_quickstart_cpu_2026-12-05.json").read_text())["runs"]
     text = " ".join((RESULTS / "health_quickstart.md").read_text().split())
     cells = []
@@ -168,3 +169,5 @@ def test_the_health_page_is_its_record():
     assert f"| in-group diversity / first 3 steps', lowest (step) | {lowest[0]} | {lowest[1]} |" in text
     (alert,) = runs["warn"]["alerts"]
     assert f"step {alert['step']}: `health/diversity_ratio` {alert['value']:.4f} below 0.5" in text
+    example = " ".join((ROOT / "docs/health.md").read_text().split())  # its warn line is this run's
+    assert f"step {alert['step']}: health/diversity_ratio {alert['value']:.4f} below its threshold" in example
