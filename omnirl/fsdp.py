@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import warnings
 from typing import Any, TypeVar
 
 import torch
@@ -92,15 +91,9 @@ def apply_fsdp(
         own = ignored & set(unit.parameters())
         fully_shard(unit, mesh=mesh, mp_policy=mp, offload_policy=placed, ignored_params=own)
         unit.register_forward_pre_hook(functools.partial(cast_inputs, DTYPES[param_dtype]), with_kwargs=True)
-    # A root whose last layer is an nn.Linear on a 3-D input returns a view (torch views the 2-D matmul's
-    # result back to 3-D): Qwen-Image-Edit's and LTX-2's proj_out, which their recipes' LoRA leaves out.
-    # FSDP2 warns on every forward that an in-place op on that view would drop its pre-backward hook;
-    # the adapters read the root's output out of place only (slices, casts, arithmetic), so it does not
-    # apply to it. Units' outputs are left to the warning.
-    warnings.filterwarnings(
-        "ignore", message=rf"FSDP2-wrapped module \(FSDP{type(model).__name__}\) returned a view tensor"
-    )
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=placed, ignored_params=ignored)
+    # Ahead of FSDP2's post-forward hook, which hooks the pre-backward (the all-gather) onto the outputs.
+    model.register_forward_hook(own_outputs, prepend=True)
     # Read by `compute_dtype`. (torch types Module.__setattr__ for tensors and modules; any value is kept.)
     model._omnirl_compute_dtype = DTYPES[param_dtype]  # pyright: ignore[reportArgumentType]
     for m in model.modules():
@@ -112,6 +105,21 @@ def apply_fsdp(
             assert isinstance(unit, FSDPModule) and isinstance(following, FSDPModule)  # fully_shard made them
             unit.set_modules_to_forward_prefetch([following])
     return model
+
+
+def own_outputs(module: nn.Module, args: tuple, output: Any) -> Any:
+    """The root's forward hook: a trained output that is a view, a copy instead. A root whose last layer is
+    an nn.Linear on a 3-D input returns a view (torch views the 2-D matmul's result back to 3-D):
+    Qwen-Image-Edit's and LTX-2's proj_out. FSDP2 hooks its pre-backward onto the output, and an in-place
+    op on a view would drop that hook (its all-gather, hence the gradient), which it warns of on every
+    forward; a copy of the output (latent-sized) has its own hook that nothing can drop."""
+    if not torch.is_grad_enabled():
+        return output
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        return t.clone() if t.requires_grad and t._base is not None else t
+
+    return tree_map_only(torch.Tensor, own, output)
 
 
 def cast_inputs(dtype: torch.dtype, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

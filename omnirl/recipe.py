@@ -166,6 +166,7 @@ def load_config(recipe: str, overrides: list[str]) -> Config:
 
     cfg, path = load_recipe(recipe, override_adapter(overrides))
     check_flags(type(cfg), overrides)
+    check_dict_flags(cfg, overrides)
     args = bool_values(type(cfg), overrides)
     cfg = tyro.cli(type(cfg), default=cfg, args=args, description=f"omnirl recipe {path}")
     data = yaml.safe_load(path.read_text()) or {}
@@ -258,6 +259,32 @@ def check_flags(config_cls: type[Config], overrides: list[str]) -> None:
         close = difflib.get_close_matches(name, sorted(fields), n=1)
         hint = f"did you mean --{close[0]}?" if close else "--help lists the options"
         raise ConfigError(f"unrecognized option {flag} ({hint})")
+
+
+def check_dict_flags(cfg: Config, overrides: list[str]) -> None:
+    """A dict field (`reward.weights`, `reward.paths`) takes one entry per flag, `--section.field.KEY VALUE`,
+    for a KEY the recipe's dict holds (the command line sets entries, the recipe's YAML adds them): the
+    field alone, or a KEY it does not hold, is a ConfigError naming the flag and the entries there are."""
+    for arg in overrides:
+        if not arg.startswith("--"):
+            continue
+        flag = arg.split("=", 1)[0]
+        section, _, rest = flag[2:].replace("-", "_").partition(".")
+        field, _, key = rest.partition(".")
+        entries = getattr(getattr(cfg, section, None), field, None)
+        if not isinstance(entries, dict):
+            continue
+        known = ", ".join(sorted(entries)) or "none"
+        if not key:
+            raise ConfigError(
+                f"{flag} takes one entry per flag: --{section}.{field}.KEY VALUE (this recipe's entries: "
+                f"{known})"
+            )
+        if key not in entries:
+            raise ConfigError(
+                f"{flag}: this recipe's {section}.{field} has no entry {key!r} (its entries: {known}); the "
+                "command line sets entries, the recipe's YAML adds them"
+            )
 
 
 def bool_values(config_cls: type[Config], overrides: list[str]) -> list[str]:

@@ -1,9 +1,11 @@
 """Values past what the model or the rollout can hold: refused with one line `error: ...` naming the
 field or the data row, exit status 2, nothing written, instead of a hang in step 0 or a process the kernel
-kills. A limit that only the model knows (its context) is checked once the model is loaded, before step 0;
-the others when the recipe loads."""
+kills. A limit that only the model knows (its context) is read from model.path's config.json, or where
+that is not at hand checked once the model is loaded, before step 0; the others when the recipe loads."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -34,11 +36,31 @@ def test_row_buckets_past_the_halvings_of_the_slots(tiny_qwen3_omni, tmp_path, c
 
 def test_kv_windows_past_the_context(tiny_qwen3_omni, tmp_path, capsys, monkeypatch):
     """generation.kv_windows beyond the 64-column windows of the model's context (the tiny model's 1024
-    tokens: 16) is refused once the model is loaded, before step 0: a billion of them looped there."""
+    tokens: 16) is refused before the model loads, from model.path's config.json: a billion of them
+    looped in step 0."""
+    import omnirl.trainer
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the settings were checked")
+
     monkeypatch.chdir(ROOT)
-    args = [*omni_args(tiny_qwen3_omni), "--generation.kv_windows", "1000000000"]
-    err = refused_run(args, tmp_path, capsys, "generation.kv_windows must be at most 16 for model.path")
-    assert "(its context of 1024 tokens in windows of 64 columns), got 1000000000" in err
+    monkeypatch.setattr(omnirl.trainer, "build_adapter", no_model)
+    for windows in ("1000000000", "17"):
+        args = [*omni_args(tiny_qwen3_omni), "--generation.kv_windows", windows]
+        err = refused_run(args, tmp_path, capsys, "generation.kv_windows must be at most 16 for model.path")
+        assert f"(its context of 1024 tokens in windows of 64 columns), got {windows}" in err
+
+
+@pytest.mark.slow
+def test_kv_windows_refusal_is_the_only_line(tiny_qwen3_omni, tmp_path):
+    """In a process of its own (the warning comes once per process): reading the config printed
+    transformers' warning on the talker's M-RoPE keys before the error line."""
+    out = tmp_path / "o"
+    args = [*omni_args(tiny_qwen3_omni), "--generation.kv_windows", "17", "--run.output_dir", str(out)]
+    r = subprocess.run([sys.executable, "scripts/train.py", *args], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("error: generation.kv_windows must be at most 16"), r.stderr
+    assert r.stderr.count("\n") == 1 and not out.exists(), r.stderr
 
 
 @pytest.mark.parametrize("size", ["5 kB", "100 kB"])

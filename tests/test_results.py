@@ -10,9 +10,25 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks/results"
+TINY = "benchmarks/results/tiny_recipes_cpu.md"
+LTX = "ltx23_tiny_t2av_flowgrpo_cpu_2026-12-05.json"
+WAN = "wan22_ti2v_tiny_dancegrpo_cpu_2026-12-05.json"
+NFT = "sd3_tiny_nft_cpu_2026-12-05.json"
+NFT_DECAY0 = "sd3_tiny_nft_decay0_cpu_2026-12-05.json"
+DPPO = "qwen_image_tiny_flowdppo_cpu_2026-12-05.json"
+PICKSCORE = "sd3_tiny_flowgrpo_pickscore_cpu_2026-12-05.json"
+FLUX = "benchmarks/results/flux_tiny_cpu.md"
+FLUX_RUNS = [f"flux_tiny_{a}" for a in ("flowgrpo", "dancegrpo", "mixgrpo", "dgpo")] + ["sd3_tiny_dgpo"]
+
+
+def std(name: str) -> str:
+    """The record of the same run's within-step reward std (`--key reward/std`)."""
+    return name.replace("_cpu_", "_std_cpu_")
+
 
 # (file, record, quoted text): the text is formatted from the record (first, last, change, steps, step_s,
-# and blocks: the means of its blocks of 10 steps) and must appear in the file, whitespace aside.
+# values: every step's; b: the means of its blocks of 10 steps, blocks: those joined at 3 decimals; min and
+# max of the values) and must appear in the file, whitespace aside.
 QUOTES = [
     ("README.md", "quickstart_cpu_2026-12-05.json",
      "raise the mean JPEG reward from {first:.3f} to {last:.3f} ({change:+.3f})"),
@@ -30,6 +46,66 @@ QUOTES = [
     ("benchmarks/results/tiny_recipes_cpu.md", "bagel_tiny_cpu_2026-12-05.json", "({step_s:.0f} s of steps)"),
     ("benchmarks/results/tiny_recipes_cpu.md", "bagel_tiny_cpu_2026-12-05.json",
      "The means of the ten blocks of 10 steps: {blocks}:"),
+    ("docs/log.md", "bagel_tiny_cpu_2026-12-05.json", "({change:+.3f} in {steps} steps at the reference's"),
+    # The tiny recipes of tiny_recipes_cpu.md: LTX-2.3, Wan2.2 DanceGRPO, DiffusionNFT, Flow-DPPO, PickScore.
+    (TINY, LTX, "in dBFS), {steps} steps on 2 ranks ({step_s:.0f} s of steps)"),
+    (TINY, LTX,
+     "| `ltx23_tiny_t2av_flowgrpo` | {steps} | {first:.2f} dB | {last:.2f} dB | **{change:+.2f} dB** (the "
+     "first 10"),
+    (TINY, std(LTX), "steps' within-step std: {first:.2f} dB) |"),
+    (TINY, LTX,
+     "Per step the loudness rises from {values[0]:.2f} dB (step 0) to {values[9]:.2f} dB at step 9 and then "
+     "holds: the blocks of 10 steps are {b[0]:.2f}, {b[1]:.2f}, {b[2]:.2f}, {b[3]:.2f}."),
+    (TINY, LTX,
+     "last 3's): {values[0]:.2f}, {values[1]:.2f}, {values[2]:.2f}, {values[3]:.2f}, {values[4]:.2f}, "
+     "{values[5]:.2f}, {values[6]:.2f}, {values[7]:.2f}."),
+    (TINY, WAN, "trained | {steps} | {first:.4f} | {last:.4f} | **{change:+.4f}** (the first 10 steps'"),
+    (TINY, std(WAN), "within-step std: {first:.4f}) | {step_s:.0f} s |"),
+    (TINY, WAN, "(Wan: {b[0]:.3f}, {b[1]:.3f}, {b[2]:.3f}, {b[3]:.3f}, {b[4]:.3f}, {b[5]:.3f})"),
+    (TINY, NFT,
+     "the soft-updated old policy | {steps} | {first:.4f} | {last:.4f} | **{change:+.4f}** | "
+     "{step_s:.0f} s |"),
+    (TINY, NFT_DECAY0,
+     "`--algo.nft_old_decay_max 0` (the old policy the rollout's) rose from {first:.4f} to {last:.4f}, "
+     "**{change:+.4f}** ({step_s:.0f} s of steps;"),
+    (TINY, DPPO,
+     "(`algo.adv_clip null`) | {steps} | {first:.4f} | {last:.4f} | **{change:+.4f}** | {step_s:.0f} s |"),
+    (TINY, PICKSCORE, "`--only sd3 --only pickscore` ({step_s:.0f} s of steps)"),
+    (TINY, PICKSCORE,
+     "| `sd3_tiny_flowgrpo_pickscore` | {steps} | {first:.4f} | {last:.4f} | **{change:+.4f}** |"),
+    (TINY, PICKSCORE, "The means of the ten blocks of 10 steps: {blocks}:"),
+    (TINY, std(PICKSCORE), "the first 10 steps' within-step std is {first:.4f})"),
+    ("benchmarks/RESULTS.md", DPPO, "{change:+.3f} (DPPO, unclamped)"),
+    ("benchmarks/RESULTS.md", NFT, "{change:+.3f} (NFT, soft old policy)"),
+    ("benchmarks/RESULTS.md", WAN, "{change:+.4f} (Wan DanceGRPO)"),
+    ("benchmarks/RESULTS.md", PICKSCORE, "{change:+.3f} (PickScore, {steps} steps)"),
+    ("benchmarks/RESULTS.md", LTX, "{change:+.2f} dB (LTX-2.3 audio loudness, {steps} steps)"),
+    # tiny FLUX.1-dev and DGPO
+    *(
+        quote
+        for name in FLUX_RUNS
+        for quote in [
+            (FLUX, f"{name}_cpu_2026-12-05.json",
+             f"| `{name}` | " "{steps} | {first:.4f} | {last:.4f} | **{change:+.4f}** (the first 10 steps'"),
+            (FLUX, f"{name}_std_cpu_2026-12-05.json", "within-step std: {first:.4f}) | {step_s:.0f} s |"),
+            (FLUX, f"{name}_cpu_2026-12-05.json",
+             f"| `{name}` | " + " | ".join(f"{{b[{i}]:.4f}}" for i in range(6)) + " |"),
+        ]
+    ),
+    (FLUX, "sd3_tiny_dgpo_lr1e-2_t4_cpu_2026-12-05.json",
+     "moved its reward by {change:+.4f} in {steps} steps (first 10 {first:.4f}, last 10 {last:.4f}; "
+     "{step_s:.0f} s of steps;"),
+    (FLUX, "sd3_tiny_dgpo_std_cpu_2026-12-05.json",
+     "the SD3 recipe's first 10 steps' within-step std, {first:.4f}"),
+    (FLUX, "sd3_tiny_dgpo_group_weight_cpu_2026-12-05.json", "starts at {values[0]:.1f} (the policy is the"),
+    (FLUX, "sd3_tiny_dgpo_group_weight_cpu_2026-12-05.json", "between {min:.3f} and {max:.3f} (SD3)"),
+    (FLUX, "flux_tiny_dgpo_group_weight_cpu_2026-12-05.json", "between {min:.3f} and {max:.3f} (FLUX)"),
+    ("benchmarks/RESULTS.md", "flux_tiny_flowgrpo_cpu_2026-12-05.json", "| {change:+.3f} (Flow-GRPO),"),
+    ("benchmarks/RESULTS.md", "flux_tiny_dancegrpo_cpu_2026-12-05.json", "{change:+.3f} (DanceGRPO),"),
+    ("benchmarks/RESULTS.md", "flux_tiny_mixgrpo_cpu_2026-12-05.json", "{change:+.3f} (MixGRPO),"),
+    ("benchmarks/RESULTS.md", "flux_tiny_dgpo_cpu_2026-12-05.json", "{change:+.3f} (FLUX DGPO),"),
+    ("benchmarks/RESULTS.md", "sd3_tiny_dgpo_cpu_2026-12-05.json",
+     "{change:+.3f} (SD3 DGPO), JPEG compressibility, {steps} steps each"),
 ]  # fmt: skip
 
 
@@ -43,7 +119,8 @@ def summarize_run():
 def record(name: str) -> dict:
     r = json.loads((RESULTS / name).read_text())
     v = r["values"]
-    return {**r, "blocks": ", ".join(f"{sum(v[i : i + 10]) / 10:.3f}" for i in range(0, len(v), 10))}
+    b = [sum(v[i : i + 10]) / len(v[i : i + 10]) for i in range(0, len(v), 10)]
+    return {**r, "b": b, "blocks": ", ".join(f"{x:.3f}" for x in b), "min": min(v), "max": max(v)}
 
 
 @pytest.mark.parametrize("path, name, quote", QUOTES)
@@ -72,3 +149,25 @@ def test_a_short_run_compares_its_halves():
     assert summary([1.0, 2.0, 3.0], 10) == (1, 1.0, 3.0)
     assert summary([5.0], 10) == (1, 5.0, 5.0)
     assert summary([0.0] * 10 + [1.0] * 20, 10) == (10, 0.0, 1.0)
+
+
+def test_the_health_page_is_its_record():
+    """health_quickstart.md's reward and diversity lines (and docs/health.md's example alert), from the
+    per-step curves its benchmark wrote."""
+    runs = json.loads((RESULTS / "health_quickstart_cpu_2026-12-05.json").read_text())["runs"]
+    text = " ".join((RESULTS / "health_quickstart.md").read_text().split())
+    cells = []
+    for mode in ("warn", "adapt"):
+        reward = [v for _, v in runs[mode]["curves"]["reward/mean"]]
+        first, last = sum(reward[:10]) / 10, sum(reward[-10:]) / 10
+        cells.append(f"{first:.4f} -> {last:.4f} ({last - first:+.4f})")
+    assert f"| mean reward, steps 0-9 -> 110-119 | {cells[0]} | {cells[1]} |" in text
+    lowest = []
+    for mode in ("warn", "adapt"):
+        step, ratio = min(runs[mode]["curves"]["health/diversity_ratio"], key=lambda p: p[1])
+        lowest.append(f"{ratio:.3f} ({step})")
+    assert f"| in-group diversity / first 3 steps', lowest (step) | {lowest[0]} | {lowest[1]} |" in text
+    (alert,) = runs["warn"]["alerts"]
+    assert f"step {alert['step']}: `health/diversity_ratio` {alert['value']:.4f} below 0.5" in text
+    example = " ".join((ROOT / "docs/health.md").read_text().split())  # its warn line is this run's
+    assert f"step {alert['step']}: health/diversity_ratio {alert['value']:.4f} below its threshold" in example

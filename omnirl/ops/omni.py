@@ -26,7 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import transformers
 from torch import nn
+from transformers import AutoConfig
 
 from omnirl import distributed as D
 from omnirl.algos.correction import consistency_metrics, correction_weights
@@ -91,6 +93,35 @@ def _old_logprobs(row: TokenRow) -> torch.Tensor:
     return torch.zeros(len(row.traj.response_ids))
 
 
+def _context_from_config(path: str) -> int | None:
+    """The language model's context (its text config's max_position_embeddings) from model.path's
+    config.json alone, before any weights load; None where no config is at hand (a Hub name not in the
+    local cache, a folder without one): the check then runs once the model is loaded."""
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # a probe: the config's warnings are the model load's to print
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError):
+        return None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    config = getattr(config, "thinker_config", None) or config  # a whole Qwen3-Omni: its thinker's
+    context = getattr(config.get_text_config(), "max_position_embeddings", None)
+    return context if isinstance(context, int) else None
+
+
+def _check_kv_windows(cfg: Config, context: int) -> None:
+    """A slot's cache is at most the model's context and its windows are multiples of WINDOW_COLUMNS:
+    more windows than that are refused (a billion of them looped in step 0)."""
+    windows = -(-context // WINDOW_COLUMNS)
+    if cfg.generation.kv_windows > windows:
+        raise ConfigError(
+            f"generation.kv_windows must be at most {windows} for model.path {cfg.model.path!r} (its "
+            f"context of {context} tokens in windows of {WINDOW_COLUMNS} columns), got "
+            f"{cfg.generation.kv_windows}"
+        )
+
+
 class OmniOps:
     """The omni half of an RL step (see the module docstring); `omnirl.trainer.train` runs it."""
 
@@ -106,14 +137,7 @@ class OmniOps:
             self.engine = self.sleepable = VLLMEngine(adapter, cfg)
         else:
             g, r = cfg.generation, cfg.rollout
-            # A slot's cache is at most the model's context; its windows are multiples of WINDOW_COLUMNS.
-            windows = -(-adapter.context_tokens // WINDOW_COLUMNS)
-            if g.kv_windows > windows:
-                raise ConfigError(
-                    f"generation.kv_windows must be at most {windows} for model.path {cfg.model.path!r} "
-                    f"(its context of {adapter.context_tokens} tokens in windows of {WINDOW_COLUMNS} "
-                    f"columns), got {g.kv_windows}"
-                )
+            _check_kv_windows(cfg, adapter.context_tokens)  # check_config's, where it read no config
             self.engine = GenerationEngine(
                 adapter,
                 r.max_num_seqs,
@@ -153,6 +177,9 @@ class OmniOps:
                 f"distributed.rollout_gather unit with an omni model needs one rank, got {world}: use "
                 "phase (the whole base on the device for the rollout, also with frozen_base offload)"
             )
+        context = _context_from_config(cfg.model.path) if cfg.rollout.backend != "vllm" else None
+        if context is not None:
+            _check_kv_windows(cfg, context)
         sizes = (cfg.rollout.max_num_seqs - 1).bit_length() + 1  # all slots, halved down to one
         if cfg.generation.row_buckets > sizes:
             raise ConfigError(
