@@ -1,7 +1,9 @@
 """distributed.mode async (omnirl/async_mode.py): the schedule, the checks at load, the importance weights
 of stale samples, and the torchrun runs: 3 ranks (2 generate, 1 trains) learn, train every sample once and
-resume exactly; at staleness 0 the weights are the colocated run's; broadcast weights are the trained ones
-bit for bit; a killed rank ends the job. The model of benchmarks/async_model.py."""
+resume exactly; at staleness 0 the weights are the colocated run's, with 1 or 2 training ranks; broadcast
+weights are the trained ones bit for bit (a LoRA's, and a full fine-tune's sharded over 2 training ranks);
+a killed rollout or training rank ends the job; Ctrl-C ends every rank. The model of
+benchmarks/async_model.py."""
 
 import math
 import os
@@ -20,7 +22,7 @@ from omnirl.async_mode import schedule
 from omnirl.config import ConfigError
 from omnirl.recipe import load_config
 from tests.test_job_failures import failure_of, free_port
-from tests.test_train import read_jsonl, torchrun
+from tests.test_train import read_jsonl, torchrun, torchrun_cmd
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -268,15 +270,21 @@ def test_resume_gives_the_metrics_of_the_uninterrupted_run(three_ranks):
 
 
 @pytest.mark.slow
-def test_staleness_0_gives_the_weights_of_the_colocated_run(tiny_sd3, tmp_path):
-    """1 rollout rank and 1 training rank at staleness 0 train the samples the colocated run of one process
-    generates, with the same policy: the same LoRA to fp32 rounding (1e-6)."""
+@pytest.mark.parametrize("trainers", [1, 2])
+def test_staleness_0_gives_the_weights_of_the_colocated_run(tiny_sd3, tmp_path, trainers):
+    """1 rollout rank and 1 or 2 training ranks (their own FSDP2 group) at staleness 0 train the samples
+    that the colocated run on as many ranks as train here generates, with the same policy: the same LoRA to
+    fp32 rounding (1e-6). Rollout batches of 8 samples: the batches of both runs' rollouts are the same
+    (a batch's size changes fp32 rounding), and so are the samples."""
     recipe = async_recipe(
         tiny_sd3, tmp_path, "async", 2, distributed={"max_staleness": 0},
-        algo={"old_logprob": "rollout", "correction": "none"},
+        algo={"old_logprob": "rollout", "correction": "none"}, rollout={"max_num_seqs": 8},
     )  # fmt: skip
-    torchrun(2, recipe)
-    torchrun(1, recipe, "--distributed.mode", "colocated", "--run.output_dir", str(tmp_path / "colocated"))
+    torchrun(1 + trainers, recipe)
+    colocated = ("--distributed.mode", "colocated", "--run.output_dir", str(tmp_path / "colocated"))
+    torchrun(trainers, recipe, *colocated)
+    metrics = read_jsonl(tmp_path / "async/metrics.jsonl")
+    assert [m["async/samples_trained"] for m in metrics] == [16.0, 16.0]  # by the training ranks together
     a = load_file(tmp_path / "async/lora/pytorch_lora_weights.safetensors")
     c = load_file(tmp_path / "colocated/lora/pytorch_lora_weights.safetensors")
     assert a.keys() == c.keys() and a
@@ -293,6 +301,46 @@ def test_broadcast_weights_equal_the_trained_ones_bit_for_bit():
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.count("async checks OK") == 2
+
+
+@pytest.mark.slow
+def test_full_fine_tune_broadcasts_the_trained_weights_bit_for_bit(tiny_sd3, tmp_path):
+    """A full fine-tune on 3 ranks, 1 generates and 2 train (the weights sharded over the two by FSDP2),
+    staleness 1, 4 steps: after each update the whole transformer goes to the rollout rank in buckets
+    (of 64 KiB here, tests/_async_entry.py: many buckets, one tensor across several). What the rollout
+    rank then holds is, byte for byte, what training rank 0 gathers from the shards; and each version is
+    another (trained) one."""
+    recipe = async_recipe(
+        tiny_sd3, tmp_path, "out", 4, model={"finetune": "full"}, optim={"lr": 1e-4},
+    )  # fmt: skip
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    cmd, env = torchrun_cmd(3, recipe)
+    cmd[cmd.index("tests._train_entry")] = "tests._async_entry"
+    r = subprocess.run(
+        cmd, cwd=ROOT, env={**env, "OMNIRL_TEST_WEIGHTS": str(weights)}, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    # Versions 1 and 2 go out before the rollouts of steps 2 and 3; to rank 2, the rollout rank.
+    assert sorted(p.name for p in weights.iterdir()) == [
+        "v1_rank0.safetensors", "v1_rank2.safetensors", "v2_rank0.safetensors", "v2_rank2.safetensors",
+    ]  # fmt: skip
+    sent = {name: load_file(weights / name) for name in os.listdir(weights)}
+    base = load_file(next((tiny_sd3 / "transformer").glob("*.safetensors")))
+    del base["pos_embed.pos_embed"]  # a buffer (the positional table), not a weight
+    for v in (1, 2):
+        trained, received = sent[f"v{v}_rank0.safetensors"], sent[f"v{v}_rank2.safetensors"]
+        assert trained.keys() == received.keys()
+        # Every weight of the transformer: a full fine-tune trains (and sends) them all.
+        assert sum(t.numel() for t in trained.values()) == sum(t.numel() for t in base.values())
+        for k in trained:
+            assert torch.equal(trained[k].view(torch.uint8), received[k].view(torch.uint8)), (v, k)
+    v1, v2 = sent["v1_rank0.safetensors"], sent["v2_rank0.safetensors"]
+    assert sum(not torch.equal(v1[k], v2[k]) for k in v1) > len(v1) / 2  # the update between them
+    metrics = read_jsonl(tmp_path / "out/metrics.jsonl")
+    assert [m["async/samples_trained"] for m in metrics] == [16.0] * 4
+    assert [m["async/staleness_max"] for m in metrics] == [0.0, 1.0, 1.0, 1.0]
 
 
 @pytest.mark.slow
