@@ -5,9 +5,11 @@ weights are the trained ones bit for bit (a LoRA's, and a full fine-tune's shard
 a killed rollout or training rank ends the job; Ctrl-C ends every rank. The model of
 benchmarks/async_model.py."""
 
+import contextlib
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -21,7 +23,7 @@ from safetensors.torch import load_file
 from omnirl.async_mode import schedule
 from omnirl.config import ConfigError
 from omnirl.recipe import load_config
-from tests.test_job_failures import failure_of, free_port
+from tests.test_job_failures import alive, children, failure_of, free_port
 from tests.test_train import read_jsonl, torchrun, torchrun_cmd
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -343,24 +345,96 @@ def test_full_fine_tune_broadcasts_the_trained_weights_bit_for_bit(tiny_sd3, tmp
     assert [m["async/staleness_max"] for m in metrics] == [0.0, 1.0, 1.0, 1.0]
 
 
-@pytest.mark.slow
-def test_a_killed_rollout_rank_ends_the_job(tiny_sd3, tmp_path):
-    """The rollout rank (1) kills itself at step 1 while the training rank waits for its samples: the
-    training rank's receive fails and torchrun ends the job, naming rank 1 and its signal. The test waits
-    for the end (its own limit only catches a hang)."""
-    recipe = async_recipe(tiny_sd3, tmp_path, "out", 3, reward={"weights": {"killed_on_rank1": 1.0}})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
+def launch(recipe: Path, nproc: int, log: Path) -> subprocess.Popen:
+    """tests._train_entry on `nproc` ranks under torchrun, its output to `log`, in a session of its own (so
+    that a test can signal torchrun and its ranks together, as Ctrl-C in a terminal does)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port"]
     cmd += [str(free_port()), "-m", "tests._train_entry", "--recipe", str(recipe)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    start = time.monotonic()
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+
+
+def wait_until(proc: subprocess.Popen, log: Path, done, what: str, limit: float = 300) -> None:
+    """Poll until `done()`; the job ending first, or `limit` seconds passing, fails the test."""
+    end = time.monotonic() + limit
+    while not done():
+        assert proc.poll() is None, f"the job ended before {what}:\n{log.read_text()[-5000:]}"
+        assert time.monotonic() < end, f"no {what} after {limit} s:\n{log.read_text()[-5000:]}"
+        time.sleep(0.1)
+
+
+def ended_within(proc: subprocess.Popen, log: Path, limit: float, what: str) -> str:
+    """torchrun's exit status and output once it ends; still running `limit` seconds after `what` fails the
+    test (after killing its process group)."""
     try:
-        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+        proc.wait(timeout=limit)
     except subprocess.TimeoutExpired:
-        pytest.fail("the job hung: still running after 240 s")
-    out = r.stdout + r.stderr
-    print(f"ended {time.monotonic() - start:.1f} s after the launch (start-up included)")
-    cause = failure_of(r.returncode, out, rank=1)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail(f"the job still ran {limit} s after {what}:\n{log.read_text()[-5000:]}")
+    return log.read_text()
+
+
+KILLED = "injected failure: rank 1 kills itself with SIGKILL"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("side", ["rollout", "training"])
+def test_a_killed_rank_ends_the_job_naming_it(tiny_sd3, tmp_path, side):
+    """Rank 1 kills itself with SIGKILL at step 1 (tests/support_failures.py) while its peers wait for it:
+    on 2 ranks it is the rollout rank (in its reward; the training rank waits for its samples), on 3 ranks
+    with 1 rollout rank a training rank (in its validation reward; training rank 0 waits in validation's
+    all-reduce, the rollout rank sends it samples). The job ends within 30 s of the kill, and torchrun's
+    summary names rank 1 and its signal."""
+    nproc, sections = 2, {"reward": {"weights": {"killed_on_rank1": 1.0}}}
+    if side == "training":
+        nproc = 3
+        sections["data"] = {"val_path": str(ROOT / "data/sd3_tiny_prompts.jsonl")}
+        sections["validation"] = {"every": 1, "num_steps": 2}
+    recipe = async_recipe(tiny_sd3, tmp_path, "out", 4, **sections)
+    log = tmp_path / "job.log"
+    proc = launch(recipe, nproc, log)
+    try:
+        wait_until(proc, log, lambda: KILLED in log.read_text(), "kill of rank 1")
+        killed = time.monotonic()
+        out = ended_within(proc, log, 30, "rank 1 was killed")
+        print(f"the job ended {time.monotonic() - killed:.1f} s after the kill")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    cause = failure_of(proc.returncode, out, rank=1)
     assert "Signal 9 (SIGKILL)" in cause
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_every_rank(tiny_sd3, tmp_path):
+    """SIGINT to torchrun's process group (Ctrl-C in its terminal) once 2 steps are trained on 3 ranks (1
+    generates, 2 train; at staleness 1 the rollout rank generates while they train): every rank leaves by
+    itself through the interrupt's one line (torchrun, which also passes SIGINT on, never has to kill one
+    with SIGKILL), and torchrun exits with an error."""
+    recipe = async_recipe(tiny_sd3, tmp_path, "out", 1000, checkpoint={"every": 0})
+    log, metrics = tmp_path / "job.log", tmp_path / "out/metrics.jsonl"
+    proc = launch(recipe, 3, log)
+    workers: list[int] = []
+    try:
+        wait_until(proc, log, lambda: metrics.is_file() and metrics.read_text().count("\n") >= 2, "2 steps")
+        workers = children(proc.pid)
+        assert len(workers) == 3
+        os.killpg(proc.pid, signal.SIGINT)
+        interrupted = time.monotonic()
+        out = ended_within(proc, log, 60, "SIGINT")
+        print(f"the job ended {time.monotonic() - interrupted:.1f} s after SIGINT")
+    finally:
+        for pid in [proc.pid, *workers]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert not [w for w in workers if alive(w)]
+    assert "error: interrupted (Ctrl-C)" in out
+    assert "forcefully exiting" not in out, out[-5000:]  # torchrun's word for a rank it had to SIGKILL
 
 
 # --- the model ---------------------------------------------------------------------------------------------
