@@ -296,7 +296,9 @@ def test_staleness_0_gives_the_weights_of_the_colocated_run(tiny_sd3, tmp_path, 
 
 
 @pytest.mark.slow
-def test_broadcast_weights_equal_the_trained_ones_bit_for_bit():
+def test_broadcast_weights_equal_the_trained_ones_bit_for_bit_and_a_lost_peer_is_named():
+    """tests/_async_checks.py on 2 ranks: the broadcast's tensors bit for bit; a receive from a rank that
+    ended fails with one line naming it."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
     cmd += [str(free_port()), "-m", "tests._async_checks"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
