@@ -31,7 +31,8 @@ Checkpoints are written by the training ranks alone, at the point where the samp
 s steps are generated and not yet trained: those (each training rank's share) are in the checkpoint
 (`queue/rank_RRRRR.pt`), so resuming needs no old weights; the rollout ranks continue with the next
 weights broadcast. A rank that dies ends the job through torchrun (its peers' receive fails at once, or
-after distributed.timeout_s for a hung one).
+after distributed.timeout_s for a hung one); a failed transfer across the split is one line naming the
+peer rank (`PeerLost`).
 
 Our own code: a schedule and two transfers on torch.distributed's send/recv and broadcast.
 """
