@@ -31,13 +31,15 @@ Checkpoints are written by the training ranks alone, at the point where the samp
 s steps are generated and not yet trained: those (each training rank's share) are in the checkpoint
 (`queue/rank_RRRRR.pt`), so resuming needs no old weights; the rollout ranks continue with the next
 weights broadcast. A rank that dies ends the job through torchrun (its peers' receive fails at once, or
-after distributed.timeout_s for a hung one).
+after distributed.timeout_s for a hung one); a failed transfer across the split is one line naming the
+peer rank (`PeerLost`).
 
 Our own code: a schedule and two transfers on torch.distributed's send/recv and broadcast.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import pickle
@@ -169,6 +171,46 @@ def broadcast_trained(
     return sent
 
 
+class PeerLost(RuntimeError):
+    """A transfer between the two sides failed: the rank at its other end ended (its connection closed) or
+    stopped answering (distributed.timeout_s). One line naming that rank and the backend's cause."""
+
+
+@contextlib.contextmanager
+def across(what: str, peer: str):
+    """Run the transfer `what` ("receiving step 3's samples") with `peer` at its other end ("rollout rank
+    2"), turning the backend's error into a PeerLost that names the peer: gloo's own names an address."""
+    try:
+        yield
+    except RuntimeError as e:  # gloo's and NCCL's errors (torch.distributed.DistError) are RuntimeErrors
+        cause = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise PeerLost(
+            f"distributed.mode async: {what} failed: {peer} ended or stopped answering ({cause})"
+        ) from e
+
+
+def named(side: str, ranks: list[int]) -> str:
+    """The global ranks of one side in words: "rollout rank 2", "rollout ranks 1-2"."""
+    return f"{side} rank {ranks[0]}" if len(ranks) == 1 else f"{side} ranks {ranks[0]}-{ranks[-1]}"
+
+
+def send_samples(msg: dict, step: int, rank: int) -> None:
+    """A rollout rank's message of step `step` to training rank `rank` (pickled, through the host)."""
+    with across(f"sending step {step}'s samples", f"training rank {rank}"):
+        tdist.send_object_list([msg], dst=rank, device=torch.device("cpu"))
+
+
+def receive_samples(step: int, rollouts: list[int]) -> list[dict]:
+    """A training rank's messages of step `step`, one from each rollout rank of `rollouts`, in that order."""
+    msgs = []
+    for rank in rollouts:
+        box: list = [None]
+        with across(f"receiving step {step}'s samples", f"rollout rank {rank}"):
+            tdist.recv_object_list(box, src=rank, device=torch.device("cpu"))
+        msgs.append(box[0])
+    return msgs
+
+
 def owner(group_id: int, prompts: int, trainers: int) -> int:
     """The training rank (in the training group) that trains the samples of prompt `group_id`."""
     return group_id // (prompts // trainers)
@@ -247,11 +289,13 @@ def _rollout(cfg, ops, rewards, rows, dist: D.DistInfo, events, trainers: list[i
     from omnirl.scoring import rollout_and_score
 
     s, prompts = cfg.distributed.max_staleness, cfg.rollout.prompts_per_step
+    rollouts = list(range(len(trainers), len(trainers) + dist.world_size))  # global ranks: after the trainers
     version = 0
-    cpu = torch.device("cpu")
     for event, i in events:
         if event == "weights":
-            broadcast_trained(ops.policy, weights_group)
+            peer = f"training rank 0 or {named('rollout', rollouts)}"
+            with across(f"receiving the weights after {i} updates", peer):
+                broadcast_trained(ops.policy, weights_group)
             version = i
             continue
         assert version == max(0, i - s), (i, version)  # the schedule's promise
@@ -267,7 +311,7 @@ def _rollout(cfg, ops, rewards, rows, dist: D.DistInfo, events, trainers: list[i
                 "per_reward": {k: v.tolist() for k, v in per_reward.items()} if t == 0 else {},
                 "stats": stats,
             }
-            tdist.send_object_list([msg], dst=rank, device=cpu)
+            send_samples(msg, i, rank)
 
 
 class _Trainer:
@@ -310,21 +354,17 @@ class _Trainer:
         self.sent = {i for e, i in events if e == "weights"}  # versions still to send
         self.logger = MetricsLogger(cfg.run.output_dir, dist.is_main, cfg.log.tensorboard, done, history)
         self.logger.progress(cfg.run.steps, initial=done)
-        cpu = torch.device("cpu")
         try:
             for event, i in events:
                 start = time.perf_counter()
                 if event == "samples":
-                    msgs = []
-                    for rank in self.rollouts:
-                        box: list = [None]
-                        tdist.recv_object_list(box, src=rank, device=cpu)
-                        msgs.append(box[0])
-                    self.queue[i] = msgs
+                    self.queue[i] = receive_samples(i, self.rollouts)
                     self.received = i
                 else:
                     assert self.trained == i, (self.trained, i)  # the schedule's promise
-                    broadcast_trained(self.ops.policy, self.weights_group)
+                    peer = f"a training rank or {named('rollout', self.rollouts)}"
+                    with across(f"gathering and sending the weights after {i} updates", peer):
+                        broadcast_trained(self.ops.policy, self.weights_group)
                     self.sent.discard(i)
                 self.waited += time.perf_counter() - start
                 self._drain()

@@ -1,15 +1,16 @@
 """Checks of omnirl.async_mode.broadcast_trained on 2 ranks (gloo); launched by tests/test_async.py with
 torchrun. Rank 0 holds the trained tensors, rank 1 other values: after the broadcast rank 1's trained
 tensors equal rank 0's bit for bit (float32 and bfloat16, in buckets smaller than one tensor and larger
-than several), and its frozen ones are untouched. Prints "async checks OK" on each rank; any failure
-raises."""
+than several), and its frozen ones are untouched. Then rank 1 ends (status 0, so torchrun lets rank 0 go
+on) while rank 0 waits for its samples: rank 0's receive fails with one line naming rank 1. Prints
+"async checks OK" on each rank; any failure raises."""
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from omnirl import distributed as D
-from omnirl.async_mode import broadcast_trained
+from omnirl.async_mode import PeerLost, broadcast_trained, receive_samples
 
 
 def model(seed: int) -> nn.Module:
@@ -37,10 +38,21 @@ def main() -> None:
             if n in frozen:
                 assert torch.equal(p, frozen[n]), n
         assert {p.dtype for p in trained.values()} == {torch.float32, torch.bfloat16}
-    print(f"async checks OK on rank {rank}", flush=True)
     D.barrier()
-    D.destroy()
-    D.exit_now(0)
+    if rank == 1:  # a rollout rank that ends without a word
+        print("async checks OK on rank 1", flush=True)
+        D.exit_now(0)
+    try:
+        receive_samples(3, [1])
+    except PeerLost as e:
+        message = str(e)
+    else:
+        raise AssertionError("a receive from a rank that ended returned")
+    want = "distributed.mode async: receiving step 3's samples failed: rollout rank 1 ended or stopped "
+    want += "answering ("
+    assert message.startswith(want) and "\n" not in message, message
+    print(f"async checks OK on rank 0 ({message})", flush=True)
+    D.exit_now(0)  # no destroy: its peer is gone
 
 
 if __name__ == "__main__":

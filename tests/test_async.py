@@ -1,11 +1,15 @@
 """distributed.mode async (omnirl/async_mode.py): the schedule, the checks at load, the importance weights
 of stale samples, and the torchrun runs: 3 ranks (2 generate, 1 trains) learn, train every sample once and
-resume exactly; at staleness 0 the weights are the colocated run's; broadcast weights are the trained ones
-bit for bit; a killed rank ends the job. The model of benchmarks/async_model.py."""
+resume exactly; at staleness 0 the weights are the colocated run's, with 1 or 2 training ranks; broadcast
+weights are the trained ones bit for bit (a LoRA's, and a full fine-tune's sharded over 2 training ranks);
+a killed rollout or training rank ends the job; Ctrl-C ends every rank. The model of
+benchmarks/async_model.py."""
 
+import contextlib
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -19,8 +23,8 @@ from safetensors.torch import load_file
 from omnirl.async_mode import schedule
 from omnirl.config import ConfigError
 from omnirl.recipe import load_config
-from tests.test_job_failures import failure_of, free_port
-from tests.test_train import read_jsonl, torchrun
+from tests.test_job_failures import alive, children, failure_of, free_port
+from tests.test_train import read_jsonl, torchrun, torchrun_cmd
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -268,15 +272,21 @@ def test_resume_gives_the_metrics_of_the_uninterrupted_run(three_ranks):
 
 
 @pytest.mark.slow
-def test_staleness_0_gives_the_weights_of_the_colocated_run(tiny_sd3, tmp_path):
-    """1 rollout rank and 1 training rank at staleness 0 train the samples the colocated run of one process
-    generates, with the same policy: the same LoRA to fp32 rounding (1e-6)."""
+@pytest.mark.parametrize("trainers", [1, 2])
+def test_staleness_0_gives_the_weights_of_the_colocated_run(tiny_sd3, tmp_path, trainers):
+    """1 rollout rank and 1 or 2 training ranks (their own FSDP2 group) at staleness 0 train the samples
+    that the colocated run on as many ranks as train here generates, with the same policy: the same LoRA to
+    fp32 rounding (1e-6). Rollout batches of 8 samples: the batches of both runs' rollouts are the same
+    (a batch's size changes fp32 rounding), and so are the samples."""
     recipe = async_recipe(
         tiny_sd3, tmp_path, "async", 2, distributed={"max_staleness": 0},
-        algo={"old_logprob": "rollout", "correction": "none"},
+        algo={"old_logprob": "rollout", "correction": "none"}, rollout={"max_num_seqs": 8},
     )  # fmt: skip
-    torchrun(2, recipe)
-    torchrun(1, recipe, "--distributed.mode", "colocated", "--run.output_dir", str(tmp_path / "colocated"))
+    torchrun(1 + trainers, recipe)
+    colocated = ("--distributed.mode", "colocated", "--run.output_dir", str(tmp_path / "colocated"))
+    torchrun(trainers, recipe, *colocated)
+    metrics = read_jsonl(tmp_path / "async/metrics.jsonl")
+    assert [m["async/samples_trained"] for m in metrics] == [16.0, 16.0]  # by the training ranks together
     a = load_file(tmp_path / "async/lora/pytorch_lora_weights.safetensors")
     c = load_file(tmp_path / "colocated/lora/pytorch_lora_weights.safetensors")
     assert a.keys() == c.keys() and a
@@ -286,7 +296,9 @@ def test_staleness_0_gives_the_weights_of_the_colocated_run(tiny_sd3, tmp_path):
 
 
 @pytest.mark.slow
-def test_broadcast_weights_equal_the_trained_ones_bit_for_bit():
+def test_broadcast_weights_equal_the_trained_ones_bit_for_bit_and_a_lost_peer_is_named():
+    """tests/_async_checks.py on 2 ranks: the broadcast's tensors bit for bit; a receive from a rank that
+    ended fails with one line naming it."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
     cmd += [str(free_port()), "-m", "tests._async_checks"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -296,23 +308,135 @@ def test_broadcast_weights_equal_the_trained_ones_bit_for_bit():
 
 
 @pytest.mark.slow
-def test_a_killed_rollout_rank_ends_the_job(tiny_sd3, tmp_path):
-    """The rollout rank (1) kills itself at step 1 while the training rank waits for its samples: the
-    training rank's receive fails and torchrun ends the job, naming rank 1 and its signal. The test waits
-    for the end (its own limit only catches a hang)."""
-    recipe = async_recipe(tiny_sd3, tmp_path, "out", 3, reward={"weights": {"killed_on_rank1": 1.0}})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
+def test_full_fine_tune_broadcasts_the_trained_weights_bit_for_bit(tiny_sd3, tmp_path):
+    """A full fine-tune on 3 ranks, 1 generates and 2 train (the weights sharded over the two by FSDP2),
+    staleness 1, 4 steps: after each update the whole transformer goes to the rollout rank in buckets
+    (of 64 KiB here, tests/_async_entry.py: many buckets, one tensor across several). What the rollout
+    rank then holds is, byte for byte, what training rank 0 gathers from the shards; and each version is
+    another (trained) one."""
+    recipe = async_recipe(
+        tiny_sd3, tmp_path, "out", 4, model={"finetune": "full"}, optim={"lr": 1e-4},
+    )  # fmt: skip
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    cmd, env = torchrun_cmd(3, recipe)
+    cmd[cmd.index("tests._train_entry")] = "tests._async_entry"
+    r = subprocess.run(
+        cmd, cwd=ROOT, env={**env, "OMNIRL_TEST_WEIGHTS": str(weights)}, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    # Versions 1 and 2 go out before the rollouts of steps 2 and 3; to rank 2, the rollout rank.
+    assert sorted(p.name for p in weights.iterdir()) == [
+        "v1_rank0.safetensors", "v1_rank2.safetensors", "v2_rank0.safetensors", "v2_rank2.safetensors",
+    ]  # fmt: skip
+    sent = {name: load_file(weights / name) for name in os.listdir(weights)}
+    base = load_file(next((tiny_sd3 / "transformer").glob("*.safetensors")))
+    del base["pos_embed.pos_embed"]  # a buffer (the positional table), not a weight
+    for v in (1, 2):
+        trained, received = sent[f"v{v}_rank0.safetensors"], sent[f"v{v}_rank2.safetensors"]
+        assert trained.keys() == received.keys()
+        # Every weight of the transformer: a full fine-tune trains (and sends) them all.
+        assert sum(t.numel() for t in trained.values()) == sum(t.numel() for t in base.values())
+        for k in trained:
+            assert torch.equal(trained[k].view(torch.uint8), received[k].view(torch.uint8)), (v, k)
+    v1, v2 = sent["v1_rank0.safetensors"], sent["v2_rank0.safetensors"]
+    assert sum(not torch.equal(v1[k], v2[k]) for k in v1) > len(v1) / 2  # the update between them
+    metrics = read_jsonl(tmp_path / "out/metrics.jsonl")
+    assert [m["async/samples_trained"] for m in metrics] == [16.0] * 4
+    assert [m["async/staleness_max"] for m in metrics] == [0.0, 1.0, 1.0, 1.0]
+
+
+def launch(recipe: Path, nproc: int, log: Path) -> subprocess.Popen:
+    """tests._train_entry on `nproc` ranks under torchrun, its output to `log`, in a session of its own (so
+    that a test can signal torchrun and its ranks together, as Ctrl-C in a terminal does)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port"]
     cmd += [str(free_port()), "-m", "tests._train_entry", "--recipe", str(recipe)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    start = time.monotonic()
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+
+
+def wait_until(proc: subprocess.Popen, log: Path, done, what: str, limit: float = 300) -> None:
+    """Poll until `done()`; the job ending first, or `limit` seconds passing, fails the test."""
+    end = time.monotonic() + limit
+    while not done():
+        assert proc.poll() is None, f"the job ended before {what}:\n{log.read_text()[-5000:]}"
+        assert time.monotonic() < end, f"no {what} after {limit} s:\n{log.read_text()[-5000:]}"
+        time.sleep(0.1)
+
+
+def ended_within(proc: subprocess.Popen, log: Path, limit: float, what: str) -> str:
+    """torchrun's exit status and output once it ends; still running `limit` seconds after `what` fails the
+    test (after killing its process group)."""
     try:
-        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+        proc.wait(timeout=limit)
     except subprocess.TimeoutExpired:
-        pytest.fail("the job hung: still running after 240 s")
-    out = r.stdout + r.stderr
-    print(f"ended {time.monotonic() - start:.1f} s after the launch (start-up included)")
-    cause = failure_of(r.returncode, out, rank=1)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail(f"the job still ran {limit} s after {what}:\n{log.read_text()[-5000:]}")
+    return log.read_text()
+
+
+KILLED = "injected failure: rank 1 kills itself with SIGKILL"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("side", ["rollout", "training"])
+def test_a_killed_rank_ends_the_job_naming_it(tiny_sd3, tmp_path, side):
+    """Rank 1 kills itself with SIGKILL at step 1 (tests/support_failures.py) while its peers wait for it:
+    on 2 ranks it is the rollout rank (in its reward; the training rank waits for its samples), on 3 ranks
+    with 1 rollout rank a training rank (in its validation reward; training rank 0 waits in validation's
+    all-reduce, the rollout rank sends it samples). The job ends within 30 s of the kill, and torchrun's
+    summary names rank 1 and its signal."""
+    nproc, sections = 2, {"reward": {"weights": {"killed_on_rank1": 1.0}}}
+    if side == "training":
+        nproc = 3
+        sections["data"] = {"val_path": str(ROOT / "data/sd3_tiny_prompts.jsonl")}
+        sections["validation"] = {"every": 1, "num_steps": 2}
+    recipe = async_recipe(tiny_sd3, tmp_path, "out", 4, **sections)
+    log = tmp_path / "job.log"
+    proc = launch(recipe, nproc, log)
+    try:
+        wait_until(proc, log, lambda: KILLED in log.read_text(), "kill of rank 1")
+        killed = time.monotonic()
+        out = ended_within(proc, log, 30, "rank 1 was killed")
+        print(f"the job ended {time.monotonic() - killed:.1f} s after the kill")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    cause = failure_of(proc.returncode, out, rank=1)
     assert "Signal 9 (SIGKILL)" in cause
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_every_rank(tiny_sd3, tmp_path):
+    """SIGINT to torchrun's process group (Ctrl-C in its terminal) once 2 steps are trained on 3 ranks (1
+    generates, 2 train; at staleness 1 the rollout rank generates while they train): every rank leaves by
+    itself through the interrupt's one line (torchrun, which also passes SIGINT on, never has to kill one
+    with SIGKILL), and torchrun exits with an error."""
+    recipe = async_recipe(tiny_sd3, tmp_path, "out", 1000, checkpoint={"every": 0})
+    log, metrics = tmp_path / "job.log", tmp_path / "out/metrics.jsonl"
+    proc = launch(recipe, 3, log)
+    workers: list[int] = []
+    try:
+        wait_until(proc, log, lambda: metrics.is_file() and metrics.read_text().count("\n") >= 2, "2 steps")
+        workers = children(proc.pid)
+        assert len(workers) == 3
+        os.killpg(proc.pid, signal.SIGINT)
+        interrupted = time.monotonic()
+        out = ended_within(proc, log, 60, "SIGINT")
+        print(f"the job ended {time.monotonic() - interrupted:.1f} s after SIGINT")
+    finally:
+        for pid in [proc.pid, *workers]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert not [w for w in workers if alive(w)]
+    assert "error: interrupted (Ctrl-C)" in out
+    assert "forcefully exiting" not in out, out[-5000:]  # torchrun's word for a rank it had to SIGKILL
 
 
 # --- the model ---------------------------------------------------------------------------------------------
