@@ -75,8 +75,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", help="write the JSON here")
     a = parser.parse_args(argv)
 
+    from omnirl.distributed import derive_seed
     from omnirl.models import build_adapter
-    from omnirl.models.base import Request, derive_seed
+    from omnirl.models.base import Request
     from omnirl.ops.diffusion import Pair, pair_logprob, sampling_params
     from omnirl.recipe import load_config
 

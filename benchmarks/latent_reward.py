@@ -89,12 +89,12 @@ def random_pickscore(device: torch.device, tiny: Path | None):
     """PickScore with random weights of PickScore_v1's shapes (or the tiny one), built on the device."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
-    from omnirl.models.tiny import _clip_tokenizer
+    from omnirl.models.tokenizers import clip_tokenizer
     from omnirl.rewards.pickscore import PickScore
 
     if tiny is not None:
         return PickScore(str(tiny))
-    tok = _clip_tokenizer()
+    tok = clip_tokenizer()
     ids = dict(vocab_size=49408, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                pad_token_id=tok.pad_token_id)  # fmt: skip
     config = CLIPConfig(
@@ -149,10 +149,10 @@ def main(argv=None) -> dict:
     from omnirl.models import build_adapter
     from omnirl.models.base import Latent
     from omnirl.models.random_init import write_random_checkpoint
-    from omnirl.models.tiny import TINY_MODELS
     from omnirl.recipe import load_config
     from omnirl.rewards import to_pil
     from omnirl.rewards.dina_lrm import Backbone, DinaLRM
+    from omnirl.testing import TINY_MODELS
 
     dist = D.init_distributed()
     device = dist.device

@@ -13,10 +13,10 @@ from torch import nn
 
 from omnirl import distributed as D
 from omnirl import fsdp
-from omnirl.distributed import all_reduce
+from omnirl.distributed import all_reduce, derive_seed
 from omnirl.fsdp import compute_dtype
 from omnirl.memory import synchronize
-from omnirl.models.base import Request, SamplingParams, derive_seed
+from omnirl.models.base import Request, SamplingParams
 from omnirl.models.flux.adapter import FluxAdapter
 from omnirl.models.ltx2 import LTX2Adapter
 from omnirl.models.qwen_image import padded_lengths

@@ -39,7 +39,6 @@ Our own code: a schedule and two transfers on torch.distributed's send/recv and 
 from __future__ import annotations
 
 import io
-import math
 import pickle
 import time
 from pathlib import Path
@@ -54,7 +53,8 @@ from torch.distributed.tensor import DTensor
 
 from omnirl import checkpoint
 from omnirl import distributed as D
-from omnirl.config import Config, ConfigError
+from omnirl.config import Config
+from omnirl.config_checks import rollout_count as rollout_count
 from omnirl.models import base
 
 # Weights go in buckets of this many bytes: few broadcasts, and no second copy of a full model at once.
@@ -63,61 +63,6 @@ QUEUE = "queue"  # the checkpoint's folder of each training rank's generated-but
 # What a sample is made of: all that a checkpoint's queue may hold beyond tensors and plain values.
 RECORDS = [base.Trajectory, base.OmniTrajectory, base.Request, base.SamplingParams, base.GenerationParams]
 RECORDS += [base.Output, base.Latent]
-
-
-def rollout_count(cfg: Config, world: int) -> int:
-    """The number of rollout ranks that distributed.rollout_ranks names on `world` ranks (a count, or a
-    fraction rounded to the nearest count)."""
-    r = cfg.distributed.rollout_ranks
-    return round(r * world) if 0 < r < 1 else int(r)
-
-
-def check_async(cfg: Config, world: int) -> None:
-    """distributed.mode async on `world` ranks: a ConfigError naming the field, before anything loads."""
-    d = cfg.distributed
-    r = d.rollout_ranks
-    if not (math.isfinite(r) and r > 0 and (r < 1 or r == int(r))):
-        raise ConfigError(
-            f"distributed.rollout_ranks must be a count (1, 2, ...) or a fraction in (0, 1), got {r!r}"
-        )
-    if world < 2:
-        raise ConfigError(
-            f"distributed.mode async needs at least 2 ranks (one generates, one trains); this job has {world}"
-        )
-    n = rollout_count(cfg, world)
-    if n < 1:
-        raise ConfigError(f"distributed.rollout_ranks {r} of {world} ranks leaves no rollout rank")
-    if n >= world:
-        raise ConfigError(
-            f"distributed.rollout_ranks {r} of {world} ranks leaves no training rank ({n} rollout ranks)"
-        )
-    if d.max_staleness < 0:
-        raise ConfigError(f"distributed.max_staleness must be >= 0, got {d.max_staleness}")
-    p = cfg.rollout.prompts_per_step
-    for side, count in (("rollout", n), ("training", world - n)):
-        if p % count:
-            raise ConfigError(
-                f"rollout.prompts_per_step ({p}) must divide by the number of {side} ranks ({count}): each "
-                "takes an equal share of the step's prompts"
-            )
-    a = cfg.algo
-    if d.max_staleness > 0 and (a.old_logprob != "recompute" or a.correction == "none"):
-        raise ConfigError(
-            f"distributed.max_staleness {d.max_staleness}: samples of an older policy need algo.old_logprob "
-            f"recompute and algo.correction tis or mis (the truncated importance weight), got "
-            f"{a.old_logprob} and {a.correction}; distributed.max_staleness 0 trains on the current policy"
-        )
-    for what, unsupported in (
-        ("rollout.backend vllm", cfg.rollout.backend == "vllm"),
-        ("rollout.precision fp8", cfg.rollout.precision == "fp8"),
-        ("algo.loss diffusion_nft (its old policy lives with the trainer)", a.loss == "diffusion_nft"),
-        (f"distributed.frozen_base {d.frozen_base}", d.frozen_base != "replicate"),
-        ("distributed.rollout_gather unit", d.rollout_gather == "unit"),
-    ):
-        if unsupported:
-            raise ConfigError(
-                f"distributed.mode async does not run with {what}: use distributed.mode colocated"
-            )
 
 
 def schedule(steps: int, staleness: int, done: int = 0) -> list[tuple[str, int]]:

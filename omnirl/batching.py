@@ -13,10 +13,12 @@ from typing import Any
 import torch
 
 from omnirl import distributed as D
-from omnirl.config import Config, ConfigError
+from omnirl.config import Config
 from omnirl.data.edit import open_inputs
 from omnirl.data.prompts import PromptRow, step_prompt_indices
-from omnirl.models.base import P, Request, derive_seed
+from omnirl.distributed import derive_seed
+from omnirl.errors import ConfigError
+from omnirl.models.base import P, Request
 
 
 def make_requests(

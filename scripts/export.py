@@ -33,8 +33,8 @@ import sys
 from pathlib import Path
 
 from omnirl.checkpoint import LORA_FILE, adapter_from_checkpoint
-from omnirl.config import ConfigError
 from omnirl.config_checks import check_model_path
+from omnirl.errors import ConfigError
 from omnirl.export import (
     check_lora_dir,
     check_out,

@@ -36,7 +36,7 @@ def tiny_qwen_image_edit(tmp_path_factory) -> Path:
 def tiny_qwen3_omni(tmp_path_factory) -> Path:
     """The tiny random-init Qwen3-Omni (thinker + talker + code2wav in one checkpoint, real transformers
     classes, tokenizer, image processor and Whisper feature extractor), built once per session."""
-    from omnirl.models.tiny import make_tiny_qwen3_omni
+    from omnirl.models.tiny_omni import make_tiny_qwen3_omni
 
     return make_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny") / "qwen3_omni")
 
@@ -59,8 +59,8 @@ def tiny_qwen3_vl(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_omni_k12(tmp_path_factory) -> Path:
-    """The tiny Qwen3-Omni taught the MMK12 answer format (omnirl.models.tiny_k12, ~15 s), built once."""
-    from omnirl.models.tiny_k12 import make_tiny_qwen3_omni_k12
+    """The tiny Qwen3-Omni taught the MMK12 answer format (omnirl.testing.k12, ~15 s), built once."""
+    from omnirl.testing.k12 import make_tiny_qwen3_omni_k12
 
     return make_tiny_qwen3_omni_k12(tmp_path_factory.mktemp("tiny") / "qwen3_omni_k12")
 

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from omnirl.config import ConfigError
+from omnirl.errors import ConfigError
 from omnirl.models import bagel_port, get_adapter
 from omnirl.models.bagel import BagelAdapter, BagelSettings, bagel_sigmas, patchify, unpatchify
 from omnirl.models.bagel_port import BagelModel, bfl_vae_state, load_official, load_vae, sincos_2d

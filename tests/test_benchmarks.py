@@ -177,7 +177,7 @@ def _tiktoken_bpe(piece: bytes, ranks: dict[bytes, int]) -> list[int]:
 
 
 def test_qwen_bpe_tokenizer_from_tiktoken_ranks(tmp_path):
-    """omnirl/models/qwen_tokenizers.py builds the real Qwen2 tokenizer from Qwen's qwen.tiktoken ranks
+    """omnirl/models/tokenizers.py builds the real Qwen2 tokenizer from Qwen's qwen.tiktoken ranks
     (checked on the real file against tiktoken itself; here on a small ranks file against tiktoken's
     algorithm): same ids, the special tokens at the real checkpoint's ids (vocabulary size + 0..13), a file
     that is not byte-level BPE ranks refused by name."""
@@ -186,8 +186,8 @@ def test_qwen_bpe_tokenizer_from_tiktoken_ranks(tmp_path):
 
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    from omnirl.models.qwen_tokenizers import QWEN2_SPECIALS, qwen_bpe_tokenizer
     from omnirl.models.random_init import write_random_checkpoint
+    from omnirl.models.tokenizers import QWEN2_SPECIALS, qwen_bpe_tokenizer
 
     singles = list(range(256))
     random.Random(0).shuffle(singles)  # ranks need not follow byte order
@@ -316,8 +316,8 @@ def test_config_only_thinker_is_built_by_the_run(tmp_path):
     base is offloaded, with the lm_head scaled as a written thinker's is."""
     import torch
 
-    from omnirl.config import config_for
     from omnirl.models import build_adapter
+    from omnirl.recipe import config_for
     from scripts.gpu.two_gpu_runs import TINY_THINKER
 
     cmd = [sys.executable, "-m", "scripts.gpu.two_gpu_runs", "checkpoint", "--out", str(tmp_path)]

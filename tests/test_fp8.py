@@ -16,8 +16,8 @@ from torch._dynamo.utils import counters
 
 from omnirl import distributed as D
 from omnirl.batching import make_requests
-from omnirl.config import ConfigError
 from omnirl.data.prompts import load_prompts
+from omnirl.errors import ConfigError
 from omnirl.models import flow_sde, get_adapter
 from omnirl.models.base import SamplingParams
 from omnirl.ops.diffusion import DiffusionOps

@@ -14,12 +14,12 @@ from benchmarks import frozen_memory
 from omnirl import distributed as D
 from omnirl import fsdp
 from omnirl.batching import make_requests
-from omnirl.config import ConfigError, config_for
 from omnirl.data.prompts import load_prompts
+from omnirl.errors import ConfigError
 from omnirl.memory import GIB, peak_bytes
 from omnirl.models import get_adapter
 from omnirl.ops.diffusion import DiffusionOps, sampling_params
-from omnirl.recipe import load_config
+from omnirl.recipe import config_for, load_config
 from omnirl.rollout.diffusion import DiffusionEngine
 from tests.test_train import ROOT, read_jsonl, tiny_cfg, torchrun
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from diffusers import LTX2Pipeline
 
-from omnirl.config import ConfigError
+from omnirl.errors import ConfigError
 from omnirl.models import get_adapter
 from omnirl.models.base import Request, SamplingParams
 from omnirl.models.flow_sde import flow_step

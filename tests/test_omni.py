@@ -17,13 +17,13 @@ from PIL import Image
 from safetensors import safe_open
 from transformers import AutoConfig, Qwen3OmniMoeThinkerForConditionalGeneration
 
-from omnirl.config import ConfigError, config_for
 from omnirl.data.prompts import PromptRow
+from omnirl.errors import ConfigError
 from omnirl.models import get_adapter
 from omnirl.models.base import GenerationParams, Request
 from omnirl.models.lm import pad_responses
 from omnirl.models.peft_lora import lora_disabled
-from omnirl.recipe import config_from_dict
+from omnirl.recipe import config_for, config_from_dict
 from omnirl.rollout.compiled import ELEMENTWISE_MODULES
 from omnirl.rollout.generate import GenerationEngine
 

@@ -1,5 +1,5 @@
 """The omni half of the training loop on the tiny Qwen3-Omni thinker taught the MMK12 answer format
-(omnirl.models.tiny_k12): GSPO + LoRA on the tiny MMK12 data, rewarded by the real mmk12 reward.
+(omnirl.testing.k12): GSPO + LoRA on the tiny MMK12 data, rewarded by the real mmk12 reward.
 
 In process (one rank): an update moves the LoRA only; for the unchanged policy the trainer's token
 log-probs equal the rollout's (fp32 on CPU: max |diff| <= 1e-5, Pearson >= 0.9999), in recompute and in
@@ -20,9 +20,9 @@ from transformers import AutoConfig, AutoTokenizer, Qwen3OmniMoeThinkerForCondit
 from omnirl import distributed as D
 from omnirl.algos.advantages import group_advantages
 from omnirl.algos.losses import get_loss
-from omnirl.config import ConfigError
 from omnirl.data.mmk12 import load_mmk12
 from omnirl.data.prompts import step_prompt_indices
+from omnirl.errors import ConfigError
 from omnirl.models import get_adapter
 from omnirl.models.base import GenerationParams, Request
 from omnirl.ops import check_before_loading
@@ -356,8 +356,8 @@ def test_omni_checkpoint_exports_peft_and_merged(tiny_qwen3_omni, tmp_path):
 
     from omnirl import checkpoint
     from omnirl import distributed as D
-    from omnirl.config import config_for
     from omnirl.models import get_adapter
+    from omnirl.recipe import config_for
     from scripts.export import main as export_main
     from tests.test_omni import ATTENTION, requests
 

@@ -13,8 +13,8 @@ import torch
 from diffusers import QwenImagePipeline
 from safetensors.torch import load_file
 
-from omnirl.config import ConfigError
 from omnirl.config_checks import check_values
+from omnirl.errors import ConfigError
 from omnirl.models import get_adapter
 from omnirl.models.base import Request, SamplingParams
 from omnirl.models.flow_sde import flow_step

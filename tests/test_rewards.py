@@ -7,8 +7,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from omnirl.config import ConfigError
-from omnirl.data.prompts import DataError
+from omnirl.errors import ConfigError, DataError
 from omnirl.models.base import MODALITIES, Output
 from omnirl.rewards import LOCAL_CHECKPOINTS, REWARDS, check_modalities, get_reward, reward_inputs, to_pil
 from omnirl.rewards.jpeg import JpegCompressibility, JpegIncompressibility, jpeg_kb
@@ -248,8 +247,8 @@ def test_video_rewards_on_known_videos():
 def test_clip_video_reward_averages_frames(tmp_path):
     """A tiny random CLIP of the real classes, saved and loaded from its local path: the score is the mean
     over frames of the per-frame cosine similarity, computed here frame by frame."""
-    from omnirl.models.tiny import make_tiny_pickscore
     from omnirl.rewards.clip_video import ClipVideoAlignment
+    from omnirl.testing.rewards import make_tiny_pickscore
 
     make_tiny_pickscore(tmp_path)  # a tiny random CLIPModel + CLIPProcessor, as a CLIP checkpoint is laid out
     with pytest.raises(ConfigError, match="reward.paths.clip_video"):

@@ -19,10 +19,11 @@ import pytest
 import torch
 from PIL import Image
 
-from omnirl.config import ConfigError, config_for
 from omnirl.config_checks import check_values
+from omnirl.errors import ConfigError
 from omnirl.models.base import GenerationParams, Request
 from omnirl.models.lm import pad_responses
+from omnirl.recipe import config_for
 from tests.test_train import ROOT, read_jsonl, torchrun
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -401,7 +402,7 @@ def test_full_finetune_push_in_buckets(omni_vllm, tmp_path):
 def test_tiny_recipe_with_vllm_under_torchrun(tmp_path):
     """mmk12_tiny with rollout.backend vllm on 2 ranks (one in-process engine per rank, external_launcher):
     every step's actor-rollout Pearson >= 0.9999 and log-prob gap <= 1e-5, the correction on by default."""
-    from omnirl.models.tiny_k12 import make_tiny_qwen3_omni_k12
+    from omnirl.testing.k12 import make_tiny_qwen3_omni_k12
 
     model = make_tiny_qwen3_omni_k12(tmp_path / "k12_vllm", head_dim=32)
     out = tmp_path / "run"
@@ -428,7 +429,7 @@ def test_tiny_recipe_with_vllm_under_torchrun(tmp_path):
 def test_tiny_recipe_without_rollout_logprobs_under_torchrun(tmp_path):
     """mmk12_tiny with the vLLM backend asked for no log-probs, on 2 ranks: it trains (the recomputed
     log-probs are the old ones), with no correction and no consistency metrics."""
-    from omnirl.models.tiny_k12 import make_tiny_qwen3_omni_k12
+    from omnirl.testing.k12 import make_tiny_qwen3_omni_k12
 
     model = make_tiny_qwen3_omni_k12(tmp_path / "k12_vllm", head_dim=32)
     out = tmp_path / "run"

@@ -32,7 +32,8 @@ from typing import Any
 
 from PIL import Image
 
-from omnirl.data.prompts import DataError, PromptRow
+from omnirl.data.prompts import PromptRow
+from omnirl.errors import DataError
 
 PROMPT_TEMPLATE = (
     "{question}\n\n"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, cast
 
-from omnirl.config import ConfigError
+from omnirl.errors import ConfigError
 from omnirl.weights import check_weight_files
 
 if TYPE_CHECKING:

@@ -40,9 +40,9 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import AutoTokenizer
 
-from omnirl.config import Config, ConfigError
-from omnirl.config_checks import POSITIVE
+from omnirl.config import Config
 from omnirl.data.prompts import PromptRow
+from omnirl.errors import ConfigError
 from omnirl.fsdp import DTYPES, compute_dtype, load_pretrained, place_policy
 from omnirl.models.bagel_port import (
     LATENT_CHANNELS,
@@ -61,6 +61,7 @@ from omnirl.models.base import Output, Request, Trajectory
 from omnirl.models.diffusers_setup import DiffusersBase, trajectories
 from omnirl.models.flow_sde import WindowedSampler, host_rows, phase, to_host
 from omnirl.models.peft_lora import peft_config, sorted_sets
+from omnirl.ranges import POSITIVE
 from omnirl.weights import load_safetensors, safe_open
 
 DECODE_ROWS = 16  # images the VAE decodes at once

@@ -55,7 +55,7 @@ from transformers.models.qwen2.modeling_qwen2 import (
     apply_rotary_pos_emb,
 )
 
-from omnirl.config import ConfigError
+from omnirl.errors import ConfigError
 from omnirl.weights import safe_open
 
 LLM_CONFIG, WEIGHTS, VAE_WEIGHTS = "llm_config.json", "ema.safetensors", "ae.safetensors"

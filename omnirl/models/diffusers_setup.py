@@ -29,8 +29,9 @@ from diffusers.training_utils import cast_training_params
 from peft.utils.error import NoMatchingPeftModuleError
 from torch import nn
 
-from omnirl.config import Config, ConfigError
+from omnirl.config import Config
 from omnirl.data.prompts import PromptRow
+from omnirl.errors import ConfigError
 from omnirl.fsdp import DTYPES, place_policy
 from omnirl.models.base import Output, Request, Trajectory
 from omnirl.models.flow_sde import Pool, WindowedSampler

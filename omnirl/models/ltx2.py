@@ -51,12 +51,13 @@ from diffusers.video_processor import VideoProcessor
 from torch import nn
 from transformers import AutoTokenizer, Gemma3ForConditionalGeneration
 
-from omnirl.config import Config, ConfigError
-from omnirl.config_checks import POSITIVE, at_least
+from omnirl.config import Config
+from omnirl.errors import ConfigError
 from omnirl.fsdp import DTYPES, compute_dtype, load_pretrained
 from omnirl.models.base import Output, Request, SamplingParams, Trajectory
 from omnirl.models.diffusers_setup import DiffusersBase, make_trainable, trajectories
 from omnirl.models.flow_sde import Pool, WindowedSampler, phase, to_host
+from omnirl.ranges import POSITIVE, at_least
 
 POOLINGS = ("joint", "equal")
 # The text inputs of a forward (the connectors' video and audio embeddings and their mask), and with

@@ -1,7 +1,7 @@
 """The public configs of the full-size models, for `omnirl.models.random_init`'s config-only checkpoints.
 
 Each is passed as keyword arguments to its diffusers / transformers class: an unknown key is a TypeError
-(`random_init.checked` makes it one for transformers' configs too), so the names are checked against the
+(`checked` makes it one for transformers' configs too), so the names are checked against the
 installed libraries whenever a checkpoint is written. The scheduler configs are written as the
 checkpoints' scheduler_config.json.
 """
@@ -9,6 +9,16 @@ checkpoints' scheduler_config.json.
 from __future__ import annotations
 
 from typing import Any
+
+
+def checked(cls, **kwargs):
+    """`cls(**kwargs)` for a transformers config, refusing a key that the default config lacks (the class
+    would keep it as a stray attribute and build the model without it)."""
+    unknown = set(kwargs) - set(cls().to_dict())
+    if unknown:
+        raise TypeError(f"{cls.__name__} takes no {sorted(unknown)}")
+    return cls(**kwargs)
+
 
 # ByteDance-Seed/BAGEL-7B-MoT's llm_config.json: the Qwen2-7B shape (its generation copy doubles every
 # layer's weights: 14 B parameters in all), q/k norms, and its latent position table of side 64 (the

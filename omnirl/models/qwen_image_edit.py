@@ -46,9 +46,9 @@ from transformers import (
 )
 from transformers.processing_utils import ProcessorMixin
 
-from omnirl.config import Config, ConfigError
-from omnirl.config_checks import at_least
+from omnirl.config import Config
 from omnirl.data.prompts import PromptRow
+from omnirl.errors import ConfigError
 from omnirl.fsdp import DTYPES, load_pretrained
 from omnirl.models.base import Output, Request, Trajectory
 from omnirl.models.diffusers_setup import DiffusersBase, make_trainable, trajectories
@@ -65,6 +65,7 @@ from omnirl.models.qwen_image import (
     row_texts,
     text_embeds,
 )
+from omnirl.ranges import at_least
 
 
 class ImageOnlyProcessor(Qwen2VLProcessor):

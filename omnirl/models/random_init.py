@@ -1,14 +1,13 @@
 """Full-size models with random weights, for measurements that must run without downloads.
 
 `write_random_checkpoint` writes a config-only checkpoint of the public configs
-(`omnirl.models.public_configs`) with the tiny byte-level tokenizers of omnirl.models.tiny, or those of
-`omnirl.models.qwen_tokenizers` for the Qwen-Image families (`edit_tokenizer` for Qwen-Image-Edit; the real
-Qwen2 BPE when its ranks are given: `qwen_bpe_tokenizer`). With model.weights random,
-`omnirl.models.build_adapter` builds the adapter under `random_weights`: every model the adapter loads
-through `omnirl.fsdp.load_pretrained` is then built by `random_init_loader` from its config, directly
-in its dtype on the device (a sharded run's policy on the host), with random weights seeded per model, so
-every rank builds the same ones. Any family gets this by loading each of its models through
-`load_pretrained`; `BUILD_HOOKS` lets a measuring script see each build.
+(`omnirl.models.public_configs`) with the byte-level tokenizers of `omnirl.models.tokenizers`
+(`edit_tokenizer` for Qwen-Image-Edit; the real Qwen2 BPE when its ranks are given: `qwen_bpe_tokenizer`).
+With model.weights random, `omnirl.models.build_adapter` builds the adapter under `random_weights`: every
+model the adapter loads through `omnirl.fsdp.load_pretrained` is then built by `random_init_loader` from
+its config, directly in its dtype on the device (a sharded run's policy on the host), with random weights
+seeded per model, so every rank builds the same ones. Any family gets this by loading each of its models
+through `load_pretrained`; `BUILD_HOOKS` lets a measuring script see each build.
 `write_random_thinker` saves a random-init Qwen3-Omni thinker of a given text-model shape, or only its
 config (`weights=False`: then `random_init_loader` builds it in the run itself, with no checkpoint on disk).
 """
@@ -46,8 +45,16 @@ from omnirl.models.public_configs import (
     WAN22,
     WAN_SCHEDULER,
     WAN_UMT5,
+    checked,
 )
-from omnirl.models.qwen_tokenizers import edit_tokenizer, qwen_bpe_tokenizer
+from omnirl.models.tokenizers import (
+    clip_tokenizer,
+    edit_tokenizer,
+    gemma_tokenizer,
+    qwen_bpe_tokenizer,
+    qwen_image_tokenizer,
+    t5_tokenizer,
+)
 
 if TYPE_CHECKING:
     from omnirl.config import Config
@@ -59,23 +66,13 @@ VISION_TOKENS = {
 }  # fmt: skip
 
 
-def checked(cls, **kwargs):
-    """`cls(**kwargs)` for a transformers config, refusing a key that the default config lacks (the class
-    would keep it as a stray attribute and build the model without it)."""
-    unknown = set(kwargs) - set(cls().to_dict())
-    if unknown:
-        raise TypeError(f"{cls.__name__} takes no {sorted(unknown)}")
-    return cls(**kwargs)
-
-
 def write_random_checkpoint(model: str, out: Path, qwen_bpe: str | Path | None = None) -> None:
-    """A config-only checkpoint of the public configs, with the tiny byte-level tokenizers of tiny.py
+    """A config-only checkpoint of the public configs, with the byte-level tokenizers of
+    `omnirl.models.tokenizers`
     (`edit_tokenizer` for "qwen_image_edit", whose processor/ also holds the real image processor's
     settings: a 512 px condition image is 324 vision tokens, as with the real checkpoint). `qwen_bpe`: the
     path of Qwen's `qwen.tiktoken`, for the real tokenizer of the Qwen-Image families
     (`qwen_bpe_tokenizer`)."""
-    from omnirl.models import tiny
-
     if qwen_bpe and model not in ("qwen_image", "qwen_image_edit"):
         raise ValueError(f"the Qwen BPE tokenizer is for the Qwen-Image families, not {model!r}")
 
@@ -99,7 +96,7 @@ def write_random_checkpoint(model: str, out: Path, qwen_bpe: str | Path | None =
         if qwen_bpe:
             tokenizer = qwen_bpe_tokenizer(qwen_bpe)
         else:
-            tokenizer = edit_tokenizer() if edit else tiny._qwen_image_tokenizer()
+            tokenizer = edit_tokenizer() if edit else qwen_image_tokenizer()
         # The edit text encoder finds the condition image's tokens by these ids: the tokenizer's own.
         ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in VISION_TOKENS.items()} if edit else {}
         te = Qwen2_5_VLConfig(  # Qwen2.5-VL-7B-Instruct
@@ -133,7 +130,7 @@ def write_random_checkpoint(model: str, out: Path, qwen_bpe: str | Path | None =
         with torch.device("meta"):
             dump("transformer", dict(SD3Transformer2DModel(**SD35_TRANSFORMER).config))
             dump("vae", dict(AutoencoderKL(**SD35_VAE).config))
-        clip = tiny._clip_tokenizer()
+        clip = clip_tokenizer()
         # The tiny tokenizer's special ids (CLIP pools at the first EOS token); the embeddings keep the
         # real vocabulary size, so the parameter count is the real one.
         ids = dict(
@@ -143,8 +140,8 @@ def write_random_checkpoint(model: str, out: Path, qwen_bpe: str | Path | None =
         checked(CLIPTextConfig, **SD35_CLIP_G, **ids).save_pretrained(out / "text_encoder_2")
         checked(T5Config, **SD35_T5).save_pretrained(out / "text_encoder_3")
         clip.save_pretrained(out / "tokenizer")
-        tiny._clip_tokenizer().save_pretrained(out / "tokenizer_2")
-        tiny._t5_tokenizer(model_max_length=512).save_pretrained(out / "tokenizer_3")  # the pipeline uses 256
+        clip_tokenizer().save_pretrained(out / "tokenizer_2")
+        t5_tokenizer(model_max_length=512).save_pretrained(out / "tokenizer_3")  # the pipeline uses 256
         dump("scheduler", {})
         (out / "scheduler" / "scheduler_config.json").write_text(json.dumps(SD35_SCHEDULER))
     elif model in WAN22:
@@ -164,7 +161,7 @@ def write_random_checkpoint(model: str, out: Path, qwen_bpe: str | Path | None =
         # about one token per character instead of ~1 per word, but every prompt is zero-padded to the
         # pipeline's 512 tokens and all 512 enter the cross-attention, so the transformer's cost is the
         # real one; only prompts longer than 512 characters are cut shorter than real.
-        tokenizer = tiny._t5_tokenizer(model_max_length=512)
+        tokenizer = t5_tokenizer(model_max_length=512)
         ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
         checked(UMT5Config, **WAN_UMT5, **ids).save_pretrained(out / "text_encoder")
         tokenizer.save_pretrained(out / "tokenizer")
@@ -176,8 +173,6 @@ def write_random_checkpoint(model: str, out: Path, qwen_bpe: str | Path | None =
         from diffusers.pipelines.ltx2 import LTX2TextConnectors
         from diffusers.pipelines.ltx2.vocoder import LTX2VocoderWithBWE
         from transformers import Gemma3Config
-
-        from omnirl.models.tiny_ltx2 import gemma_tokenizer
 
         index = {
             "_class_name": "LTX2Pipeline", "transformer": ["diffusers", "LTX2VideoTransformer3DModel"],
@@ -230,7 +225,6 @@ def write_random_bagel(out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import Qwen2Config
 
-    from omnirl.models import tiny
     from omnirl.models.bagel_port import FLUX_VAE, MAX_LATENT_SIZE, bfl_vae_state, sincos_2d
 
     llm = checked(Qwen2Config, **BAGEL_7B_MOT_LLM).to_dict()
@@ -240,7 +234,7 @@ def write_random_bagel(out: Path) -> None:
     # (diffusers' and transformers' `to` is typed as the unbound `Module.to`, taking the dtype for `self`.)
     vae = AutoencoderKL(**FLUX_VAE).to(torch.bfloat16)  # pyright: ignore[reportArgumentType]
     save_file(bfl_vae_state(vae), out / "ae.safetensors")
-    tiny._qwen_image_tokenizer().save_pretrained(out)
+    qwen_image_tokenizer().save_pretrained(out)
 
 
 # The checkpoint subfolders that hold the diffusion adapters' policies (Wan2.2 A14B: both experts); a
@@ -424,8 +418,7 @@ def write_random_thinker(
     )
 
     from omnirl.fsdp import DTYPES
-    from omnirl.models.tiny import make_tiny_qwen3_omni
-    from omnirl.models.tiny_omni import add_vllm_config_keys
+    from omnirl.models.tiny_omni import add_vllm_config_keys, make_tiny_qwen3_omni
     from omnirl.weights import load_safetensors
 
     tiny = make_tiny_qwen3_omni(out_dir / "tiny")

@@ -22,7 +22,8 @@ from diffusers import (
 from torch import nn
 from transformers import AutoTokenizer, CLIPTextModelWithProjection, T5EncoderModel
 
-from omnirl.config import Config, ConfigError
+from omnirl.config import Config
+from omnirl.errors import ConfigError
 from omnirl.fsdp import DTYPES, compute_dtype, load_pretrained
 from omnirl.models.base import Latent, Output, Request, Trajectory
 from omnirl.models.diffusers_setup import DiffusersBase, guided_velocity, make_trainable, trajectories

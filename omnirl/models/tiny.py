@@ -13,8 +13,7 @@ from typing import Any
 
 import torch
 
-from omnirl.models.tiny_omni import make_tiny_qwen3_omni, make_tiny_qwen_vl
-from omnirl.models.tiny_rewards import make_tiny_clap
+from omnirl.models.tokenizers import clip_tokenizer, qwen_image_tokenizer, t5_tokenizer
 
 
 def tiny_t5_config(tokenizer) -> dict:
@@ -32,28 +31,6 @@ def tiny_t5_config(tokenizer) -> dict:
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-
-
-def _clip_tokenizer():
-    """A byte-level CLIP BPE with no merges: one token per character, the last one of a word with `</w>`."""
-    from tokenizers import pre_tokenizers
-    from transformers import CLIPTokenizer
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # the 256 byte-level symbols
-    vocab = {c: i for i, c in enumerate(alphabet)}
-    vocab.update({c + "</w>": 256 + i for i, c in enumerate(alphabet)})
-    vocab["<|startoftext|>"] = 512
-    vocab["<|endoftext|>"] = 513
-    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
-
-
-def _t5_tokenizer(model_max_length: int):
-    """A character-level Unigram T5 tokenizer (printable ASCII) built from a (piece, score) list."""
-    from transformers import T5Tokenizer
-
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
-    pieces += [(chr(i), -5.0) for i in range(33, 127)]
-    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=model_max_length)
 
 
 TINY_SD3_TRANSFORMER: dict[str, Any] = dict(
@@ -92,8 +69,8 @@ def make_tiny_sd3(out_dir: str | Path) -> Path:
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
     out_dir = Path(out_dir)
-    clip_tok = _clip_tokenizer()
-    t5_tok = _t5_tokenizer(model_max_length=32)
+    clip_tok = clip_tokenizer()
+    t5_tok = t5_tokenizer(model_max_length=32)
 
     torch.manual_seed(0)
     transformer = SD3Transformer2DModel(**TINY_SD3_TRANSFORMER)
@@ -139,39 +116,12 @@ def make_tiny_sd3(out_dir: str | Path) -> Path:
         text_encoder=text_encoder.eval(),
         tokenizer=clip_tok,
         text_encoder_2=text_encoder_2.eval(),
-        tokenizer_2=_clip_tokenizer(),
+        tokenizer_2=clip_tokenizer(),
         text_encoder_3=text_encoder_3.eval(),
         tokenizer_3=t5_tok,
     )
     pipe.save_pretrained(out_dir)
     return out_dir
-
-
-def _qwen_image_tokenizer():
-    """A byte-level Qwen2 BPE whose only merges spell the words of Qwen-Image's prompt template, so the
-    template prefix is 34 tokens as with the real tokenizer (the pipeline drops exactly 34) and a prompt
-    costs about one token per byte."""
-    from tokenizers import pre_tokenizers
-    from transformers import Qwen2Tokenizer
-
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    words = ["system", "user", "assistant", "Describe"]
-    words += ["\u0120" + w for w in "the image by detailing color shape size texture quantity text".split()]
-    words += [
-        "\u0120" + w for w in "spatial relationships of objects and background".split()
-    ]  # \u0120: a space
-    merges = []
-    for word in words:
-        for i in range(2, len(word) + 1):
-            if word[:i] not in vocab:
-                merges.append((word[: i - 1], word[i - 1]))
-                vocab[word[:i]] = len(vocab)
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>"]
-    specials += ["<|image_pad|>", "<|video_pad|>"]
-    vocab.update({s: len(vocab) + i for i, s in enumerate(specials)})
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, pad_token="<|endoftext|>")
-    tokenizer.add_special_tokens({"additional_special_tokens": specials[1:]})
-    return tokenizer
 
 
 def _tiny_qwen_image_modules(tokenizer, max_position_embeddings: int, vision: dict) -> dict:
@@ -278,7 +228,7 @@ def make_tiny_qwen_image(out_dir: str | Path) -> Path:
 
     out_dir = Path(out_dir)
     vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=1, fullatt_block_indexes=[0])
-    pipe = QwenImagePipeline(**_tiny_qwen_image_modules(_qwen_image_tokenizer(), 2048, vision))
+    pipe = QwenImagePipeline(**_tiny_qwen_image_modules(qwen_image_tokenizer(), 2048, vision))
     pipe.save_pretrained(out_dir)
     return out_dir
 
@@ -349,7 +299,7 @@ def make_tiny_wan(out_dir: str | Path, layout: str = "ti2v") -> Path:
     if layout not in ("ti2v", "a14b"):
         raise ValueError(f"layout must be 'ti2v' or 'a14b', got {layout!r}")
     out_dir = Path(out_dir)
-    tokenizer = _t5_tokenizer(model_max_length=32)
+    tokenizer = t5_tokenizer(model_max_length=32)
     torch.manual_seed(0)
 
     def transformer():
@@ -395,87 +345,11 @@ def make_tiny_wan(out_dir: str | Path, layout: str = "ti2v") -> Path:
     return out_dir
 
 
-def _make_tiny_qwen3_omni_k12(out_dir: str | Path) -> Path:
-    """The tiny Qwen3-Omni taught the MMK12 answer format (omnirl.models.tiny_k12), for yaml/mmk12_tiny."""
-    from omnirl.models.tiny_k12 import make_tiny_qwen3_omni_k12
-
-    return make_tiny_qwen3_omni_k12(out_dir)
-
-
 def _make_tiny_ltx2(out_dir: str | Path) -> Path:
     """The tiny LTX-2.3 text to video + audio (omnirl.models.tiny_ltx2)."""
     from omnirl.models.tiny_ltx2 import make_tiny_ltx2
 
     return make_tiny_ltx2(out_dir)
-
-
-def _make_tiny_flux(out_dir: str | Path) -> Path:
-    """The tiny FLUX.1-dev (omnirl.models.flux.tiny)."""
-    from omnirl.models.flux.tiny import make_tiny_flux
-
-    return make_tiny_flux(out_dir)
-
-
-def make_tiny_pickscore(out_dir: str | Path) -> Path:
-    """A tiny random PickScore in the layout `reward.paths.pickscore` names: a `CLIPModel` (2 layers, hidden
-    32, 32 px images) with its `CLIPProcessor` (the character-level CLIP tokenizer) in one directory."""
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
-
-    out_dir = Path(out_dir)
-    tok = _clip_tokenizer()
-    torch.manual_seed(0)
-    text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, max_position_embeddings=77, bos_token_id=tok.bos_token_id,
-                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  image_size=32, patch_size=8)  # fmt: skip
-    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).save_pretrained(out_dir)
-    images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    CLIPProcessor(image_processor=images, tokenizer=tok).save_pretrained(out_dir)
-    return out_dir
-
-
-def make_tiny_dina_lrm(out_dir: str | Path, visual=(0, 1), text=(1,), seed: int = 0) -> Path:
-    """A tiny random DiNa-LRM for the tiny SD3, in the published layout (`omnirl.rewards.dina_lrm`):
-    config.json, checkpoint/backbone_lora/ (a peft adapter over the first block, saved by peft from a
-    model of the embedders and that block, as the reference saves it) and checkpoint/rm_head.pt. Every
-    weight is random, the LoRA's B and the head's zero-initialised layers included, so that each one
-    changes the score."""
-    import json
-
-    import peft
-    from diffusers import SD3Transformer2DModel
-    from torch import nn
-
-    from omnirl.rewards.dina_lrm import Backbone, RewardHead
-
-    out_dir = Path(out_dir)
-    n = max(visual + text)
-    head_options = dict(use_proj_in=False, width=-1, out_dim=1, num_queries=4, num_attn_heads=8, dropout=0.0)
-    config = dict(num_transformer_layers=n, use_lora=True, freeze_backbone=False, use_logistic=False,
-                  visual_head_idx=list(visual), text_head_idx=list(text),
-                  reward_head=head_options)  # fmt: skip
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(json.dumps({"model": config}, indent=4))
-    torch.manual_seed(seed)
-    backbone = Backbone(SD3Transformer2DModel(**TINY_SD3_TRANSFORMER), n)
-    targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
-    lora = peft.get_peft_model(backbone, peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets))
-    with torch.no_grad():
-        for name, p in lora.named_parameters():
-            if "lora_" in name:
-                p.normal_(0, 0.1)
-    lora.save_pretrained(str(out_dir / "checkpoint" / "backbone_lora"))
-    dim = TINY_SD3_TRANSFORMER["num_attention_heads"] * TINY_SD3_TRANSFORMER["attention_head_dim"]
-    head = RewardHead(dim, len(visual), len(text), head_options)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0, 0.2)
-        for m in head.modules():
-            if isinstance(m, nn.RMSNorm):
-                m.weight.fill_(1.0)
-    torch.save(head.state_dict(), out_dir / "checkpoint" / "rm_head.pt")
-    return out_dir
 
 
 def make_tiny_bagel(out_dir: str | Path) -> Path:
@@ -492,7 +366,7 @@ def make_tiny_bagel(out_dir: str | Path) -> Path:
     from omnirl.models.bagel_port import FLUX_VAE, BagelConfig, BagelModel, save_official
 
     out_dir = Path(out_dir)
-    tokenizer = _qwen_image_tokenizer()
+    tokenizer = qwen_image_tokenizer()
     llm = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
@@ -519,22 +393,3 @@ def make_tiny_bagel(out_dir: str | Path) -> Path:
     save_official(model, vae.eval(), out_dir, torch.float32, skipped)
     tokenizer.save_pretrained(out_dir)
     return out_dir
-
-
-TINY_MODELS = {
-    "sd3": make_tiny_sd3,
-    "qwen_image": make_tiny_qwen_image,
-    "qwen_image_edit": make_tiny_qwen_image_edit,
-    "wan22_ti2v": make_tiny_wan,
-    "wan22_a14b": lambda out_dir: make_tiny_wan(out_dir, "a14b"),
-    "ltx2": _make_tiny_ltx2,
-    "qwen3_omni": make_tiny_qwen3_omni,
-    "qwen2_5_vl": make_tiny_qwen_vl,
-    "qwen3_vl": lambda out_dir: make_tiny_qwen_vl(out_dir, "qwen3_vl"),
-    "qwen3_omni_k12": _make_tiny_qwen3_omni_k12,
-    "pickscore": make_tiny_pickscore,
-    "dina_lrm": make_tiny_dina_lrm,
-    "clap": make_tiny_clap,
-    "bagel": make_tiny_bagel,
-    "flux": _make_tiny_flux,
-}

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from omnirl.models.tokenizers import gemma_tokenizer
+
 TINY_LTX2_TRANSFORMER: dict[str, Any] = dict(
     in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
     cross_attention_dim=16, audio_in_channels=8, audio_out_channels=8, audio_num_attention_heads=2,
@@ -28,17 +30,6 @@ TINY_LTX2_TRANSFORMER: dict[str, Any] = dict(
     use_prompt_embeddings=False, perturbed_attn=True, rope_type="split", rope_double_precision=True,
 )  # fmt: skip
 MAX_SEQUENCE_LENGTH = 16
-
-
-def gemma_tokenizer():
-    """A character-level Gemma tokenizer (printable ASCII and the word-start mark), built in memory."""
-    from transformers import GemmaTokenizer
-
-    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3}
-    for i in range(32, 127):
-        vocab[chr(i)] = len(vocab)
-    vocab["\u2581"] = len(vocab)
-    return GemmaTokenizer(vocab=vocab, merges=[], model_max_length=MAX_SEQUENCE_LENGTH)
 
 
 def make_tiny_ltx2(out_dir: str | Path) -> Path:
@@ -54,7 +45,7 @@ def make_tiny_ltx2(out_dir: str | Path) -> Path:
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     out_dir = Path(out_dir)
-    tokenizer = gemma_tokenizer()
+    tokenizer = gemma_tokenizer(MAX_SEQUENCE_LENGTH)
     torch.manual_seed(0)
     text_encoder = Gemma3ForConditionalGeneration(
         Gemma3Config(

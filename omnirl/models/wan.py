@@ -41,8 +41,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from transformers import AutoTokenizer, UMT5EncoderModel
 
-from omnirl.config import Config, ConfigError
-from omnirl.config_checks import POSITIVE, at_least
+from omnirl.config import Config
+from omnirl.errors import ConfigError
 from omnirl.fsdp import DTYPES, compute_dtype, load_pretrained
 from omnirl.models.base import Output, Request, Trajectory
 from omnirl.models.diffusers_setup import (
@@ -54,6 +54,7 @@ from omnirl.models.diffusers_setup import (
     trajectories,
 )
 from omnirl.models.flow_sde import WindowedSampler, phase, to_host
+from omnirl.ranges import POSITIVE, at_least
 
 # The LoRA file of the low-noise expert; `WanPipeline.load_lora_weights(dir, weight_name=...,
 # load_into_transformer_2=True)` loads it (diffusers names both experts' LoRA keys "transformer.").

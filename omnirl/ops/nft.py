@@ -51,7 +51,8 @@ from torch import nn
 from omnirl.algos.losses import NFTInputs
 from omnirl.batching import equalise, global_positions
 from omnirl.config import AlgoConfig, Config
-from omnirl.models.base import DiffusionAdapter, Request, SamplingParams, Trajectory, derive_seed
+from omnirl.distributed import derive_seed
+from omnirl.models.base import DiffusionAdapter, Request, SamplingParams, Trajectory
 from omnirl.ops.diffusion import DiffusionOps, reference
 
 TIMESTEP_FRACTION = 0.99  # the reference's train.timestep_fraction: rows per sample int(0.99 T)

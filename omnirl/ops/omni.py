@@ -32,8 +32,9 @@ from omnirl import distributed as D
 from omnirl.algos.correction import consistency_metrics, correction_weights
 from omnirl.algos.losses import TokenInputs, get_loss
 from omnirl.batching import equalise, global_positions, make_requests
-from omnirl.config import Config, ConfigError
+from omnirl.config import Config
 from omnirl.data.prompts import PromptRow
+from omnirl.errors import ConfigError
 from omnirl.metrics import MetricsLogger
 from omnirl.models.base import GenerationParams, OmniAdapter, OmniTrajectory, Request
 from omnirl.models.lm import pad_responses

@@ -36,7 +36,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from omnirl.config import ConfigError
+from omnirl.errors import ConfigError
 from omnirl.models.base import Output
 from omnirl.weights import check_weight_files
 

@@ -51,8 +51,9 @@ from torch.distributed.fsdp import FSDPModule
 
 from omnirl import distributed as D
 from omnirl import fsdp
-from omnirl.config import ConfigError
-from omnirl.models.base import Latent, derive_seed
+from omnirl.distributed import derive_seed
+from omnirl.errors import ConfigError
+from omnirl.models.base import Latent
 from omnirl.models.peft_lora import adapter_active
 from omnirl.weights import load_safetensors, torch_load
 

@@ -87,7 +87,7 @@ class Mmk12Reward:
 
     def __init__(self) -> None:
         if importlib.util.find_spec("math_verify") is None:
-            from omnirl.config import ConfigError
+            from omnirl.errors import ConfigError
 
             raise ConfigError("the mmk12 reward needs math-verify: pip install 'omnirl[math]'")
         self._proc: subprocess.Popen | None = None  # the math-verify child, started at the first use
@@ -95,7 +95,7 @@ class Mmk12Reward:
     def __call__(self, images: list[str], prompts: list[str], metadata: list[dict[str, Any]]) -> list[float]:
         # Imported here, not at the top: the math-verify child runs this module, and omnirl.data imports
         # torch (seconds of start-up the child does not need).
-        from omnirl.data.prompts import DataError
+        from omnirl.errors import DataError
 
         scores = []
         for response, prompt, meta in zip(images, prompts, metadata):

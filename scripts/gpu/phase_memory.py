@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 class Recipe:
     model: str  # omnirl.models.random_init.write_random_checkpoint's name for the models
     tiny: str  # the tiny recipe of --tiny
-    family: str  # omnirl.models.tiny.TINY_MODELS key of the tiny checkpoint
+    family: str  # omnirl.testing.TINY_MODELS key of the tiny checkpoint
     data: str  # "ocr" or "edit": which generator writes the data (the video recipes read only the prompts)
 
 
@@ -392,7 +392,7 @@ def main(argv: list[str]) -> int:
         "--qwen-bpe",
         help="Qwen's qwen.tiktoken (the dashscope wheel's): the Qwen-Image recipes' random-init checkpoint "
         "gets the real Qwen2 tokenizer, so prompts have their real lengths "
-        "(omnirl/models/qwen_tokenizers.py)",
+        "(omnirl/models/tokenizers.py)",
     )
     p.add_argument(
         "--cap-gib",
@@ -407,7 +407,7 @@ def main(argv: list[str]) -> int:
         help="no run: build the models on the meta device and print rank 0's packed rollout batches",
     )
     a, overrides = p.parse_known_args(argv)
-    from omnirl.config import ConfigError
+    from omnirl.errors import ConfigError
 
     name = recipe_name(a.recipe)
     spec = RECIPES[name]
@@ -448,7 +448,7 @@ def drive(
     if ckpt is None:
         ckpt = str(work / "ckpt")
         if a.tiny:
-            from omnirl.models.tiny import TINY_MODELS
+            from omnirl.testing import TINY_MODELS
 
             TINY_MODELS[spec.family](Path(ckpt))
         else:

@@ -30,14 +30,13 @@ FLUX1_DEV_SCHEDULER: dict[str, Any] = {
 
 def write_random_flux(out: Path) -> None:
     """A config-only FLUX.1-dev checkpoint at `out` (no weights), with the tiny byte-level tokenizers of
-    omnirl.models.tiny: a prompt is about a token per character instead of per word, but T5's are padded
+    omnirl.models.tokenizers: a prompt is about a token per character instead of per word, but T5's are padded
     to the pipeline's 512 tokens and all of them enter the transformer, so its cost is the real one."""
     from diffusers import AutoencoderKL, FluxTransformer2DModel
     from transformers import CLIPTextConfig, T5Config
 
-    from omnirl.models import tiny
-    from omnirl.models.public_configs import SD35_CLIP_L, SD35_T5
-    from omnirl.models.random_init import checked
+    from omnirl.models.public_configs import SD35_CLIP_L, SD35_T5, checked
+    from omnirl.models.tokenizers import clip_tokenizer, t5_tokenizer
 
     def dump(sub: str, cfg: dict) -> None:
         (out / sub).mkdir(parents=True, exist_ok=True)
@@ -55,13 +54,13 @@ def write_random_flux(out: Path) -> None:
     with torch.device("meta"):  # built on meta only to read the configs the classes complete
         dump("transformer", dict(FluxTransformer2DModel(**FLUX1_DEV_TRANSFORMER).config))
         dump("vae", dict(AutoencoderKL(**FLUX1_DEV_VAE).config))
-    clip = tiny._clip_tokenizer()
+    clip = clip_tokenizer()
     # The tiny tokenizer's special ids (CLIP pools at the first EOS token); the embeddings keep the real
     # vocabulary size, so the parameter count is the real one.
     ids = dict(bos_token_id=clip.bos_token_id, eos_token_id=clip.eos_token_id, pad_token_id=clip.pad_token_id)
     checked(CLIPTextConfig, **SD35_CLIP_L, **ids).save_pretrained(out / "text_encoder")
     checked(T5Config, **SD35_T5).save_pretrained(out / "text_encoder_2")
     clip.save_pretrained(out / "tokenizer")
-    tiny._t5_tokenizer(model_max_length=512).save_pretrained(out / "tokenizer_2")
+    t5_tokenizer(model_max_length=512).save_pretrained(out / "tokenizer_2")
     dump("scheduler", {})
     (out / "scheduler" / "scheduler_config.json").write_text(json.dumps(FLUX1_DEV_SCHEDULER))

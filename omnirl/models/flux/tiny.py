@@ -44,11 +44,12 @@ def make_tiny_flux(out_dir: str | Path) -> Path:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    from omnirl.models.tiny import _clip_tokenizer, _t5_tokenizer, tiny_t5_config
+    from omnirl.models.tiny import tiny_t5_config
+    from omnirl.models.tokenizers import clip_tokenizer, t5_tokenizer
 
     out_dir = Path(out_dir)
-    clip_tok = _clip_tokenizer()
-    t5_tok = _t5_tokenizer(model_max_length=32)
+    clip_tok = clip_tokenizer()
+    t5_tok = t5_tokenizer(model_max_length=32)
 
     torch.manual_seed(0)
     transformer = FluxTransformer2DModel(**TINY_FLUX_TRANSFORMER)

@@ -1,4 +1,4 @@
-"""Tiny random-init versions of the audio rewards' models, in the layouts their `reward.paths` name.
+"""Tiny random-init versions of the rewards' models, in the layouts their `reward.paths` name.
 
 Like the tiny families (`omnirl.models.tiny`): the real classes, a few layers of width 16-32, tokenizers
 built in memory, seeded weights, saved as a user's checkpoint is laid out and loaded back by the same code.
@@ -59,10 +59,10 @@ def make_tiny_imagebind(out_dir: str | Path) -> Path:
     """A tiny random ImageBind in the layout `reward.paths.imagebind` names: `imagebind_huge.pth` in the
     official key layout (the vision, audio and text towers of `tiny_imagebind_arch`, every tensor random but
     the causal mask; a few tensors named as the official depth, thermal and IMU towers', which the loader
-    skips) and a CLIP BPE tokenizer (`omnirl.models.tiny._clip_tokenizer`)."""
+    skips) and a CLIP BPE tokenizer (`omnirl.models.tokenizers.clip_tokenizer`)."""
     import math
 
-    from omnirl.models.tiny import _clip_tokenizer
+    from omnirl.models.tokenizers import clip_tokenizer
     from omnirl.rewards.imagebind import FILE
     from omnirl.rewards.imagebind_model import ImageBind
 
@@ -90,5 +90,70 @@ def make_tiny_imagebind(out_dir: str | Path) -> Path:
         "modality_postprocessors.imu.1.log_logit_scale": torch.tensor(math.log(5.0)),
     }
     torch.save({**state, **unused}, out_dir / FILE)
-    _clip_tokenizer().save_pretrained(out_dir)
+    clip_tokenizer().save_pretrained(out_dir)
+    return out_dir
+
+
+def make_tiny_pickscore(out_dir: str | Path) -> Path:
+    """A tiny random PickScore in the layout `reward.paths.pickscore` names: a `CLIPModel` (2 layers, hidden
+    32, 32 px images) with its `CLIPProcessor` (the character-level CLIP tokenizer) in one directory."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    from omnirl.models.tokenizers import clip_tokenizer
+
+    out_dir = Path(out_dir)
+    tok = clip_tokenizer()
+    torch.manual_seed(0)
+    text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=77, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  image_size=32, patch_size=8)  # fmt: skip
+    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).save_pretrained(out_dir)
+    images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    CLIPProcessor(image_processor=images, tokenizer=tok).save_pretrained(out_dir)
+    return out_dir
+
+
+def make_tiny_dina_lrm(out_dir: str | Path, visual=(0, 1), text=(1,), seed: int = 0) -> Path:
+    """A tiny random DiNa-LRM for the tiny SD3, in the published layout (`omnirl.rewards.dina_lrm`):
+    config.json, checkpoint/backbone_lora/ (a peft adapter over the first block, saved by peft from a
+    model of the embedders and that block, as the reference saves it) and checkpoint/rm_head.pt. Every
+    weight is random, the LoRA's B and the head's zero-initialised layers included, so that each one
+    changes the score."""
+    import json
+
+    import peft
+    from diffusers import SD3Transformer2DModel
+    from torch import nn
+
+    from omnirl.models.tiny import TINY_SD3_TRANSFORMER
+    from omnirl.rewards.dina_lrm import Backbone, RewardHead
+
+    out_dir = Path(out_dir)
+    n = max(visual + text)
+    head_options = dict(use_proj_in=False, width=-1, out_dim=1, num_queries=4, num_attn_heads=8, dropout=0.0)
+    config = dict(num_transformer_layers=n, use_lora=True, freeze_backbone=False, use_logistic=False,
+                  visual_head_idx=list(visual), text_head_idx=list(text),
+                  reward_head=head_options)  # fmt: skip
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps({"model": config}, indent=4))
+    torch.manual_seed(seed)
+    backbone = Backbone(SD3Transformer2DModel(**TINY_SD3_TRANSFORMER), n)
+    targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+    lora = peft.get_peft_model(backbone, peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets))
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.1)
+    lora.save_pretrained(str(out_dir / "checkpoint" / "backbone_lora"))
+    dim = TINY_SD3_TRANSFORMER["num_attention_heads"] * TINY_SD3_TRANSFORMER["attention_head_dim"]
+    head = RewardHead(dim, len(visual), len(text), head_options)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.2)
+        for m in head.modules():
+            if isinstance(m, nn.RMSNorm):
+                m.weight.fill_(1.0)
+    torch.save(head.state_dict(), out_dir / "checkpoint" / "rm_head.pt")
     return out_dir

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
-from omnirl.config import REPO_ROOT, config_for
+from omnirl.config import REPO_ROOT
 from omnirl.models.lm import pad_responses
+from omnirl.recipe import config_for
 
 K12_DATA = REPO_ROOT / "data" / "mmk12_tiny" / "train.jsonl"  # JSONL: building needs no pyarrow
 STEPS, BATCH, LR = 100, 8, 3e-3

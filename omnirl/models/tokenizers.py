@@ -1,6 +1,7 @@
-"""Qwen2 byte-level BPE tokenizers for the config-only Qwen-Image checkpoints of
-`omnirl.models.random_init`, built offline: `edit_tokenizer` spells Qwen-Image-Edit's prompt template as the
-real tokenizer does, `qwen_bpe_tokenizer` is the real Qwen2 tokenizer built from Qwen's BPE ranks.
+"""Tokenizers built in memory, for the tiny models and the config-only full-size checkpoints (no hub):
+byte- or character-level CLIP, T5, Gemma and Qwen2 tokenizers with the special tokens of their families;
+`edit_tokenizer` spells Qwen-Image-Edit's prompt template as the real tokenizer does, `qwen_bpe_tokenizer`
+is the real Qwen2 tokenizer built from Qwen's BPE ranks.
 """
 
 from __future__ import annotations
@@ -8,6 +9,67 @@ from __future__ import annotations
 import re
 from pathlib import Path
 from typing import Any, cast
+
+
+def clip_tokenizer():
+    """A byte-level CLIP BPE with no merges: one token per character, the last one of a word with `</w>`."""
+    from tokenizers import pre_tokenizers
+    from transformers import CLIPTokenizer
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # the 256 byte-level symbols
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    vocab.update({c + "</w>": 256 + i for i, c in enumerate(alphabet)})
+    vocab["<|startoftext|>"] = 512
+    vocab["<|endoftext|>"] = 513
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
+
+
+def t5_tokenizer(model_max_length: int):
+    """A character-level Unigram T5 tokenizer (printable ASCII) built from a (piece, score) list."""
+    from transformers import T5Tokenizer
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    pieces += [(chr(i), -5.0) for i in range(33, 127)]
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=model_max_length)
+
+
+def qwen_image_tokenizer():
+    """A byte-level Qwen2 BPE whose only merges spell the words of Qwen-Image's prompt template, so the
+    template prefix is 34 tokens as with the real tokenizer (the pipeline drops exactly 34) and a prompt
+    costs about one token per byte."""
+    from tokenizers import pre_tokenizers
+    from transformers import Qwen2Tokenizer
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    words = ["system", "user", "assistant", "Describe"]
+    words += ["\u0120" + w for w in "the image by detailing color shape size texture quantity text".split()]
+    words += [
+        "\u0120" + w for w in "spatial relationships of objects and background".split()
+    ]  # \u0120: a space
+    merges = []
+    for word in words:
+        for i in range(2, len(word) + 1):
+            if word[:i] not in vocab:
+                merges.append((word[: i - 1], word[i - 1]))
+                vocab[word[:i]] = len(vocab)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>"]
+    specials += ["<|image_pad|>", "<|video_pad|>"]
+    vocab.update({s: len(vocab) + i for i, s in enumerate(specials)})
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, pad_token="<|endoftext|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": specials[1:]})
+    return tokenizer
+
+
+def gemma_tokenizer(model_max_length: int = 16):
+    """A character-level Gemma tokenizer (printable ASCII and the word-start mark), built in memory."""
+    from transformers import GemmaTokenizer
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3}
+    for i in range(32, 127):
+        vocab[chr(i)] = len(vocab)
+    vocab["\u2581"] = len(vocab)
+    return GemmaTokenizer(vocab=vocab, merges=[], model_max_length=model_max_length)
+
 
 # The special tokens `edit_tokenizer` adds after its byte-level vocabulary (Qwen2's that the pipeline uses).
 QWEN_SPECIALS = [
