@@ -146,9 +146,8 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default="", help="write the JSON here")
     a = p.parse_args(argv)
     assert a.random_init != a.tiny, "give one of --random-init / --tiny"
-    from omnirl.models import build_adapter
+    from omnirl.models import build_adapter, write_random_checkpoint
     from omnirl.models.base import Latent
-    from omnirl.models.random_init import write_random_checkpoint
     from omnirl.recipe import load_config
     from omnirl.rewards import to_pil
     from omnirl.rewards.dina_lrm import Backbone, DinaLRM
@@ -162,8 +161,8 @@ def main(argv=None) -> dict:
         recipe, size, n, idx = "sd3_tiny_flowgrpo_dinalrm", 32, 1, [1]
         overrides = ["--model.path", str(ckpt)]
     else:
-        ckpt = tmp / "sd35"
-        write_random_checkpoint("sd35", ckpt)
+        ckpt = tmp / "sd3"
+        write_random_checkpoint("sd3", ckpt)
         recipe, size, n, idx = "sd35_flowgrpo_dinalrm", 512, 12, [4, 8, 12]
         overrides = ["--model.path", str(ckpt), "--model.weights", "random"]
     prompts_file = tmp / "prompts.jsonl"

@@ -18,10 +18,10 @@ from omnirl.fsdp import compute_dtype
 from omnirl.memory import synchronize
 from omnirl.models.base import Request, SamplingParams
 from omnirl.models.flux.adapter import FluxAdapter
-from omnirl.models.ltx2 import LTX2Adapter
-from omnirl.models.qwen_image import padded_lengths
-from omnirl.models.sd3 import SD3Adapter
-from omnirl.models.wan import WanAdapter
+from omnirl.models.ltx2.adapter import LTX2Adapter
+from omnirl.models.qwen_image.adapter import padded_lengths
+from omnirl.models.sd3.adapter import SD3Adapter
+from omnirl.models.wan.adapter import WanAdapter
 
 CLIP_TOKENS = 77  # SD3's two CLIP encoders, padded to their maximum, ahead of the T5 tokens
 

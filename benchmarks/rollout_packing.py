@@ -43,23 +43,22 @@ from benchmarks.packing_cells import (
 )
 from benchmarks.packing_stock import interleaved, stock
 from omnirl import distributed as D
-from omnirl.models import build_adapter
+from omnirl.models import build_adapter, write_random_checkpoint
 from omnirl.models.base import Request, SamplingParams
-from omnirl.models.ltx2 import LTX2Adapter
-from omnirl.models.random_init import write_random_checkpoint
-from omnirl.models.wan import WanAdapter
+from omnirl.models.ltx2.adapter import LTX2Adapter
+from omnirl.models.wan.adapter import WanAdapter
 from omnirl.recipe import load_config
 
 # --model (write_random_checkpoint's name for the models) -> its recipe
 MODELS = {
     "qwen_image": "qwen_image_flowgrpo_ocr",
-    "sd35": "sd35_flowgrpo_ocr",
-    "wan22_ti2v": "wan22_ti2v_dancegrpo",
-    "wan22_a14b": "wan22_a14b_flowgrpo_lora",
-    "ltx23": "ltx23_t2av_flowgrpo_lora",
-    "flux1_dev": "flux_dancegrpo_hpsv3",
+    "sd3": "sd35_flowgrpo_ocr",
+    "wan_ti2v": "wan22_ti2v_dancegrpo",
+    "wan_a14b": "wan22_a14b_flowgrpo_lora",
+    "ltx2": "ltx23_t2av_flowgrpo_lora",
+    "flux": "flux_dancegrpo_hpsv3",
 }
-VIDEO_MODELS = ("wan22_ti2v", "wan22_a14b", "ltx23")
+VIDEO_MODELS = ("wan_ti2v", "wan_a14b", "ltx2")
 
 WORDS = (
     "a storefront sign a neon sign a chalkboard menu a vintage poster glowing warm light on a rainy street "

@@ -73,7 +73,7 @@ def test_clap_is_the_cosine_of_the_model_embeddings(tmp_path):
 def test_recipe_without_the_reward_weights_fails_at_load(reward, tmp_path, capsys, monkeypatch):
     """The tiny LTX-2.3 recipe rewarded by CLAP or ImageBind with no reward.paths entry, or one to a
     directory without the model, stops with one `error:` line before the model loads."""
-    from omnirl.models.ltx2 import LTX2Adapter
+    from omnirl.models.ltx2.adapter import LTX2Adapter
     from tests.test_bad_input import ROOT, assert_one_error_line, load_train_script
 
     loaded = []

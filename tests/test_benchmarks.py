@@ -186,7 +186,7 @@ def test_qwen_bpe_tokenizer_from_tiktoken_ranks(tmp_path):
 
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    from omnirl.models.random_init import write_random_checkpoint
+    from omnirl.models import write_random_checkpoint
     from omnirl.models.tokenizers import QWEN2_SPECIALS, qwen_bpe_tokenizer
 
     singles = list(range(256))
@@ -216,8 +216,8 @@ def test_qwen_bpe_tokenizer_from_tiktoken_ranks(tmp_path):
     bad.write_bytes(b"".join(base64.b64encode(t) + b" %d\n" % i for i, t in enumerate(ranks)))
     with pytest.raises(ValueError, match="bad.tiktoken: not byte-level BPE ranks"):
         qwen_bpe_tokenizer(bad)
-    with pytest.raises(ValueError, match="for the Qwen-Image families, not 'sd35'"):
-        write_random_checkpoint("sd35", tmp_path / "ckpt", qwen_bpe=path)
+    with pytest.raises(ValueError, match="for the Qwen-Image families, not 'sd3'"):
+        write_random_checkpoint("sd3", tmp_path / "ckpt", qwen_bpe=path)
 
 
 @pytest.mark.parametrize("checkpoint", ["tiny_sd3", "tiny_qwen_image", "tiny_wan_a14b"])
@@ -384,7 +384,7 @@ def test_rollout_packing_interleaved_pair(tiny_qwen_image, tmp_path, monkeypatch
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "model, experts, billions",
-    [("wan22_ti2v", ["_policy"], (4.9, 5.1)), ("wan22_a14b", ["transformer", "transformer_2"], (14.1, 14.5))],
+    [("wan_ti2v", ["_policy"], (4.9, 5.1)), ("wan_a14b", ["transformer", "transformer_2"], (14.1, 14.5))],
 )
 def test_rollout_packing_dry_run_counts_the_wan_models(model, experts, billions):
     """--dry-run --random-init builds Wan2.2's full-size models from their public configs on the
@@ -437,7 +437,7 @@ def test_rollout_packing_interleaved_pairs_on_tiny_wan(layout, tiny_wan_ti2v, ti
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype, lora", [("bfloat16", "bfloat16"), ("float16", "float32")])
-def test_generation_benchmark_ranks_what_its_engine_ran(tiny_qwen3_omni, tmp_path, dtype, lora):
+def test_generation_benchmark_ranks_what_its_engine_ran(tiny_qwen3_omni_thinker, tmp_path, dtype, lora):
     """generate_throughput --kernels (on a group of 3 samples of one prompt): one more run of each method
     under the profiler, its costliest operators (device kernels on CUDA) ranked with their calls and shares
     of the busy time, and the busy time per decode step of the native engine. The thinker is placed as a
@@ -445,10 +445,10 @@ def test_generation_benchmark_ranks_what_its_engine_ran(tiny_qwen3_omni, tmp_pat
     matmul), float16 unwrapped (FSDP2's mixed precision has no float16), the LoRA then in peft's float32."""
     out = tmp_path / "tput.json"
     run([
-        sys.executable, "-m", "benchmarks.generate_throughput", "--model", str(tiny_qwen3_omni), "--methods",
-        "ours,ours_one_window", "--num-requests", "3", "--max-num-seqs", "2", "--max-new-tokens", "4",
-        "--warmup", "0", "--kv-cache-gib", "0.25", "--kernels", "4", "--kernel-methods", "ours", "--dtype",
-        dtype, "--group-size", "3", "--out", str(out),
+        sys.executable, "-m", "benchmarks.generate_throughput", "--model", str(tiny_qwen3_omni_thinker),
+        "--methods", "ours,ours_one_window", "--num-requests", "3", "--max-num-seqs", "2",
+        "--max-new-tokens", "4", "--warmup", "0", "--kv-cache-gib", "0.25", "--kernels", "4",
+        "--kernel-methods", "ours", "--dtype", dtype, "--group-size", "3", "--out", str(out),
     ])  # fmt: skip
     report = json.loads(out.read_text())
     # one prompt for the 3 requests (--group-size 3), prefilled once in each of the 2 prefills (2 slots)

@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 from omnirl.distributed import derive_seed
 from omnirl.memory import GIB
 from omnirl.models.base import Request, SamplingParams
-from omnirl.models.sd3 import SD3Adapter
+from omnirl.models.sd3.adapter import SD3Adapter
 from omnirl.recipe import config_for
 from omnirl.rollout import compiled as rollout_compiled
 from omnirl.rollout import diffusion

@@ -276,7 +276,7 @@ def make_tiny_hpsv3(out_dir):
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from omnirl.models.tiny_omni import (
+    from omnirl.models.qwen3_omni_thinker.tiny import (
         _qwen_omni_tokenizer,
         _save_qwen_processor_parts,
         _tiny_qwen_text_config,

@@ -140,8 +140,8 @@ def omni_vllm(tmp_path_factory):
     """The tiny Qwen3-Omni (heads of 32) with a LoRA, and its vLLM engine (merged-LoRA pushes)."""
     if not HAVE_VLLM:
         pytest.skip(NO_VLLM)
-    from omnirl.models.qwen3_omni import Qwen3OmniThinkerAdapter
-    from omnirl.models.tiny_omni import make_tiny_qwen3_omni
+    from omnirl.models.qwen3_omni_thinker.adapter import Qwen3OmniThinkerAdapter
+    from omnirl.models.qwen3_omni_thinker.tiny import make_tiny_qwen3_omni
     from omnirl.rollout.vllm_engine import VLLMEngine
 
     path = make_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny") / "qwen3_omni_vllm", head_dim=32)
@@ -340,8 +340,8 @@ def test_dense_lora_push_as_a_tensor_adapter(tmp_path):
     """A dense Qwen3-VL with a LoRA: vLLM serves it as a LoRA adapter built from the trainer's tensors; after
     an update the swapped-in adapter gives vLLM the trainer's new log-probs. A LoRA whose module names map
     onto nothing in vLLM fails."""
-    from omnirl.models.qwen_vl import QwenVLAdapter
-    from omnirl.models.tiny_omni import make_tiny_qwen_vl
+    from omnirl.models.qwen_vl.adapter import QwenVLAdapter
+    from omnirl.models.qwen_vl.tiny import make_tiny_qwen_vl
     from omnirl.rollout.vllm_engine import VLLMEngine, _swap_lora
 
     path = make_tiny_qwen_vl(tmp_path / "qwen3_vl", "qwen3_vl", head_dim=32)
@@ -377,7 +377,7 @@ def test_dense_lora_push_as_a_tensor_adapter(tmp_path):
 def test_full_finetune_push_in_buckets(omni_vllm, tmp_path):
     """A full fine-tune of the MoE thinker: every weight pushed in small buckets (fused experts split back to
     the checkpoint's per-expert tensors, then re-packed), after an update of attention, router and experts."""
-    from omnirl.models.qwen3_omni import Qwen3OmniThinkerAdapter
+    from omnirl.models.qwen3_omni_thinker.adapter import Qwen3OmniThinkerAdapter
     from omnirl.rollout.vllm_engine import VLLMEngine
 
     path = omni_vllm[0].path
@@ -455,7 +455,7 @@ def test_throughput_benchmark_runs_both_backends_on_one_thinker(tmp_path):
     import subprocess
     import sys
 
-    from omnirl.models.tiny_omni import make_tiny_qwen3_omni
+    from omnirl.models.qwen3_omni_thinker.tiny import make_tiny_qwen3_omni
 
     path = make_tiny_qwen3_omni(tmp_path / "thinker", head_dim=32)
     out = tmp_path / "tput.json"

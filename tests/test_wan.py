@@ -16,7 +16,7 @@ from omnirl.memory import GIB, peak_bytes
 from omnirl.models import get_adapter
 from omnirl.models.base import Request, SamplingParams
 from omnirl.models.flow_sde import flow_step
-from omnirl.models.wan import LORA_FILE, LORA_FILE_2, WanAdapter
+from omnirl.models.wan.adapter import LORA_FILE, LORA_FILE_2, WanAdapter
 from omnirl.recipe import config_for
 from omnirl.rollout.diffusion import DiffusionEngine
 from tests.support_compare import (

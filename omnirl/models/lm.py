@@ -1,4 +1,4 @@
-"""The causal-LM pieces the omni adapters (`qwen3_omni.py`, `qwen_vl.py`) and the generation engine share.
+"""The causal-LM pieces the omni adapters (`qwen3_omni_thinker`, `qwen_vl`) and the generation engine share.
 
 - `HiddenStatesLM`: the trained module of an omni adapter and its FSDP root. Its forward returns the final
   hidden states, never logits: callers apply `lm_head` only where they need it, in chunks. Full-vocabulary

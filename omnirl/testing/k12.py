@@ -2,7 +2,7 @@
 
 A random-init thinker draws ~266 byte tokens nearly uniformly: it never writes "<answer>\\boxed{...}
 </answer>", so every response scores 0, every GRPO group has zero spread and the recipe never updates.
-This one is the tiny random Qwen3-Omni (`tiny.make_tiny_qwen3_omni`) after a few supervised steps on the
+This one is the tiny random Qwen3-Omni (`make_tiny_qwen3_omni`) after a few supervised steps on the
 tiny K12 training prompts (data/mmk12_tiny, the real prompt template and images) with targets
 "<answer>\\boxed{X}</answer><|im_end|>", X drawn at random each time: an option letter of the row for
 multiple-choice rows, a gold answer of a random free-form row otherwise. It learns the format and not the
@@ -23,18 +23,16 @@ from pathlib import Path
 import torch
 
 from omnirl.config import REPO_ROOT
-from omnirl.models.lm import pad_responses
-from omnirl.recipe import config_for
 
 K12_DATA = REPO_ROOT / "data" / "mmk12_tiny" / "train.jsonl"  # JSONL: building needs no pyarrow
 STEPS, BATCH, LR = 100, 8, 3e-3
 
 
 def make_tiny_qwen3_omni_k12(out_dir: str | Path, data: str | Path = K12_DATA, head_dim: int = 16) -> Path:
-    """The checkpoint at `out_dir`; head_dim 32 gives the variant vLLM runs (`tiny.make_tiny_qwen3_omni`)."""
+    """The checkpoint at `out_dir`; head_dim 32 gives the variant vLLM runs (`make_tiny_qwen3_omni`)."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    from omnirl.models.tiny_omni import add_vllm_config_keys, make_tiny_qwen3_omni
+    from omnirl.models.qwen3_omni_thinker.tiny import add_vllm_config_keys, make_tiny_qwen3_omni
 
     with tempfile.TemporaryDirectory() as tmp:
         base = make_tiny_qwen3_omni(Path(tmp) / "base", head_dim)
@@ -52,7 +50,9 @@ def _teach_format(path: Path, data: str | Path):
     """The thinker of the checkpoint at `path` after STEPS supervised steps on the answer format."""
     from omnirl.data.mmk12 import load_mmk12
     from omnirl.models.base import GenerationParams, Request
-    from omnirl.models.qwen3_omni import Qwen3OmniThinkerAdapter
+    from omnirl.models.lm import pad_responses
+    from omnirl.models.qwen3_omni_thinker.adapter import Qwen3OmniThinkerAdapter
+    from omnirl.recipe import config_for
 
     cfg = config_for("qwen3_omni_thinker")
     cfg.model.path, cfg.model.finetune = str(path), "full"

@@ -1,6 +1,6 @@
 """Tiny random-init versions of the rewards' models, in the layouts their `reward.paths` name.
 
-Like the tiny families (`omnirl.models.tiny`): the real classes, a few layers of width 16-32, tokenizers
+Like the tiny families (`omnirl.models.sd3.tiny`): the real classes, a few layers of width 16-32, tokenizers
 built in memory, seeded weights, saved as a user's checkpoint is laid out and loaded back by the same code.
 """
 
@@ -127,7 +127,7 @@ def make_tiny_dina_lrm(out_dir: str | Path, visual=(0, 1), text=(1,), seed: int 
     from diffusers import SD3Transformer2DModel
     from torch import nn
 
-    from omnirl.models.tiny import TINY_SD3_TRANSFORMER
+    from omnirl.models.sd3.tiny import TINY_SD3_TRANSFORMER
     from omnirl.rewards.dina_lrm import Backbone, RewardHead
 
     out_dir = Path(out_dir)

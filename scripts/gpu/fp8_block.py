@@ -51,7 +51,7 @@ def parse_cases(text: str) -> list[tuple[int, int, bool]]:
 def build(device: torch.device, tiny: bool):
     from diffusers import QwenImageTransformer2DModel
 
-    from omnirl.models.qwen_image import QwenImageAdapter
+    from omnirl.models.qwen_image.adapter import QwenImageAdapter
 
     torch.manual_seed(0)
     model = QwenImageTransformer2DModel(num_layers=1, **(TINY if tiny else QWEN_IMAGE))

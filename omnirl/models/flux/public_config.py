@@ -1,6 +1,7 @@
 """FLUX.1-dev's public configs (black-forest-labs/FLUX.1-dev: its transformer, VAE and scheduler
 config.json files; the text encoders are CLIP ViT-L/14's text tower and T5-XXL v1.1's encoder, as SD3.5's)
-and the config-only checkpoint `omnirl.models.random_init` builds them from (`write_random_flux`)."""
+and its config-only checkpoint (`write_random`). `RANDOM` names the checkpoints this family writes
+(`omnirl.models.write_random_checkpoint`): each a function of the output folder."""
 
 from __future__ import annotations
 
@@ -28,19 +29,16 @@ FLUX1_DEV_SCHEDULER: dict[str, Any] = {
 }  # fmt: skip
 
 
-def write_random_flux(out: Path) -> None:
+def write_random(out: Path) -> None:
     """A config-only FLUX.1-dev checkpoint at `out` (no weights), with the tiny byte-level tokenizers of
     omnirl.models.tokenizers: a prompt is about a token per character instead of per word, but T5's are padded
     to the pipeline's 512 tokens and all of them enter the transformer, so its cost is the real one."""
     from diffusers import AutoencoderKL, FluxTransformer2DModel
     from transformers import CLIPTextConfig, T5Config
 
-    from omnirl.models.public_configs import SD35_CLIP_L, SD35_T5, checked
+    from omnirl.models.random_init import checked, dump
+    from omnirl.models.sd3.public_config import SD35_CLIP_L, SD35_T5
     from omnirl.models.tokenizers import clip_tokenizer, t5_tokenizer
-
-    def dump(sub: str, cfg: dict) -> None:
-        (out / sub).mkdir(parents=True, exist_ok=True)
-        (out / sub / "config.json").write_text(json.dumps(cfg))
 
     out.mkdir(parents=True, exist_ok=True)
     index = {
@@ -52,8 +50,8 @@ def write_random_flux(out: Path) -> None:
     }  # fmt: skip
     (out / "model_index.json").write_text(json.dumps(index))
     with torch.device("meta"):  # built on meta only to read the configs the classes complete
-        dump("transformer", dict(FluxTransformer2DModel(**FLUX1_DEV_TRANSFORMER).config))
-        dump("vae", dict(AutoencoderKL(**FLUX1_DEV_VAE).config))
+        dump(out, "transformer", dict(FluxTransformer2DModel(**FLUX1_DEV_TRANSFORMER).config))
+        dump(out, "vae", dict(AutoencoderKL(**FLUX1_DEV_VAE).config))
     clip = clip_tokenizer()
     # The tiny tokenizer's special ids (CLIP pools at the first EOS token); the embeddings keep the real
     # vocabulary size, so the parameter count is the real one.
@@ -62,5 +60,8 @@ def write_random_flux(out: Path) -> None:
     checked(T5Config, **SD35_T5).save_pretrained(out / "text_encoder_2")
     clip.save_pretrained(out / "tokenizer")
     t5_tokenizer(model_max_length=512).save_pretrained(out / "tokenizer_2")
-    dump("scheduler", {})
+    dump(out, "scheduler", {})
     (out / "scheduler" / "scheduler_config.json").write_text(json.dumps(FLUX1_DEV_SCHEDULER))
+
+
+RANDOM = {"flux": write_random}

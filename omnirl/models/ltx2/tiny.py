@@ -130,3 +130,6 @@ def make_tiny_ltx2(out_dir: str | Path) -> Path:
     )
     pipe.save_pretrained(out_dir)
     return out_dir
+
+
+TINY = {"ltx2": make_tiny_ltx2}

@@ -44,7 +44,7 @@ from omnirl.config import Config
 from omnirl.data.prompts import PromptRow
 from omnirl.errors import ConfigError
 from omnirl.fsdp import DTYPES, compute_dtype, load_pretrained, place_policy
-from omnirl.models.bagel_port import (
+from omnirl.models.bagel.port import (
     LATENT_CHANNELS,
     LATENT_PATCH,
     LLM_CONFIG,

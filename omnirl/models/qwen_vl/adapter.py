@@ -2,10 +2,10 @@
 
 The model (`Qwen2_5_VLForConditionalGeneration` / `Qwen3VLForConditionalGeneration`, chosen by the
 checkpoint's model_type), the placeholder expansion and the M-RoPE positions (`get_rope_index`) are
-transformers' own. As in `qwen3_omni.py`, this file adds LoRA (peft) on the language model's decoder layers
-only (the vision blocks have attention projections too), the peft export, and a processor without the video
-processor (which needs torchvision; omnirl feeds these models images only). A VL model has one stage, the
-language model conditioned on the image.
+transformers' own. As in `qwen3_omni_thinker/adapter.py`, this file adds LoRA (peft) on the language model's
+decoder layers only (the vision blocks have attention projections too), the peft export, and a processor
+without the video processor (which needs torchvision; omnirl feeds these models images only). A VL model has
+one stage, the language model conditioned on the image.
 """
 
 from __future__ import annotations
