@@ -19,6 +19,7 @@ from torch import nn
 
 from benchmarks.breakdown import breakdown, print_breakdown
 from benchmarks.measure import (
+    add_qwen_bpe,
     make_requests,
     matmul_tflops,
     over_ranks,
@@ -164,12 +165,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--path", help="a local checkpoint (else --random-init)")
     p.add_argument("--random-init", action="store_true")
     p.add_argument("--dry-run", action="store_true", help="build every model on meta, count, exit")
-    p.add_argument(
-        "--qwen-bpe",
-        help="Qwen's qwen.tiktoken (in the dashscope wheel: dashscope/resources/qwen.tiktoken): with "
-        "--random-init, Qwen-Image gets the real Qwen2 tokenizer, so prompts have their real token counts "
-        "(without it a byte-level tokenizer spends several times as many)",
-    )
+    add_qwen_bpe(p)  # with --random-init
     p.add_argument("--images", type=int, default=128, help="images per GPU (the reference: 128)")
     p.add_argument("--serial-requests", type=int, default=16, help="0 skips the serial run")
     p.add_argument(

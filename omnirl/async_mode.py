@@ -1,39 +1,16 @@
 """distributed.mode async: rollout and update at the same time, on disjoint ranks of one torchrun job.
 
-The last `distributed.rollout_ranks` ranks of the job only generate and score; the first ones only train.
-Each side runs in a process group of its own (`omnirl.distributed.within`), so everything it shares with
-the colocated loop (`omnirl.step.update`, `scoring.rollout_and_score`, checkpoints, validation) reduces
-over its own ranks; the training ranks form their own FSDP2 mesh. Two things cross between the sides:
+The last `distributed.rollout_ranks` ranks of the job only generate and score; the first ones only train,
+each side in a process group of its own (`omnirl.distributed.within`). Samples go rollout -> training
+ranks by point-to-point messages of pickled objects (gloo, on the host), with the policy version they
+were generated with; weights go training rank 0 -> rollout ranks by a broadcast of the trained tensors in
+buckets of `BUCKET_BYTES`, at a step boundary. Both sides walk the same list of events (`schedule`): the
+rollout of step k uses the policy after max(0, k - s) updates, s = distributed.max_staleness, and the
+trainer corrects for the older policy (algo.old_logprob recompute, algo.correction tis / mis).
+Checkpoints are written by the training ranks with the generated-but-untrained samples in them (`QUEUE`).
 
-- samples, rollout -> training ranks, by point-to-point messages of pickled objects (gloo, on the host):
-  each training rank receives the groups it owns (a contiguous share of the step's prompts) from every
-  rollout rank, with the policy version they were generated with; the rollout ranks' reward statistics
-  and generation time go to training rank 0, which logs them;
-- weights, training rank 0 -> rollout ranks, by a broadcast of the trained tensors (a LoRA run's LoRA, a
-  full fine-tune's every weight; gathered from FSDP2's shards first) in buckets of `BUCKET_BYTES`, at a
-  step boundary.
-
-Both sides walk the same list of events (`schedule`): the samples of step k ("samples", k) and the
-weights after v updates ("weights", v). The rollout of step k uses the policy of version max(0, k - s),
-s = distributed.max_staleness, so it receives version k - s before generating step k. A training rank
-trains step j once its samples are in and version j went out (the version after j updates exists only
-once step j is trained), so at s >= 1 the update of step j runs while the rollout ranks generate step
-j + s with version j. Weights change only between two generations: a request always finishes on the
-weights it started with, and every generated sample is trained exactly once (the training ranks check
-each step's request indices). At s = 0 the rollout waits for every update: the colocated algorithm.
-
-Staleness: every sample carries its policy version and the rollout's log-probs (its behaviour policy);
-the trainer recomputes the old log-probs with the current policy (algo.old_logprob recompute) and the
-loss weights each row by the truncated (tis) or masked (mis) ratio of the two (`omnirl.algos.correction`);
-logged as correction/* next to async/staleness_mean and _max.
-
-Checkpoints are written by the training ranks alone, at the point where the samples of the next
-s steps are generated and not yet trained: those (each training rank's share) are in the checkpoint
-(`queue/rank_RRRRR.pt`), so resuming needs no old weights; the rollout ranks continue with the next
-weights broadcast. A rank that dies ends the job through torchrun (its peers' receive fails at once, or
-after distributed.timeout_s for a hung one).
-
-Our own code: a schedule and two transfers on torch.distributed's send/recv and broadcast.
+How it works and what holds: docs/async.md. Our own code: a schedule and two transfers on
+torch.distributed's send/recv and broadcast.
 """
 
 from __future__ import annotations

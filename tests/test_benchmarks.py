@@ -67,8 +67,6 @@ ENTRIES = sorted(
 ) + [
     "scripts.gpu.phase_memory",
     "scripts.gpu.two_gpu_runs",
-    "scripts.gpu.fp8_kernels",
-    "scripts.gpu.fp8_block",
 ]
 
 # Runs each module as `python -m NAME --help` does (runpy, as __main__, the working directory first on

@@ -110,6 +110,7 @@ def diffusion_adapter_for(model_path: str) -> type:
         ) from None
     for name in ADAPTERS:
         adapter = get_adapter(name)
-        if adapter.kind == "diffusion" and adapter.pipeline_cls.__name__ == pipeline:
+        # (BAGEL's official layout is no diffusers pipeline: it has no pipeline_cls)
+        if adapter.kind == "diffusion" and getattr(adapter, "pipeline_cls", type).__name__ == pipeline:
             return adapter
     raise ConfigError(f"{model_path!r} holds a {pipeline}, which no diffusion adapter of omnirl trains")

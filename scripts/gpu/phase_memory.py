@@ -368,6 +368,8 @@ def run_worker(cmd: list[str], env: dict, budget_s: float) -> tuple[int, bool]:
 
 
 def main(argv: list[str]) -> int:
+    from benchmarks.measure import add_qwen_bpe
+
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
@@ -388,12 +390,7 @@ def main(argv: list[str]) -> int:
         "reward wait is not the OCR engine's)",
     )
     p.add_argument("--keep", action="store_true", help="keep the temporary folder (printed)")
-    p.add_argument(
-        "--qwen-bpe",
-        help="Qwen's qwen.tiktoken (the dashscope wheel's): the Qwen-Image recipes' random-init checkpoint "
-        "gets the real Qwen2 tokenizer, so prompts have their real lengths "
-        "(omnirl/models/tokenizers.py)",
-    )
+    add_qwen_bpe(p)  # the Qwen-Image recipes' random-init checkpoint
     p.add_argument(
         "--cap-gib",
         type=float,

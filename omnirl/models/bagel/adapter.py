@@ -1,27 +1,7 @@
 """BAGEL (ByteDance-Seed/BAGEL-7B-MoT): the diffusion adapter of its text-to-image path.
 
-The model is our port (`bagel_port.BagelModel`, the official checkpoint layout). Only the generation
-pathway trains: a LoRA binds only modules of the generation copy (`*_moe_gen`), and a full fine-tune
-trains only the generation copy, the timestep embedder and the latent embed / unembed. So the prompt's
-context (the keys and values of `<|im_start|> prompt <|im_end|>` through the understanding copy, every
-layer's) is computed once per prompt in the rollout and kept as the prompt's conditioning, as another
-family keeps its text embeddings: the generation tokens attend to those keys and values, which only the
-understanding weights compute, and nothing trains them. The trainer recomputes log-probs from them without
-running the prompt again.
-
-Sampling is BAGEL's: sigma = shift t / (1 + (shift - 1) t) over t = linspace(1, 0, num_steps + 1) (the
-official `num_timesteps` is num_steps + 1: N points are N - 1 steps), the latent tokens start from noise,
-and three-branch guidance: the conditional velocity, the text-unconditional one (an empty context: the
-image marks and latents alone, at RoPE position 0) and the image-unconditional one (the context without
-input images: for text to image the conditional context itself, so its velocity is the conditional one and
-is not run again), v_text = v_uncond + s_text (v_cond - v_uncond), v = v_img + s_img (v_text - v_img),
-then v *= clamp(||v_cond|| / ||v||, 0, 1) per sample over all its latent values (the official "global"
-renormalisation), where sigma lies in `family.cfg_interval` (elsewhere the conditional velocity alone).
-The text scale is `sampling.guidance_scale`, the image scale `family.cfg_image_scale`.
-
-flow_grpo's BAGEL keeps only the quadratic term of the SDE step's log-density, -(x' - mean)^2 / (2 std^2);
-`flow_sde.flow_step` adds -log std - log(2 pi) / 2, which depends only on the step's sigmas and the noise
-level, never on the policy: the ratio new / old and so the loss and its gradient are the same.
+How the adapter is built, what it takes from the libraries and what it writes out: README.md beside it
+(`omnirl/models/bagel/README.md`, "The adapter").
 """
 
 from __future__ import annotations
@@ -58,7 +38,7 @@ from omnirl.models.bagel.port import (
     save_official,
 )
 from omnirl.models.base import Output, Request, Trajectory
-from omnirl.models.diffusers_setup import DiffusersBase, trajectories
+from omnirl.models.diffusers_setup import DiffusionBase, trajectories
 from omnirl.models.flow_sde import WindowedSampler, host_rows, phase, to_host
 from omnirl.models.peft_lora import peft_config, sorted_sets
 from omnirl.ranges import POSITIVE
@@ -118,13 +98,13 @@ def collate_context(rows: list[torch.Tensor], length: int | None = None) -> tupl
     return torch.stack(padded), torch.stack([positions < r.shape[3] for r in rows])
 
 
-class BagelAdapter(DiffusersBase):
-    """The `DiffusionAdapter` for BAGEL checkpoints in the official layout (`bagel_port`).
+class BagelAdapter(DiffusionBase):
+    """The `DiffusionAdapter` for BAGEL checkpoints in the official layout (`port.py`).
 
-    It subclasses `DiffusersBase` for what does not depend on a diffusers pipeline (the policy and its
-    trainable parameters, the batch checks, the LoRA off); BAGEL has no diffusers pipeline, so it checks
-    its own checkpoint layout instead of the base's `__init__`, and writes its LoRA in peft's format over
-    the official module names and its merged export in the official layout."""
+    BAGEL has no diffusers pipeline: it subclasses the family-independent `DiffusionBase` (the policy and
+    its trainable parameters, the batch checks, the LoRA off), checks its own checkpoint layout
+    (`check_path`), and writes its LoRA in peft's format over the official module names and its merged
+    export in the official layout."""
 
     kind = "diffusion"  # the trainer's ops for this adapter (omnirl.ops.OPS)
     modalities = frozenset({"image"})
@@ -134,13 +114,13 @@ class BagelAdapter(DiffusersBase):
     # The FLUX VAE's 8x downsampling times the 2x2 latent patches (the tiny model's VAE: 2x).
     pixel_multiple = 16
 
-    def __init__(self, cfg: Config, device: torch.device):
-        path = cfg.model.path
+    @classmethod
+    def check_path(cls, path: str) -> None:
         check_layout(path)
-        self.model_path, self.device = path, device
-        self.lora = cfg.model.finetune == "lora"
-        # A fully fine-tuned model is trained, hence kept, in float32; a LoRA base stays in model.dtype.
-        self.transformer_dtype = DTYPES[cfg.model.dtype] if self.lora else torch.float32
+
+    def __init__(self, cfg: Config, device: torch.device):
+        super().__init__(cfg, device)
+        path = cfg.model.path
         self.settings: BagelSettings = cfg.family
         self.transformer = load_pretrained(BagelModel, path, torch_dtype=self.transformer_dtype)
         self.vae = load_vae(Path(path) / VAE_WEIGHTS, DTYPES[cfg.model.dtype]).requires_grad_(False)

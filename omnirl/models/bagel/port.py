@@ -1,35 +1,16 @@
 """BAGEL's text-to-image path (ByteDance-Seed/BAGEL-7B-MoT) in our own code, and its official checkpoint.
 
 No diffusers or transformers class holds BAGEL, so its generation path is written here from the
-architecture: a Qwen2-shaped mixture-of-transformers whose every decoder layer holds two copies of its
-attention projections (q/k/v/o), q/k RMS norms, MLP and both layer norms: the understanding copy (the
-Qwen2 names) and the generation copy (the same names ending in `_moe_gen`). A token goes through the copy
-of its kind: text tokens through the understanding copy, latent tokens through the generation copy; all
-tokens of a sequence attend to each other in one attention. transformers' Qwen2 pieces do the parts they
-fit (`Qwen2RMSNorm`, `Qwen2MLP`, `Qwen2RotaryEmbedding`, `apply_rotary_pos_emb`); attention is
-`scaled_dot_product_attention`.
+architecture: a Qwen2-shaped mixture-of-transformers whose every decoder layer holds an understanding
+copy (the Qwen2 names) and a generation copy (the same names ending in `_moe_gen`); a token goes through
+the copy of its kind, and all tokens of a sequence share one attention. The prompt's *context* (its
+every layer's keys and values, understanding copy) is computed once per prompt; the *velocity* runs the
+latent tokens through the generation copy against it. The checkpoint is the official layout
+(`llm_config.json`, `ema.safetensors`, the FLUX autoencoder `ae.safetensors`, the tokenizer files); every
+key of both files is mapped or listed as skipped on purpose (`SKIPPED_PREFIXES`), any other is an error
+naming it.
 
-Text to image runs in two parts:
-
-- the *context*: the prompt `<|im_start|> prompt <|im_end|>` through the understanding copy, causal, at
-  RoPE positions 0 .. L-1; what the image needs from it is every layer's keys and values (after the k-norm
-  and RoPE), [layers, 2, kv_heads, L, head_dim]. The understanding weights are never trained (LoRA binds
-  only generation modules; a full fine-tune trains only them), so the context is computed once per prompt
-  and kept as the prompt's conditioning, like another family's text embeddings.
-- the *velocity*: the query sequence `<|vision_start|>`, the S latent tokens, `<|vision_end|>`, all at
-  the RoPE position L, attending to the context's keys and values and to each other (no causal mask). The
-  two marks are text tokens (understanding copy), the latents go through the generation copy. A latent
-  token is a 2x2 patch of the 16-channel FLUX VAE latent (64 values, ordered patch row, patch column,
-  channel), embedded by `vae2llm` plus the timestep embedding of sigma plus the 2-D sin-cos position
-  embedding of its patch (row * max_latent_size + column); `llm2vae` of the generation final norm is its
-  velocity (noise - data, as in every family here).
-
-The checkpoint is the official layout: `llm_config.json` (a Qwen2 config), `ema.safetensors` (the whole
-model: `language_model.model.*`, `time_embedder.*`, `vae2llm.*`, `llm2vae.*`, `latent_pos_embed.pos_embed`
-and the understanding-only vision tower), `ae.safetensors` (the FLUX autoencoder in Black Forest Labs'
-layout, converted by diffusers' own single-file conversion into `AutoencoderKL`) and the Qwen2 tokenizer
-files. Every key of both files is mapped or listed as skipped on purpose (`SKIPPED_PREFIXES`); any other
-key is an error naming it.
+The sequence, the key table and the exports: omnirl/models/bagel/README.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,8 @@
 """LTX-2 / LTX-2.3 text to video + audio: the diffusion adapter (packed denoising loop of both streams,
 per-row SDE steps, per-stream log-probs), on `LTX2Pipeline` checkpoints.
 
-The components are diffusers' own (`LTX2VideoTransformer3DModel`, `AutoencoderKLLTX2Video`,
-`AutoencoderKLLTX2Audio`, the vocoder, `LTX2TextConnectors`) and transformers' Gemma-3 text encoder; the
-prompt encoding is `LTX2Pipeline.encode_prompt` followed by the connectors, as in the pipeline. The
-denoising loop is written out here because RL needs what the pipeline does not do: one generator per
-request, per-row SDE steps and the log-prob of every trained step (`flow_sde.flow_step`).
-
-- One trajectory per request holds both streams: its latent is the video tokens then the audio tokens,
-  each token-major as the transformer takes them ([N_v, C_v] then [N_a, C_a]), flattened into one
-  float32 vector. The noise is drawn, and every step computed, in float32 in that layout.
-- The log-prob of a step pools the two streams by `flow_sde.Pool`: with family.logprob_pooling 'joint'
-  (the reference's) one mean over all elements of both (the audio's few tokens weigh little), with
-  'equal' the mean of each stream weighted 1/2. Each stream's own log-prob is recorded
-  (`Trajectory.stream_logprobs`) and logged by the trainer (`loss/logprob_video`, `loss/logprob_audio`).
-- Guidance is applied in x0 space, as LTX2Pipeline does: x0 = x0_pos + (s - 1)(x0_pos - x0_neg),
-  v = (x - x0) / sigma. By default one scale (sampling.guidance_scale) for both streams and no rescale
-  (the reference's); family.audio_guidance_scale and the two rescale settings give the pipeline's
-  separate video / audio guidance. The pipeline's spatio-temporal and modality-isolation guidance
-  (extra forwards) are not run: call it with stg_scale 0 and modality_scale 1 to compare.
-- Sigmas are linspace(1, 1/N, N) shifted by the checkpoint's scheduler with the dynamic shift mu of
-  the video token count, as the pipeline sets them. The transformer gets the timestep sigma x 1000 also
-  as its `sigma` (LTX-2.3's prompt modulation reads it), as the pipeline passes it.
-
-With noise level 0 and the same initial latents the rollout equals LTX2Pipeline (video and audio).
+How the adapter is built, what it takes from the libraries and what it writes out: README.md beside it
+(`omnirl/models/ltx2/README.md`, "The adapter").
 """
 
 from __future__ import annotations

@@ -1,19 +1,7 @@
 """Qwen3-Omni (MoE): the thinker adapter (image / audio / text in, text out), an `OmniAdapter`.
 
-The model, the processor's placeholder expansion and the M-RoPE positions are transformers' own
-(`Qwen3OmniMoeThinkerForConditionalGeneration`, `Qwen3OmniMoeProcessor`, `get_rope_index`). What this file
-adds is what RL needs around them:
-
-- Loading the thinker alone, from a full Qwen3-Omni checkpoint (Qwen/Qwen3-Omni-30B-A3B-Instruct:
-  thinker.* / talker.* / code2wav.* weights in one model) or from a thinker-only one. The talker and
-  code2wav are never built, so nothing of theirs reaches the device or FSDP.
-- The config quirk: `get_rope_index` reads `config.vision_start_token_id`, which Qwen3OmniMoeThinkerConfig
-  does not have (transformers 5.17 and 5.24); it is set from the tokenizer's vision-start token.
-- LoRA (peft) on the language model's decoder layers only. The audio encoder also has q/k/v_proj, which a
-  plain suffix match would hit.
-- Export of the LoRA as a peft adapter for `Qwen3OmniMoeThinkerForConditionalGeneration`.
-- A processor without the video processor: the video processor needs torchvision, and omnirl feeds the
-  omni models images and audio only.
+How the adapter is built, what it takes from the libraries and what it writes out: README.md beside it
+(`omnirl/models/qwen3_omni_thinker/README.md`, "The adapter").
 """
 
 from __future__ import annotations
@@ -25,8 +13,6 @@ from typing import Any, ClassVar, Literal, cast
 import torch
 from torch import nn
 from transformers import (
-    AutoConfig,
-    GenerationConfig,
     Qwen3OmniMoeConfig,
     Qwen3OmniMoeProcessor,
     Qwen3OmniMoeThinkerConfig,
@@ -35,12 +21,9 @@ from transformers import (
 from transformers.processing_utils import ProcessorMixin
 
 from omnirl.config import Config
-from omnirl.fsdp import DTYPES, load_pretrained, place_policy
 from omnirl.models.base import Request
 from omnirl.models.lm import (
-    HiddenStatesLM,
     TransformersLMAdapter,
-    make_trainable_lm,
 )
 
 # Request.inputs keys this adapter reads: one PIL image and one waveform (1-D float array, 16 kHz).
@@ -89,10 +72,7 @@ class Qwen3OmniThinkerAdapter(TransformersLMAdapter):
 
     def __init__(self, cfg: Config, device: torch.device):
         path = cfg.model.path
-        try:
-            config = AutoConfig.from_pretrained(path)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"model.path {path!r} is not a loadable transformers checkpoint: {e}") from None
+        config = self.checkpoint_config(path)
         if isinstance(config, Qwen3OmniMoeConfig):
             # The full model: load thinker.* only, renamed to the thinker class's own names.
             # (typed as maybe a dict, the constructor's argument)
@@ -103,43 +83,23 @@ class Qwen3OmniThinkerAdapter(TransformersLMAdapter):
             raise ValueError(
                 f"model.path {path!r} holds a {type(config).__name__}, not a Qwen3-Omni MoE checkpoint"
             )
-
-        # The processor's parts and chat template from the checkpoint's files, as AutoProcessor reads them.
-        self.processor = _ProcessorWithoutVideo.from_pretrained(path)
-        self.tokenizer = tokenizer = self.processor.tokenizer
+        self.read_processor(path, _ProcessorWithoutVideo)
+        tokenizer = self.tokenizer
         assert thinker_config is not None  # a Qwen3OmniMoeConfig always holds its thinker's
         thinker_config.vision_start_token_id = tokenizer.convert_tokens_to_ids(tokenizer.vision_bos_token)
-        try:
-            eos = GenerationConfig.from_pretrained(path).eos_token_id
-        except OSError:  # no generation_config.json: the tokenizer's end-of-turn token
-            eos = tokenizer.eos_token_id
-        self.eos_token_ids = tuple(eos) if isinstance(eos, list) else (eos,)
-        self.pad_token_id = tokenizer.pad_token_id
         self.placeholder_token_ids = (
             tokenizer.image_token_id,
             tokenizer.video_token_id,
             tokenizer.audio_token_id,
         )
-
-        # A fully fine-tuned model is trained, hence kept, in float32; a LoRA base stays in model.dtype.
-        self.lora = cfg.model.finetune == "lora"
-        dtype = DTYPES[cfg.model.dtype] if self.lora else torch.float32
-        thinker = load_pretrained(
+        self.thinker = self.load_model(
+            cfg,
+            device,
             Qwen3OmniMoeThinkerForConditionalGeneration,
-            path,
             config=thinker_config,
             key_mapping=key_mapping,
-            dtype=dtype,
         )
-        self.lora_config = make_trainable_lm(thinker, cfg, path)
-        self.thinker = thinker  # the transformers model: config, generation, peft state
-        self.hf_model = thinker
-        # Onto the device, or left on the host for FSDP2 to place when it shards the frozen base.
-        lm = HiddenStatesLM(thinker.model, thinker.lm_head)
-        self.model = place_policy(lm, cfg.distributed.frozen_base, device)
-        self.lm_head = lm.lm_head  # (`self.model` is `lm`)
         self.path = path
-        self.device = device
 
     def fsdp_units(self) -> list[nn.Module]:
         thinker: Any = self.thinker  # the transformers model, read by name

@@ -1,21 +1,7 @@
 """Qwen-Image: the diffusion adapter (packed denoising loop with True-CFG, per-row SDE windows, log-probs).
 
-The components, the prompt encoding (`QwenImagePipeline.encode_prompt`: the Qwen2.5-VL chat template with its
-system-prompt tokens dropped), the 2x2 latent packing and the sigma schedule (shifted by `mu`, which grows
-with the image token count) are diffusers' own. The denoising loop is written out here, as in sd3/adapter.py,
-because RL needs what the pipeline does not do: one generator per request (so a packed batch draws the same
-noise as a serial run), a per-row SDE window, the log-prob of every trained step (`flow_sde.flow_step`), and
-True-CFG with the conditional and negative rows in one forward. With noise level 0 it is the pipeline's
-sampler: same initial latents, same image.
-
-Prompts differ in length. Rows are zero-padded at the end and masked (`encoder_hidden_states_mask`); the text
-RoPE positions of a row do not depend on how far it is padded, so a padded row computes what it computes
-alone. A batch pads its texts to the smallest bucket (`family.prompt_length_buckets`) that holds its longest,
-so a compiled transformer sees few shapes. The bucket is a property of the batch, not of a request (it is not
-in the compatibility key): the packer sorts requests by their bucketed length and fills full batches across
-bucket boundaries. With a per-request bucket, the tail batches of each bucket lost to the stock pipeline's
-full batches (benchmarks/RESULTS.md): text is a small part of a 512 px row (1,024 image tokens), a tail batch
-a large one.
+How the adapter is built, what it takes from the libraries and what it writes out: README.md beside it
+(`omnirl/models/qwen_image/README.md`, "The adapter").
 """
 
 from __future__ import annotations

@@ -1,24 +1,8 @@
 """Qwen-Image-Edit: the diffusion adapter for text + condition image -> image (packed True-CFG loop, per-row
 SDE windows, log-probs).
 
-The components, the prompt encoding (`QwenImageEditPipeline.encode_prompt`: Qwen2.5-VL reads the edit
-instruction and the condition image, through the processor, in the edit chat template), the VAE encoding of
-the condition image, the 2x2 latent packing and the sigma schedule are diffusers' own. The denoising loop is
-written out here, as in sd3/adapter.py, because RL needs what the pipeline does not do: one generator per
-request, a per-row SDE window, the log-prob of every trained step and True-CFG in one fused forward. As in the
-pipeline, every forward sees the generated image's tokens followed by the condition image's VAE latent tokens
-(`img_shapes` has two entries per row) and only the generated tokens' velocity is used. With noise level 0 it
-is the pipeline's sampler: same initial latents, same image.
-
-The pipeline resizes the condition image to a hard-coded 1024 * 1024 pixel area; here the area is
-`family.condition_area`. The condition image's size is part of the compatibility key, and its VAE latents are
-stored in `Trajectory.embeds["image_latents"]` with the prompt embeddings, so training never re-runs an
-encoder.
-
-Prompts differ in length (their embeddings also hold the condition image's vision tokens): rows are padded and
-masked, and a batch pads its texts to a bucket of `family.prompt_length_buckets`, with Qwen-Image's functions
-(qwen_image/adapter.py, whose module docstring says why). The edit pipeline never truncates a prompt, so a
-longer one than the largest bucket is an error, not a truncation.
+How the adapter is built, what it takes from the libraries and what it writes out: README.md beside it
+(`omnirl/models/qwen_image_edit/README.md`, "The adapter").
 """
 
 from __future__ import annotations

@@ -16,8 +16,6 @@ from typing import ClassVar
 import torch
 from torch import nn
 from transformers import (
-    AutoConfig,
-    GenerationConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2_5_VLProcessor,
     Qwen3VLForConditionalGeneration,
@@ -25,12 +23,9 @@ from transformers import (
 from transformers.processing_utils import ProcessorMixin
 
 from omnirl.config import Config
-from omnirl.fsdp import DTYPES, load_pretrained, place_policy
 from omnirl.models.base import Request
 from omnirl.models.lm import (
-    HiddenStatesLM,
     TransformersLMAdapter,
-    make_trainable_lm,
 )
 
 FAMILIES = {
@@ -71,37 +66,16 @@ class QwenVLAdapter(TransformersLMAdapter):
 
     def __init__(self, cfg: Config, device: torch.device):
         path = cfg.model.path
-        try:
-            config = AutoConfig.from_pretrained(path)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"model.path {path!r} is not a loadable transformers checkpoint: {e}") from None
+        config = self.checkpoint_config(path)
         if config.model_type not in FAMILIES:
             raise ValueError(
                 f"model.path {path!r} holds a {config.model_type!r} model; the qwen_vl adapter loads "
                 f"{', '.join(FAMILIES)}"
             )
-        self.processor = _ProcessorWithoutVideo.from_pretrained(path)
-        self.tokenizer = tokenizer = self.processor.tokenizer
-        try:
-            eos = GenerationConfig.from_pretrained(path).eos_token_id
-        except OSError:  # no generation_config.json: the tokenizer's end-of-turn token
-            eos = tokenizer.eos_token_id
-        self.eos_token_ids = tuple(eos) if isinstance(eos, list) else (eos,)
-        self.pad_token_id = tokenizer.pad_token_id
+        self.read_processor(path, _ProcessorWithoutVideo)
         self.image_token_id = self.processor.image_token_id
         self.placeholder_token_ids = (self.processor.image_token_id, self.processor.video_token_id)
-
-        # A fully fine-tuned model is trained, hence kept, in float32; a LoRA base stays in model.dtype.
-        self.lora = cfg.model.finetune == "lora"
-        dtype = DTYPES[cfg.model.dtype] if self.lora else torch.float32
-        hf_model = load_pretrained(FAMILIES[config.model_type], path, dtype=dtype)
-        self.lora_config = make_trainable_lm(hf_model, cfg, path)
-        self.hf_model = hf_model  # the transformers model: config, generation, peft state
-        # Onto the device, or left on the host for FSDP2 to place when it shards the frozen base.
-        lm = HiddenStatesLM(hf_model.model, hf_model.lm_head)
-        self.model = place_policy(lm, cfg.distributed.frozen_base, device)
-        self.lm_head = lm.lm_head  # (`self.model` is `lm`)
-        self.device = device
+        self.load_model(cfg, device, FAMILIES[config.model_type])
 
     def fsdp_units(self) -> list[nn.Module]:
         body = self.hf_model.model

@@ -61,6 +61,10 @@ class SD3Adapter(DiffusersBase):
     # sampling.height / width must be multiples of this (checked when the recipe loads): the VAE's 8x
     # downsampling times the transformer's 2x2 patches. The tiny test model's VAE downsamples 2x.
     pixel_multiple = 16
+    # What the latent rewards read besides the Protocol's members (omnirl.rewards.dina_lrm).
+    scheduler: FlowMatchEulerDiscreteScheduler
+    vae_scale_factor: int  # image pixels per latent pixel, per side
+    max_sequence_length: int  # T5 tokens of a prompt (family.max_sequence_length, capped by the tokenizer)
 
     def __init__(self, cfg: Config, device: torch.device):
         super().__init__(cfg, device)

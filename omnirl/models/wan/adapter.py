@@ -8,17 +8,8 @@ log-probs), for both layouts of `WanPipeline` checkpoints:
   `guidance_scale_2` below), as in `WanPipeline.__call__`, which guides neither expert when `guidance_scale`
   <= 1, whatever `guidance_scale_2` is.
 
-The components, the prompt encoding (`WanPipeline.encode_prompt`: UMT5, zero-padded to max_sequence_length)
-and the latent normalisation are diffusers' own. The denoising loop is written out here, as in sd3/adapter.py,
-because RL needs what the pipeline does not do: one generator per request, a per-row SDE window and the
-log-prob of every trained step (`flow_sde.flow_step`).
-
-The policy of a two-expert checkpoint is one module of both (`Experts`); `velocity` routes each row to the
-expert that owns its sigma, so one training micro-batch may hold rows of both experts. The real checkpoints
-ship a UniPC multistep scheduler, which has no per-step density; the rollout samples with the flow-matching
-Euler step (the one Flow-GRPO and DanceGRPO train) on `FlowMatchEulerDiscreteScheduler`'s schedule with the
-family's `flow_shift`. With noise level 0 it equals `WanPipeline` run with that scheduler: same initial
-latents, same video.
+How the adapter is built, what it takes from the libraries and what it writes out: README.md beside it
+(`omnirl/models/wan/README.md`, "The adapter").
 """
 
 from __future__ import annotations

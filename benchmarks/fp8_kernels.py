@@ -6,7 +6,7 @@ shapes in bf16 and in FP8 (compiled: the quantisation fused, as the rollout runs
 fast accumulation (rollout.fp8_fast_accum). `--row-sweep`: only which row counts the device's scaled
 matmul takes (raw, and through `fp8_linear`, eager and compiled, with and without fast accumulation).
 
-    python -m scripts.gpu.fp8_kernels --out fp8_kernels.json
+    python -m benchmarks.fp8_kernels --out fp8_kernels.json
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import json
 import torch
 import torch.nn.functional as F
 
+from benchmarks.measure import cuda_time
 from omnirl import distributed as D
 from omnirl.rollout.fp8 import Float8Linear, dequantise, fp8_linear, quantise_rows
 
@@ -68,17 +69,9 @@ SHAPES["mlp down 12288->3072"] = (12288, 3072)
 ROWS = 32 * 1024
 
 
-def cuda_time(fn, iters: int = 20) -> float:
-    """Milliseconds per call, CUDA events, after 3 warm-up calls."""
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
+def cuda_ms(fn, iters: int = 20) -> float:
+    """Milliseconds per call (`measure.cuda_time`), after 3 warm-up calls."""
+    return 1e3 * cuda_time(fn, iters, warmup=3)
 
 
 def torchao_check(linear, x, y, ref, scale_ref: float) -> dict:
@@ -148,11 +141,11 @@ def main() -> None:
             "bf16_vs_fp32_mean_rel": ((linear(x).float() - ref).abs().mean() / scale_ref).item(),
         }
         flops = 2 * a.rows * k * n
-        bf16_ms = cuda_time(lambda x=x, linear=linear: F.linear(x, linear.weight, linear.bias))
-        fp8_ms = cuda_time(lambda args=args: compiled(*args))
+        bf16_ms = cuda_ms(lambda x=x, linear=linear: F.linear(x, linear.weight, linear.bias))
+        fp8_ms = cuda_ms(lambda args=args: compiled(*args))
         # rollout.fp8_fast_accum: the tensor cores' own accumulator, no promotion to float32.
         y_fast = compiled(*args, fast_accum=True)
-        fast_ms = cuda_time(lambda args=args: compiled(*args, fast_accum=True))
+        fast_ms = cuda_ms(lambda args=args: compiled(*args, fast_accum=True))
         fast_vs_exact = (y_fast.float() - y_eager.float()).abs().max() / scale_ref
         row |= {
             "bf16_ms": bf16_ms, "fp8_compiled_ms": fp8_ms, "speedup": bf16_ms / fp8_ms,

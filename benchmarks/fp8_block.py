@@ -8,7 +8,7 @@ prompts of different lengths runs) runs the model in bf16, in FP8 eager and in F
 "ok" with the FP8 outputs' distance from bf16, or the error's first line. It finds where a compiled FP8
 batch fails (a 2-request batch did, in cuBLASLt, where 32 ran) with the whole block around the GEMMs.
 
-    python -m scripts.gpu.fp8_block --out fp8_block.json
+    python -m benchmarks.fp8_block --out fp8_block.json
 """
 
 from __future__ import annotations

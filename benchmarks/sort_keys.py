@@ -1,7 +1,7 @@
 """How long torch.sort takes for a MoE decode step's expert ids (tokens x top-k of them, below the expert
 count) by key dtype, on the device: the grouped-GEMM dispatch sorts them once per MoE layer and step.
 
-    python -m scripts.gpu.sort_keys [--out sort_keys.json]
+    python -m benchmarks.sort_keys [--out sort_keys.json]
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import argparse
 import json
 
 import torch
+
+from benchmarks.measure import cuda_time
 
 SIZES = (512, 2048, 8192)  # 64, 256, 1024 tokens x top-8
 EXPERTS = (32, 128)
@@ -31,15 +33,9 @@ def main() -> None:
                 for stable in (False, True):
                     perm = torch.sort(keys, stable=stable)[1]
                     grouped = torch.equal(ids[perm], ids[reference])
-                    for _ in range(10):
-                        torch.sort(keys, stable=stable)
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    for _ in range(args.iters):
-                        torch.sort(keys, stable=stable)
-                    end.record()
-                    end.synchronize()
-                    us = 1e3 * start.elapsed_time(end) / args.iters
+                    us = 1e6 * cuda_time(
+                        lambda k=keys, s=stable: torch.sort(k, stable=s), args.iters, warmup=10
+                    )
                     rows.append({"ids": n, "experts": experts, "dtype": str(dtype), "stable": stable,
                                  "us": us, "grouped_as_int64": grouped})  # fmt: skip
                     print(f"{n:6d} ids <{experts:4d} {dtype!s:12} stable={stable!s:5} {us:8.2f} us {grouped}")
