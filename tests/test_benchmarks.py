@@ -410,7 +410,7 @@ def test_rollout_packing_interleaved_pairs_on_tiny_wan(layout, tiny_wan_ti2v, ti
     path = tiny_wan_ti2v if layout == "ti2v" else tiny_wan_a14b
     cells = ["2:split", "2:split:compiled"] if layout == "ti2v" else ["2"]
     args = [
-        *("--model", f"wan22_{layout}", "--path", str(path), "--images", "2", "--serial-requests", "0"),
+        *("--model", f"wan_{layout}", "--path", str(path), "--images", "2", "--serial-requests", "0"),
         *("--max-num-seqs", "--compiled-max-num-seqs", "--stock-batch", "2", "--logprob-check", "0"),
         *("--size", "32x64", "--frames", "5", "--steps", "3", "--repeats", "2", "--interleave"),
         "--breakdown",
