@@ -1,11 +1,11 @@
 """Rollout time of DanceGRPO's and MixGRPO-Flash's sampling against the modes they replace, through omnirl's
 DiffusionEngine on full-size models (`--random-init`: the public configs, omnirl/models/random_init.py).
 
-- `wan22_ti2v` (the `wan22_ti2v_dancegrpo` recipe's rollout: 704x1280, 9 frames, 10 steps, True-CFG 5.0):
+- `wan_ti2v` (the `wan22_ti2v_dancegrpo` recipe's rollout: 704x1280, 9 frames, 10 steps, True-CFG 5.0):
   `window`, the recipe's mode before (VeRL-Omni's: dance_sde at noise 1.2 in a window of 2 in [0, 5), the
   ODE elsewhere), against `dancegrpo`, the recipe's (DanceGRPO's: the SDE on every step but the last, a
   random 5 of steps 0-8 trained).
-- `sd35` (the `sd35_mixgrpo_flash_ocr` recipe's rollout: 512 px, 25 steps, CFG 4.5, DPM-Solver++ 2M after
+- `sd3` (the `sd35_mixgrpo_flash_ocr` recipe's rollout: 512 px, 25 steps, CFG 4.5, DPM-Solver++ 2M after
   the window): for windows of 4 at the given starts, `full`, the ODE on the whole schedule (before), against
   `compressed`, MixGRPO-Flash's compressed schedule (`sampling.ode_compress_ratio` 0.4); and over a whole
   period of the recipe's windows, the mean number of denoising forwards of each.
@@ -13,7 +13,7 @@ DiffusionEngine on full-size models (`--random-init`: the public configs, omnirl
 Each cell: the engine's memory probes for its batch first (untimed), then `--repeats` timed generations of
 the same requests (median reported). Prints a table and writes JSON (`--out`).
 
-    python -m benchmarks.algo_rollouts --model wan22_ti2v sd35 --random-init --out algo_rollouts.json
+    python -m benchmarks.algo_rollouts --model wan_ti2v sd3 --random-init --out algo_rollouts.json
 """
 
 from __future__ import annotations
@@ -30,17 +30,16 @@ import torch
 import transformers
 
 from benchmarks.measure import make_requests, peak_gib, reset_peak, timed_repeats
-from omnirl.models import build_adapter
+from omnirl.models import build_adapter, write_random_checkpoint
 from omnirl.models.flow_sde import compressed_schedule, sliding_window
-from omnirl.models.random_init import write_random_checkpoint
 from omnirl.ops.diffusion import sampling_params
 from omnirl.recipe import load_config
 from omnirl.rollout.diffusion import DiffusionEngine
 
 # --model (write_random_checkpoint's name for the models) -> its recipe
 MODELS = {
-    "wan22_ti2v": "wan22_ti2v_dancegrpo",
-    "sd35": "sd35_mixgrpo_flash_ocr",
+    "wan_ti2v": "wan22_ti2v_dancegrpo",
+    "sd3": "sd35_mixgrpo_flash_ocr",
 }
 PROMPTS = [
     'a neon sign that reads "OPEN" on a rainy street at night',
@@ -55,9 +54,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", nargs="+", choices=sorted(MODELS), default=sorted(MODELS))
     p.add_argument("--path", help="a local checkpoint (one --model; else --random-init)")
     p.add_argument("--random-init", action="store_true")
-    p.add_argument("--videos", type=int, default=4, help="wan22_ti2v: videos per cell (one batch)")
-    p.add_argument("--images", type=int, default=16, help="sd35: images per cell (one batch)")
-    p.add_argument("--starts", type=int, nargs="+", default=[0, 10], help="sd35: window starts timed")
+    p.add_argument("--videos", type=int, default=4, help="wan_ti2v: videos per cell (one batch)")
+    p.add_argument("--images", type=int, default=16, help="sd3: images per cell (one batch)")
+    p.add_argument("--starts", type=int, nargs="+", default=[0, 10], help="sd3: window starts timed")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default="algo_rollouts.json")
     p.add_argument("--set", default="", help='recipe overrides, e.g. "--sampling.height 32" (a CPU check)')
@@ -99,7 +98,7 @@ def wan_cells(cfg, adapter, a) -> list[dict]:
     engine.generate(make_requests(PROMPTS[:1], window, ""))  # kernels warmed, untimed
     rows = []
     for name, params in (("window", window), ("dancegrpo", dance)):
-        rows.append({"model": "wan22_ti2v", "mode": name, **cell(engine, params, a.videos, a.repeats)})
+        rows.append({"model": "wan_ti2v", "mode": name, **cell(engine, params, a.videos, a.repeats)})
     return rows
 
 
@@ -115,7 +114,7 @@ def sd35_cells(cfg, adapter, a) -> list[dict]:
             params = dataclasses.replace(base, sde_window_range=(start, start + s.sde_window_size))
             rows.append(
                 {
-                    "model": "sd35",
+                    "model": "sd3",
                     "mode": name,
                     "window_start": start,
                     **cell(engine, params, a.images, a.repeats),
@@ -150,7 +149,7 @@ def main() -> None:
     for model in a.model:
         cfg, adapter = build(model, a, device)
         with torch.no_grad():
-            if model == "wan22_ti2v":
+            if model == "wan_ti2v":
                 rows += wan_cells(cfg, adapter, a)
             else:
                 rows += sd35_cells(cfg, adapter, a)
@@ -172,7 +171,7 @@ def main() -> None:
         )
     if "sd35_period" in out:
         p = out["sd35_period"]
-        print(f"sd35 over a period of {p['windows']} windows: {p['full']} forwards full, "
+        print(f"sd3 over a period of {p['windows']} windows: {p['full']} forwards full, "
               f"{p['compressed_mean']:.2f} compressed (mean)")  # fmt: skip
     print(f"wrote {a.out}")
 

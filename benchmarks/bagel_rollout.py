@@ -16,7 +16,7 @@ LoRA r64 on the generation copies, gradient checkpointing), it measures:
    mean log-prob: the flow_grpo loss runs the same forward and backward), and the AdamW step on the LoRA.
 
 `--random-init` builds BAGEL-7B-MoT from its public config with random weights
-(`omnirl.models.random_init.write_random_bagel`, then `model.weights random`: the 13.6 B parameters of
+(`omnirl.models.bagel.public_config.write_random`, then `model.weights random`: the 13.6 B parameters of
 the text to image path, bfloat16) and a random FLUX autoencoder; the images are noise, speed and memory
 are the real model's. The tokenizer is the tiny byte-level one: a prompt costs about one token per byte.
 Prints a table and writes JSON (`--out`).
@@ -75,8 +75,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", help="write the JSON here")
     a = parser.parse_args(argv)
 
+    from omnirl.distributed import derive_seed
     from omnirl.models import build_adapter
-    from omnirl.models.base import Request, derive_seed
+    from omnirl.models.base import Request
     from omnirl.ops.diffusion import Pair, pair_logprob, sampling_params
     from omnirl.recipe import load_config
 
@@ -84,14 +85,14 @@ def main(argv=None) -> dict:
     tmp = Path(tempfile.mkdtemp())
     overrides = ["--data.train_path", "data/ocr_prompts_tiny.jsonl"]
     if a.tiny:
-        from omnirl.models.tiny import make_tiny_bagel
+        from omnirl.models.bagel.tiny import make_tiny_bagel
 
         path = make_tiny_bagel(tmp / "bagel")
         overrides += ["--model.dtype", "float32", "--distributed.param_dtype", "float32"]
         overrides += ["--sampling.height", "32", "--sampling.width", "32"]
         overrides += ["--sampling.num_steps", "4", "--sampling.sde_window_range", "0", "3"]
     else:
-        from omnirl.models.random_init import write_random_checkpoint
+        from omnirl.models import write_random_checkpoint
 
         path = tmp / "bagel"
         write_random_checkpoint("bagel", path)

@@ -2,7 +2,7 @@
 meta device (no weights, no device, a few seconds on CPU): what the trainer logs as mem/frozen_bytes and
 mem/frozen_device_bytes, for full-size models before a GPU run.
 
-    python -m benchmarks.frozen_memory [--model qwen3_omni_thinker qwen_image sd35] [--ranks 1 2 4 8]
+    python -m benchmarks.frozen_memory [--model qwen3_omni_thinker qwen_image sd3] [--ranks 1 2 4 8]
                                        [--path DIFFUSERS_DIR] [--dtype bfloat16] [--out FILE.json]
 
 Per model and number of ranks N: replicate holds the whole base on every rank's device; shard holds 1/N
@@ -55,10 +55,10 @@ def build(model: str, path: str | None = None) -> tuple[nn.Module, list[nn.Modul
             from diffusers import QwenImageTransformer2DModel
 
             m = QwenImageTransformer2DModel()  # its defaults are Qwen-Image's
-        elif model == "sd35":
+        elif model == "sd3":
             from diffusers import SD3Transformer2DModel
 
-            from omnirl.models.public_configs import SD35_TRANSFORMER
+            from omnirl.models.sd3.public_config import SD35_TRANSFORMER
 
             m = SD3Transformer2DModel(**SD35_TRANSFORMER)
         elif model == "path":
@@ -68,7 +68,7 @@ def build(model: str, path: str | None = None) -> tuple[nn.Module, list[nn.Modul
                 SD3Transformer2DModel.load_config(path, subfolder="transformer")
             )
         else:
-            raise SystemExit(f"error: --model {model!r}: one of qwen3_omni_thinker, qwen_image, sd35")
+            raise SystemExit(f"error: --model {model!r}: one of qwen3_omni_thinker, qwen_image, sd3")
     return m, list(m.transformer_blocks)
 
 
@@ -96,7 +96,7 @@ def table(model: nn.Module, units: list[nn.Module], ranks: list[int], dtype: tor
 
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", nargs="+", default=["qwen3_omni_thinker", "qwen_image", "sd35"])
+    p.add_argument("--model", nargs="+", default=["qwen3_omni_thinker", "qwen_image", "sd3"])
     p.add_argument("--path", help="a diffusers checkpoint whose transformer/ to count (instead of --model)")
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))

@@ -24,18 +24,19 @@ from benchmarks.breakdown import kernel_table
 from benchmarks.measure import place_as_trainer
 from benchmarks.vllm_methods import PLAIN, cap_vllm, run_vllm, run_vllm_plain
 from omnirl.algos.correction import consistency_metrics
-from omnirl.config import config_for
 from omnirl.distributed import device_type
 from omnirl.fsdp import DTYPES, gathered_weights
 from omnirl.memory import synchronize
 from omnirl.models import get_adapter
 from omnirl.models.base import GenerationParams, Request
 from omnirl.models.lm import pad_responses
-from omnirl.models.random_init import write_random_thinker
+from omnirl.models.qwen3_omni_thinker.public_config import write_random_thinker
+from omnirl.recipe import config_for
 from omnirl.rollout.compiled import ELEMENTWISE_MODULES
 from omnirl.rollout.generate import GenerationEngine
 
-# The arguments that shape --random-init's thinker (omnirl.models.random_init.write_random_thinker).
+# The arguments that shape --random-init's thinker
+# (omnirl.models.qwen3_omni_thinker.public_config.write_random_thinker).
 THINKER_SHAPE = (
     "vocab", "hidden", "layers", "heads", "kv_heads", "head_dim", "moe_intermediate", "experts",
     "experts_per_tok", "dtype", "head_scale",
@@ -299,7 +300,7 @@ def run(args, tmp: str) -> None:
     elif args.model:
         path = Path(args.model)
     else:
-        from omnirl.models.tiny import make_tiny_qwen3_omni
+        from omnirl.models.qwen3_omni_thinker.tiny import make_tiny_qwen3_omni
 
         path = make_tiny_qwen3_omni(Path(tmp) / "tiny")
     cfg = config_for("qwen3_omni_thinker")

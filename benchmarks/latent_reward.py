@@ -89,12 +89,12 @@ def random_pickscore(device: torch.device, tiny: Path | None):
     """PickScore with random weights of PickScore_v1's shapes (or the tiny one), built on the device."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
-    from omnirl.models.tiny import _clip_tokenizer
+    from omnirl.models.tokenizers import clip_tokenizer
     from omnirl.rewards.pickscore import PickScore
 
     if tiny is not None:
         return PickScore(str(tiny))
-    tok = _clip_tokenizer()
+    tok = clip_tokenizer()
     ids = dict(vocab_size=49408, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                pad_token_id=tok.pad_token_id)  # fmt: skip
     config = CLIPConfig(
@@ -146,13 +146,12 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default="", help="write the JSON here")
     a = p.parse_args(argv)
     assert a.random_init != a.tiny, "give one of --random-init / --tiny"
-    from omnirl.models import build_adapter
+    from omnirl.models import build_adapter, write_random_checkpoint
     from omnirl.models.base import Latent
-    from omnirl.models.random_init import write_random_checkpoint
-    from omnirl.models.tiny import TINY_MODELS
     from omnirl.recipe import load_config
     from omnirl.rewards import to_pil
     from omnirl.rewards.dina_lrm import Backbone, DinaLRM
+    from omnirl.testing import TINY_MODELS
 
     dist = D.init_distributed()
     device = dist.device
@@ -162,8 +161,8 @@ def main(argv=None) -> dict:
         recipe, size, n, idx = "sd3_tiny_flowgrpo_dinalrm", 32, 1, [1]
         overrides = ["--model.path", str(ckpt)]
     else:
-        ckpt = tmp / "sd35"
-        write_random_checkpoint("sd35", ckpt)
+        ckpt = tmp / "sd3"
+        write_random_checkpoint("sd3", ckpt)
         recipe, size, n, idx = "sd35_flowgrpo_dinalrm", 512, 12, [4, 8, 12]
         overrides = ["--model.path", str(ckpt), "--model.weights", "random"]
     prompts_file = tmp / "prompts.jsonl"

@@ -13,15 +13,15 @@ from torch import nn
 
 from omnirl import distributed as D
 from omnirl import fsdp
-from omnirl.distributed import all_reduce
+from omnirl.distributed import all_reduce, derive_seed
 from omnirl.fsdp import compute_dtype
 from omnirl.memory import synchronize
-from omnirl.models.base import Request, SamplingParams, derive_seed
+from omnirl.models.base import Request, SamplingParams
 from omnirl.models.flux.adapter import FluxAdapter
-from omnirl.models.ltx2 import LTX2Adapter
-from omnirl.models.qwen_image import padded_lengths
-from omnirl.models.sd3 import SD3Adapter
-from omnirl.models.wan import WanAdapter
+from omnirl.models.ltx2.adapter import LTX2Adapter
+from omnirl.models.qwen_image.adapter import padded_lengths
+from omnirl.models.sd3.adapter import SD3Adapter
+from omnirl.models.wan.adapter import WanAdapter
 
 CLIP_TOKENS = 77  # SD3's two CLIP encoders, padded to their maximum, ahead of the T5 tokens
 
@@ -197,19 +197,39 @@ def timed_repeats(fn, repeats: int, before=lambda: None) -> tuple[float, list[fl
     return statistics.median(runs), runs, out
 
 
-def time_calls(fn, iters: int) -> tuple[float, float]:
-    """(seconds of a first, warm-up call; mean seconds of the `iters` calls after it), with CUDA events on
-    a GPU, so the host's timer sees no launch latency."""
-    first, _ = timed(fn)
-    if not torch.cuda.is_available():
-        return first, timed(lambda: [fn() for _ in range(iters)])[0] / iters
+def cuda_time(fn, iters: int, warmup: int = 0) -> float:
+    """Mean seconds of `iters` calls of `fn` after `warmup` untimed ones, between two CUDA events, so the
+    host's timer sees no launch latency (every GPU measurement's timer)."""
+    for _ in range(warmup):
+        fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):
         fn()
     end.record()
     end.synchronize()
-    return first, start.elapsed_time(end) / 1e3 / iters
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def time_calls(fn, iters: int) -> tuple[float, float]:
+    """(seconds of a first, warm-up call; mean seconds of the `iters` calls after it), with CUDA events on
+    a GPU (`cuda_time`)."""
+    first, _ = timed(fn)
+    if not torch.cuda.is_available():
+        return first, timed(lambda: [fn() for _ in range(iters)])[0] / iters
+    return first, cuda_time(fn, iters)
+
+
+def add_qwen_bpe(parser) -> None:
+    """`--qwen-bpe PATH`, for the measurements that write a random-init Qwen-Image checkpoint
+    (`omnirl.models.write_random_checkpoint`)."""
+    parser.add_argument(
+        "--qwen-bpe",
+        help="Qwen's qwen.tiktoken (in the dashscope wheel: dashscope/resources/qwen.tiktoken): a "
+        "random-init Qwen-Image checkpoint gets the real Qwen2 tokenizer (omnirl/models/tokenizers.py), so "
+        "prompts have their real token counts (without it a byte-level tokenizer spends several times as "
+        "many)",
+    )
 
 
 def peak_gib() -> float:

@@ -15,8 +15,8 @@ from benchmarks.measure import batch_lengths, peak_gib, real_flops, reset_peak, 
 from omnirl import fsdp
 from omnirl.memory import empty_cache
 from omnirl.models.base import Request
-from omnirl.models.qwen_image import bucket, collate
-from omnirl.models.sd3 import SD3Adapter
+from omnirl.models.qwen_image.adapter import bucket, collate
+from omnirl.models.sd3.adapter import SD3Adapter
 from omnirl.rollout.diffusion import DiffusionEngine
 
 # ---------------------------------------------------------------------------------------------- cells

@@ -16,9 +16,9 @@ from omnirl import distributed as D
 from omnirl import fsdp
 from omnirl.models.base import SamplingParams
 from omnirl.models.flux.adapter import FluxAdapter
-from omnirl.models.ltx2 import LTX2Adapter
-from omnirl.models.sd3 import SD3Adapter
-from omnirl.models.wan import WanAdapter
+from omnirl.models.ltx2.adapter import LTX2Adapter
+from omnirl.models.sd3.adapter import SD3Adapter
+from omnirl.models.wan.adapter import WanAdapter
 
 
 def stock_pipe(adapter, params: SamplingParams):

@@ -19,6 +19,7 @@ from torch import nn
 
 from benchmarks.breakdown import breakdown, print_breakdown
 from benchmarks.measure import (
+    add_qwen_bpe,
     make_requests,
     matmul_tflops,
     over_ranks,
@@ -43,23 +44,22 @@ from benchmarks.packing_cells import (
 )
 from benchmarks.packing_stock import interleaved, stock
 from omnirl import distributed as D
-from omnirl.models import build_adapter
+from omnirl.models import build_adapter, write_random_checkpoint
 from omnirl.models.base import Request, SamplingParams
-from omnirl.models.ltx2 import LTX2Adapter
-from omnirl.models.random_init import write_random_checkpoint
-from omnirl.models.wan import WanAdapter
+from omnirl.models.ltx2.adapter import LTX2Adapter
+from omnirl.models.wan.adapter import WanAdapter
 from omnirl.recipe import load_config
 
 # --model (write_random_checkpoint's name for the models) -> its recipe
 MODELS = {
     "qwen_image": "qwen_image_flowgrpo_ocr",
-    "sd35": "sd35_flowgrpo_ocr",
-    "wan22_ti2v": "wan22_ti2v_dancegrpo",
-    "wan22_a14b": "wan22_a14b_flowgrpo_lora",
-    "ltx23": "ltx23_t2av_flowgrpo_lora",
-    "flux1_dev": "flux_dancegrpo_hpsv3",
+    "sd3": "sd35_flowgrpo_ocr",
+    "wan_ti2v": "wan22_ti2v_dancegrpo",
+    "wan_a14b": "wan22_a14b_flowgrpo_lora",
+    "ltx2": "ltx23_t2av_flowgrpo_lora",
+    "flux": "flux_dancegrpo_hpsv3",
 }
-VIDEO_MODELS = ("wan22_ti2v", "wan22_a14b", "ltx23")
+VIDEO_MODELS = ("wan_ti2v", "wan_a14b", "ltx2")
 
 WORDS = (
     "a storefront sign a neon sign a chalkboard menu a vintage poster glowing warm light on a rainy street "
@@ -165,12 +165,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--path", help="a local checkpoint (else --random-init)")
     p.add_argument("--random-init", action="store_true")
     p.add_argument("--dry-run", action="store_true", help="build every model on meta, count, exit")
-    p.add_argument(
-        "--qwen-bpe",
-        help="Qwen's qwen.tiktoken (in the dashscope wheel: dashscope/resources/qwen.tiktoken): with "
-        "--random-init, Qwen-Image gets the real Qwen2 tokenizer, so prompts have their real token counts "
-        "(without it a byte-level tokenizer spends several times as many)",
-    )
+    add_qwen_bpe(p)  # with --random-init
     p.add_argument("--images", type=int, default=128, help="images per GPU (the reference: 128)")
     p.add_argument("--serial-requests", type=int, default=16, help="0 skips the serial run")
     p.add_argument(

@@ -1,47 +1,22 @@
 """distributed.mode async: rollout and update at the same time, on disjoint ranks of one torchrun job.
 
-The last `distributed.rollout_ranks` ranks of the job only generate and score; the first ones only train.
-Each side runs in a process group of its own (`omnirl.distributed.within`), so everything it shares with
-the colocated loop (`omnirl.step.update`, `scoring.rollout_and_score`, checkpoints, validation) reduces
-over its own ranks; the training ranks form their own FSDP2 mesh. Two things cross between the sides:
+The last `distributed.rollout_ranks` ranks of the job only generate and score; the first ones only train,
+each side in a process group of its own (`omnirl.distributed.within`). Samples go rollout -> training
+ranks by point-to-point messages of pickled objects (gloo, on the host), with the policy version they
+were generated with; weights go training rank 0 -> rollout ranks by a broadcast of the trained tensors in
+buckets of `BUCKET_BYTES`, at a step boundary. Both sides walk the same list of events (`schedule`): the
+rollout of step k uses the policy after max(0, k - s) updates, s = distributed.max_staleness, and the
+trainer corrects for the older policy (algo.old_logprob recompute, algo.correction tis / mis).
+Checkpoints are written by the training ranks with the generated-but-untrained samples in them (`QUEUE`).
 
-- samples, rollout -> training ranks, by point-to-point messages of pickled objects (gloo, on the host):
-  each training rank receives the groups it owns (a contiguous share of the step's prompts) from every
-  rollout rank, with the policy version they were generated with; the rollout ranks' reward statistics
-  and generation time go to training rank 0, which logs them;
-- weights, training rank 0 -> rollout ranks, by a broadcast of the trained tensors (a LoRA run's LoRA, a
-  full fine-tune's every weight; gathered from FSDP2's shards first) in buckets of `BUCKET_BYTES`, at a
-  step boundary.
-
-Both sides walk the same list of events (`schedule`): the samples of step k ("samples", k) and the
-weights after v updates ("weights", v). The rollout of step k uses the policy of version max(0, k - s),
-s = distributed.max_staleness, so it receives version k - s before generating step k. A training rank
-trains step j once its samples are in and version j went out (the version after j updates exists only
-once step j is trained), so at s >= 1 the update of step j runs while the rollout ranks generate step
-j + s with version j. Weights change only between two generations: a request always finishes on the
-weights it started with, and every generated sample is trained exactly once (the training ranks check
-each step's request indices). At s = 0 the rollout waits for every update: the colocated algorithm.
-
-Staleness: every sample carries its policy version and the rollout's log-probs (its behaviour policy);
-the trainer recomputes the old log-probs with the current policy (algo.old_logprob recompute) and the
-loss weights each row by the truncated (tis) or masked (mis) ratio of the two (`omnirl.algos.correction`);
-logged as correction/* next to async/staleness_mean and _max.
-
-Checkpoints are written by the training ranks alone, at the point where the samples of the next
-s steps are generated and not yet trained: those (each training rank's share) are in the checkpoint
-(`queue/rank_RRRRR.pt`), so resuming needs no old weights; the rollout ranks continue with the next
-weights broadcast. A rank that dies ends the job through torchrun (its peers' receive fails at once, or
-after distributed.timeout_s for a hung one); a failed transfer across the split is one line naming the
-peer rank (`PeerLost`).
-
-Our own code: a schedule and two transfers on torch.distributed's send/recv and broadcast.
+How it works and what holds: docs/async.md. Our own code: a schedule and two transfers on
+torch.distributed's send/recv and broadcast.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import math
 import pickle
 import time
 from pathlib import Path
@@ -56,7 +31,8 @@ from torch.distributed.tensor import DTensor
 
 from omnirl import checkpoint
 from omnirl import distributed as D
-from omnirl.config import Config, ConfigError
+from omnirl.config import Config
+from omnirl.config_checks import rollout_count as rollout_count
 from omnirl.models import base
 
 # Weights go in buckets of this many bytes: few broadcasts, and no second copy of a full model at once.
@@ -65,61 +41,6 @@ QUEUE = "queue"  # the checkpoint's folder of each training rank's generated-but
 # What a sample is made of: all that a checkpoint's queue may hold beyond tensors and plain values.
 RECORDS = [base.Trajectory, base.OmniTrajectory, base.Request, base.SamplingParams, base.GenerationParams]
 RECORDS += [base.Output, base.Latent]
-
-
-def rollout_count(cfg: Config, world: int) -> int:
-    """The number of rollout ranks that distributed.rollout_ranks names on `world` ranks (a count, or a
-    fraction rounded to the nearest count)."""
-    r = cfg.distributed.rollout_ranks
-    return round(r * world) if 0 < r < 1 else int(r)
-
-
-def check_async(cfg: Config, world: int) -> None:
-    """distributed.mode async on `world` ranks: a ConfigError naming the field, before anything loads."""
-    d = cfg.distributed
-    r = d.rollout_ranks
-    if not (math.isfinite(r) and r > 0 and (r < 1 or r == int(r))):
-        raise ConfigError(
-            f"distributed.rollout_ranks must be a count (1, 2, ...) or a fraction in (0, 1), got {r!r}"
-        )
-    if world < 2:
-        raise ConfigError(
-            f"distributed.mode async needs at least 2 ranks (one generates, one trains); this job has {world}"
-        )
-    n = rollout_count(cfg, world)
-    if n < 1:
-        raise ConfigError(f"distributed.rollout_ranks {r} of {world} ranks leaves no rollout rank")
-    if n >= world:
-        raise ConfigError(
-            f"distributed.rollout_ranks {r} of {world} ranks leaves no training rank ({n} rollout ranks)"
-        )
-    if d.max_staleness < 0:
-        raise ConfigError(f"distributed.max_staleness must be >= 0, got {d.max_staleness}")
-    p = cfg.rollout.prompts_per_step
-    for side, count in (("rollout", n), ("training", world - n)):
-        if p % count:
-            raise ConfigError(
-                f"rollout.prompts_per_step ({p}) must divide by the number of {side} ranks ({count}): each "
-                "takes an equal share of the step's prompts"
-            )
-    a = cfg.algo
-    if d.max_staleness > 0 and (a.old_logprob != "recompute" or a.correction == "none"):
-        raise ConfigError(
-            f"distributed.max_staleness {d.max_staleness}: samples of an older policy need algo.old_logprob "
-            f"recompute and algo.correction tis or mis (the truncated importance weight), got "
-            f"{a.old_logprob} and {a.correction}; distributed.max_staleness 0 trains on the current policy"
-        )
-    for what, unsupported in (
-        ("rollout.backend vllm", cfg.rollout.backend == "vllm"),
-        ("rollout.precision fp8", cfg.rollout.precision == "fp8"),
-        ("algo.loss diffusion_nft (its old policy lives with the trainer)", a.loss == "diffusion_nft"),
-        (f"distributed.frozen_base {d.frozen_base}", d.frozen_base != "replicate"),
-        ("distributed.rollout_gather unit", d.rollout_gather == "unit"),
-    ):
-        if unsupported:
-            raise ConfigError(
-                f"distributed.mode async does not run with {what}: use distributed.mode colocated"
-            )
 
 
 def schedule(steps: int, staleness: int, done: int = 0) -> list[tuple[str, int]]:

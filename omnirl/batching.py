@@ -1,22 +1,26 @@
 """How a step's work is cut, the same way for every kind of model.
 
 - `make_requests`: this rank's requests of a step, seeds from (seed, step, global request index).
-- `global_positions`: the update's shuffle of every rank's rows, the same on any number of ranks.
+- `global_positions`: the update's shuffle of every rank's rows, the same on any number of ranks;
+  `shuffled_rows`: this rank's rows of the kept samples, in that shuffle's order.
 - `split_mini_batches`: the mini-batches of that shuffle.
 - `equalise`: as many micro-batches on every rank, short ranks padding with zero-weight rows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from omnirl import distributed as D
-from omnirl.config import Config, ConfigError
+from omnirl.config import Config
 from omnirl.data.edit import open_inputs
 from omnirl.data.prompts import PromptRow, step_prompt_indices
-from omnirl.models.base import P, Request, derive_seed
+from omnirl.distributed import derive_seed
+from omnirl.errors import ConfigError
+from omnirl.models.base import P, Request
 
 
 def make_requests(
@@ -91,3 +95,20 @@ def global_positions(gen: torch.Generator, total: int) -> list[float]:
     where = torch.empty(total, dtype=torch.float64)
     where[perm] = torch.arange(total, dtype=torch.float64) / total
     return where.tolist()
+
+
+def shuffled_rows(
+    trajs: list, keep: torch.Tensor, gen: torch.Generator, samples: int, per_sample: int, make: Callable
+) -> list:
+    """This rank's training rows of the kept samples (`keep`: [len(trajs)] bool), `per_sample` rows each
+    (a diffusion sample's trained steps, 1 for a response), made as `make(traj, k, position)`: each at its
+    `position` in the shuffle of the step's `samples` x `per_sample` rows over all ranks (`global_positions`,
+    numbered by global request index, then k), sorted by it."""
+    where = global_positions(gen, samples * per_sample)
+    rows = [
+        make(t, k, where[t.request.index * per_sample + k])
+        for t, kept in zip(trajs, keep.tolist())
+        if kept
+        for k in range(per_sample)
+    ]
+    return sorted(rows, key=lambda row: row.position)

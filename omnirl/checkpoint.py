@@ -59,8 +59,9 @@ from omnirl.checkpoint_checks import (
     read_state,
     verify,
 )
-from omnirl.config import Config, config_for
+from omnirl.config import Config
 from omnirl.config_checks import check_model_path
+from omnirl.recipe import config_for
 
 STEP_DIR = re.compile(r"step_(\d{6,})")
 # Only trainable parameters are saved: the frozen base of a LoRA comes from model.path on every start.

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.tensor import DTensor
 
 from omnirl import distributed as D
-from omnirl.config import ConfigError
+from omnirl.errors import ConfigError
 from omnirl.weights import LOAD_ERRORS, load_fault
 
 FORMAT = 2  # 2: manifest.json

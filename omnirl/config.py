@@ -4,23 +4,18 @@ The attribute docstrings below document the fields: `--help` prints every field 
 
 A model family's own settings are not a section here: each adapter class names its `Settings` dataclass
 (omnirl.models), and the recipe's `family:` section is checked against the one of `model.adapter`, as
-strictly as the sections below (`config_class`).
+strictly as the sections below (`omnirl.recipe.config_class`). This module imports nothing of omnirl:
+every other module may import it.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPE_DIR = REPO_ROOT / "yaml"
-
-
-class ConfigError(ValueError):
-    """A recipe or override that cannot become a valid config."""
 
 
 @dataclass
@@ -605,37 +600,4 @@ class Config:
     health: HealthConfig = field(default_factory=HealthConfig)
     family: Any = None
     """The model family's own settings: an instance of the `Settings` dataclass of the adapter named by
-    model.adapter. `config_class` types it; a plain `Config()` has none."""
-
-
-@functools.cache
-def config_class(adapter: str) -> type[Config]:
-    """`Config` with its `family` section typed as the `Settings` of `adapter` (an unknown adapter is a
-    ConfigError naming the known ones), so the recipe's `family:` keys and `--family.x` overrides are
-    checked like any other section's. Imports the adapter's module, which loads no weights."""
-    # The families' modules import diffusers / transformers, whose import warns that the optional
-    # torchvision is missing (a fallback omnirl does not need): quiet while the recipe is checked, so
-    # that an error in it is its one line.
-    import transformers
-
-    from omnirl.models import get_adapter  # omnirl.models imports this module
-
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    try:
-        settings = get_adapter(adapter).Settings
-    finally:
-        transformers.logging.set_verbosity(verbosity)
-    return dataclasses.make_dataclass(
-        "Config",
-        [("family", settings, field(default_factory=settings))],
-        bases=(Config,),
-        namespace={"__doc__": Config.__doc__},
-    )
-
-
-def config_for(adapter: str) -> Config:
-    """The default config of `adapter`, with its family settings (tests and scripts build on it)."""
-    cfg = config_class(adapter)()
-    cfg.model.adapter = adapter
-    return cfg
+    model.adapter. `omnirl.recipe.config_class` types it; a plain `Config()` has none."""

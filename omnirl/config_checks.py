@@ -9,16 +9,11 @@ import os
 from typing import Any
 
 from omnirl.algos.losses import check_loss, loss_spec
-from omnirl.config import Config, ConfigError, SamplingConfig
-
-
-def at_least(n: int) -> tuple:
-    return (lambda v: v >= n), f"an integer >= {n}"
-
-
-POSITIVE = (lambda v: math.isfinite(v) and v > 0), "a finite number > 0"
-NON_NEGATIVE = (lambda v: math.isfinite(v) and v >= 0), "a finite number >= 0"
-FRACTION = (lambda v: math.isfinite(v) and 0 < v <= 1), "a number in (0, 1]"
+from omnirl.config import Config, SamplingConfig
+from omnirl.errors import ConfigError
+from omnirl.models import get_adapter
+from omnirl.models.flow_sde import window
+from omnirl.ranges import FRACTION, NON_NEGATIVE, POSITIVE, at_least
 
 # Field -> (predicate, what is allowed). A family's own settings (`family.*`) have theirs in the RANGES
 # class attribute of the adapter's `Settings`, checked here in the same way.
@@ -105,8 +100,6 @@ def check_values(cfg: Config) -> None:
         value = getattr(getattr(cfg, section), name)
         if not ok(value):
             raise bad(key, value, allowed)
-    from omnirl.models import get_adapter
-
     adapter = get_adapter(cfg.model.adapter)
     for name, (ok, allowed) in adapter.Settings.RANGES.items():
         value = getattr(cfg.family, name)
@@ -142,8 +135,6 @@ def check_values(cfg: Config) -> None:
     if not cfg.lora.target_modules:
         raise ConfigError("lora.target_modules is empty: name the modules that receive LoRA")
     if cfg.distributed.mode == "async":
-        from omnirl.async_mode import check_async  # the rollout and training ranks' own counts
-
         check_async(cfg, world)
     elif cfg.rollout.prompts_per_step % world:
         raise ConfigError(
@@ -162,8 +153,6 @@ def check_values(cfg: Config) -> None:
             "log-probs at no extra cost"
         )
     _check_precision(cfg, adapter)
-    from omnirl.health import check_health  # omnirl.health imports this module
-
     check_health(cfg)
 
 
@@ -338,9 +327,7 @@ def _check_sampling(s: SamplingConfig, adapter: type, name: str, logprobs: bool)
         raise ConfigError(
             f"sampling.sde_window_range must be a non-empty range [lo, hi) with lo >= 0, got {[lo, hi]}"
         )
-    from omnirl.models.flow_sde import window  # the sampler's own rule: the window inside its range
-
-    try:
+    try:  # the sampler's own rule: the window inside its range
         window(s.num_steps, s.sde_window_size, (lo, hi))
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -357,4 +344,93 @@ def _check_sampling(s: SamplingConfig, adapter: type, name: str, logprobs: bool)
         raise ConfigError(
             "sampling.ode_compress_ratio needs sampling.sde_window_schedule sliding without "
             "sde_window_random: the compressed schedule follows one window shared by the whole batch"
+        )
+
+
+def rollout_count(cfg: Config, world: int) -> int:
+    """The number of rollout ranks that distributed.rollout_ranks names on `world` ranks (a count, or a
+    fraction rounded to the nearest count)."""
+    r = cfg.distributed.rollout_ranks
+    return round(r * world) if 0 < r < 1 else int(r)
+
+
+def check_async(cfg: Config, world: int) -> None:
+    """distributed.mode async on `world` ranks: a ConfigError naming the field, before anything loads."""
+    d = cfg.distributed
+    r = d.rollout_ranks
+    if not (math.isfinite(r) and r > 0 and (r < 1 or r == int(r))):
+        raise ConfigError(
+            f"distributed.rollout_ranks must be a count (1, 2, ...) or a fraction in (0, 1), got {r!r}"
+        )
+    if world < 2:
+        raise ConfigError(
+            f"distributed.mode async needs at least 2 ranks (one generates, one trains); this job has {world}"
+        )
+    n = rollout_count(cfg, world)
+    if n < 1:
+        raise ConfigError(f"distributed.rollout_ranks {r} of {world} ranks leaves no rollout rank")
+    if n >= world:
+        raise ConfigError(
+            f"distributed.rollout_ranks {r} of {world} ranks leaves no training rank ({n} rollout ranks)"
+        )
+    if d.max_staleness < 0:
+        raise ConfigError(f"distributed.max_staleness must be >= 0, got {d.max_staleness}")
+    p = cfg.rollout.prompts_per_step
+    for side, count in (("rollout", n), ("training", world - n)):
+        if p % count:
+            raise ConfigError(
+                f"rollout.prompts_per_step ({p}) must divide by the number of {side} ranks ({count}): each "
+                "takes an equal share of the step's prompts"
+            )
+    a = cfg.algo
+    if d.max_staleness > 0 and (a.old_logprob != "recompute" or a.correction == "none"):
+        raise ConfigError(
+            f"distributed.max_staleness {d.max_staleness}: samples of an older policy need algo.old_logprob "
+            f"recompute and algo.correction tis or mis (the truncated importance weight), got "
+            f"{a.old_logprob} and {a.correction}; distributed.max_staleness 0 trains on the current policy"
+        )
+    for what, unsupported in (
+        ("rollout.backend vllm", cfg.rollout.backend == "vllm"),
+        ("rollout.precision fp8", cfg.rollout.precision == "fp8"),
+        ("algo.loss diffusion_nft (its old policy lives with the trainer)", a.loss == "diffusion_nft"),
+        (f"distributed.frozen_base {d.frozen_base}", d.frozen_base != "replicate"),
+        ("distributed.rollout_gather unit", d.rollout_gather == "unit"),
+    ):
+        if unsupported:
+            raise ConfigError(
+                f"distributed.mode async does not run with {what}: use distributed.mode colocated"
+            )
+
+
+def check_health(cfg: Config) -> None:
+    """The health section's values, at load (one ConfigError line naming the field)."""
+    h = cfg.health
+    for name in ("baseline_steps", "patience"):
+        if getattr(h, name) < 1:
+            raise ConfigError(f"health.{name} must be an integer >= 1, got {getattr(h, name)}")
+    for name in ("parity_every", "guard_every"):
+        if getattr(h, name) < 0:
+            raise ConfigError(f"health.{name} must be an integer >= 0, got {getattr(h, name)}")
+    fractions = ("diversity_min", "dark_max", "saturated_max", "entropy_min", "repetition_max", "silence_max")
+    for name in fractions:
+        v = getattr(h, name)
+        if not (math.isfinite(v) and 0 <= v <= 1):
+            raise ConfigError(f"health.{name} must be a number in [0, 1], got {v}")
+    for name in ("guard_drop", "adapt_kl_init", "adapt_rate", "adapt_kl_max"):
+        v = getattr(h, name)
+        if not (math.isfinite(v) and v > 0):
+            raise ConfigError(f"health.{name} must be a finite number > 0, got {v}")
+    if set(h.parity_tolerance) != {"fp32", "bf16", "fp8", "vllm"}:
+        raise ConfigError(
+            "health.parity_tolerance must name exactly fp32, bf16, fp8 and vllm, got "
+            f"{sorted(h.parity_tolerance)}"
+        )
+    if any(not (math.isfinite(v) and v > 0) for v in h.parity_tolerance.values()):
+        raise ConfigError(f"health.parity_tolerance: every tolerance must be > 0, got {h.parity_tolerance}")
+    if h.guard_every and not h.guard_prompts:
+        raise ConfigError("health.guard_every > 0 needs health.guard_prompts (the guard set's prompts)")
+    if h.on_alert == "adapt" and cfg.model.finetune == "full" and cfg.algo.kl_beta == 0:
+        raise ConfigError(
+            "health.on_alert adapt with model.finetune full needs algo.kl_beta > 0: a full fine-tune keeps "
+            "its reference copy only for a KL term"
         )

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from omnirl.config import ConfigError
+from omnirl.errors import ConfigError
 
 
 @dataclass
@@ -238,6 +238,18 @@ def exit_now(code: int | None = 0) -> None:
 def print0(*args, **kwargs) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(*args, **kwargs, flush=True)
+
+
+def derive_seed(base_seed: int, step: int, index: int) -> int:
+    """A request's seed from (base seed, step, global request index), never from the rank, so a run
+    resumed on another number of ranks draws the same samples (a fixed 63-bit mix, no Python hash())."""
+    x = (base_seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB) & (
+        2**64 - 1
+    )
+    x ^= x >> 31
+    x = (x * 0xD6E8FEB86659FD93) & (2**64 - 1)
+    x ^= x >> 32
+    return x & (2**63 - 1)
 
 
 def seed_everything(seed: int) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from omnirl.checkpoint_checks import check_finite
-from omnirl.config import ConfigError
+from omnirl.errors import ConfigError
 from omnirl.models.diffusers_setup import LORA_FILE
 from omnirl.weights import safe_open
 

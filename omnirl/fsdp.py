@@ -27,8 +27,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 from transformers import PreTrainedModel
 
-from omnirl.config import ConfigError
 from omnirl.distributed import device_type, local_device
+from omnirl.errors import ConfigError
 from omnirl.memory import free_bytes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -10,19 +10,54 @@ prints the fields with the attribute docstrings of omnirl.config.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from collections.abc import Set as AbstractSet
+from dataclasses import field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
 from omnirl.algos.losses import loss_spec
-from omnirl.config import RECIPE_DIR, Config, ConfigError, ModelConfig, config_class
+from omnirl.config import RECIPE_DIR, Config, ModelConfig
 from omnirl.config_checks import check_values, fp8_trained
+from omnirl.errors import ConfigError
+from omnirl.models import get_adapter
 
 REQUIRED = ("model.path", "data.train_path")
+
+
+@functools.cache
+def config_class(adapter: str) -> type[Config]:
+    """`Config` with its `family` section typed as the `Settings` of `adapter` (an unknown adapter is a
+    ConfigError naming the known ones), so the recipe's `family:` keys and `--family.x` overrides are
+    checked like any other section's. Imports the adapter's module, which loads no weights."""
+    # The families' modules import diffusers / transformers, whose import warns that the optional
+    # torchvision is missing (a fallback omnirl does not need): quiet while the recipe is checked, so
+    # that an error in it is its one line.
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        settings = get_adapter(adapter).Settings
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    return dataclasses.make_dataclass(
+        "Config",
+        [("family", settings, field(default_factory=settings))],
+        bases=(Config,),
+        namespace={"__doc__": Config.__doc__},
+    )
+
+
+def config_for(adapter: str) -> Config:
+    """The default config of `adapter`, with its family settings (tests and scripts build on it)."""
+    cfg = config_class(adapter)()
+    cfg.model.adapter = adapter
+    return cfg
 
 
 def resolve_recipe(name: str) -> Path:

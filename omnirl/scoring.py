@@ -21,7 +21,8 @@ from omnirl import distributed as D
 from omnirl.config import Config
 from omnirl.data.edit import open_inputs
 from omnirl.data.prompts import PromptRow
-from omnirl.models.base import Request, derive_seed
+from omnirl.distributed import derive_seed
+from omnirl.models.base import Request
 from omnirl.ops import KindOps
 from omnirl.rewards.pool import RewardPool
 

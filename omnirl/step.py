@@ -24,7 +24,7 @@ from omnirl.algos.advantages import group_advantages
 from omnirl.autotune import AutoCheckpointing
 from omnirl.batching import split_mini_batches
 from omnirl.config import Config
-from omnirl.models.base import derive_seed
+from omnirl.distributed import derive_seed
 from omnirl.ops import KindOps
 from omnirl.phase_clock import PhaseClock
 from omnirl.rollout.compiled import compile_forwards, swapped

@@ -30,7 +30,7 @@ from safetensors import SafetensorError
 from safetensors import safe_open as _safe_open
 from safetensors.torch import load_file
 
-from omnirl.config import ConfigError
+from omnirl.errors import ConfigError
 
 SAFETENSORS = (".safetensors",)
 TORCH_FILES = (".bin", ".pt", ".pth", ".ckpt")

@@ -33,8 +33,8 @@ import sys
 from pathlib import Path
 
 from omnirl.checkpoint import LORA_FILE, adapter_from_checkpoint
-from omnirl.config import ConfigError
 from omnirl.config_checks import check_model_path
+from omnirl.errors import ConfigError
 from omnirl.export import (
     check_lora_dir,
     check_out,
@@ -44,7 +44,7 @@ from omnirl.export import (
     staged,
 )
 from omnirl.fsdp import DTYPES
-from omnirl.models.bagel_port import LLM_CONFIG, WEIGHTS
+from omnirl.models.bagel.port import LLM_CONFIG, WEIGHTS
 from omnirl.weights import check_weight_files
 
 PEFT_CONFIG, PEFT_FILE = "adapter_config.json", "adapter_model.safetensors"  # a peft adapter's files
@@ -158,7 +158,7 @@ def export_peft_dir(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         )
     with staged(args.out) as out:
         if args.merge:
-            from omnirl.models.bagel import BagelAdapter
+            from omnirl.models.bagel.adapter import BagelAdapter
 
             BagelAdapter.merge_lora(args.model_path, args.source, out, DTYPES[args.dtype])
         else:

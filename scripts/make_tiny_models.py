@@ -2,7 +2,7 @@
 
     python scripts/make_tiny_models.py --out tiny_models [--only sd3] [--force]
 
-writes tiny_models/<family> for every family in omnirl.models.tiny.TINY_MODELS; recipes then name
+writes tiny_models/<family> for every family in omnirl.testing.TINY_MODELS; recipes then name
 e.g. `model.path: tiny_models/sd3`. A family already built is skipped unless --force.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import diffusers
 import transformers
 
-from omnirl.models.tiny import TINY_MODELS
+from omnirl.testing import TINY_MODELS
 
 
 class KnownWarnings(logging.Filter):

@@ -39,9 +39,9 @@ import time
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from omnirl.config import Config, ConfigError
-from omnirl.data.prompts import DataError
+from omnirl.config import Config
 from omnirl.distributed import exit_now
+from omnirl.errors import ConfigError, DataError
 from omnirl.health import HealthError
 from omnirl.recipe import load_config
 from omnirl.step import NonFiniteError

@@ -19,9 +19,9 @@ from torch.distributed.tensor import DTensor
 
 from omnirl import distributed as D
 from omnirl import fsdp
-from omnirl.config import config_for
 from omnirl.models import get_adapter
 from omnirl.ops import ops_class, shard
+from omnirl.recipe import config_for
 
 
 def check(name: str, path: str, frozen_base: str, finetune: str = "lora") -> None:

@@ -11,8 +11,8 @@ import sys
 from omnirl import distributed as D
 from omnirl import fsdp
 from omnirl.batching import make_requests
-from omnirl.config import ConfigError
 from omnirl.data.prompts import load_prompts
+from omnirl.errors import ConfigError
 from omnirl.models import get_adapter
 from omnirl.ops import shard
 from omnirl.ops.diffusion import DiffusionOps, sampling_params

@@ -13,8 +13,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from omnirl import distributed as D
 from omnirl import fsdp
-from omnirl.config import config_for
-from omnirl.models.wan import WanAdapter
+from omnirl.models.wan.adapter import WanAdapter
+from omnirl.recipe import config_for
 
 
 def main():

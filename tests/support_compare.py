@@ -7,9 +7,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from omnirl.config import Config, config_for
-from omnirl.models.base import Request, SamplingParams, derive_seed
+from omnirl.config import Config
+from omnirl.distributed import derive_seed
+from omnirl.models.base import Request, SamplingParams
 from omnirl.models.diffusers_setup import LORA_FILE
+from omnirl.recipe import config_for
 
 
 def max_diff(a, b) -> float:

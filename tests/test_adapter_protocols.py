@@ -11,7 +11,7 @@ import pytest
 
 from omnirl.models import ADAPTERS, get_adapter
 from omnirl.models.base import DiffusionAdapter, OmniAdapter
-from omnirl.models.sd3 import SD3Adapter
+from omnirl.models.sd3.adapter import SD3Adapter
 from omnirl.ops import OPS
 
 PROTOCOLS = {"diffusion": DiffusionAdapter, "omni": OmniAdapter}

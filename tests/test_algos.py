@@ -20,10 +20,11 @@ from omnirl.algos.losses import (
     flow_kl,
     get_loss,
 )
-from omnirl.config import AlgoConfig, ConfigError, config_for
+from omnirl.config import AlgoConfig
 from omnirl.config_checks import check_values
+from omnirl.errors import ConfigError
 from omnirl.models.flow_sde import flow_step
-from omnirl.recipe import load_recipe
+from omnirl.recipe import config_for, load_recipe
 from omnirl.step import combine, summarise
 
 

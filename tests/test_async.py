@@ -21,7 +21,7 @@ import yaml
 from safetensors.torch import load_file
 
 from omnirl.async_mode import schedule
-from omnirl.config import ConfigError
+from omnirl.errors import ConfigError
 from omnirl.recipe import load_config
 from tests.test_job_failures import alive, children, failure_of, free_port
 from tests.test_train import read_jsonl, torchrun, torchrun_cmd

@@ -7,7 +7,7 @@ import pytest
 import torch
 import yaml
 
-from omnirl.config import ConfigError
+from omnirl.errors import ConfigError
 from omnirl.models.base import Output
 from omnirl.rewards import check_modalities, get_reward, reward_inputs
 
@@ -43,8 +43,8 @@ def test_clap_is_the_cosine_of_the_model_embeddings(tmp_path):
     from scipy.signal import resample_poly
     from transformers import ClapModel, ClapProcessor
 
-    from omnirl.models.tiny_rewards import make_tiny_clap
     from omnirl.rewards.clap import ClapAlignment
+    from omnirl.testing.rewards import make_tiny_clap
 
     make_tiny_clap(tmp_path)
     with pytest.raises(ConfigError, match="reward.paths.clap"):
@@ -73,7 +73,7 @@ def test_clap_is_the_cosine_of_the_model_embeddings(tmp_path):
 def test_recipe_without_the_reward_weights_fails_at_load(reward, tmp_path, capsys, monkeypatch):
     """The tiny LTX-2.3 recipe rewarded by CLAP or ImageBind with no reward.paths entry, or one to a
     directory without the model, stops with one `error:` line before the model loads."""
-    from omnirl.models.ltx2 import LTX2Adapter
+    from omnirl.models.ltx2.adapter import LTX2Adapter
     from tests.test_bad_input import ROOT, assert_one_error_line, load_train_script
 
     loaded = []
@@ -100,8 +100,8 @@ def test_recipe_without_the_reward_weights_fails_at_load(reward, tmp_path, capsy
 @pytest.fixture
 def tiny_imagebind(tmp_path, monkeypatch):
     """The tiny ImageBind's directory, the reward classes set to its towers, the licence not yet shown."""
-    from omnirl.models.tiny_rewards import make_tiny_imagebind, tiny_imagebind_arch
     from omnirl.rewards import imagebind as IB
+    from omnirl.testing.rewards import make_tiny_imagebind, tiny_imagebind_arch
 
     monkeypatch.setattr(IB.ImageBindReward, "arch", tiny_imagebind_arch())
     monkeypatch.setattr(IB, "_licence_shown", False)
@@ -123,9 +123,9 @@ def test_imagebind_rewards_are_the_cosine_of_the_model_embeddings(tiny_imagebind
     same clips; the licence is printed once however many rewards load."""
     from scipy.signal import resample_poly
 
-    from omnirl.models.tiny_rewards import tiny_imagebind_arch
     from omnirl.rewards import imagebind as IB
     from omnirl.rewards.imagebind_model import UNUSED, ImageBind
+    from omnirl.testing.rewards import tiny_imagebind_arch
 
     outputs, prompts = av_outputs(), ["a flute in a field", "waves"]
     av = IB.ImageBindAudioVideo(str(tiny_imagebind))
@@ -187,10 +187,10 @@ def test_imagebind_inputs_are_the_official_loaders_clips():
 def test_imagebind_file_is_matched_key_by_key(tiny_imagebind, tmp_path):
     """Every key of the three towers must be in the file with its shape, and every other key must be one
     of the official towers not built here (depth, thermal, IMU); else an error naming the key."""
-    from omnirl.config import ConfigError
-    from omnirl.models.tiny_rewards import tiny_imagebind_arch
+    from omnirl.errors import ConfigError
     from omnirl.rewards.imagebind import FILE
     from omnirl.rewards.imagebind_model import load_imagebind
+    from omnirl.testing.rewards import tiny_imagebind_arch
 
     state = torch.load(tiny_imagebind / FILE, weights_only=True)
     assert any(k.startswith("modality_trunks.thermal.") for k in state)  # skipped, not an error
@@ -220,7 +220,7 @@ def test_imagebind_file_is_matched_key_by_key(tiny_imagebind, tmp_path):
 def test_a_reward_of_two_modalities_gets_both(tiny_imagebind):
     """`modality = ("video", "audio")`: the model must produce both (else the recipe is refused, naming
     them), each sample's input is the pair, and the pool hands it that pair."""
-    from omnirl.config import ConfigError
+    from omnirl.errors import ConfigError
     from omnirl.rewards import imagebind as IB
     from omnirl.rewards.pool import RewardPool
 

@@ -25,7 +25,7 @@ import yaml
 from omnirl import checkpoint
 from omnirl import distributed as D
 from omnirl.models import get_adapter
-from omnirl.models.wan import LORA_FILE, LORA_FILE_2, WanAdapter
+from omnirl.models.wan.adapter import LORA_FILE, LORA_FILE_2, WanAdapter
 from tests.support_compare import perturb_lora, tiny_config
 from tests.test_bad_input import ROOT, assert_one_error_line, load_train_script
 from tests.test_checkpoint import export_status, reseal
@@ -326,7 +326,7 @@ def test_second_of_two_runs_started_together_is_refused_before_loading(tiny_sd3,
 @pytest.fixture(scope="module")
 def bagel_lora_dir(tiny_bagel, tmp_path_factory) -> Path:
     """The LoRA directory a BAGEL run writes at its end (its adapter's export_lora: a peft adapter)."""
-    from omnirl.models.bagel import BagelAdapter, BagelSettings
+    from omnirl.models.bagel.adapter import BagelAdapter, BagelSettings
 
     targets = ["q_proj_moe_gen", "k_proj_moe_gen", "v_proj_moe_gen", "o_proj_moe_gen"]
     cfg = tiny_config("bagel", tiny_bagel, rank=4, alpha=8.0, target_modules=targets)

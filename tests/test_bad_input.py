@@ -428,7 +428,7 @@ def test_overlong_edit_instruction_is_refused_by_row(tiny_qwen_image_edit, tmp_p
 
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 def test_mmk12_question_longer_than_the_context_is_refused_by_row(
-    tiny_qwen3_omni, tmp_path, capsys, monkeypatch
+    tiny_qwen3_omni_thinker, tmp_path, capsys, monkeypatch
 ):
     """A prompt that cannot fit the model's context with generation.max_new_tokens is refused by file:row
     (as vLLM refuses such a request), not trained on silently or prefilled for minutes."""
@@ -442,7 +442,14 @@ def test_mmk12_question_longer_than_the_context_is_refused_by_row(
         + json.dumps({"image": "a.png", "question": question, "answer": "2"})
         + "\n"
     )
-    args = ["--recipe", "mmk12_tiny", "--model.path", str(tiny_qwen3_omni), "--data.train_path", str(rows)]
+    args = [
+        "--recipe",
+        "mmk12_tiny",
+        "--model.path",
+        str(tiny_qwen3_omni_thinker),
+        "--data.train_path",
+        str(rows),
+    ]
     expected = f"{rows}:2: the prompt ("
     err = refused_run(args, tmp_path, capsys, expected)
     assert "tokens, which with generation.max_new_tokens 48 is more than the model's context of 1024" in err

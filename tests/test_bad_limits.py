@@ -15,11 +15,11 @@ from tests.test_bad_input import ROOT, refused_run
 pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 
 
-def omni_args(tiny_qwen3_omni) -> list[str]:
-    return ["--recipe", "mmk12_tiny", "--model.path", str(tiny_qwen3_omni)]
+def omni_args(tiny_qwen3_omni_thinker) -> list[str]:
+    return ["--recipe", "mmk12_tiny", "--model.path", str(tiny_qwen3_omni_thinker)]
 
 
-def test_row_buckets_past_the_halvings_of_the_slots(tiny_qwen3_omni, tmp_path, capsys, monkeypatch):
+def test_row_buckets_past_the_halvings_of_the_slots(tiny_qwen3_omni_thinker, tmp_path, capsys, monkeypatch):
     """generation.row_buckets beyond the distinct halvings of rollout.max_num_seqs (all 8 slots, 4, 2, 1)
     is refused before the model loads: a billion of them looped in step 0."""
     import omnirl.trainer
@@ -29,12 +29,12 @@ def test_row_buckets_past_the_halvings_of_the_slots(tiny_qwen3_omni, tmp_path, c
 
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(omnirl.trainer, "build_adapter", no_model)
-    args = [*omni_args(tiny_qwen3_omni), "--rollout.max_num_seqs", "8", "--generation.row_buckets"]
+    args = [*omni_args(tiny_qwen3_omni_thinker), "--rollout.max_num_seqs", "8", "--generation.row_buckets"]
     refused_run([*args, "1000000000"], tmp_path, capsys, "generation.row_buckets must be at most 4 (")
     refused_run([*args, "5"], tmp_path, capsys, "generation.row_buckets must be at most 4 (")
 
 
-def test_kv_windows_past_the_context(tiny_qwen3_omni, tmp_path, capsys, monkeypatch):
+def test_kv_windows_past_the_context(tiny_qwen3_omni_thinker, tmp_path, capsys, monkeypatch):
     """generation.kv_windows beyond the 64-column windows of the model's context (the tiny model's 1024
     tokens: 16) is refused before the model loads, from model.path's config.json: a billion of them
     looped in step 0."""
@@ -46,17 +46,23 @@ def test_kv_windows_past_the_context(tiny_qwen3_omni, tmp_path, capsys, monkeypa
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(omnirl.trainer, "build_adapter", no_model)
     for windows in ("1000000000", "17"):
-        args = [*omni_args(tiny_qwen3_omni), "--generation.kv_windows", windows]
+        args = [*omni_args(tiny_qwen3_omni_thinker), "--generation.kv_windows", windows]
         err = refused_run(args, tmp_path, capsys, "generation.kv_windows must be at most 16 for model.path")
         assert f"(its context of 1024 tokens in windows of 64 columns), got {windows}" in err
 
 
 @pytest.mark.slow
-def test_kv_windows_refusal_is_the_only_line(tiny_qwen3_omni, tmp_path):
+def test_kv_windows_refusal_is_the_only_line(tiny_qwen3_omni_thinker, tmp_path):
     """In a process of its own (the warning comes once per process): reading the config printed
     transformers' warning on the talker's M-RoPE keys before the error line."""
     out = tmp_path / "o"
-    args = [*omni_args(tiny_qwen3_omni), "--generation.kv_windows", "17", "--run.output_dir", str(out)]
+    args = [
+        *omni_args(tiny_qwen3_omni_thinker),
+        "--generation.kv_windows",
+        "17",
+        "--run.output_dir",
+        str(out),
+    ]
     r = subprocess.run([sys.executable, "scripts/train.py", *args], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("error: generation.kv_windows must be at most 16"), r.stderr

@@ -171,7 +171,7 @@ LTX2_DURATIONS = {
 
 @pytest.mark.parametrize("case", sorted(LTX2_DURATIONS))
 def test_ltx2_duration_is_refused_before_any_weights_load(case, tiny_ltx2, tmp_path, capsys, monkeypatch):
-    import omnirl.models.ltx2 as ltx2
+    import omnirl.models.ltx2.adapter as ltx2
 
     def no_loading(*args, **kwargs):
         raise AssertionError("weights loaded before the duration was checked")

@@ -10,8 +10,7 @@ import pytest
 import torch
 import yaml
 
-from omnirl.models.tiny import make_tiny_dina_lrm, make_tiny_pickscore
-from omnirl.models.tiny_rewards import make_tiny_clap
+from omnirl.testing.rewards import make_tiny_clap, make_tiny_dina_lrm, make_tiny_pickscore
 from omnirl.weights import WeightFileError, check_weight_file, load_safetensors, torch_load
 from tests.test_bad_input import ROOT, load_train_script
 

@@ -15,10 +15,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from omnirl.config import ConfigError
-from omnirl.models import bagel_port, get_adapter
-from omnirl.models.bagel import BagelAdapter, BagelSettings, bagel_sigmas, patchify, unpatchify
-from omnirl.models.bagel_port import BagelModel, bfl_vae_state, load_official, load_vae, sincos_2d
+from omnirl.errors import ConfigError
+from omnirl.models import get_adapter
+from omnirl.models.bagel import port as bagel_port
+from omnirl.models.bagel.adapter import BagelAdapter, BagelSettings, bagel_sigmas, patchify, unpatchify
+from omnirl.models.bagel.port import BagelModel, bfl_vae_state, load_official, load_vae, sincos_2d
 from omnirl.models.base import SamplingParams
 from omnirl.models.flow_sde import flow_step
 from omnirl.ops.diffusion import Pair, pair_logprob

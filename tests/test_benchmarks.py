@@ -67,8 +67,6 @@ ENTRIES = sorted(
 ) + [
     "scripts.gpu.phase_memory",
     "scripts.gpu.two_gpu_runs",
-    "scripts.gpu.fp8_kernels",
-    "scripts.gpu.fp8_block",
 ]
 
 # Runs each module as `python -m NAME --help` does (runpy, as __main__, the working directory first on
@@ -177,7 +175,7 @@ def _tiktoken_bpe(piece: bytes, ranks: dict[bytes, int]) -> list[int]:
 
 
 def test_qwen_bpe_tokenizer_from_tiktoken_ranks(tmp_path):
-    """omnirl/models/qwen_tokenizers.py builds the real Qwen2 tokenizer from Qwen's qwen.tiktoken ranks
+    """omnirl/models/tokenizers.py builds the real Qwen2 tokenizer from Qwen's qwen.tiktoken ranks
     (checked on the real file against tiktoken itself; here on a small ranks file against tiktoken's
     algorithm): same ids, the special tokens at the real checkpoint's ids (vocabulary size + 0..13), a file
     that is not byte-level BPE ranks refused by name."""
@@ -186,8 +184,8 @@ def test_qwen_bpe_tokenizer_from_tiktoken_ranks(tmp_path):
 
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    from omnirl.models.qwen_tokenizers import QWEN2_SPECIALS, qwen_bpe_tokenizer
-    from omnirl.models.random_init import write_random_checkpoint
+    from omnirl.models import write_random_checkpoint
+    from omnirl.models.tokenizers import QWEN2_SPECIALS, qwen_bpe_tokenizer
 
     singles = list(range(256))
     random.Random(0).shuffle(singles)  # ranks need not follow byte order
@@ -216,8 +214,8 @@ def test_qwen_bpe_tokenizer_from_tiktoken_ranks(tmp_path):
     bad.write_bytes(b"".join(base64.b64encode(t) + b" %d\n" % i for i, t in enumerate(ranks)))
     with pytest.raises(ValueError, match="bad.tiktoken: not byte-level BPE ranks"):
         qwen_bpe_tokenizer(bad)
-    with pytest.raises(ValueError, match="for the Qwen-Image families, not 'sd35'"):
-        write_random_checkpoint("sd35", tmp_path / "ckpt", qwen_bpe=path)
+    with pytest.raises(ValueError, match="for the Qwen-Image families, not 'sd3'"):
+        write_random_checkpoint("sd3", tmp_path / "ckpt", qwen_bpe=path)
 
 
 @pytest.mark.parametrize("checkpoint", ["tiny_sd3", "tiny_qwen_image", "tiny_wan_a14b"])
@@ -316,8 +314,8 @@ def test_config_only_thinker_is_built_by_the_run(tmp_path):
     base is offloaded, with the lm_head scaled as a written thinker's is."""
     import torch
 
-    from omnirl.config import config_for
     from omnirl.models import build_adapter
+    from omnirl.recipe import config_for
     from scripts.gpu.two_gpu_runs import TINY_THINKER
 
     cmd = [sys.executable, "-m", "scripts.gpu.two_gpu_runs", "checkpoint", "--out", str(tmp_path)]
@@ -384,7 +382,7 @@ def test_rollout_packing_interleaved_pair(tiny_qwen_image, tmp_path, monkeypatch
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "model, experts, billions",
-    [("wan22_ti2v", ["_policy"], (4.9, 5.1)), ("wan22_a14b", ["transformer", "transformer_2"], (14.1, 14.5))],
+    [("wan_ti2v", ["_policy"], (4.9, 5.1)), ("wan_a14b", ["transformer", "transformer_2"], (14.1, 14.5))],
 )
 def test_rollout_packing_dry_run_counts_the_wan_models(model, experts, billions):
     """--dry-run --random-init builds Wan2.2's full-size models from their public configs on the
@@ -412,7 +410,7 @@ def test_rollout_packing_interleaved_pairs_on_tiny_wan(layout, tiny_wan_ti2v, ti
     path = tiny_wan_ti2v if layout == "ti2v" else tiny_wan_a14b
     cells = ["2:split", "2:split:compiled"] if layout == "ti2v" else ["2"]
     args = [
-        *("--model", f"wan22_{layout}", "--path", str(path), "--images", "2", "--serial-requests", "0"),
+        *("--model", f"wan_{layout}", "--path", str(path), "--images", "2", "--serial-requests", "0"),
         *("--max-num-seqs", "--compiled-max-num-seqs", "--stock-batch", "2", "--logprob-check", "0"),
         *("--size", "32x64", "--frames", "5", "--steps", "3", "--repeats", "2", "--interleave"),
         "--breakdown",
@@ -437,7 +435,7 @@ def test_rollout_packing_interleaved_pairs_on_tiny_wan(layout, tiny_wan_ti2v, ti
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype, lora", [("bfloat16", "bfloat16"), ("float16", "float32")])
-def test_generation_benchmark_ranks_what_its_engine_ran(tiny_qwen3_omni, tmp_path, dtype, lora):
+def test_generation_benchmark_ranks_what_its_engine_ran(tiny_qwen3_omni_thinker, tmp_path, dtype, lora):
     """generate_throughput --kernels (on a group of 3 samples of one prompt): one more run of each method
     under the profiler, its costliest operators (device kernels on CUDA) ranked with their calls and shares
     of the busy time, and the busy time per decode step of the native engine. The thinker is placed as a
@@ -445,10 +443,10 @@ def test_generation_benchmark_ranks_what_its_engine_ran(tiny_qwen3_omni, tmp_pat
     matmul), float16 unwrapped (FSDP2's mixed precision has no float16), the LoRA then in peft's float32."""
     out = tmp_path / "tput.json"
     run([
-        sys.executable, "-m", "benchmarks.generate_throughput", "--model", str(tiny_qwen3_omni), "--methods",
-        "ours,ours_one_window", "--num-requests", "3", "--max-num-seqs", "2", "--max-new-tokens", "4",
-        "--warmup", "0", "--kv-cache-gib", "0.25", "--kernels", "4", "--kernel-methods", "ours", "--dtype",
-        dtype, "--group-size", "3", "--out", str(out),
+        sys.executable, "-m", "benchmarks.generate_throughput", "--model", str(tiny_qwen3_omni_thinker),
+        "--methods", "ours,ours_one_window", "--num-requests", "3", "--max-num-seqs", "2",
+        "--max-new-tokens", "4", "--warmup", "0", "--kv-cache-gib", "0.25", "--kernels", "4",
+        "--kernel-methods", "ours", "--dtype", dtype, "--group-size", "3", "--out", str(out),
     ])  # fmt: skip
     report = json.loads(out.read_text())
     # one prompt for the 3 requests (--group-size 3), prefilled once in each of the 2 prefills (2 slots)

@@ -6,7 +6,8 @@ import torch
 from diffusers import StableDiffusion3Pipeline
 
 from benchmarks.breakdown import breakdown, label_stock
-from omnirl.models.base import Request, SamplingParams, derive_seed
+from omnirl.distributed import derive_seed
+from omnirl.models.base import Request, SamplingParams
 from tests.test_sd3 import make_adapter
 
 STEPS = 3

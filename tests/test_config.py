@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from omnirl.config import RECIPE_DIR, ConfigError, config_for
-from omnirl.recipe import check_required, config_from_dict, load_config, load_recipe
+from omnirl.config import RECIPE_DIR
+from omnirl.errors import ConfigError
+from omnirl.recipe import check_required, config_for, config_from_dict, load_config, load_recipe
 
 RECIPES = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
 

@@ -4,7 +4,8 @@ import pytest
 
 from omnirl.config import REPO_ROOT
 from omnirl.data import check_prompts
-from omnirl.data.prompts import DataError, load_prompts, step_prompt_indices
+from omnirl.data.prompts import load_prompts, step_prompt_indices
+from omnirl.errors import DataError
 from omnirl.rewards.ocr import target_text
 
 

@@ -19,13 +19,15 @@ def two_ranks(script: str, *args: str) -> str:
 
 
 @pytest.mark.slow
-def test_bf16_load_pretrained_and_per_rank_metrics_on_two_ranks(tiny_qwen_image, tiny_qwen3_omni):
-    out = two_ranks("tests/_dist_checks.py", str(tiny_qwen_image), str(tiny_qwen3_omni))
+def test_bf16_load_pretrained_and_per_rank_metrics_on_two_ranks(tiny_qwen_image, tiny_qwen3_omni_thinker):
+    out = two_ranks("tests/_dist_checks.py", str(tiny_qwen_image), str(tiny_qwen3_omni_thinker))
     assert out.count("dist checks OK") == 2
 
 
 @pytest.mark.slow
-def test_fsdp_bf16_keeps_omni_rollout_and_trainer_logprobs(tiny_qwen3_omni):
+def test_fsdp_bf16_keeps_omni_rollout_and_trainer_logprobs(tiny_qwen3_omni_thinker):
     """FSDP2 with bf16 compute gives the plain bf16 model's samples and log-probs (rollout and trainer) on
     prompts whose M-RoPE positions bf16 cannot hold (tests/_fsdp_bf16_omni.py)."""
-    assert two_ranks("tests/_fsdp_bf16_omni.py", str(tiny_qwen3_omni)).count("fsdp bf16 checks OK") == 2
+    assert (
+        two_ranks("tests/_fsdp_bf16_omni.py", str(tiny_qwen3_omni_thinker)).count("fsdp bf16 checks OK") == 2
+    )

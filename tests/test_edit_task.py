@@ -14,7 +14,7 @@ from omnirl import distributed as D
 from omnirl.batching import make_requests
 from omnirl.config import REPO_ROOT
 from omnirl.data.edit import load_edit_rows, open_inputs
-from omnirl.data.prompts import DataError
+from omnirl.errors import DataError
 from omnirl.ops.diffusion import sampling_params
 from omnirl.recipe import load_config
 from omnirl.rewards.text_edit import TextEditReward

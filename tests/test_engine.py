@@ -8,10 +8,11 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from omnirl.config import config_for
+from omnirl.distributed import derive_seed
 from omnirl.memory import GIB
-from omnirl.models.base import Request, SamplingParams, derive_seed
-from omnirl.models.sd3 import SD3Adapter
+from omnirl.models.base import Request, SamplingParams
+from omnirl.models.sd3.adapter import SD3Adapter
+from omnirl.recipe import config_for
 from omnirl.rollout import compiled as rollout_compiled
 from omnirl.rollout import diffusion
 from omnirl.rollout.diffusion import DiffusionEngine, bucket_size

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from omnirl import checkpoint
 from omnirl import distributed as D
-from omnirl.models.wan import LORA_FILE, LORA_FILE_2, LORA_FILES, WanAdapter
+from omnirl.models.wan.adapter import LORA_FILE, LORA_FILE_2, LORA_FILES, WanAdapter
 from tests.support_compare import load_pipeline, max_diff, perturb_lora, tiny_config
 from tests.test_checkpoint import run_export
 from tests.test_wan import FRAMES, GUIDANCE_2, make_requests, noise_free, run_pipeline

@@ -7,9 +7,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from omnirl.config import ConfigError, config_for
 from omnirl.config_checks import check_values
-from omnirl.models.base import Request, SamplingParams, derive_seed
+from omnirl.distributed import derive_seed
+from omnirl.errors import ConfigError
+from omnirl.models.base import Request, SamplingParams
 from omnirl.models.flow_sde import (
     WindowedSampler,
     compressed_schedule,
@@ -19,6 +20,7 @@ from omnirl.models.flow_sde import (
     window,
 )
 from omnirl.ops.diffusion import DiffusionOps, sampling_params
+from omnirl.recipe import config_for
 
 torch.manual_seed(0)
 B, SHAPE = 3, (4, 6, 6)

@@ -206,7 +206,7 @@ def test_tiny_recipes_under_torchrun_fsdp(recipe, tiny_flux, tmp_path):
 
 
 @pytest.mark.slow
-def test_random_init_dry_run_counts_flux1_dev():
+def test_random_init_dry_run_counts_flux():
     """--dry-run --random-init builds FLUX.1-dev's full-size models from their public configs on the meta
     device and counts them: the transformer 11.9 B, T5-XXL's encoder 4.76 B, CLIP-L's text tower 0.12 B."""
     import re
@@ -215,7 +215,7 @@ def test_random_init_dry_run_counts_flux1_dev():
 
     from tests.test_train import ROOT
 
-    cmd = [sys.executable, "-m", "benchmarks.rollout_packing", "--model", "flux1_dev", "--random-init"]
+    cmd = [sys.executable, "-m", "benchmarks.rollout_packing", "--model", "flux", "--random-init"]
     r = subprocess.run(
         [*cmd, "--dry-run", "--images", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300
     )

@@ -16,8 +16,8 @@ from torch._dynamo.utils import counters
 
 from omnirl import distributed as D
 from omnirl.batching import make_requests
-from omnirl.config import ConfigError
 from omnirl.data.prompts import load_prompts
+from omnirl.errors import ConfigError
 from omnirl.models import flow_sde, get_adapter
 from omnirl.models.base import SamplingParams
 from omnirl.ops.diffusion import DiffusionOps
@@ -77,9 +77,9 @@ def test_fp8_linear_is_the_matmul_of_the_quantised_operands():
 
 
 def test_block_sweep_runs_the_qwen_image_block_in_fp8():
-    """scripts/gpu/fp8_block on a tiny block, eager (the GPU runs it compiled too): the FP8 model runs every
+    """benchmarks/fp8_block on a tiny block, eager (the GPU runs it compiled too): the FP8 model runs every
     case, near the bf16 one and not equal to it; a malformed case is one clear error."""
-    from scripts.gpu import fp8_block
+    from benchmarks import fp8_block
 
     cases = fp8_block.parse_cases("1:6,2:5:m")
     assert cases == [(1, 6, False), (2, 5, True)]

@@ -14,12 +14,12 @@ from benchmarks import frozen_memory
 from omnirl import distributed as D
 from omnirl import fsdp
 from omnirl.batching import make_requests
-from omnirl.config import ConfigError, config_for
 from omnirl.data.prompts import load_prompts
+from omnirl.errors import ConfigError
 from omnirl.memory import GIB, peak_bytes
 from omnirl.models import get_adapter
 from omnirl.ops.diffusion import DiffusionOps, sampling_params
-from omnirl.recipe import load_config
+from omnirl.recipe import config_for, load_config
 from omnirl.rollout.diffusion import DiffusionEngine
 from tests.test_train import ROOT, read_jsonl, tiny_cfg, torchrun
 
@@ -103,8 +103,8 @@ ADAPTER_CHECKPOINTS = {
     "qwen_image": "tiny_qwen_image",
     "qwen_image_edit": "tiny_qwen_image_edit",
     "wan": "tiny_wan_a14b",  # two experts
-    "qwen_vl": "tiny_qwen2_5_vl",
-    "qwen3_omni_thinker": "tiny_qwen3_omni",
+    "qwen_vl": "tiny_qwen_vl_2_5",
+    "qwen3_omni_thinker": "tiny_qwen3_omni_thinker",
 }
 
 
@@ -131,7 +131,7 @@ def test_a_sharded_frozen_base_stays_on_the_host_until_fsdp2_places_it(name, req
 
 
 @pytest.mark.slow
-def test_fully_shard_finds_a_sharded_base_on_the_host_on_two_ranks(tiny_sd3, tiny_wan_a14b, tiny_qwen2_5_vl):
+def test_fully_shard_finds_a_sharded_base_on_the_host_on_two_ranks(tiny_sd3, tiny_wan_a14b, tiny_qwen_vl_2_5):
     """The trainer's order on 2 gloo ranks (adapter, kind ops, `shard`), with the meta device standing for
     the device: every `fully_shard` call of a sharded or offloaded frozen base finds its unit's parameters
     still on the host (a LoRA's base; a full fine-tune's actor and the reference copy made from it; both
@@ -139,7 +139,7 @@ def test_fully_shard_finds_a_sharded_base_on_the_host_on_two_ranks(tiny_sd3, tin
     and the reference copy is wrapped in the policy's units (tests/_load_placement.py)."""
     from tests.test_distributed import two_ranks
 
-    paths = [str(tiny_sd3), str(tiny_wan_a14b), str(tiny_qwen2_5_vl)]
+    paths = [str(tiny_sd3), str(tiny_wan_a14b), str(tiny_qwen_vl_2_5)]
     assert two_ranks("tests/_load_placement.py", *paths).count("load placement OK") == 2
 
 
@@ -253,13 +253,13 @@ def test_unit_gather_prefetches_one_unit_and_pads_short_ranks(tiny_sd3):
 
 
 @pytest.mark.slow
-def test_omni_shard_and_offload_train_as_replicate_does(tiny_qwen3_omni_k12, tmp_path):
+def test_omni_shard_and_offload_train_as_replicate_does(tiny_qwen3_omni_thinker_k12, tmp_path):
     """The tiny MMK12 recipe (GSPO, LoRA) for 2 steps (an update in step 0; step 1, whose rollout samples
     from the updated LoRA, has no group with reward spread): the thinker's base sharded on 2 ranks and
     offloaded to host memory on 2 ranks (the rollout gathering it onto the device once per phase), and
     offloaded on 1 rank and streamed one unit per forward (no CUDA graph), give the replicated base's
     responses, losses and LoRA weights on as many ranks."""
-    settings = ["--model.path", str(tiny_qwen3_omni_k12), "--log.no-tensorboard", "--run.steps", "2",
+    settings = ["--model.path", str(tiny_qwen3_omni_thinker_k12), "--log.no-tensorboard", "--run.steps", "2",
                 "--validation.every", "0", "--rollout.prompts_per_step", "2",
                 "--log.image_every", "1"]  # fmt: skip
     runs = {
@@ -305,12 +305,12 @@ def test_omni_shard_and_offload_train_as_replicate_does(tiny_qwen3_omni_k12, tmp
 
 
 @pytest.mark.slow
-def test_unit_gather_of_an_omni_model_needs_one_rank(tiny_qwen3_omni_k12, monkeypatch):
+def test_unit_gather_of_an_omni_model_needs_one_rank(tiny_qwen3_omni_thinker_k12, monkeypatch):
     """The generation engine's ranks decode different numbers of steps: per-unit gathering, a collective
     in every forward, is refused on several ranks before the model loads, and accepted on one."""
     from omnirl.ops import check_before_loading
 
-    overrides = ["--model.path", str(tiny_qwen3_omni_k12), "--distributed.frozen_base", "offload",
+    overrides = ["--model.path", str(tiny_qwen3_omni_thinker_k12), "--distributed.frozen_base", "offload",
                  "--distributed.rollout_gather", "unit"]  # fmt: skip
     check_before_loading(load_config("mmk12_tiny", overrides))
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -13,11 +13,12 @@ import yaml
 from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 
-from omnirl.config import ConfigError, config_for
+from omnirl.errors import ConfigError
 from omnirl.health import lora as L
 from omnirl.health import monitors as M
 from omnirl.health.alerts import Alerts
 from omnirl.metrics import read_metrics
+from omnirl.recipe import config_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL_RUN = [

@@ -13,11 +13,11 @@ from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 from safetensors.torch import load_file, save_file
 
 from omnirl import distributed as D
-from omnirl.config import ConfigError
 from omnirl.data.prompts import load_prompts
+from omnirl.distributed import derive_seed
+from omnirl.errors import ConfigError
 from omnirl.models import get_adapter
-from omnirl.models.base import Latent, Output, derive_seed
-from omnirl.models.tiny import make_tiny_dina_lrm, make_tiny_pickscore
+from omnirl.models.base import Latent, Output
 from omnirl.ops.diffusion import DiffusionOps
 from omnirl.recipe import load_config
 from omnirl.rewards import reward_inputs, reward_modules
@@ -34,6 +34,7 @@ from omnirl.rewards.dina_lrm import (
 )
 from omnirl.rewards.pool import RewardPool
 from omnirl.scoring import rollout_and_score
+from omnirl.testing.rewards import make_tiny_dina_lrm, make_tiny_pickscore
 
 
 @pytest.fixture(scope="module")

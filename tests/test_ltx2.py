@@ -5,12 +5,12 @@ import pytest
 import torch
 from diffusers import LTX2Pipeline
 
-from omnirl.config import ConfigError
+from omnirl.errors import ConfigError
 from omnirl.models import get_adapter
 from omnirl.models.base import Request, SamplingParams
 from omnirl.models.flow_sde import flow_step
-from omnirl.models.ltx2 import LTX2Adapter
-from omnirl.models.tiny_ltx2 import MAX_SEQUENCE_LENGTH
+from omnirl.models.ltx2.adapter import LTX2Adapter
+from omnirl.models.ltx2.tiny import MAX_SEQUENCE_LENGTH
 from tests.support_compare import (
     compiled_rollout_diffs,
     export_lora_twice,

@@ -17,7 +17,7 @@ from PIL import Image
 
 from omnirl.config import REPO_ROOT
 from omnirl.data.mmk12 import PROMPT_TEMPLATE, load_mmk12
-from omnirl.data.prompts import DataError
+from omnirl.errors import DataError
 from omnirl.models.base import Output
 from omnirl.rewards import get_reward
 from omnirl.rewards.mmk12 import Mmk12Reward, last_boxed, option_letter

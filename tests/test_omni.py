@@ -17,13 +17,13 @@ from PIL import Image
 from safetensors import safe_open
 from transformers import AutoConfig, Qwen3OmniMoeThinkerForConditionalGeneration
 
-from omnirl.config import ConfigError, config_for
 from omnirl.data.prompts import PromptRow
+from omnirl.errors import ConfigError
 from omnirl.models import get_adapter
 from omnirl.models.base import GenerationParams, Request
 from omnirl.models.lm import pad_responses
 from omnirl.models.peft_lora import lora_disabled
-from omnirl.recipe import config_from_dict
+from omnirl.recipe import config_for, config_from_dict
 from omnirl.rollout.compiled import ELEMENTWISE_MODULES
 from omnirl.rollout.generate import GenerationEngine
 
@@ -55,8 +55,8 @@ def make_adapter(path, adapter="qwen3_omni_thinker", **family):
 
 
 @pytest.fixture(scope="module")
-def omni(tiny_qwen3_omni):
-    return make_adapter(tiny_qwen3_omni)
+def omni(tiny_qwen3_omni_thinker):
+    return make_adapter(tiny_qwen3_omni_thinker)
 
 
 def image(seed: int, size: int = 64) -> Image.Image:
@@ -118,9 +118,13 @@ def test_trainer_logprobs_equal_rollout_omni(omni, modality):
     )
 
 
+# The tiny checkpoint of each model the omni adapters train.
+TINY = {"qwen3_omni": "qwen3_omni_thinker", "qwen2_5_vl": "qwen_vl_2_5", "qwen3_vl": "qwen_vl_3"}
+
+
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_trainer_logprobs_equal_rollout_vl(family, request):
-    adapter = make_adapter(request.getfixturevalue(f"tiny_{family}"), "qwen_vl")
+    adapter = make_adapter(request.getfixturevalue(f"tiny_{TINY[family]}"), "qwen_vl")
     size = 56 if family == "qwen2_5_vl" else 64  # 4x4 patches of 14 / 16 px
     reqs = [
         Request(
@@ -139,7 +143,7 @@ def test_prompt_tokens_counts_what_prepare_makes(family, request):
     tokens `prepare` makes: the chat template and the image's vision tokens, for images of several sizes
     and for text alone."""
     adapter = make_adapter(
-        request.getfixturevalue(f"tiny_{family}"), *(() if family == "qwen3_omni" else ("qwen_vl",))
+        request.getfixturevalue(f"tiny_{TINY[family]}"), *(() if family == "qwen3_omni" else ("qwen_vl",))
     )
     for inputs in (
         {},
@@ -473,7 +477,7 @@ def test_kv_cache_budget(omni):
     assert engine.stats["kv_budget_gib"] > 0
 
 
-def test_lora_export_loads_with_peft(omni, tiny_qwen3_omni, tmp_path):
+def test_lora_export_loads_with_peft(omni, tiny_qwen3_omni_thinker, tmp_path):
     omni.export_lora(tmp_path / "lora")
     config = json.loads((tmp_path / "lora" / "adapter_config.json").read_text())
     assert config["r"] == 8 and all(
@@ -484,10 +488,10 @@ def test_lora_export_loads_with_peft(omni, tiny_qwen3_omni, tmp_path):
     assert len(keys) == 2 * 4 * 2  # A and B of q/k/v/o in 2 layers
     assert "base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight" in keys
 
-    thinker_config = AutoConfig.from_pretrained(tiny_qwen3_omni).thinker_config
+    thinker_config = AutoConfig.from_pretrained(tiny_qwen3_omni_thinker).thinker_config
     thinker_config.vision_start_token_id = omni.thinker.config.vision_start_token_id
     base = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(
-        tiny_qwen3_omni, config=thinker_config, key_mapping={r"^thinker\.": ""}
+        tiny_qwen3_omni_thinker, config=thinker_config, key_mapping={r"^thinker\.": ""}
     )
     inputs = omni.collate([omni.prepare(r) for r in requests(2, ["image", "audio"])])
     with torch.no_grad():
@@ -498,8 +502,8 @@ def test_lora_export_loads_with_peft(omni, tiny_qwen3_omni, tmp_path):
     assert (without - ours).abs().max() > 1e-3  # the adapter really changes the output
 
 
-def test_thinker_only_and_full_checkpoints(omni, tiny_qwen3_omni, tmp_path):
-    with safe_open(tiny_qwen3_omni / "model.safetensors", "pt") as f:
+def test_thinker_only_and_full_checkpoints(omni, tiny_qwen3_omni_thinker, tmp_path):
+    with safe_open(tiny_qwen3_omni_thinker / "model.safetensors", "pt") as f:
         prefixes = {k.split(".")[0] for k in f.keys()}
     assert prefixes == {"thinker", "talker", "code2wav"}  # the full Qwen3-Omni layout
     names = [n for n, _ in omni.thinker.named_modules()] + [n for n, _ in omni.model.named_modules()]
@@ -507,9 +511,9 @@ def test_thinker_only_and_full_checkpoints(omni, tiny_qwen3_omni, tmp_path):
     assert omni.thinker.config.vision_start_token_id is not None  # the quirk: get_rope_index reads it
 
     # A thinker-only checkpoint (thinker config, unprefixed keys) loads the same thinker.
-    thinker_config = AutoConfig.from_pretrained(tiny_qwen3_omni).thinker_config
+    thinker_config = AutoConfig.from_pretrained(tiny_qwen3_omni_thinker).thinker_config
     thinker = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(
-        tiny_qwen3_omni, config=thinker_config, key_mapping={r"^thinker\.": ""}
+        tiny_qwen3_omni_thinker, config=thinker_config, key_mapping={r"^thinker\.": ""}
     )
     thinker.save_pretrained(tmp_path)
     for name in (
@@ -518,7 +522,7 @@ def test_thinker_only_and_full_checkpoints(omni, tiny_qwen3_omni, tmp_path):
         "chat_template.jinja",
         "preprocessor_config.json",
     ):
-        shutil.copy(tiny_qwen3_omni / name, tmp_path / name)
+        shutil.copy(tiny_qwen3_omni_thinker / name, tmp_path / name)
     alone = make_adapter(tmp_path)
     assert type(AutoConfig.from_pretrained(tmp_path)).__name__ == "Qwen3OmniMoeThinkerConfig"
     reqs = requests(2, ["image+audio", "text"], params=GenerationParams(max_new_tokens=5))
@@ -535,12 +539,12 @@ def test_only_the_thinker_stage(stage):
         config_from_dict({"model": {"adapter": "qwen_vl"}, "family": {"stage": stage}})
 
 
-def test_bad_inputs_are_named(omni, tiny_qwen3_omni):
+def test_bad_inputs_are_named(omni, tiny_qwen3_omni_thinker):
     with pytest.raises(ValueError, match="video"):
         omni.prepare(Request("x", 0, 3, 0, GenerationParams(4), inputs={"video": []}))
     with pytest.raises(ValueError, match="temperature > 0"):
         GenerationEngine(omni, 2, 0.1).generate([Request("x", 0, 0, 0, GenerationParams(4, temperature=0.0))])
     with pytest.raises(ValueError, match="match no module"):
         cfg = config_for("qwen3_omni_thinker")
-        cfg.model.path = str(tiny_qwen3_omni)  # lora.target_modules left at the diffusion default
+        cfg.model.path = str(tiny_qwen3_omni_thinker)  # lora.target_modules left at the diffusion default
         get_adapter("qwen3_omni_thinker")(cfg, DEVICE)

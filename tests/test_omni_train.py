@@ -1,5 +1,5 @@
 """The omni half of the training loop on the tiny Qwen3-Omni thinker taught the MMK12 answer format
-(omnirl.models.tiny_k12): GSPO + LoRA on the tiny MMK12 data, rewarded by the real mmk12 reward.
+(omnirl.testing.k12): GSPO + LoRA on the tiny MMK12 data, rewarded by the real mmk12 reward.
 
 In process (one rank): an update moves the LoRA only; for the unchanged policy the trainer's token
 log-probs equal the rollout's (fp32 on CPU: max |diff| <= 1e-5, Pearson >= 0.9999), in recompute and in
@@ -20,9 +20,9 @@ from transformers import AutoConfig, AutoTokenizer, Qwen3OmniMoeThinkerForCondit
 from omnirl import distributed as D
 from omnirl.algos.advantages import group_advantages
 from omnirl.algos.losses import get_loss
-from omnirl.config import ConfigError
 from omnirl.data.mmk12 import load_mmk12
 from omnirl.data.prompts import step_prompt_indices
+from omnirl.errors import ConfigError
 from omnirl.models import get_adapter
 from omnirl.models.base import GenerationParams, Request
 from omnirl.ops import check_before_loading
@@ -95,9 +95,9 @@ def lora_and_base(model):
 
 
 @pytest.mark.slow
-def test_update_moves_lora_only_and_recomputed_logprobs_match(tiny_qwen3_omni_k12, tmp_path):
+def test_update_moves_lora_only_and_recomputed_logprobs_match(tiny_qwen3_omni_thinker_k12, tmp_path):
     cfg = omni_cfg(
-        tiny_qwen3_omni_k12, tmp_path,
+        tiny_qwen3_omni_thinker_k12, tmp_path,
         "--algo.correction", "tis", "--algo.kl_beta", "0.05", "--optim.micro_batch_tokens", "1200",
     )  # fmt: skip
     adapter, ops, trajs, per, mmk12 = rollout(cfg)
@@ -137,9 +137,9 @@ def test_update_moves_lora_only_and_recomputed_logprobs_match(tiny_qwen3_omni_k1
 
 
 @pytest.mark.slow
-def test_bypass_consistency_and_nonfinite_guard(tiny_qwen3_omni_k12, tmp_path):
+def test_bypass_consistency_and_nonfinite_guard(tiny_qwen3_omni_thinker_k12, tmp_path):
     cfg = omni_cfg(
-        tiny_qwen3_omni_k12, tmp_path, "--algo.old_logprob", "rollout", "--optim.mini_batches", "1"
+        tiny_qwen3_omni_thinker_k12, tmp_path, "--algo.old_logprob", "rollout", "--optim.mini_batches", "1"
     )
     adapter, ops, trajs, keep, before = signed_rollout(cfg)
     model = adapter.model
@@ -162,14 +162,14 @@ def test_bypass_consistency_and_nonfinite_guard(tiny_qwen3_omni_k12, tmp_path):
 
 
 @pytest.mark.slow
-def test_update_without_rollout_logprobs_is_the_same_update(tiny_qwen3_omni_k12, tmp_path):
+def test_update_without_rollout_logprobs_is_the_same_update(tiny_qwen3_omni_thinker_k12, tmp_path):
     """A rollout that recorded no log-probs (rollout.vllm_logprobs false: the trajectories hold None) makes,
     in recompute mode without a correction, the update the recorded log-probs make: the same parameters
     after it; it logs no consistency metrics. A padding row without them stands in with zeros."""
     from omnirl.ops.omni import TokenRow, _old_logprobs
 
     cfg = omni_cfg(
-        tiny_qwen3_omni_k12, tmp_path, "--algo.old_logprob", "recompute", "--optim.mini_batches", "2"
+        tiny_qwen3_omni_thinker_k12, tmp_path, "--algo.old_logprob", "recompute", "--optim.mini_batches", "2"
     )
     assert cfg.algo.correction == "none"
     adapter, ops, trajs, keep, start = signed_rollout(cfg)
@@ -202,8 +202,8 @@ def score(adapter, rows, length=12):
 
 
 @pytest.mark.slow
-def test_kl_reference_is_the_model_without_lora(tiny_qwen3_omni_k12, tmp_path):
-    adapter = get_adapter("qwen3_omni_thinker")(omni_cfg(tiny_qwen3_omni_k12, tmp_path), DEVICE)
+def test_kl_reference_is_the_model_without_lora(tiny_qwen3_omni_thinker_k12, tmp_path):
+    adapter = get_adapter("qwen3_omni_thinker")(omni_cfg(tiny_qwen3_omni_thinker_k12, tmp_path), DEVICE)
     random_lora(adapter)
     rows = load_mmk12(ROOT / "data/mmk12_tiny/val.jsonl")[:2]
     with torch.no_grad():
@@ -218,12 +218,12 @@ def test_kl_reference_is_the_model_without_lora(tiny_qwen3_omni_k12, tmp_path):
 
 
 @pytest.mark.slow
-def test_gradient_checkpointing_recomputes_decoder_layers(tiny_qwen3_omni_k12, tmp_path):
+def test_gradient_checkpointing_recomputes_decoder_layers(tiny_qwen3_omni_thinker_k12, tmp_path):
     rows = load_mmk12(ROOT / "data/mmk12_tiny/val.jsonl")[:2]
     grads, calls = {}, {}
     for checkpointing in (False, True):
         flag = "--model.gradient-checkpointing" if checkpointing else "--model.no-gradient-checkpointing"
-        cfg = omni_cfg(tiny_qwen3_omni_k12, tmp_path, flag)
+        cfg = omni_cfg(tiny_qwen3_omni_thinker_k12, tmp_path, flag)
         adapter = get_adapter("qwen3_omni_thinker")(cfg, DEVICE)
         random_lora(adapter)
         layer = adapter.thinker.model.language_model.layers[0]
@@ -240,19 +240,21 @@ def test_gradient_checkpointing_recomputes_decoder_layers(tiny_qwen3_omni_k12, t
 
 
 @pytest.mark.slow
-def test_bad_settings_are_named(tiny_qwen3_omni_k12, tmp_path):
+def test_bad_settings_are_named(tiny_qwen3_omni_thinker_k12, tmp_path):
     with pytest.raises(ConfigError, match="omni models train with grpo, gspo"):
-        check_before_loading(omni_cfg(tiny_qwen3_omni_k12, tmp_path, "--algo.loss", "flow_grpo"))
+        check_before_loading(omni_cfg(tiny_qwen3_omni_thinker_k12, tmp_path, "--algo.loss", "flow_grpo"))
     with pytest.raises(
         ConfigError, match="diffusion models train with dgpo, diffusion_nft, flow_dppo, flow_grpo"
     ):
-        get_loss(omni_cfg(tiny_qwen3_omni_k12, tmp_path).algo.loss, "diffusion")
+        get_loss(omni_cfg(tiny_qwen3_omni_thinker_k12, tmp_path).algo.loss, "diffusion")
     with pytest.raises(ConfigError, match="kl_beta > 0 with model.finetune full"):
         OmniOps.check_config(
-            omni_cfg(tiny_qwen3_omni_k12, tmp_path, "--algo.kl_beta", "0.1", "--model.finetune", "full")
+            omni_cfg(
+                tiny_qwen3_omni_thinker_k12, tmp_path, "--algo.kl_beta", "0.1", "--model.finetune", "full"
+            )
         )
-    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_omni_k12)
-    cfg = omni_cfg(tiny_qwen3_omni_k12, tmp_path, "--generation.stop", "<|im_end|>")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_omni_thinker_k12)
+    cfg = omni_cfg(tiny_qwen3_omni_thinker_k12, tmp_path, "--generation.stop", "<|im_end|>")
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert generation_params(cfg, tokenizer).stop_token_ids == (end,)
     cfg.generation.stop = ["</answer>"]  # 9 byte tokens of the tiny tokenizer
@@ -261,10 +263,16 @@ def test_bad_settings_are_named(tiny_qwen3_omni_k12, tmp_path):
 
 
 @pytest.mark.slow
-def test_tiny_recipe_under_torchrun_resumes_and_exports(tiny_qwen3_omni_k12, tmp_path):
+def test_tiny_recipe_under_torchrun_resumes_and_exports(tiny_qwen3_omni_thinker_k12, tmp_path):
     """The recipe on 2 ranks with FSDP2 for 2 steps (a checkpoint after each), resumed for a third; a
     3-step run that never stopped must end identical. The exported LoRA loads with peft."""
-    args = ["--model.path", str(tiny_qwen3_omni_k12), "--checkpoint.every", "1", "--log.no-tensorboard"]
+    args = [
+        "--model.path",
+        str(tiny_qwen3_omni_thinker_k12),
+        "--checkpoint.every",
+        "1",
+        "--log.no-tensorboard",
+    ]
     out, ref = tmp_path / "run", tmp_path / "reference"
     r = torchrun(2, RECIPE, *args, "--run.output_dir", str(out), "--run.steps", "2")
     assert "Traceback" not in r.stderr
@@ -290,12 +298,12 @@ def test_tiny_recipe_under_torchrun_resumes_and_exports(tiny_qwen3_omni_k12, tmp
     assert lora.keys() == lora_ref.keys() and len(lora) == 2 * 4 * 2  # A and B of q/k/v/o in 2 layers
     assert all(torch.equal(lora[k], lora_ref[k]) for k in lora), "the resumed run differs"
 
-    thinker_config = AutoConfig.from_pretrained(tiny_qwen3_omni_k12).thinker_config
+    thinker_config = AutoConfig.from_pretrained(tiny_qwen3_omni_thinker_k12).thinker_config
     # The config quirk the adapter handles: get_rope_index reads a field the thinker config lacks.
-    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_omni_k12)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_omni_thinker_k12)
     thinker_config.vision_start_token_id = tokenizer.convert_tokens_to_ids("<|vision_start|>")
     base = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(
-        tiny_qwen3_omni_k12, config=thinker_config, key_mapping={r"^thinker\.": ""}
+        tiny_qwen3_omni_thinker_k12, config=thinker_config, key_mapping={r"^thinker\.": ""}
     )
     ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -305,7 +313,7 @@ def test_tiny_recipe_under_torchrun_resumes_and_exports(tiny_qwen3_omni_k12, tmp
 
 
 @pytest.mark.slow
-def test_zero_spread_rank_matches_single_rank(tiny_qwen3_omni_k12, tmp_path):
+def test_zero_spread_rank_matches_single_rank(tiny_qwen3_omni_thinker_k12, tmp_path):
     """Every group of rank 1 has zero spread (dropped): the 2-rank FSDP run pads rank 1 with zero-weight
     micro-batches and divides by the global token count, so its update equals the 1-rank run's."""
     data = ROOT / "data/mmk12_tiny"
@@ -319,7 +327,7 @@ def test_zero_spread_rank_matches_single_rank(tiny_qwen3_omni_k12, tmp_path):
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps(r) + "\n" for r in rows))
     recipe = yaml.safe_load(RECIPE.read_text())
-    recipe["model"]["path"] = str(tiny_qwen3_omni_k12)
+    recipe["model"]["path"] = str(tiny_qwen3_omni_thinker_k12)
     recipe["data"]["train_path"] = str(train)
     recipe["reward"]["weights"] = {"mmk12_zero_on_flagged_rows": 1.0}
     recipe["run"]["steps"] = 1
@@ -349,21 +357,21 @@ def test_zero_spread_rank_matches_single_rank(tiny_qwen3_omni_k12, tmp_path):
 
 
 @pytest.mark.slow
-def test_omni_checkpoint_exports_peft_and_merged(tiny_qwen3_omni, tmp_path):
+def test_omni_checkpoint_exports_peft_and_merged(tiny_qwen3_omni_thinker, tmp_path):
     """scripts/export.py on an omni checkpoint: the peft LoRA equals the adapter's own export, and the merged
     transformers directory loads back as a model whose logits equal the LoRA model's."""
     from safetensors.torch import load_file
 
     from omnirl import checkpoint
     from omnirl import distributed as D
-    from omnirl.config import config_for
     from omnirl.models import get_adapter
+    from omnirl.recipe import config_for
     from scripts.export import main as export_main
     from tests.test_omni import ATTENTION, requests
 
     cfg = config_for("qwen3_omni_thinker")
     cfg.model.path, cfg.model.adapter, cfg.run.output_dir = (
-        str(tiny_qwen3_omni),
+        str(tiny_qwen3_omni_thinker),
         "qwen3_omni_thinker",
         str(tmp_path),
     )

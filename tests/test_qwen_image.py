@@ -13,12 +13,12 @@ import torch
 from diffusers import QwenImagePipeline
 from safetensors.torch import load_file
 
-from omnirl.config import ConfigError
 from omnirl.config_checks import check_values
+from omnirl.errors import ConfigError
 from omnirl.models import get_adapter
 from omnirl.models.base import Request, SamplingParams
 from omnirl.models.flow_sde import flow_step
-from omnirl.models.qwen_image import QwenImageAdapter, QwenImageSettings, padded_lengths
+from omnirl.models.qwen_image.adapter import QwenImageAdapter, QwenImageSettings, padded_lengths
 from omnirl.ops.diffusion import Pair, pair_logprob
 from omnirl.rollout.diffusion import DiffusionEngine
 from tests.support_compare import (
@@ -134,7 +134,7 @@ def test_buckets_key_and_tokens(adapter, tiny_qwen_image):
 def test_decode_in_chunks_equals_one_batch(adapter, monkeypatch):
     """`decode` runs the VAE on DECODE_ROWS images at a time (a 64-image batch ran out of the H200's memory
     in one decode); each image decodes on its own, so chunks give what one batch gives."""
-    from omnirl.models import qwen_image
+    from omnirl.models.qwen_image import adapter as qwen_image
 
     c, h = adapter.policy.config.in_channels // 4, SIZE // adapter.vae_scale_factor
     latents = torch.randn(5, c, h, h, generator=torch.Generator().manual_seed(0))

@@ -14,7 +14,7 @@ from PIL import Image
 from omnirl.data.prompts import PromptRow
 from omnirl.models import get_adapter
 from omnirl.models.base import Request, SamplingParams
-from omnirl.models.qwen_image_edit import QwenImageEditAdapter, QwenImageEditSettings
+from omnirl.models.qwen_image_edit.adapter import QwenImageEditAdapter, QwenImageEditSettings
 from omnirl.ops.diffusion import Pair, pair_logprob
 from tests.support_compare import (
     export_lora_twice,

@@ -7,8 +7,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from omnirl.config import ConfigError
-from omnirl.data.prompts import DataError
+from omnirl.errors import ConfigError, DataError
 from omnirl.models.base import MODALITIES, Output
 from omnirl.rewards import LOCAL_CHECKPOINTS, REWARDS, check_modalities, get_reward, reward_inputs, to_pil
 from omnirl.rewards.jpeg import JpegCompressibility, JpegIncompressibility, jpeg_kb
@@ -248,8 +247,8 @@ def test_video_rewards_on_known_videos():
 def test_clip_video_reward_averages_frames(tmp_path):
     """A tiny random CLIP of the real classes, saved and loaded from its local path: the score is the mean
     over frames of the per-frame cosine similarity, computed here frame by frame."""
-    from omnirl.models.tiny import make_tiny_pickscore
     from omnirl.rewards.clip_video import ClipVideoAlignment
+    from omnirl.testing.rewards import make_tiny_pickscore
 
     make_tiny_pickscore(tmp_path)  # a tiny random CLIPModel + CLIPProcessor, as a CLIP checkpoint is laid out
     with pytest.raises(ConfigError, match="reward.paths.clip_video"):
@@ -277,7 +276,7 @@ def make_tiny_hpsv3(out_dir):
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from omnirl.models.tiny_omni import (
+    from omnirl.models.qwen3_omni_thinker.tiny import (
         _qwen_omni_tokenizer,
         _save_qwen_processor_parts,
         _tiny_qwen_text_config,

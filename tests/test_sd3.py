@@ -10,7 +10,7 @@ from diffusers import StableDiffusion3Pipeline
 from omnirl.models import get_adapter
 from omnirl.models.base import Request, SamplingParams
 from omnirl.models.flow_sde import flow_step
-from omnirl.models.sd3 import SD3Adapter
+from omnirl.models.sd3.adapter import SD3Adapter
 from tests.support_compare import (
     export_lora_twice,
     initial_latents,

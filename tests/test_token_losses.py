@@ -346,7 +346,8 @@ def test_consistency_pearson_from_centred_values_by_hand():
 
 def test_gspo_with_a_length_weighted_aggregation_is_refused():
     from omnirl.algos.losses import check_loss
-    from omnirl.config import ConfigError, config_for
+    from omnirl.errors import ConfigError
+    from omnirl.recipe import config_for
 
     cfg = config_for("qwen3_omni_thinker")
     cfg.algo.loss = "gspo"

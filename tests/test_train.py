@@ -17,8 +17,8 @@ from omnirl import distributed as D
 from omnirl.algos.advantages import group_advantages
 from omnirl.batching import make_requests
 from omnirl.data.prompts import load_prompts, step_prompt_indices
+from omnirl.distributed import derive_seed
 from omnirl.models import get_adapter
-from omnirl.models.base import derive_seed
 from omnirl.ops import check_before_loading
 from omnirl.ops.diffusion import DiffusionOps, Pair, pair_logprob, sampling_params
 from omnirl.ops.nft import NFTOps
@@ -384,9 +384,9 @@ def test_mini_batches_hold_the_same_rows_on_any_number_of_ranks():
     from types import SimpleNamespace
 
     from omnirl.batching import split_mini_batches
-    from omnirl.config import config_for
     from omnirl.models.base import Output, Request, SamplingParams, Trajectory
     from omnirl.ops.omni import OmniOps
+    from omnirl.recipe import config_for
 
     cfg = config_for("sd3")
     cfg.rollout.prompts_per_step, cfg.rollout.group_size = 4, 4

@@ -19,10 +19,11 @@ import pytest
 import torch
 from PIL import Image
 
-from omnirl.config import ConfigError, config_for
 from omnirl.config_checks import check_values
+from omnirl.errors import ConfigError
 from omnirl.models.base import GenerationParams, Request
 from omnirl.models.lm import pad_responses
+from omnirl.recipe import config_for
 from tests.test_train import ROOT, read_jsonl, torchrun
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -139,8 +140,8 @@ def omni_vllm(tmp_path_factory):
     """The tiny Qwen3-Omni (heads of 32) with a LoRA, and its vLLM engine (merged-LoRA pushes)."""
     if not HAVE_VLLM:
         pytest.skip(NO_VLLM)
-    from omnirl.models.qwen3_omni import Qwen3OmniThinkerAdapter
-    from omnirl.models.tiny_omni import make_tiny_qwen3_omni
+    from omnirl.models.qwen3_omni_thinker.adapter import Qwen3OmniThinkerAdapter
+    from omnirl.models.qwen3_omni_thinker.tiny import make_tiny_qwen3_omni
     from omnirl.rollout.vllm_engine import VLLMEngine
 
     path = make_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny") / "qwen3_omni_vllm", head_dim=32)
@@ -339,8 +340,8 @@ def test_dense_lora_push_as_a_tensor_adapter(tmp_path):
     """A dense Qwen3-VL with a LoRA: vLLM serves it as a LoRA adapter built from the trainer's tensors; after
     an update the swapped-in adapter gives vLLM the trainer's new log-probs. A LoRA whose module names map
     onto nothing in vLLM fails."""
-    from omnirl.models.qwen_vl import QwenVLAdapter
-    from omnirl.models.tiny_omni import make_tiny_qwen_vl
+    from omnirl.models.qwen_vl.adapter import QwenVLAdapter
+    from omnirl.models.qwen_vl.tiny import make_tiny_qwen_vl
     from omnirl.rollout.vllm_engine import VLLMEngine, _swap_lora
 
     path = make_tiny_qwen_vl(tmp_path / "qwen3_vl", "qwen3_vl", head_dim=32)
@@ -376,7 +377,7 @@ def test_dense_lora_push_as_a_tensor_adapter(tmp_path):
 def test_full_finetune_push_in_buckets(omni_vllm, tmp_path):
     """A full fine-tune of the MoE thinker: every weight pushed in small buckets (fused experts split back to
     the checkpoint's per-expert tensors, then re-packed), after an update of attention, router and experts."""
-    from omnirl.models.qwen3_omni import Qwen3OmniThinkerAdapter
+    from omnirl.models.qwen3_omni_thinker.adapter import Qwen3OmniThinkerAdapter
     from omnirl.rollout.vllm_engine import VLLMEngine
 
     path = omni_vllm[0].path
@@ -401,7 +402,7 @@ def test_full_finetune_push_in_buckets(omni_vllm, tmp_path):
 def test_tiny_recipe_with_vllm_under_torchrun(tmp_path):
     """mmk12_tiny with rollout.backend vllm on 2 ranks (one in-process engine per rank, external_launcher):
     every step's actor-rollout Pearson >= 0.9999 and log-prob gap <= 1e-5, the correction on by default."""
-    from omnirl.models.tiny_k12 import make_tiny_qwen3_omni_k12
+    from omnirl.testing.k12 import make_tiny_qwen3_omni_k12
 
     model = make_tiny_qwen3_omni_k12(tmp_path / "k12_vllm", head_dim=32)
     out = tmp_path / "run"
@@ -428,7 +429,7 @@ def test_tiny_recipe_with_vllm_under_torchrun(tmp_path):
 def test_tiny_recipe_without_rollout_logprobs_under_torchrun(tmp_path):
     """mmk12_tiny with the vLLM backend asked for no log-probs, on 2 ranks: it trains (the recomputed
     log-probs are the old ones), with no correction and no consistency metrics."""
-    from omnirl.models.tiny_k12 import make_tiny_qwen3_omni_k12
+    from omnirl.testing.k12 import make_tiny_qwen3_omni_k12
 
     model = make_tiny_qwen3_omni_k12(tmp_path / "k12_vllm", head_dim=32)
     out = tmp_path / "run"
@@ -454,7 +455,7 @@ def test_throughput_benchmark_runs_both_backends_on_one_thinker(tmp_path):
     import subprocess
     import sys
 
-    from omnirl.models.tiny_omni import make_tiny_qwen3_omni
+    from omnirl.models.qwen3_omni_thinker.tiny import make_tiny_qwen3_omni
 
     path = make_tiny_qwen3_omni(tmp_path / "thinker", head_dim=32)
     out = tmp_path / "tput.json"

@@ -203,15 +203,15 @@ def test_repair_mrope_replaces_a_shifted_thinker_only(merge):
     assert C.repair_mrope(worker) == "" and not C.image_grid_at_offset(other)
 
 
-def test_qwen3_omni_mrope_positions_equal_transformers(tiny_qwen3_omni):
+def test_qwen3_omni_mrope_positions_equal_transformers(tiny_qwen3_omni_thinker):
     """The replacement on the engine's real prompts (text, an image, audio, both) against the thinker's own
     get_rope_index, with the placeholders where vLLM's processor puts them (offset: the first pad token)."""
-    from omnirl.config import config_for
     from omnirl.models.base import GenerationParams, Request
-    from omnirl.models.qwen3_omni import Qwen3OmniThinkerAdapter
+    from omnirl.models.qwen3_omni_thinker.adapter import Qwen3OmniThinkerAdapter
+    from omnirl.recipe import config_for
 
     cfg = config_for("qwen3_omni_thinker")
-    cfg.model.path = str(tiny_qwen3_omni)
+    cfg.model.path = str(tiny_qwen3_omni_thinker)
     cfg.lora.target_modules = ["q_proj", "v_proj"]
     adapter = Qwen3OmniThinkerAdapter(cfg, torch.device("cpu"))
     tok = adapter.processor.tokenizer

@@ -9,13 +9,15 @@ import pytest
 import torch
 from diffusers import WanPipeline
 
-from omnirl.config import ConfigError, config_for
 from omnirl.config_checks import check_values
+from omnirl.distributed import derive_seed
+from omnirl.errors import ConfigError
 from omnirl.memory import GIB, peak_bytes
 from omnirl.models import get_adapter
-from omnirl.models.base import Request, SamplingParams, derive_seed
+from omnirl.models.base import Request, SamplingParams
 from omnirl.models.flow_sde import flow_step
-from omnirl.models.wan import LORA_FILE, LORA_FILE_2, WanAdapter
+from omnirl.models.wan.adapter import LORA_FILE, LORA_FILE_2, WanAdapter
+from omnirl.recipe import config_for
 from omnirl.rollout.diffusion import DiffusionEngine
 from tests.support_compare import (
     export_lora_twice,

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from omnirl.config import AlgoConfig, ConfigError
+from omnirl.config import AlgoConfig
+from omnirl.errors import ConfigError
 
 
 @dataclass(frozen=True)

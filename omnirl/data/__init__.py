@@ -9,7 +9,8 @@ from omnirl import distributed as D
 from omnirl.config import Config
 from omnirl.data.edit import load_edit_rows
 from omnirl.data.mmk12 import load_mmk12
-from omnirl.data.prompts import DataError, PromptRow, load_prompts
+from omnirl.data.prompts import PromptRow, load_prompts
+from omnirl.errors import DataError
 
 LOADERS = {"prompts": load_prompts, "edit": load_edit_rows, "mmk12": load_mmk12}
 

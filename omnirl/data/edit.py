@@ -21,7 +21,8 @@ from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
-from omnirl.data.prompts import DataError, PromptRow, load_prompts
+from omnirl.data.prompts import PromptRow, load_prompts
+from omnirl.errors import DataError
 
 EDIT_KEYS = ("image", "target", "target_text", "region")
 

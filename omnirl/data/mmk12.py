@@ -1,24 +1,14 @@
 """MMK12-format visual math data: one image, a question and an exact answer per row.
 
-A file is parquet (the Hugging Face datasets layout) or JSONL, one row per sample with the keys
-- "image": the encoded image (PNG, JPEG, ...) as bytes, a path, or {"bytes": ..., "path": ...} as
-  datasets' Image feature writes it (bytes win when both are set). JSON cannot hold bytes, so a JSONL
-  row gives a path or {"path": ...}. Relative paths are relative to the data file's folder.
-- "question": non-empty string. "answer": non-empty string, e.g. "12", "\\frac{5}{6}", or the option
-  letter of a multiple-choice row.
-- optional "choices": a list of at least two option texts; they are listed under the question as
-  "A. ...", "B. ..." and the answer must be one of those letters. (MMK12 itself keeps its options inside
-  the question and a letter as the answer; the reward grades any one-capital-letter answer as a letter.)
-- optional "id" (string or integer). Any other key (e.g. "subject") is kept in the row's metadata.
+A file is parquet (the Hugging Face datasets layout) or JSONL, one row per sample with "image" (bytes, a
+path, or {"bytes": ..., "path": ...}), "question", "answer", optional "choices" (listed under the question
+as "A. ...", the answer then a letter) and "id"; any other key is kept in the row's metadata. Loading is
+strict (a bad row is a DataError naming file and row, or dropped with data.on_bad_row skip) and images
+are decoded at load time. Each row becomes a `PromptRow`: the prompt is PROMPT_TEMPLATE filled in, the
+image goes to `inputs["image"]`, and the metadata holds "id", "question", "answer", "choices" and
+"source" for the reward.
 
-Loading is strict: a bad row is a DataError naming the file and the row (JSONL lines count from 1,
-parquet rows from 0), or, with a `skipped` list (data.on_bad_row: skip), dropped and reported there.
-Images are decoded to RGB PIL images at load time, so a broken image fails before training starts
-(decoded, a 500 x 500 image takes 0.75 MB of host memory).
-
-Each row becomes a `PromptRow`: the prompt is PROMPT_TEMPLATE filled in, the image goes to
-`inputs["image"]` (the adapter places it in the chat message), and the metadata holds "id",
-"question", "answer", "choices" (multiple-choice rows only) and "source" for the reward.
+The fields and the rules: docs/mmk12.md#data.
 """
 
 from __future__ import annotations
@@ -32,7 +22,8 @@ from typing import Any
 
 from PIL import Image
 
-from omnirl.data.prompts import DataError, PromptRow
+from omnirl.data.prompts import PromptRow
+from omnirl.errors import DataError
 
 PROMPT_TEMPLATE = (
     "{question}\n\n"

@@ -14,11 +14,8 @@ from typing import Any
 
 import torch
 
-from omnirl.models.base import derive_seed
-
-
-class DataError(ValueError):
-    """A data file or row that cannot be used; the message names the file and line (or the row)."""
+from omnirl.distributed import derive_seed
+from omnirl.errors import DataError
 
 
 @dataclass

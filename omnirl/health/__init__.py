@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from omnirl import distributed as D
-from omnirl.config import Config, ConfigError
+from omnirl.config import Config
 from omnirl.health import lora as L
 from omnirl.health import monitors as M
 from omnirl.health import parity as P
@@ -44,40 +44,6 @@ GUARD_STEP = -2  # the guard's seeds: derive_seed(run.seed, GUARD_STEP, i), apar
 class HealthError(RuntimeError):
     """A run that trains nothing or the wrong thing (an update that did not reach the rollout, the parity
     gate) or an alert with health.on_alert stop: one `error:` line, exit status 1."""
-
-
-def check_health(cfg: Config) -> None:
-    """The health section's values, at load (one ConfigError line naming the field)."""
-    h = cfg.health
-    for name in ("baseline_steps", "patience"):
-        if getattr(h, name) < 1:
-            raise ConfigError(f"health.{name} must be an integer >= 1, got {getattr(h, name)}")
-    for name in ("parity_every", "guard_every"):
-        if getattr(h, name) < 0:
-            raise ConfigError(f"health.{name} must be an integer >= 0, got {getattr(h, name)}")
-    fractions = ("diversity_min", "dark_max", "saturated_max", "entropy_min", "repetition_max", "silence_max")
-    for name in fractions:
-        v = getattr(h, name)
-        if not (math.isfinite(v) and 0 <= v <= 1):
-            raise ConfigError(f"health.{name} must be a number in [0, 1], got {v}")
-    for name in ("guard_drop", "adapt_kl_init", "adapt_rate", "adapt_kl_max"):
-        v = getattr(h, name)
-        if not (math.isfinite(v) and v > 0):
-            raise ConfigError(f"health.{name} must be a finite number > 0, got {v}")
-    if set(h.parity_tolerance) != {"fp32", "bf16", "fp8", "vllm"}:
-        raise ConfigError(
-            "health.parity_tolerance must name exactly fp32, bf16, fp8 and vllm, got "
-            f"{sorted(h.parity_tolerance)}"
-        )
-    if any(not (math.isfinite(v) and v > 0) for v in h.parity_tolerance.values()):
-        raise ConfigError(f"health.parity_tolerance: every tolerance must be > 0, got {h.parity_tolerance}")
-    if h.guard_every and not h.guard_prompts:
-        raise ConfigError("health.guard_every > 0 needs health.guard_prompts (the guard set's prompts)")
-    if h.on_alert == "adapt" and cfg.model.finetune == "full" and cfg.algo.kl_beta == 0:
-        raise ConfigError(
-            "health.on_alert adapt with model.finetune full needs algo.kl_beta > 0: a full fine-tune keeps "
-            "its reference copy only for a KL term"
-        )
 
 
 class Health:
@@ -192,7 +158,8 @@ class Health:
     def _guard(self, step: int, logs: dict[str, float], logger: Any) -> dict[str, float]:
         """The guard prompts with fixed seeds through the validation sampler, scored by the training reward
         and health.guard_reward; the grid of rank 0's samples to tensorboard (guard) and guard/."""
-        from omnirl.models.base import Request, derive_seed
+        from omnirl.distributed import derive_seed
+        from omnirl.models.base import Request
         from omnirl.rewards.pool import RewardPool
         from omnirl.scoring import rollout_and_score
 

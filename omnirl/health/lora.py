@@ -21,7 +21,8 @@ from peft.tuners.lora import LoraLayer
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from omnirl.config import Config, ConfigError
+from omnirl.config import Config
+from omnirl.errors import ConfigError
 
 
 def lora_layers(module: nn.Module) -> dict[str, LoraLayer]:

@@ -1,12 +1,18 @@
-"""Model adapters, by name. Each entry is an import path resolved only when asked for, so naming one
-adapter never imports another family's dependencies."""
+"""Model families, by name: `ADAPTERS` is the one registry. A family is its folder
+`omnirl/models/<name>/` (adapter.py, tiny.py, public_config.py, README.md) plus its line here; the tiny
+checkpoints (`tiny_models`) and the config-only full-size ones (`random_checkpoints`) are read off the
+folders of the families registered. Each entry is an import path resolved only when asked for, so naming
+one family never imports another family's dependencies."""
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, cast
 
-from omnirl.config import ConfigError
+from omnirl.errors import ConfigError
 from omnirl.weights import check_weight_files
 
 if TYPE_CHECKING:
@@ -15,16 +21,57 @@ if TYPE_CHECKING:
     from omnirl.config import Config
 
 ADAPTERS = {
-    "sd3": "omnirl.models.sd3:SD3Adapter",
-    "qwen_image": "omnirl.models.qwen_image:QwenImageAdapter",
-    "qwen3_omni_thinker": "omnirl.models.qwen3_omni:Qwen3OmniThinkerAdapter",
-    "qwen_vl": "omnirl.models.qwen_vl:QwenVLAdapter",
-    "qwen_image_edit": "omnirl.models.qwen_image_edit:QwenImageEditAdapter",
-    "wan": "omnirl.models.wan:WanAdapter",
-    "ltx2": "omnirl.models.ltx2:LTX2Adapter",
-    "bagel": "omnirl.models.bagel:BagelAdapter",
+    "sd3": "omnirl.models.sd3.adapter:SD3Adapter",
+    "qwen_image": "omnirl.models.qwen_image.adapter:QwenImageAdapter",
+    "qwen3_omni_thinker": "omnirl.models.qwen3_omni_thinker.adapter:Qwen3OmniThinkerAdapter",
+    "qwen_vl": "omnirl.models.qwen_vl.adapter:QwenVLAdapter",
+    "qwen_image_edit": "omnirl.models.qwen_image_edit.adapter:QwenImageEditAdapter",
+    "wan": "omnirl.models.wan.adapter:WanAdapter",
+    "ltx2": "omnirl.models.ltx2.adapter:LTX2Adapter",
+    "bagel": "omnirl.models.bagel.adapter:BagelAdapter",
     "flux": "omnirl.models.flux.adapter:FluxAdapter",
 }
+
+# The modules of a family's folder beside its adapter: tiny.py names its tiny checkpoints in `TINY`,
+# public_config.py its config-only full-size ones in `RANDOM` (each: name -> a function of the output
+# folder; the family's name, or `<family>_<layout>` for another layout of it).
+PARTS = ("adapter", "tiny", "public_config")
+
+
+def family_part(family: str, part: str) -> ModuleType:
+    """The module `part` (one of `PARTS`) of the folder of `family`."""
+    return importlib.import_module(f"omnirl.models.{family}.{part}")
+
+
+def tiny_models() -> dict[str, Callable]:
+    """Every registered family's tiny checkpoints, by name: the `TINY` of each family's tiny.py."""
+    return {name: make for family in ADAPTERS for name, make in family_part(family, "tiny").TINY.items()}
+
+
+def random_checkpoints() -> dict[str, Callable]:
+    """Every config-only checkpoint of the public configs, by name: the `RANDOM` of each family's
+    public_config.py (the family's name, or `<family>_<layout>`)."""
+    return {
+        name: write
+        for family in ADAPTERS
+        for name, write in family_part(family, "public_config").RANDOM.items()
+    }
+
+
+def write_random_checkpoint(model: str, out: Path, qwen_bpe: str | Path | None = None) -> None:
+    """The config-only checkpoint `model` (a name of `random_checkpoints`) in `out`, with the byte-level
+    tokenizers of `omnirl.models.tokenizers`; `qwen_bpe`: the path of Qwen's `qwen.tiktoken`, for the real
+    tokenizer of the Qwen-Image families (`qwen_bpe_tokenizer`)."""
+    if qwen_bpe and model not in ("qwen_image", "qwen_image_edit"):
+        raise ValueError(f"the Qwen BPE tokenizer is for the Qwen-Image families, not {model!r}")
+    writers = random_checkpoints()
+    if model not in writers:
+        raise ValueError(f"--random-init has no configs for {model!r}")
+    out.mkdir(parents=True, exist_ok=True)
+    if qwen_bpe:
+        writers[model](out, qwen_bpe=qwen_bpe)
+    else:
+        writers[model](out)
 
 
 def build_adapter(cfg: Config, device: torch.device):
@@ -63,6 +110,7 @@ def diffusion_adapter_for(model_path: str) -> type:
         ) from None
     for name in ADAPTERS:
         adapter = get_adapter(name)
-        if adapter.kind == "diffusion" and adapter.pipeline_cls.__name__ == pipeline:
+        # (BAGEL's official layout is no diffusers pipeline: it has no pipeline_cls)
+        if adapter.kind == "diffusion" and getattr(adapter, "pipeline_cls", type).__name__ == pipeline:
             return adapter
     raise ConfigError(f"{model_path!r} holds a {pipeline}, which no diffusion adapter of omnirl trains")

@@ -125,18 +125,6 @@ class Request(Generic[P]):
     group_seed: int = 0  # derive_seed of the group alone: its shared initial noise (never the batch's)
 
 
-def derive_seed(base_seed: int, step: int, index: int) -> int:
-    """A request's seed from (base seed, step, global request index), never from the rank, so a run
-    resumed on another number of ranks draws the same samples (a fixed 63-bit mix, no Python hash())."""
-    x = (base_seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB) & (
-        2**64 - 1
-    )
-    x ^= x >> 31
-    x = (x * 0xD6E8FEB86659FD93) & (2**64 - 1)
-    x ^= x >> 32
-    return x & (2**63 - 1)
-
-
 MODALITIES = ("image", "video", "audio", "text", "latent")
 
 

@@ -1,8 +1,9 @@
 """What every diffusion adapter does the same way around its own classes.
 
-- `DiffusersBase`: the members of the `DiffusionAdapter` Protocol that do not depend on the family
-  (the trained module, its parameters and FSDP units, the LoRA off and exported, the batch checks), so
-  that a family's module holds only what is its own; every diffusion adapter subclasses it.
+- `DiffusionBase`: the members of the `DiffusionAdapter` Protocol that do not depend on the family
+  (the trained module, its parameters and FSDP units, the LoRA off, the batch checks), so that a family's
+  module holds only what is its own; every diffusion adapter subclasses it. `DiffusersBase`: the same for
+  a family built on a diffusers pipeline, with the checkpoint check and the LoRA and merged exports.
 - `check_checkpoint`: model.path holds the family's pipeline.
 - `make_trainable`: a peft LoRA over a frozen base, or the whole model trainable.
 - `guided_velocity`: classifier-free guidance as the SD3 and Wan pipelines compute it (Qwen-Image's
@@ -29,8 +30,9 @@ from diffusers.training_utils import cast_training_params
 from peft.utils.error import NoMatchingPeftModuleError
 from torch import nn
 
-from omnirl.config import Config, ConfigError
+from omnirl.config import Config
 from omnirl.data.prompts import PromptRow
+from omnirl.errors import ConfigError
 from omnirl.fsdp import DTYPES, place_policy
 from omnirl.models.base import Output, Request, Trajectory
 from omnirl.models.flow_sde import Pool, WindowedSampler
@@ -39,33 +41,35 @@ from omnirl.models.peft_lora import lora_disabled, peft_config, sorted_sets
 LORA_FILE = "pytorch_lora_weights.safetensors"  # diffusers' default LoRA file name
 
 
-class DiffusersBase:
-    """The family-independent part of a `DiffusionAdapter` built on a diffusers pipeline.
+class DiffusionBase:
+    """The family-independent part of a `DiffusionAdapter`, whatever holds the model.
 
-    A subclass names its pipeline (`pipeline_cls`: the checkpoints it loads, the LoRA format it writes),
-    calls `super().__init__(cfg, device)` first (it checks model.path and sets `device`, `lora` and
-    `transformer_dtype`), loads its modules, sets `transformer` (the trained module) and makes it trainable
-    (`make_trainable`). A family whose policy is not one transformer (Wan2.2's two experts) overrides
-    `policy`, `trained_modules`, `fsdp_units`, `export_lora`, `lora_files` and `load_lora`; one whose
-    embeddings differ in length overrides `batch_embeds`.
-
-    What an export holds is the adapter's: `export_lora` writes one LoRA file per trained component
-    (`lora_files` names them), `export_merged` and `merge_lora` write the whole pipeline with every trained
-    component's weights in it.
+    A subclass calls `super().__init__(cfg, device)` first (it checks model.path by the subclass's
+    `check_path` and sets `model_path`, `device`, `lora` and `transformer_dtype`), loads its modules, sets
+    `transformer` (the trained module) and makes it trainable (`make_trainable`). A family whose policy is
+    not one transformer (Wan2.2's two experts) overrides `policy`, `trained_modules` and `fsdp_units`; one
+    whose embeddings differ in length overrides `batch_embeds`. What an export holds is the subclass's
+    (`DiffusersBase`: a diffusers pipeline's; BAGEL: its official layout).
     """
 
-    pipeline_cls: type
     transformer: Any  # a diffusers model (BAGEL: BagelModel): its config and blocks are read by name
     device: torch.device
+    lora: bool  # model.finetune lora: the base frozen under a LoRA
+    transformer_dtype: torch.dtype  # the trained module's dtype: model.dtype under a LoRA, else float32
     compat_key: Callable[[Request], tuple]  # the subclass's: what requests of one packed batch share
 
     def __init__(self, cfg: Config, device: torch.device):
-        check_checkpoint(cfg.model.path, self.pipeline_cls)
+        self.check_path(cfg.model.path)
         self.model_path = cfg.model.path
         self.device = device
         # A fully fine-tuned transformer is trained, hence kept, in float32; a LoRA base stays in model.dtype.
         self.lora = cfg.model.finetune == "lora"
         self.transformer_dtype = DTYPES[cfg.model.dtype] if self.lora else torch.float32
+
+    @classmethod
+    def check_path(cls, path: str) -> None:
+        """model.path holds this family's checkpoint, else a ConfigError naming what is wrong."""
+        raise NotImplementedError
 
     @property
     def policy(self) -> nn.Module:
@@ -110,6 +114,23 @@ class DiffusersBase:
         if not self.lora:
             raise ValueError("the reference policy with the LoRA off needs model.finetune 'lora'")
         return lora_disabled(self.policy)
+
+
+class DiffusersBase(DiffusionBase):
+    """`DiffusionBase` for a family built on a diffusers pipeline (`pipeline_cls`: the checkpoints it
+    loads, the LoRA format it writes); every diffusion adapter but BAGEL's subclasses it. A family whose
+    policy is more than one transformer overrides `export_lora`, `lora_files` and `load_lora` too.
+
+    What an export holds is the adapter's: `export_lora` writes one LoRA file per trained component
+    (`lora_files` names them), `export_merged` and `merge_lora` write the whole pipeline with every trained
+    component's weights in it.
+    """
+
+    pipeline_cls: type
+
+    @classmethod
+    def check_path(cls, path: str) -> None:
+        check_checkpoint(path, cls.pipeline_cls)
 
     def export_lora(self, out_dir: str | Path, state_dict: dict | None = None) -> None:
         """Write the LoRA as `pytorch_lora_weights.safetensors` in the diffusers format, loadable with the

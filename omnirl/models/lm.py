@@ -1,4 +1,4 @@
-"""The causal-LM pieces the omni adapters (`qwen3_omni.py`, `qwen_vl.py`) and the generation engine share.
+"""The causal-LM pieces the omni adapters (`qwen3_omni_thinker`, `qwen_vl`) and the generation engine share.
 
 - `HiddenStatesLM`: the trained module of an omni adapter and its FSDP root. Its forward returns the final
   hidden states, never logits: callers apply `lm_head` only where they need it, in chunks. Full-vocabulary
@@ -26,7 +26,7 @@ import re
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import peft
 import torch
@@ -36,7 +36,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from omnirl.data.prompts import PromptRow
+from omnirl.fsdp import DTYPES, load_pretrained, place_policy
 from omnirl.models.peft_lora import lora_disabled, sorted_sets
+
+if TYPE_CHECKING:
+    from omnirl.config import Config
 
 # Tokens per lm_head chunk: 1024 x 152k vocab x 4 bytes = 0.6 GB of float32 logits at a time.
 LOGPROB_CHUNK = 1024
@@ -264,8 +268,10 @@ def save_merged_lm(hf_model: Any, processor, out_dir, dtype: torch.dtype) -> Non
 
 class TransformersLMAdapter:
     """The `OmniAdapter` methods that the transformers-based adapters (Qwen3-Omni thinker, Qwen VL) share.
-    A subclass sets `hf_model` (the transformers model whose `model` is the body and `lm_head` the head),
-    `model` (their `HiddenStatesLM`), `processor`, `pad_token_id`, `lora` and `lora_config`."""
+    A subclass's `__init__` checks the checkpoint (`checkpoint_config`), reads its processor
+    (`read_processor`), sets `placeholder_token_ids` and loads the model (`load_model`: `hf_model`, the
+    transformers model whose `model` is the body and `lm_head` the head; `model`, their `HiddenStatesLM`;
+    `lora`, `lora_config`)."""
 
     # What a subclass's __init__ sets (the `OmniAdapter` members and the LoRA switch).
     device: torch.device
@@ -280,6 +286,49 @@ class TransformersLMAdapter:
     lora: bool
     lora_config: peft.LoraConfig | None
     modalities = frozenset({"text"})
+
+    @staticmethod
+    def checkpoint_config(path: str) -> Any:
+        """The transformers config of the checkpoint at `path`; a ValueError naming it when there is none."""
+        from transformers import AutoConfig
+
+        try:
+            return AutoConfig.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"model.path {path!r} is not a loadable transformers checkpoint: {e}") from None
+
+    def read_processor(self, path: str, processor_cls: Any) -> None:
+        """`processor` (`processor_cls` from the checkpoint's files, as AutoProcessor reads them), its
+        `tokenizer`, the EOS ids (generation_config.json's, else the tokenizer's end-of-turn token) and the
+        pad id."""
+        from transformers import GenerationConfig
+
+        self.processor = processor_cls.from_pretrained(path)
+        self.tokenizer = tokenizer = self.processor.tokenizer
+        try:
+            eos = GenerationConfig.from_pretrained(path).eos_token_id
+        except OSError:  # no generation_config.json: the tokenizer's end-of-turn token
+            eos = tokenizer.eos_token_id
+        self.eos_token_ids = tuple(eos) if isinstance(eos, list) else (eos,)
+        self.pad_token_id = tokenizer.pad_token_id
+
+    def load_model(self, cfg: Config, device: torch.device, model_cls: type, **kwargs) -> Any:
+        """The transformers model `model_cls` from model.path (`load_pretrained` with `kwargs`), made
+        trainable (`make_trainable_lm`), as `hf_model`; its body and head as `model`, placed for the frozen
+        base. A fully fine-tuned model is trained, hence kept, in float32; a LoRA base stays in
+        model.dtype."""
+        path = cfg.model.path
+        self.lora = cfg.model.finetune == "lora"
+        dtype = DTYPES[cfg.model.dtype] if self.lora else torch.float32
+        hf_model = load_pretrained(model_cls, path, dtype=dtype, **kwargs)
+        self.lora_config = make_trainable_lm(hf_model, cfg, path)
+        self.hf_model = hf_model  # the transformers model: config, generation, peft state
+        # Onto the device, or left on the host for FSDP2 to place when it shards the frozen base.
+        lm = HiddenStatesLM(hf_model.model, hf_model.lm_head)
+        self.model = place_policy(lm, cfg.distributed.frozen_base, device)
+        self.lm_head = lm.lm_head  # (`self.model` is `lm`)
+        self.device = device
+        return hf_model
 
     @property
     def policy(self) -> nn.Module:

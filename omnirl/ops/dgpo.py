@@ -37,8 +37,10 @@ import torch
 from omnirl import distributed as D
 from omnirl.algos.losses import DGPOInputs, dgpo_margin
 from omnirl.batching import equalise, global_positions
-from omnirl.config import Config, ConfigError
-from omnirl.models.base import DiffusionAdapter, Trajectory, derive_seed
+from omnirl.config import Config
+from omnirl.distributed import derive_seed
+from omnirl.errors import ConfigError
+from omnirl.models.base import DiffusionAdapter, Trajectory
 from omnirl.ops.diffusion import DiffusionOps, reference
 
 

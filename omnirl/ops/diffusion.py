@@ -41,7 +41,7 @@ from torch import nn
 from omnirl import distributed as D
 from omnirl.algos.correction import correction_weights
 from omnirl.algos.losses import RowInputs, flow_kl, get_loss, loss_spec
-from omnirl.batching import equalise, global_positions, make_requests
+from omnirl.batching import equalise, make_requests, shuffled_rows
 from omnirl.config import Config
 from omnirl.config_checks import fp8_trained
 from omnirl.data.prompts import PromptRow
@@ -222,16 +222,10 @@ class DiffusionOps:
 
     def update_rows(self, trajs: list[Trajectory], keep: torch.Tensor, gen: torch.Generator) -> list[Pair]:
         k_steps = len(trajs[0].logprobs)  # trained steps per sample: the same for every sample of a step
-        where = global_positions(
-            gen, self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size * k_steps
+        samples = self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
+        return shuffled_rows(
+            trajs, keep, gen, samples, k_steps, lambda t, k, at: Pair(t, k, 1.0, position=at)
         )
-        pairs = [
-            Pair(t, k, 1.0, position=where[t.request.index * k_steps + k])
-            for t, kept in zip(trajs, keep.tolist())
-            if kept
-            for k in range(k_steps)
-        ]
-        return sorted(pairs, key=lambda p: p.position)
 
     def recompute_old(self, pairs: list[Pair], pad_traj: Trajectory) -> dict[str, float]:
         for mb in self.micro_batches(pairs, pad_traj):

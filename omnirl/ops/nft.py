@@ -49,9 +49,10 @@ import torch
 from torch import nn
 
 from omnirl.algos.losses import NFTInputs
-from omnirl.batching import equalise, global_positions
+from omnirl.batching import equalise, shuffled_rows
 from omnirl.config import AlgoConfig, Config
-from omnirl.models.base import DiffusionAdapter, Request, SamplingParams, Trajectory, derive_seed
+from omnirl.distributed import derive_seed
+from omnirl.models.base import DiffusionAdapter, Request, SamplingParams, Trajectory
 from omnirl.ops.diffusion import DiffusionOps, reference
 
 TIMESTEP_FRACTION = 0.99  # the reference's train.timestep_fraction: rows per sample int(0.99 T)
@@ -168,15 +169,10 @@ class NFTOps(DiffusionOps):
         elif o.mini_batches * o.epochs > 1:  # later mini-batches need the rollout policy's velocity
             self._old = [p.detach().clone() for p in self.trainable()]
         steps = rows_per_sample(self.params.num_steps)
-        r = self.cfg.rollout
-        where = global_positions(gen, r.prompts_per_step * r.group_size * steps)
-        rows = [
-            NFTRow(t, k, 1.0, position=where[t.request.index * steps + k])
-            for t, kept in zip(trajs, keep.tolist())
-            if kept
-            for k in range(steps)
-        ]
-        return sorted(rows, key=lambda row: row.position)
+        samples = self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
+        return shuffled_rows(
+            trajs, keep, gen, samples, steps, lambda t, k, at: NFTRow(t, k, 1.0, position=at)
+        )
 
     def recompute_old(self, rows: list[NFTRow], pad_traj: Trajectory) -> dict[str, float]:  # pyright: ignore[reportIncompatibleMethodOverride]
         raise AssertionError("diffusion_nft has no old log-probs (check_config refuses recompute)")

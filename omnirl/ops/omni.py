@@ -33,9 +33,10 @@ from transformers import AutoConfig
 from omnirl import distributed as D
 from omnirl.algos.correction import consistency_metrics, correction_weights
 from omnirl.algos.losses import TokenInputs, get_loss
-from omnirl.batching import equalise, global_positions, make_requests
-from omnirl.config import Config, ConfigError
+from omnirl.batching import equalise, make_requests, shuffled_rows
+from omnirl.config import Config
 from omnirl.data.prompts import PromptRow
+from omnirl.errors import ConfigError
 from omnirl.metrics import MetricsLogger
 from omnirl.models.base import GenerationParams, OmniAdapter, OmniTrajectory, Request
 from omnirl.models.lm import pad_responses
@@ -222,11 +223,8 @@ class OmniOps:
         return self.engine.generate(requests, on_finish=lambda t: on_done([t]))
 
     def update_rows(self, trajs: list[OmniTrajectory], keep: torch.Tensor, gen: torch.Generator):
-        where = global_positions(gen, self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size)
-        rows = [
-            TokenRow(t, 1.0, position=where[t.request.index]) for t, kept in zip(trajs, keep.tolist()) if kept
-        ]
-        return sorted(rows, key=lambda r: r.position)
+        samples = self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
+        return shuffled_rows(trajs, keep, gen, samples, 1, lambda t, _, at: TokenRow(t, 1.0, position=at))
 
     def count(self, rows: list[TokenRow]) -> float:
         """Real response tokens (token_mean) or responses (seq_mean, dr_grpo): losses.grpo_loss."""

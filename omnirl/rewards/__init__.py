@@ -1,27 +1,15 @@
 """Rewards: name -> "module:Class", imported only when named, so heavy dependencies (OCR models, CLIP,
 a VLM judge) load only in runs that use them.
 
-A reward is a class constructed with no arguments (or its local checkpoint directory, `reward.paths`)
-whose instances are called on a batch: `reward(samples, prompts, metadata) -> list[float]`, one finite
-float per sample. The class declares the modality it reads (`modality`: "image", "video", "audio", "text"
-or "latent", or a tuple of them for a reward that reads several, as ImageBind's audio-video alignment
-does), and `samples` holds that part of each sample's `Output` (`reward_inputs`): PIL images,
-videos [F, 3, H, W] in [0, 1] with their fps, audio tracks [C, T] with their sample rate, response texts,
-or `Latent` records (a diffusion sample's final latents with the conditioning it was denoised with). A
-recipe that pairs a reward with a model that cannot produce its modality fails when it loads
-(`check_modalities`).
+A reward is a class built with no arguments (or its local checkpoint directory, `reward.paths`; a latent
+reward also with the adapter and the config) whose instances are called on a batch,
+`reward(samples, prompts, metadata) -> list[float]`, one finite float per sample. It declares the
+modality it reads (`modality`), and `samples` holds that part of each sample's `Output`
+(`reward_inputs`); a recipe that pairs a reward with a model that cannot produce its modality fails when
+it loads (`check_modalities`). `omnirl.rewards.pool.RewardPool` combines several rewards with weights,
+holds a latent reward's batches for the trainer's thread, and never calls one instance from two threads.
 
-A latent reward reads the model's own latent space, so it is built with the model too,
-`Reward(path, adapter, cfg)`, and may run the policy's own module (`dina_lrm` runs the policy's first
-blocks under a LoRA of its own). It is therefore never called from a worker thread while the rollout runs
-the policy: the pool holds its batches and scores them in the trainer's thread after the generation
-(`RewardPool.score_held`), every rank at once, so a reward whose forwards are collectives (a sharded
-policy) runs them in step. When every reward of a recipe reads latents the rollout skips the decode.
-What a reward holds as `nn.Module` attributes sleeps in host memory during the update, with the text
-encoders and the VAE (`reward_modules`). `metadata[i]` is the data row of
-sample i (`omnirl.data.prompts.PromptRow.metadata`, with "source" = "file.jsonl:LINE" for error
-messages). `omnirl.rewards.pool.RewardPool` combines several rewards with weights and never calls one
-reward instance from two threads at once.
+The contract, the modalities and the latent rewards: docs/extending.md#how-to-add-a-reward.
 """
 
 from __future__ import annotations
@@ -36,7 +24,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from omnirl.config import ConfigError
+from omnirl.errors import ConfigError
 from omnirl.models.base import Output
 from omnirl.weights import check_weight_files
 

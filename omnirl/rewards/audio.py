@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from omnirl.config import ConfigError
+from omnirl.errors import ConfigError
 
 SILENCE_DB = -100.0  # the level of a silent track (the RMS floor 1e-5)
 

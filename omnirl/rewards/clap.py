@@ -19,7 +19,7 @@ import torch
 from transformers import ClapModel, ClapProcessor
 
 from omnirl import distributed as D
-from omnirl.config import ConfigError
+from omnirl.errors import ConfigError
 from omnirl.rewards.audio import mono, require_scipy, resample
 
 

@@ -14,7 +14,7 @@ import torch
 from transformers import CLIPModel, CLIPProcessor
 
 from omnirl import distributed as D
-from omnirl.config import ConfigError
+from omnirl.errors import ConfigError
 from omnirl.rewards import to_pil
 
 

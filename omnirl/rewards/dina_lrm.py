@@ -38,7 +38,7 @@ import json
 import re
 import warnings
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import peft
 import torch
@@ -51,10 +51,14 @@ from torch.distributed.fsdp import FSDPModule
 
 from omnirl import distributed as D
 from omnirl import fsdp
-from omnirl.config import ConfigError
-from omnirl.models.base import Latent, derive_seed
+from omnirl.distributed import derive_seed
+from omnirl.errors import ConfigError
+from omnirl.models.base import Latent
 from omnirl.models.peft_lora import adapter_active
 from omnirl.weights import load_safetensors, torch_load
+
+if TYPE_CHECKING:
+    from omnirl.models.sd3.adapter import SD3Adapter
 
 CONFIG, LORA_DIR, HEAD = "config.json", "checkpoint/backbone_lora", "checkpoint/rm_head.pt"
 LORA_FILE = "adapter_model.safetensors"
@@ -235,7 +239,9 @@ class DinaLRM:
     modality = "latent"
     batch_size = 8  # samples per forward
 
-    def __init__(self, path: str | None, adapter: Any, cfg: Any):
+    def __init__(self, path: str | None, adapter: SD3Adapter, cfg: Any):
+        """`adapter`: the run's SD3 adapter, read through its declared members (`transformer`, `scheduler`,
+        `policy`, `lora`, `transformer_dtype`, `vae_scale_factor`, `max_sequence_length`, `device`)."""
         root = Path(path) if path is not None else None
         missing = [
             f for f in (CONFIG, f"{LORA_DIR}/{LORA_FILE}", HEAD) if root is None or not (root / f).is_file()

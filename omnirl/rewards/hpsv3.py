@@ -23,7 +23,7 @@ from torch import nn
 from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration
 
 from omnirl import distributed as D
-from omnirl.config import ConfigError
+from omnirl.errors import ConfigError
 from omnirl.rewards import to_pil
 from omnirl.weights import load_safetensors
 

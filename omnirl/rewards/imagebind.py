@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from omnirl import distributed as D
-from omnirl.config import ConfigError
+from omnirl.errors import ConfigError
 from omnirl.rewards import imagebind_model as M
 from omnirl.rewards.audio import mono, require_scipy, resample
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from omnirl.config import ConfigError
+from omnirl.errors import ConfigError
 from omnirl.weights import torch_load
 
 

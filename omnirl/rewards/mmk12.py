@@ -1,26 +1,13 @@
 """MMK12 reward: answer accuracy plus format, for responses to omnirl.data.mmk12.PROMPT_TEMPLATE.
 
-reward = (accuracy + 0.15 * one_tag + 0.15 * boxed) / 1.3, so it lies in [0, 1]:
-- one_tag: the response holds exactly one "<answer>" and one "</answer>", in that order;
-- boxed: with one tag, its content holds a non-empty \\boxed{...} (braces balanced);
-- accuracy (0 or 1): the graded text is the content of the last <answer>...</answer> (a response
-  without a complete tag scores 0). A gold answer of one capital letter (a multiple-choice row) is
-  compared as an option letter: the boxed value, else the content, reduced to its leading letter
-  ("B", "(B)", "B.", "\\text{B}", "B. 12"). Any other gold answer is compared by math-verify with the
-  boxed value, else the whole content, as one expression (symbolic and numeric equivalence:
-  \\frac{1}{2} = 0.5, 2\\sqrt{2} = \\sqrt{8}, 90^\\circ = 90; "x = 2" matches 2; "13 or 12" matches
-  nothing).
+reward = (accuracy + 0.15 * one_tag + 0.15 * boxed) / 1.3, in [0, 1]: one_tag, exactly one
+<answer>...</answer>; boxed, a non-empty \\boxed{...} in it; accuracy, its content against the gold
+answer (metadata[i]["answer"]): an option letter as a letter, anything else by math-verify as one
+expression. The responses arrive as the `images` argument of the Reward protocol (text-output models pass
+their response texts there). math-verify runs in a child process (this file run as a script) with its own
+timeouts; an answer not judged within `timeout_s` counts as wrong and the child is restarted.
 
-The responses arrive as the `images` argument of the Reward protocol: text-output models pass their
-response texts there. metadata[i]["answer"] is the gold answer (omnirl.data.mmk12 puts it there).
-
-math-verify and threads: its default timeouts use signal.alarm, which fails outside the main thread
-(the reward pool's workers), and with them off a single pathological answer such as 9^{9^{9^9}} hangs
-sympy inside a C big-integer power that no thread can interrupt (benchmarks/RESULTS.md). So math-verify
-runs in a child process (this file run as a script, started at the first free-form answer) whose main
-thread runs it with its own timeouts; an answer it has not judged within `timeout_s` counts as wrong, and
-the child is killed and restarted. One child per reward instance; the pool never calls an instance from
-two threads.
+How each part is graded, and why a child process: docs/mmk12.md#the-reward.
 """
 
 from __future__ import annotations
@@ -87,7 +74,7 @@ class Mmk12Reward:
 
     def __init__(self) -> None:
         if importlib.util.find_spec("math_verify") is None:
-            from omnirl.config import ConfigError
+            from omnirl.errors import ConfigError
 
             raise ConfigError("the mmk12 reward needs math-verify: pip install 'omnirl[math]'")
         self._proc: subprocess.Popen | None = None  # the math-verify child, started at the first use
@@ -95,7 +82,7 @@ class Mmk12Reward:
     def __call__(self, images: list[str], prompts: list[str], metadata: list[dict[str, Any]]) -> list[float]:
         # Imported here, not at the top: the math-verify child runs this module, and omnirl.data imports
         # torch (seconds of start-up the child does not need).
-        from omnirl.data.prompts import DataError
+        from omnirl.errors import DataError
 
         scores = []
         for response, prompt, meta in zip(images, prompts, metadata):

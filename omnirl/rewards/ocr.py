@@ -18,8 +18,7 @@ from typing import Any
 from PIL import Image
 from rapidfuzz.distance import Levenshtein
 
-from omnirl.config import ConfigError
-from omnirl.data.prompts import DataError
+from omnirl.errors import ConfigError, DataError
 
 _QUOTED = re.compile(r'"([^"]*)"|“([^”]*)”')
 

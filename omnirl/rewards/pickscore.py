@@ -20,7 +20,7 @@ from PIL import Image
 from transformers import CLIPModel, CLIPProcessor
 
 from omnirl import distributed as D
-from omnirl.config import ConfigError
+from omnirl.errors import ConfigError
 
 # flow_grpo divides PickScore's logit by 26 so that rewards sit near 1 (its logit is ~21-23 for SD3.5)
 SCALE = 26.0

@@ -26,7 +26,7 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from omnirl.data.edit import read_image
-from omnirl.data.prompts import DataError
+from omnirl.errors import DataError
 from omnirl.rewards.ocr import OcrReward, normalise, ocr_score
 
 OCR_WEIGHT = 0.5

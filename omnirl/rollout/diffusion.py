@@ -2,51 +2,15 @@
 
 The `RequestPacker` groups requests by the adapter's compatibility key under `max_num_seqs` and
 `max_num_batched_tokens`; the adapter's `rollout` runs a batch as one transformer forward per denoising
-step (CFG rows included, unless `fused_cfg` is off) with one generator per request, so the packed
-result equals the serial one to fp32 rounding. Each finished batch is handed to `on_batch` at once, so
-reward scoring (in the reward pool's threads) overlaps the denoising of the next batch.
+step with one generator per request, so the packed result equals the serial one to fp32 rounding. Each
+finished batch goes to `on_batch` at once, so reward scoring overlaps the next batch's denoising. The
+engine calls the very module the optimizer updates: under FSDP2 its weights are gathered once per rollout
+phase, or one unit per forward (`per_unit`, padding batches keeping the ranks in step). Before the first
+batch of each key it measures what a batch costs (`_probe`) and refuses a max_num_seqs that does not fit.
+`precision` fp8 runs the blocks' linear layers in FP8 (`omnirl.rollout.fp8`); `compile` compiles the
+repeated blocks for the rollout only (`omnirl.rollout.compiled`).
 
-The engine calls the very module the optimizer updates (no weight copy); under FSDP2 the weights are
-gathered once for the whole rollout phase (`fsdp.gathered_weights`), so ranks may run different
-numbers of batches. With `per_unit` (distributed.rollout_gather unit: a sharded or offloaded frozen base
-too large to gather whole) each forward gathers one unit at a time instead, every forward is a
-collective, and a rank with fewer batches than another runs padding batches (copies of a request, their
-outputs dropped) until every rank has run as many.
-
-Before the first batch of each compatibility key, when a memory budget is known (`memory_budget`, or on
-an accelerator the memory free when the rollout starts), the engine measures what a batch of that key
-costs: two rollouts at the recipe's shapes (text encoding, the denoising loop with the recipe's trained-step
-records, the decode), whose peaks give a fixed part and a per-row part. A probe runs only its trained
-steps and two more (`_probe`): every step's forward has the same shapes, so the peak is the same, at a
-fraction of the time. Measured rather than computed from shapes: the activations of a forward
-depend on the attention kernel, the VAE's decode chunking and the family's own code, which a formula
-would have to follow in every adapter. Attention rows do not see each other, so the cost grows linearly
-with the rows, except in a phase done in fixed chunks (a decode of `decode_rows` videos at a time), whose
-peak stops growing once one chunk is full: the adapter's `memory_probe_rows` (k) is the row count from
-which every such phase is full. The probes run k and 2k rows, so the line through them holds for any
-batch of k rows or more (from one and two rows it would charge the whole chunk's cost to every row), and
-never more rows than the key's largest batch: a key whose batches hold at most 2k rows is measured at
-that batch's size (and at k, or half of it when it is at most k). A batch that would exceed the budget
-stops the rollout before any sample is generated with a ValueError naming rollout.max_num_seqs and the
-largest value that fits (from k rows up the line meets the peaks at multiples of k and errs high between
-them by less than one chunk's step; below k it errs high); so does a probe that runs out of device
-memory.
-
-`precision` fp8 runs the blocks' linear layers in FP8 (`omnirl.rollout.fp8`), quantised from the policy's
-weights when a rollout starts; `in_bf16` runs a call in the policy's own precision. With `fp8_steps`
-untrained only the denoising steps that train no row of the batch run in FP8 (`flow_sde.step_hook` switches
-the layers before each step's forward): the trained transitions are sampled by the policy's own layers, so
-their log-probs are the trainer's. A compiled rollout then holds both block codes (FP8 and not) per shape.
-
-`compile` compiles the transformer's repeated blocks (`adapter.fsdp_units()`) for the rollout only: each
-block's `forward` is swapped for its compiled version while `generate` runs and restored after
-(`omnirl.rollout.compiled`), so the trainer's forward/backward stays eager. We do not call diffusers'
-`compile_repeated_blocks`: it compiles for good (training included, FSDP2's hooks traced inside), finds
-blocks by class name, which `fully_shard` renames (FSDPQwenImageTransformerBlock), and SD3 defines no
-`_repeated_blocks`. Shapes are static (`dynamic=False`, the batch dim included), so each new batch size
-would compile again: batches are filled (not balanced) and padded up to a few bucket sizes (`bucket_size`)
-with dummy requests whose outputs are dropped. A dummy row draws its noise from its own generator, never
-from a real request's.
+How each part works: docs/rollout.md#packed-diffusion-rollout.
 """
 
 from __future__ import annotations

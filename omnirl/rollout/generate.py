@@ -1,46 +1,17 @@
 """GenerationEngine: native continuous-batching generation for omni adapters, on the actor's own module.
 
-The engine calls the very module the optimizer updates (`adapter.model`, no weight copy); under FSDP2 its
-weights are gathered once for the whole phase (`fsdp.gathered_weights`), or, with `per_unit`
-(distributed.rollout_gather unit, one rank: a frozen base offloaded to host memory), one unit per forward
-as in training, with FSDP2's hooks left to do their work and no CUDA graph (a graph cannot replay the
-host-to-device copies of the weights). The KV-cache budget is `kv_cache_gib`, or `kv_fraction` of the
-memory free when the call starts, its weights gathered (`memory_budget`, when given, instead of the free
-memory: what tests and capped runs set). A call allocates S slots
-(`max_num_seqs`, fewer if the KV-cache budget holds fewer rows of the longest prompt + max_new_tokens):
-one KV-cache row per slot in every decoder layer, [S, kv heads, C, head dim]. Waiting requests are
-prefilled in groups (one forward, images and audio through the model's own encoders, each distinct prompt
-once: a group's samples share their prompt's KV and last hidden state; the left padding of the batched
-prompts is dropped when their KV is copied into free slots from column 0); every decode
-step then runs one forward of all S slots on their latest tokens; a finished slot is freed and a waiting
-request takes it (continuous batching).
+The engine calls the very module the optimizer updates (`adapter.model`, no weight copy), its weights
+gathered once per phase (or one unit per forward with `per_unit`). A call allocates S KV-cache slots once
+(`max_num_seqs`, fewer if the KV budget holds fewer rows); waiting requests are prefilled in groups, each
+distinct prompt once, and every decode step runs one forward of all S slots on their latest tokens; a
+finished slot is freed and a waiting request takes it. A decode step keeps its shapes from first to last,
+so on CUDA it is captured as a CUDA graph (`cuda_graph`), per KV window width (`kv_windows`) and slot
+count (`row_buckets`, `omnirl.rollout.slots`). Each request draws its uniforms from its own generator and
+a token inverts the filtered distribution's CDF, so a sample does not depend on its batch; the recorded
+log-prob is the trainer's (`omnirl.models.lm.output_logprobs`).
 
-Each slot writes its next token's KV at its own column (its length) and attends to its columns under a
-mask, so a decode step has the same shapes from the first step to the last and updates its state in
-place: on CUDA it is captured once per call as a CUDA graph and replayed (`cuda_graph`), which removes
-the per-kernel launch cost that bounds a decode step of a batched MoE forward. The attention reads the
-narrowest of `kv_windows` widths of the cache that holds every busy slot's columns (a bound the host
-keeps without a sync: prompt + steps since admission), one graph per width. With `row_buckets` a step
-computes only the first of a few slot counts that holds the busy slots (moved there first, their KV rows
-copied on the device: `omnirl.rollout.slots`), one graph per count and width. With `compile` the decoder
-layers run compiled in the decode step (`omnirl.rollout.compiled`: their norms, rotary embedding,
-routing and activations fused into fewer kernels; the prefill, whose shapes change with the prompts,
-stays eager; the graph then records the compiled kernels; a second compile, with the slots and KV
-columns symbolic, at the first step whose window or slots differ from the first's). Each slot keeps its own
-M-RoPE position (the model's get_rope_index on the prompt, then +1 per token), so a row's computation
-does not depend on its neighbours apart from floating-point rounding of batched kernels.
-
-Sampling: one torch.Generator per request, seeded from the request's seed, draws all of the request's
-uniforms at admission; a token is drawn by inverting the CDF of the (top-k / top-p filtered) distribution
-at the row's next uniform, so a request's sample does not depend on which batch it runs in. The recorded
-log-prob is the trainer's, log_softmax(logits / temperature) over the output vocabulary
-(`omnirl.models.lm.output_logprobs`); top-k / top-p only shape the draw.
-
-Why not transformers' continuous batching (`generate_batch`, `ContinuousBatchingManager`, paged cache):
-it takes token ids only (no pixel_values / input_features, so no image or audio prompt), gives every token
-1-D positions (no M-RoPE), samples with one global RNG (a request's sample depends on its batch) and
-records log-probs of the temperature/top-p-processed distribution; `benchmarks/generate_throughput.py`
-measures it as a baseline on text prompts.
+How each part works, and why not transformers' own continuous batching:
+docs/rollout.md#native-generation-for-omni-models.
 """
 
 from __future__ import annotations

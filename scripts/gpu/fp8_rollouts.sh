@@ -10,7 +10,7 @@
 #   repeats128: the same pair at the reference's 128 images, timed in turn twice (--repeats 2)
 #   qwen128: Qwen-Image at the reference's 128 images: bf16, FP8 on every step, FP8 on the untrained
 #            steps, all packed compiled, and the stock pipeline compiled
-#   sd35:    SD3.5-Medium at its recipe's 48 images per GPU, the same four
+#   sd3:    SD3.5-Medium at its recipe's 48 images per GPU, the same four
 #   wan:     Wan2.2 TI2V-5B, 16 videos, the same four
 #   flux:    FLUX.1-dev at flux_dancegrpo_hpsv3's settings (720 px, 16 steps, no true CFG), 24 images in
 #            batches of 12 (a group), the same four
@@ -43,9 +43,9 @@ run_job() {  # JOB GPU
     repeats) read -r -a args <<<"--images 32 --cells 32:split:compiled:fp8 --stock-batch 32 --interleave --repeats 3" ;;
     repeats128) read -r -a args <<<"--images 128 --cells 32:split:compiled:fp8 --stock-batch 32 --interleave --repeats 2" ;;
     qwen128) read -r -a args <<<"--images 128 $(four 32 :split)" ;;
-    sd35) read -r -a args <<<"--model sd35 --images 48 $(four 32 '')" ;;
-    wan) read -r -a args <<<"--model wan22_ti2v --images 16 $(four 16 :split)" ;;
-    flux) read -r -a args <<<"--model flux1_dev --images 24 --steps 16 $(four 12 '')" ;;
+    sd3) read -r -a args <<<"--model sd3 --images 48 $(four 32 '')" ;;
+    wan) read -r -a args <<<"--model wan_ti2v --images 16 $(four 16 :split)" ;;
+    flux) read -r -a args <<<"--model flux --images 24 --steps 16 $(four 12 '')" ;;
     fluxstep)
         for mode in bf16 untrained; do
             local extra=()

@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @dataclass(frozen=True)
 class Recipe:
-    model: str  # omnirl.models.random_init.write_random_checkpoint's name for the models
+    model: str  # omnirl.models.write_random_checkpoint's name for the models
     tiny: str  # the tiny recipe of --tiny
-    family: str  # omnirl.models.tiny.TINY_MODELS key of the tiny checkpoint
+    family: str  # omnirl.testing.TINY_MODELS key of the tiny checkpoint
     data: str  # "ocr" or "edit": which generator writes the data (the video recipes read only the prompts)
 
 
@@ -36,11 +36,11 @@ RECIPES = {
     "qwen_image_edit_flowgrpo": Recipe(
         "qwen_image_edit", "qwen_image_edit_tiny_flowgrpo", "qwen_image_edit", "edit"
     ),
-    "sd35_flowgrpo_ocr": Recipe("sd35", "sd3_tiny_flowgrpo", "sd3", "ocr"),
-    "wan22_ti2v_dancegrpo": Recipe("wan22_ti2v", "wan22_ti2v_tiny_dancegrpo", "wan22_ti2v", "ocr"),
-    "wan22_a14b_flowgrpo_lora": Recipe("wan22_a14b", "wan22_a14b_tiny_flowgrpo_lora", "wan22_a14b", "ocr"),
-    "ltx23_t2av_flowgrpo_lora": Recipe("ltx23", "ltx23_tiny_t2av_flowgrpo", "ltx2", "ocr"),
-    "flux_dancegrpo_hpsv3": Recipe("flux1_dev", "flux_tiny_dancegrpo", "flux", "ocr"),
+    "sd35_flowgrpo_ocr": Recipe("sd3", "sd3_tiny_flowgrpo", "sd3", "ocr"),
+    "wan22_ti2v_dancegrpo": Recipe("wan_ti2v", "wan22_ti2v_tiny_dancegrpo", "wan_ti2v", "ocr"),
+    "wan22_a14b_flowgrpo_lora": Recipe("wan_a14b", "wan22_a14b_tiny_flowgrpo_lora", "wan_a14b", "ocr"),
+    "ltx23_t2av_flowgrpo_lora": Recipe("ltx2", "ltx23_tiny_t2av_flowgrpo", "ltx2", "ocr"),
+    "flux_dancegrpo_hpsv3": Recipe("flux", "flux_tiny_dancegrpo", "flux", "ocr"),
 }
 # Packages a reward needs beyond the trainer's; a reward whose packages are missing is left out.
 REWARD_NEEDS = {
@@ -368,6 +368,8 @@ def run_worker(cmd: list[str], env: dict, budget_s: float) -> tuple[int, bool]:
 
 
 def main(argv: list[str]) -> int:
+    from benchmarks.measure import add_qwen_bpe
+
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
@@ -388,12 +390,7 @@ def main(argv: list[str]) -> int:
         "reward wait is not the OCR engine's)",
     )
     p.add_argument("--keep", action="store_true", help="keep the temporary folder (printed)")
-    p.add_argument(
-        "--qwen-bpe",
-        help="Qwen's qwen.tiktoken (the dashscope wheel's): the Qwen-Image recipes' random-init checkpoint "
-        "gets the real Qwen2 tokenizer, so prompts have their real lengths "
-        "(omnirl/models/qwen_tokenizers.py)",
-    )
+    add_qwen_bpe(p)  # the Qwen-Image recipes' random-init checkpoint
     p.add_argument(
         "--cap-gib",
         type=float,
@@ -407,7 +404,7 @@ def main(argv: list[str]) -> int:
         help="no run: build the models on the meta device and print rank 0's packed rollout batches",
     )
     a, overrides = p.parse_known_args(argv)
-    from omnirl.config import ConfigError
+    from omnirl.errors import ConfigError
 
     name = recipe_name(a.recipe)
     spec = RECIPES[name]
@@ -448,11 +445,11 @@ def drive(
     if ckpt is None:
         ckpt = str(work / "ckpt")
         if a.tiny:
-            from omnirl.models.tiny import TINY_MODELS
+            from omnirl.testing import TINY_MODELS
 
             TINY_MODELS[spec.family](Path(ckpt))
         else:
-            from omnirl.models.random_init import write_random_checkpoint
+            from omnirl.models import write_random_checkpoint
 
             write_random_checkpoint(spec.model, Path(ckpt), a.qwen_bpe)
     ckpt_s = time.perf_counter() - t0

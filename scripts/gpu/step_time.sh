@@ -32,7 +32,7 @@ write() {  # MODEL: the random-init checkpoint, written once per machine
     [[ -f $ckpt/$1/model_index.json ]] && return
     local extra=""
     [[ $1 == qwen_image && -n $bpe ]] && extra=", '$bpe'"
-    python -c "from pathlib import Path; from omnirl.models.random_init import write_random_checkpoint as w; \
+    python -c "from pathlib import Path; from omnirl.models import write_random_checkpoint as w; \
 w('$1', Path('$ckpt/$1')$extra)"
 }
 sd35=(--recipe sd35_flowgrpo_ocr --rollout.prompts_per_step 4 --rollout.group_size 8
@@ -44,10 +44,10 @@ compiled=(--train.compile true --rollout.compile true)
 fp8=(--rollout.precision fp8 --rollout.fp8_steps all --train.precision fp8)
 for job in "${jobs[@]}"; do
     case $job in
-    sd35) model=sd35 args=("${sd35[@]}") ;;
-    sd35_compiled) model=sd35 args=("${sd35[@]}" "${compiled[@]}") ;;
-    sd35_gc) model=sd35 args=("${sd35[@]}" --model.gradient_checkpointing true) ;;
-    sd35_fp8) model=sd35 args=("${sd35[@]}" "${compiled[@]}" "${fp8[@]}") ;;
+    sd35) model=sd3 args=("${sd35[@]}") ;;
+    sd35_compiled) model=sd3 args=("${sd35[@]}" "${compiled[@]}") ;;
+    sd35_gc) model=sd3 args=("${sd35[@]}" --model.gradient_checkpointing true) ;;
+    sd35_fp8) model=sd3 args=("${sd35[@]}" "${compiled[@]}" "${fp8[@]}") ;;
     qwen) model=qwen_image args=("${qwen[@]}") ;;
     qwen_compiled) model=qwen_image args=("${qwen[@]}" "${compiled[@]}") ;;
     *) echo "step_time.sh: unknown job $job" >&2; exit 2 ;;

@@ -13,7 +13,8 @@ import json
 import math
 from pathlib import Path
 
-# The shape of the omni throughput benchmark's thinker (omnirl.models.random_init.write_random_thinker):
+# The shape of the omni throughput benchmark's thinker
+# (omnirl.models.qwen3_omni_thinker.public_config.write_random_thinker):
 # lm_head x4 so that the actor-rollout probability Pearson has peaked distributions to compare.
 THINKER = dict(
     vocab=151936, hidden=2048, layers=8, heads=32, kv_heads=4, head_dim=128, moe_intermediate=768,
@@ -36,7 +37,7 @@ def checkpoint(a) -> None:
     import torch
 
     from omnirl.distributed import device_type
-    from omnirl.models.random_init import write_random_thinker
+    from omnirl.models.qwen3_omni_thinker.public_config import write_random_thinker
 
     shape = TINY_THINKER if a.tiny else FULL_THINKER if a.full else THINKER
     device = torch.device(a.device or device_type())

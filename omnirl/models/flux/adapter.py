@@ -29,11 +29,11 @@ from torch import nn
 from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
 
 from omnirl.config import Config
-from omnirl.config_checks import POSITIVE, at_least
 from omnirl.fsdp import DTYPES, compute_dtype, load_pretrained
 from omnirl.models.base import Output, Request, Trajectory
 from omnirl.models.diffusers_setup import DiffusersBase, guided_velocity, make_trainable, trajectories
 from omnirl.models.flow_sde import WindowedSampler, phase, to_host
+from omnirl.ranges import POSITIVE, at_least
 
 
 @dataclass

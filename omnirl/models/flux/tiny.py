@@ -44,42 +44,17 @@ def make_tiny_flux(out_dir: str | Path) -> Path:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    from omnirl.models.tiny import _clip_tokenizer, _t5_tokenizer, tiny_t5_config
+    from omnirl.models.sd3.tiny import tiny_clip_config, tiny_t5_config, tiny_vae_config
+    from omnirl.models.tokenizers import clip_tokenizer, t5_tokenizer
 
     out_dir = Path(out_dir)
-    clip_tok = _clip_tokenizer()
-    t5_tok = _t5_tokenizer(model_max_length=32)
+    clip_tok = clip_tokenizer()
+    t5_tok = t5_tokenizer(model_max_length=32)
 
     torch.manual_seed(0)
     transformer = FluxTransformer2DModel(**TINY_FLUX_TRANSFORMER)
-    # (diffusers annotates the block tuples as one-element tuples: `Tuple[str]`; any length is taken.)
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 2,  # pyright: ignore[reportArgumentType]
-        up_block_types=("UpDecoderBlock2D",) * 2,  # pyright: ignore[reportArgumentType]
-        block_out_channels=(16, 32),  # pyright: ignore[reportArgumentType]
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=8,
-        sample_size=32,
-        # FLUX's VAE has no quant convs and does latents / scaling_factor + shift_factor (its real values)
-        scaling_factor=0.3611,
-        shift_factor=0.1159,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    )
-    clip_cfg: dict[str, Any] = dict(
-        vocab_size=len(clip_tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        max_position_embeddings=77,
-        bos_token_id=clip_tok.bos_token_id,
-        eos_token_id=clip_tok.eos_token_id,  # the pooled output is read at the first EOS token
-        pad_token_id=clip_tok.pad_token_id,
-    )
+    vae = AutoencoderKL(**tiny_vae_config(scaling_factor=0.3611, shift_factor=0.1159))  # FLUX's real values
+    clip_cfg = tiny_clip_config(clip_tok, hidden_size=32)
     clip = CLIPTextModel(CLIPTextConfig(**clip_cfg))
     t5 = T5EncoderModel(T5Config(**tiny_t5_config(t5_tok)))
     # Built modules are in train mode (T5 dropout!) and pipelines never call eval(): do it here.
@@ -94,3 +69,6 @@ def make_tiny_flux(out_dir: str | Path) -> Path:
     )
     pipe.save_pretrained(out_dir)
     return out_dir
+
+
+TINY = {"flux": make_tiny_flux}

@@ -1,0 +1,1 @@
+"""The BAGEL family; its README.md says what it trains and where its parts are."""

@@ -1,0 +1,1 @@
+"""The Qwen-Image-Edit family; its README.md says what it trains and where its parts are."""
