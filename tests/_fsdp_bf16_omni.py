@@ -16,10 +16,10 @@ import torch
 
 from omnirl import distributed as D
 from omnirl.config import config_for
+from omnirl.fsdp import shard
 from omnirl.models import get_adapter
 from omnirl.models.base import GenerationParams, Request
 from omnirl.models.lm import pad_responses
-from omnirl.ops import shard
 from omnirl.rollout.generate import GenerationEngine
 
 
