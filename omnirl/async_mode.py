@@ -207,7 +207,7 @@ def train_async(cfg: Config, dist: D.DistInfo) -> dict[str, float]:
 def _rollout(cfg, ops, rewards, rows, dist: D.DistInfo, events, trainers: list[int], weights_group) -> None:
     """A rollout rank: generate and score each step with the newest weights the schedule allows, send each
     training rank its share."""
-    from omnirl.scoring import rollout_and_score
+    from omnirl.scoring import rollout_step
 
     s, prompts = cfg.distributed.max_staleness, cfg.rollout.prompts_per_step
     rollouts = list(range(len(trainers), len(trainers) + dist.world_size))  # global ranks: after the trainers
@@ -221,7 +221,7 @@ def _rollout(cfg, ops, rewards, rows, dist: D.DistInfo, events, trainers: list[i
             continue
         assert version == max(0, i - s), (i, version)  # the schedule's promise
         stats: dict[str, float] = {}
-        trajs, per_reward = rollout_and_score(ops, rewards, ops.requests(rows, i, dist), stats)
+        trajs, per_reward = rollout_step(cfg, ops, rewards, ops.requests(rows, i, dist), stats)
         for t, rank in enumerate(trainers):
             msg = {
                 "step": i,
@@ -239,7 +239,7 @@ class _Trainer:
     """A training rank: receive samples, train each step as soon as the schedule allows, send weights."""
 
     def __init__(self, cfg, ops, rewards, dist: D.DistInfo, rollouts, weights_group, val_rows, skipped):
-        from omnirl.ops import shard
+        from omnirl.fsdp import shard
 
         self.cfg, self.ops, self.rewards, self.dist = cfg, ops, rewards, dist
         self.rollouts, self.weights_group = rollouts, weights_group
@@ -255,7 +255,6 @@ class _Trainer:
         self.tuning = UpdateTuning(cfg, ops)  # auto checkpointing, train.compile, the update's clock
         self.queue: dict[int, list[dict]] = {}  # step -> one message per rollout rank
         self.logs: dict[str, float] = {}
-        self.updates = self.skipped_updates = 0.0
         self.last = time.perf_counter()
         self.waited = 0.0
 
@@ -291,7 +290,7 @@ class _Trainer:
                 self._drain()
             self._drain()
             assert self.trained == cfg.run.steps and not self.queue, (self.trained, sorted(self.queue))
-            check_learned(cfg.run.steps - done, self.updates, self.skipped_updates)
+            check_learned(cfg.run.steps - done, self.tuning.updates, self.tuning.skipped)
             if cfg.export.lora_at_end and cfg.model.finetune == "lora":
                 checkpoint.export_lora(cfg, self.ops.adapter, self.ops.policy, dist)
         finally:
@@ -299,8 +298,7 @@ class _Trainer:
         return self.logs
 
     def _checkpoint_due(self, done: int) -> bool:
-        every, steps = self.cfg.checkpoint.every, self.cfg.run.steps
-        return bool(every) and done > self.saved and (done % every == 0 or done == steps)
+        return done > self.saved and checkpoint.due(self.cfg, done)
 
     def _drain(self) -> None:
         """Save what is due and train what may be trained, until neither can go on."""
@@ -340,8 +338,6 @@ class _Trainer:
         keep, adv_metrics = assign_advantages(cfg, trajs)
         self.optimizer.zero_grad(set_to_none=True)
         update_metrics = update(cfg, ops, self.optimizer, trajs, keep, step, self.tuning)
-        self.updates += update_metrics.get("train/updates", 0.0)
-        self.skipped_updates += update_metrics["train/skipped_nonfinite"]
         stale = [float(step - m["version"]) for m in msgs for _ in m["trajs"]]
         sums = D.all_reduce(torch.tensor([sum(stale), float(len(stale))], dtype=torch.float64))
         worst = D.all_reduce(torch.tensor([max(stale)], dtype=torch.float64), op=tdist.ReduceOp.MAX)

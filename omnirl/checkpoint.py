@@ -156,6 +156,13 @@ def check_meta(path: Path, cfg: Config) -> dict:
     return meta
 
 
+def due(cfg: Config, steps_done: int) -> bool:
+    """Whether checkpoint.every asks for a checkpoint after `steps_done` steps: every `every` steps and
+    after the run's last one (never with every 0)."""
+    every = cfg.checkpoint.every
+    return bool(every) and (steps_done % every == 0 or steps_done == cfg.run.steps)
+
+
 def save(
     cfg: Config,
     steps_done: int,
@@ -164,12 +171,16 @@ def save(
     dist,
     extra: dict[str, torch.Tensor] | None = None,
     rank_file: tuple[str, bytes] | None = None,
-) -> Path:
+    when_due: bool = False,
+) -> Path | None:
     """Write the checkpoint after `steps_done` steps; every rank calls this (DCP save is collective).
     `extra`: tensors beyond the weights and the optimizer that the run's state holds (`KindOps.state`;
     DTensors sharded like the trained parameters), restored in place by `load`. `rank_file` (NAME, bytes),
     given on every rank or on none: each rank's own state beyond those, written to NAME/rank_RRRRR.pt and
-    hashed in the manifest (the asynchronous mode's generated-but-untrained samples)."""
+    hashed in the manifest (the asynchronous mode's generated-but-untrained samples). `when_due`: only if
+    checkpoint.every asks for one after `steps_done` steps (`due`); returns None when nothing is written."""
+    if when_due and not due(cfg, steps_done):
+        return None
     root = Path(cfg.run.output_dir) / "checkpoints"
     final = root / f"step_{steps_done:06d}"
     tmp = root / f"{final.name}.tmp"

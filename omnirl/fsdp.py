@@ -1,6 +1,7 @@
 """FSDP2 on the models and how they are loaded: the policy's placement for its frozen base, `fully_shard`
-on an adapter's units, the bytes sharded and gathered weights take, the weights gathered once for a
-rollout phase, and models read on rank 0 and broadcast (or built by `building_with` instead).
+on an adapter's units (`shard`: a run's policy and reference copy), the bytes sharded and gathered weights
+take, the weights gathered once for a rollout phase, and models read on rank 0 and broadcast (or built
+by `building_with` instead).
 
 The devices, the process group and the DeviceMesh this works over come from `distributed.py`.
 """
@@ -27,6 +28,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 from transformers import PreTrainedModel
 
+from omnirl import distributed as D
+from omnirl.config import Config
 from omnirl.distributed import device_type, local_device
 from omnirl.errors import ConfigError
 from omnirl.memory import free_bytes
@@ -120,6 +123,44 @@ def own_outputs(module: nn.Module, args: tuple, output: Any) -> Any:
         return t.clone() if t.requires_grad and t._base is not None else t
 
     return tree_map_only(torch.Tensor, own, output)
+
+
+def shard(cfg: Config, ops: Any, dist: D.DistInfo) -> dict[str, float]:
+    """FSDP2 over the policy and over the reference copy of a full fine-tune, the frozen weights as
+    distributed.frozen_base says: a LoRA's base replicated (only the trained parameters sharded), sharded
+    with them, or sharded and offloaded to host memory; a full fine-tune's reference copy sharded like
+    the actor, offloaded with 'offload' (its actor, all trained, stays on the device). Returns the bytes
+    of frozen parameters this rank then holds and the part of them on its device (`frozen_bytes`), which
+    the trainer logs every step (mem/frozen_bytes, mem/frozen_device_bytes), and prints them with the way
+    the rollout gathers the weights."""
+    if cfg.distributed.fsdp and dist.mesh is not None:
+        _apply_fsdp(cfg, ops, dist)
+    d = cfg.distributed
+    models = [ops.policy] + ([ops.ref_model] if ops.ref_model is not None else [])
+    held, on_device = (sum(n) for n in zip(*(frozen_bytes(m) for m in models)))
+    D.print0(
+        f"frozen weights: {d.frozen_base}, {held / 2**20:.1f} MiB on each rank ({on_device / 2**20:.1f} MiB "
+        f"of it on the device); the rollout gathers weights per {d.rollout_gather}"
+    )
+    return {"mem/frozen_bytes": float(held), "mem/frozen_device_bytes": float(on_device)}
+
+
+def _apply_fsdp(cfg: Config, ops: Any, dist: D.DistInfo) -> None:
+    d, units = cfg.distributed, ops.adapter.fsdp_units()
+    mesh = dist.mesh
+    assert mesh is not None  # `shard` calls this only with a mesh
+    replicate = d.frozen_base == "replicate"
+    offload = d.frozen_base == "offload"
+    frozen = {p for p in ops.policy.parameters() if not p.requires_grad} if replicate else set()
+    lora = cfg.model.finetune == "lora"
+    # The reference copy's units are the policy's, by name (it is a copy of the policy). Named before the
+    # policy is wrapped, and not by class: fully_shard gives each unit an FSDP subclass of its own class.
+    names = {id(m): n for n, m in ops.policy.named_modules()}
+    unit_names = [names[id(u)] for u in units]
+    apply_fsdp(ops.policy, units, mesh, d.param_dtype, d.reduce_dtype, frozen, offload and lora)
+    if ops.ref_model is not None:
+        ref_units = [ops.ref_model.get_submodule(n) for n in unit_names]
+        apply_fsdp(ops.ref_model, ref_units, mesh, d.param_dtype, d.reduce_dtype, offload=offload)
 
 
 def cast_inputs(dtype: torch.dtype, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

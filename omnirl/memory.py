@@ -25,6 +25,7 @@ Only this module and `distributed.py` touch `torch.cuda` / `torch.npu`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import time
@@ -417,3 +418,53 @@ def phase(
             if engine is not None:
                 stats[f"mem/{name}_engine_asleep_gib"] = asleep / GIB
         empty_cache()
+
+
+class Phases:
+    """What each phase of a training step puts to sleep and wakes (`phase`, docs/memory.md), named once:
+
+    - rollout: the gradients are dropped (they are dead after a step: every update starts from
+      `zero_grad(set_to_none=True)`), what only training uses sleeps (group "optimizer": the optimizer's
+      state; "reference": the reference copy of a full fine-tune with KL), what only the rollout uses wakes
+      ("offload": the kind's rollout-only modules, text encoders and VAE, and the reward models), and so
+      does a rollout engine with weights of its own (`ops.sleepable`: vLLM's);
+    - train: the reverse, the engine asleep;
+    - validate and guard (samples outside the step): "offload" and the engine wake, the optimizer's state
+      stays as it is (awake: a checkpoint saved after validation reads it).
+
+    With `sleeper` None (memory.sleep false) nothing moves: the phases are timed and their peaks measured.
+    `ops` is the kind's ops object (`omnirl.ops.KindOps`), `rewards` the reward pool."""
+
+    def __init__(self, sleeper: Sleeper | None, optimizer: torch.optim.Optimizer, ops, rewards):
+        self.sleeper, self.optimizer, self.ops, self.rewards = sleeper, optimizer, ops, rewards
+        self.engine = ops.sleepable
+        self.train_only: dict[str, list[torch.Tensor]] = {}
+
+    @contextlib.contextmanager
+    def rollout(self):
+        """The rollout phase; yields the step's stats, into which it writes its measurements."""
+        stats: dict[str, float] = {}
+        self.optimizer.zero_grad(set_to_none=True)
+        reference = [self.ops.ref_model] if self.ops.ref_model is not None else []
+        self.train_only = {
+            "optimizer": optimizer_state(self.optimizer),
+            "reference": module_tensors(reference),
+        }
+        with phase(
+            "rollout", stats, self.sleeper, sleep=self.train_only, wake=["offload"], engine=self.engine
+        ):
+            yield stats
+
+    def train(self, stats: dict[str, float]):
+        """The update's phase, after a rollout phase; writes its measurements into `stats`."""
+        rollout_only = {"offload": module_tensors(self.ops.offload_modules() + self.rewards.modules())}
+        wake = list(self.train_only)
+        return phase("train", stats, self.sleeper, rollout_only, wake, self.engine, engine_awake=False)
+
+    def validate(self, logs: dict[str, float]):
+        """Validation's phase; writes its measurements into `logs`."""
+        return phase("validate", logs, self.sleeper, wake=["offload"], engine=self.engine)
+
+    def guard(self, logs: dict[str, float]) -> Callable[[], contextlib.AbstractContextManager]:
+        """The phase of the health guard's samples, opened when called (`Health.after_step`)."""
+        return functools.partial(phase, "guard", logs, self.sleeper, wake=["offload"], engine=self.engine)

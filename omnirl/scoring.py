@@ -1,5 +1,6 @@
 """Generation and scoring, written once for both kinds of model.
 
+- `rollout_step`: a training step's samples: `rollout_and_score`, then Sol-RL's regeneration when asked for.
 - `rollout_and_score`: a kind's generation with each finished batch scored in the reward pool meanwhile.
 - `collect_scores`: the reward pool's results, set on the trajectories.
 - `regenerate_selected`: Sol-RL's bf16 regeneration of the FP8 samples chosen for training.
@@ -25,6 +26,19 @@ from omnirl.distributed import derive_seed
 from omnirl.models.base import Request
 from omnirl.ops import KindOps
 from omnirl.rewards.pool import RewardPool
+
+
+def rollout_step(
+    cfg: Config, ops: KindOps, rewards: RewardPool, requests: list[Request], stats: dict[str, float]
+) -> tuple[list, dict[str, np.ndarray]]:
+    """The samples a training step trains on, scored: those of `rollout_and_score`; with Sol-RL's
+    selection (rollout.fp8_select k: explore in FP8, train on bf16 regenerations) the bf16 regenerations of
+    the k best and k worst of each group (`regenerate_selected`). Writes the timings into `stats`."""
+    trajs, per_reward = rollout_and_score(ops, rewards, requests, stats)
+    select = cfg.rollout.fp8_select
+    if not select:
+        return trajs, per_reward
+    return regenerate_selected(ops, rewards, trajs, select, stats)
 
 
 def rollout_and_score(

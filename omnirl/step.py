@@ -36,9 +36,12 @@ class UpdateTuning:
     """What a run's updates carry from step to step: the pending `model.gradient_checkpointing: auto`
     decision (`omnirl.autotune`), the blocks compiled for training (`train.compile`, swapped in only while
     an update runs, as the rollout swaps its own), the FP8 base layers of `train.precision fp8`
-    (`omnirl.train_fp8`) and the clock of the update's parts."""
+    (`omnirl.train_fp8`), the clock of the update's parts, and the run's counts of the optimizer steps
+    applied (`updates`) and skipped for non-finite values (`skipped`), which `check_learned` reads at the
+    end of the run."""
 
     def __init__(self, cfg: Config, ops: KindOps):
+        self.updates = self.skipped = 0.0
         self.auto = AutoCheckpointing(cfg.model.gradient_checkpointing)
         self.clock = PhaseClock(ops.adapter.device)
         self.compiled = compile_forwards(ops.adapter.fsdp_units()) if cfg.train.compile else []
@@ -66,7 +69,8 @@ def update(
     step: int,
     tuning: UpdateTuning | None = None,
 ) -> dict:
-    """One RL step's policy update over this rank's samples; returns the logged (global) metrics.
+    """One RL step's policy update over this rank's samples; returns the logged (global) metrics, and
+    adds the optimizer steps it applied and skipped to `tuning`'s counts.
 
     `keep` [N] bool marks the samples of groups with reward spread. Losses are divided by the global count
     of the mini-batch (`ops.count` all-reduced), so the gradients summed over micro-batches and ranks are
@@ -74,6 +78,22 @@ def update(
     (`batching.global_positions`): they hold the same rows on any number of ranks, only the order of the
     sums differs; where groups were dropped they hold unequal numbers of rows (each divided by its own
     count)."""
+    metrics = _update(cfg, ops, optimizer, trajs, keep, step, tuning)
+    if tuning is not None:
+        tuning.updates += metrics.get("train/updates", 0.0)
+        tuning.skipped += metrics["train/skipped_nonfinite"]
+    return metrics
+
+
+def _update(
+    cfg: Config,
+    ops: KindOps,
+    optimizer,
+    trajs: list,
+    keep: torch.Tensor,
+    step: int,
+    tuning: UpdateTuning | None,
+) -> dict:
     gen = torch.Generator().manual_seed(derive_seed(cfg.run.seed, step, -1))
     world = D.rank_and_world()[1]
     if nonfinite := nonfinite_samples(cfg, trajs, step):  # the step's update is skipped, or the run stops

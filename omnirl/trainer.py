@@ -17,13 +17,14 @@ from omnirl import checkpoint
 from omnirl import distributed as D
 from omnirl.config import Config
 from omnirl.data import check_prompts, load_data
+from omnirl.fsdp import shard
 from omnirl.health import Health
-from omnirl.memory import Sleeper, module_tensors, optimizer_state, phase
+from omnirl.memory import Phases, Sleeper
 from omnirl.metrics import MetricsLogger
 from omnirl.models import build_adapter
-from omnirl.ops import check_before_loading, shard
+from omnirl.ops import check_before_loading
 from omnirl.rewards.pool import RewardPool
-from omnirl.scoring import regenerate_selected, rollout_and_score, validate
+from omnirl.scoring import rollout_step, validate
 from omnirl.step import UpdateTuning, assign_advantages, check_learned, per_rank, reward_stats, update
 
 
@@ -66,63 +67,34 @@ def _train(cfg: Config, dist: D.DistInfo) -> dict[str, float]:
         health.resume(history)
     logger = MetricsLogger(cfg.run.output_dir, dist.is_main, cfg.log.tensorboard, start, history)
     logger.progress(cfg.run.steps, initial=start)
-    sleeper = Sleeper(dist.device) if cfg.memory.sleep else None
-    tuning = UpdateTuning(cfg, ops)  # auto checkpointing, train.compile, the update's clock
+    phases = Phases(Sleeper(dist.device) if cfg.memory.sleep else None, optimizer, ops, rewards)
+    tuning = UpdateTuning(cfg, ops)  # auto checkpointing, train.compile, the update's clock and counts
     logs: dict[str, float] = {}
-    updates = skipped_updates = 0.0  # of this run's steps: none applied and some skipped is an error
     try:
         for step in range(start, cfg.run.steps):
-            stats: dict[str, float] = {}
-            step_start = time.perf_counter()
-            requests = ops.requests(rows, step, dist)
-            # Each phase sleeps what only the other one uses (docs/memory.md). The gradients are
-            # dead after a step (every update starts from zero_grad(set_to_none=True)): dropped, not carried.
-            optimizer.zero_grad(set_to_none=True)
-            reference = [ops.ref_model] if ops.ref_model is not None else []
-            train_only = {"optimizer": optimizer_state(optimizer), "reference": module_tensors(reference)}
-            engine = ops.sleepable  # a rollout engine with weights of its own (vLLM): awake only for rollouts
-            with phase("rollout", stats, sleeper, sleep=train_only, wake=["offload"], engine=engine):
-                trajs, per_reward = rollout_and_score(ops, rewards, requests, stats)
-                if cfg.rollout.fp8_select:  # Sol-RL: explore in FP8, train on bf16 regenerations
-                    k = cfg.rollout.fp8_select
-                    trajs, per_reward = regenerate_selected(ops, rewards, trajs, k, stats)
+            began = time.perf_counter()
+            with phases.rollout() as stats:  # each phase sleeps what only the other one uses
+                trajs, per_reward = rollout_step(cfg, ops, rewards, ops.requests(rows, step, dist), stats)
             keep, adv_metrics = assign_advantages(cfg, trajs)
-            rollout_only = {"offload": module_tensors(ops.offload_modules() + rewards.modules())}
-            with phase(
-                "train",
-                stats,
-                sleeper,
-                sleep=rollout_only,
-                wake=list(train_only),
-                engine=engine,
-                engine_awake=False,
-            ):
+            with phases.train(stats):
                 health.before_update(step)
                 update_metrics = update(cfg, ops, optimizer, trajs, keep, step, tuning)
             logs = {**reward_stats(per_reward), **adv_metrics, **update_metrics, **stats, **frozen}
-            updates += update_metrics.get("train/updates", 0.0)
-            skipped_updates += update_metrics["train/skipped_nonfinite"]
-            logs["time/step_s"] = time.perf_counter() - step_start
-            if step == 0 and skipped is not None:
-                logs["data/skipped_rows"] = len(skipped)
+            logs |= {"time/step_s": time.perf_counter() - began, **skipped_rows(step, skipped)}
             if cfg.validation.every and val_rows and (step + 1) % cfg.validation.every == 0:
-                # The optimizer state stays awake: a checkpoint saved after validation reads it.
-                with phase("validate", logs, sleeper, wake=["offload"], engine=engine):
+                with phases.validate(logs):
                     logs.update(validate(cfg, ops, rewards, val_rows, dist))
             logs.update(per_rank(logs))
-            guard_phase = functools.partial(phase, "guard", logs, sleeper, wake=["offload"], engine=engine)
-            logs.update(health.after_step(step, logs, trajs, logger, guard_phase))
+            logs.update(health.after_step(step, logs, trajs, logger, phases.guard(logs)))
             logger.log(step, logs)
             if cfg.log.image_every and step % cfg.log.image_every == 0:
                 ops.log_samples(logger, step, trajs)
             logger.update(step, logs["reward/mean"], logs["time/step_s"])
-            every = cfg.checkpoint.every
             save = functools.partial(checkpoint.save, cfg, step + 1, ops.policy, optimizer, dist, ops.state())
-            saved = bool(every) and ((step + 1) % every == 0 or step + 1 == cfg.run.steps)
-            if saved:
-                save()
-            health.stop_if_needed(None if saved else save)  # a failed check, or an alert with on_alert stop
-        check_learned(cfg.run.steps - start, updates, skipped_updates)
+            # The checkpoint checkpoint.every asks for; then a failed check, or an alert with on_alert stop,
+            # ends the run (saving this step's checkpoint first if it was not due).
+            health.stop_if_needed(None if save(when_due=True) else save)
+        check_learned(cfg.run.steps - start, tuning.updates, tuning.skipped)
         if cfg.export.lora_at_end and cfg.model.finetune == "lora":
             checkpoint.export_lora(cfg, ops.adapter, ops.policy, dist)
     finally:
@@ -130,3 +102,8 @@ def _train(cfg: Config, dist: D.DistInfo) -> dict[str, float]:
         health.finish()  # the run's alerts, also when it stops
     rewards.close()
     return logs
+
+
+def skipped_rows(step: int, skipped: list | None) -> dict[str, float]:
+    """The count of data rows left out (`data.on_bad_row` skip), logged at the run's first step."""
+    return {"data/skipped_rows": len(skipped)} if step == 0 and skipped is not None else {}

@@ -15,10 +15,10 @@ from types import SimpleNamespace
 import torch
 
 from omnirl import distributed as D
+from omnirl.fsdp import shard
 from omnirl.models import get_adapter
 from omnirl.models.base import GenerationParams, Request
 from omnirl.models.lm import pad_responses
-from omnirl.ops import shard
 from omnirl.recipe import config_for
 from omnirl.rollout.generate import GenerationEngine
 

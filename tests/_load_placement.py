@@ -1,5 +1,5 @@
 """Where the policy is when FSDP2 wraps it, on 2 ranks (gloo): the trainer's order (the adapter, its kind's
-ops, `omnirl.ops.shard`) with the meta device given to the adapter as its device, which the host can tell
+ops, `omnirl.fsdp.shard`) with the meta device given to the adapter as its device, which the host can tell
 apart on CPU (tests/test_frozen_base.py launches it with torchrun; argv: the tiny SD3, Wan2.2 A14B and
 Qwen2.5-VL checkpoints).
 
@@ -19,8 +19,9 @@ from torch.distributed.tensor import DTensor
 
 from omnirl import distributed as D
 from omnirl import fsdp
+from omnirl.fsdp import shard
 from omnirl.models import get_adapter
-from omnirl.ops import ops_class, shard
+from omnirl.ops import ops_class
 from omnirl.recipe import config_for
 
 

@@ -13,8 +13,8 @@ from omnirl import fsdp
 from omnirl.batching import make_requests
 from omnirl.data.prompts import load_prompts
 from omnirl.errors import ConfigError
+from omnirl.fsdp import shard
 from omnirl.models import get_adapter
-from omnirl.ops import shard
 from omnirl.ops.diffusion import DiffusionOps, sampling_params
 from omnirl.recipe import load_config
 

@@ -3,7 +3,7 @@ the recipe holds; anything else is one `error:` line naming the flag, not the pa
 
 import pytest
 
-from omnirl.config import ConfigError
+from omnirl.errors import ConfigError
 from omnirl.recipe import load_config
 from tests.test_bad_input import ROOT
 

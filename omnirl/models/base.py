@@ -13,8 +13,9 @@ implementation (shared math lives in `flow_sde.py` and, for the omni models, `lm
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, Protocol, TypeVar
 
@@ -26,6 +27,10 @@ from transformers import PreTrainedModel
 if TYPE_CHECKING:  # omnirl.data.prompts imports this module
     from omnirl.data.prompts import PromptRow
     from omnirl.models.flow_sde import Pool
+
+# What a diffusion adapter's denoising loop runs before each step (`DiffusionAdapter.rollout`'s `on_step`),
+# told whether the step trains any row of the batch.
+StepHook = Callable[[bool], None]
 
 
 @dataclass(frozen=True)
@@ -64,27 +69,8 @@ class SamplingParams:
 
     @property
     def key(self) -> tuple:
-        """The compatibility key: requests with equal keys may share a forward."""
-        return (
-            self.height,
-            self.width,
-            self.num_steps,
-            self.guidance_scale,
-            self.noise_level,
-            self.sde_type,
-            self.sde_window_size,
-            self.sde_window_range,
-            self.record_logprobs,
-            self.record_mean,
-            self.ode_solver,
-            self.lora,
-            self.shared_initial_noise,
-            self.sde_window_random,
-            self.sde_window_subset,
-            self.ode_compress_ratio,
-            self.fused_cfg,
-            self.decode,
-        )
+        """The compatibility key: requests with equal keys may share a forward. Every field is in it."""
+        return tuple(getattr(self, f.name) for f in fields(self))
 
 
 @dataclass(frozen=True)
@@ -389,8 +375,13 @@ class DiffusionAdapter(Protocol):
         and audio tokens), the same in the rollout and the trainer; None: the mean over all latent dims."""
         ...
 
-    def rollout(self, requests: list[Request[SamplingParams]]) -> list[Trajectory]:
-        """Generate every request, as one packed denoising loop; all must share `params.key`."""
+    def rollout(
+        self, requests: list[Request[SamplingParams]], on_step: StepHook | None = None
+    ) -> list[Trajectory]:
+        """Generate every request, as one packed denoising loop; all must share `params.key`. `on_step`,
+        when given, runs before each denoising step told whether the step trains any row of the batch
+        (`flow_sde.WindowedSampler`: pass it to the sampler and step through `sampler.steps()`); the engine
+        sets a step's precision with it (rollout.fp8_steps untrained)."""
         ...
 
     def velocity(

@@ -28,8 +28,6 @@ This is our own code because no library provides a flow-matching step with a log
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -147,24 +145,6 @@ def phase(name: str):
     return torch.profiler.record_function(f"omnirl/{name}")
 
 
-# What the rollout engine runs before each denoising step's forward (`step_hook`), told whether the step
-# trains any row of the batch: an FP8 rollout of untrained steps only (rollout.fp8_steps untrained) puts
-# the policy's own layers in place for a trained step and the FP8 ones for the others.
-_STEP_HOOK: contextvars.ContextVar[Callable[[bool], None] | None] = contextvars.ContextVar(
-    "omnirl_step_hook", default=None
-)
-
-
-@contextlib.contextmanager
-def step_hook(hook: Callable[[bool], None]):
-    """Run the denoising loops inside with `hook(trained)` before each step (`WindowedSampler.steps`)."""
-    token = _STEP_HOOK.set(hook)
-    try:
-        yield
-    finally:
-        _STEP_HOOK.reset(token)
-
-
 # One worker thread draws every sampler's step noise ahead of its denoising loop (`WindowedSampler`). Torch's
 # CPU kernels release the GIL, so the draws run while the main thread launches the transformer's kernels.
 _NOISE_WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omnirl-noise")
@@ -253,6 +233,8 @@ class WindowedSampler:
     `ode_solver` dpm2 DPM-Solver++ 2M (`dpm2_coefficients`). With `ode_compress_ratio` (MixGRPO-Flash) the
     ODE after a window shared by the whole batch runs on the compressed schedule (`compressed_schedule`,
     with the schedule's `shift`): `num_steps` and `sigmas` are then the sampler's, not the request's.
+    `on_step(trained)` runs before each step (`steps`): the rollout engine's per-step precision (rollout.
+    fp8_steps untrained: the policy's own layers for a step that trains a row, FP8 for the others).
     A rollout that records no log-probs (validation) has no window: the ODE step everywhere. Noise is drawn
     on the host, so samples do not depend on the device either.
 
@@ -272,9 +254,10 @@ class WindowedSampler:
         device,
         shift: float | None = None,
         pool: Pool | None = None,
+        on_step: Callable[[bool], None] | None = None,
     ):
         p = requests[0].params
-        self.pool = pool
+        self.pool, self.on_step = pool, on_step
         # A rollout nothing is trained from (validation) has no window: no noise, no records.
         self.size, lo, last = (
             window(p.num_steps, p.sde_window_size, p.sde_window_range) if p.record_logprobs else (0, 0, 0)
@@ -369,12 +352,11 @@ class WindowedSampler:
         return noise.pin_memory() if pin else noise  # [R, *latent]
 
     def steps(self) -> Iterator[int]:
-        """The step indices of the adapter's denoising loop, 0 .. num_steps - 1; before each, the engine's
-        `step_hook` (when one is set) learns whether the step trains any row of the batch."""
-        hook = _STEP_HOOK.get()
+        """The step indices of the adapter's denoising loop, 0 .. num_steps - 1; before each, `on_step`
+        (when given) learns whether the step trains any row of the batch."""
         for i in range(self.num_steps):
-            if hook is not None:
-                hook(self.counts[i] > 0)
+            if self.on_step is not None:
+                self.on_step(self.counts[i] > 0)
             yield i
 
     def sigma(self, i: int) -> torch.Tensor:

@@ -26,7 +26,6 @@ from omnirl import distributed as D
 from omnirl import fsdp
 from omnirl.memory import GIB, empty_cache, free_bytes, peak_bytes
 from omnirl.models.base import DiffusionAdapter, Request, Trajectory
-from omnirl.models.flow_sde import step_hook
 from omnirl.rollout.compiled import Compiled, compile_forwards, swapped
 from omnirl.rollout.fp8 import Fp8Rollout
 from omnirl.rollout.packer import RequestPacker
@@ -116,7 +115,6 @@ class DiffusionEngine:
             swapped(self.compiled),
             fsdp.gathered_weights(self.adapter.policy, per_unit=self.per_unit),
             fp8.swapped() if fp8 is not None else contextlib.nullcontext(),
-            step_hook(self._step_precision) if self._per_step_fp8() else contextlib.nullcontext(),
         ):
             yield
 
@@ -126,6 +124,11 @@ class DiffusionEngine:
 
     def _per_step_fp8(self) -> bool:
         return self._fp8_on() is not None and self.fp8_untrained_only
+
+    def _on_step(self) -> Callable[[bool], None] | None:
+        """What the adapter's denoising loop runs before each step (`DiffusionAdapter.rollout`'s
+        `on_step`): the step's precision with FP8 on untrained steps, else nothing."""
+        return self._step_precision if self._per_step_fp8() else None
 
     def _step_precision(self, trained: bool) -> None:
         """The step hook of FP8 on untrained steps: a step that trains a row runs the policy's own layers."""
@@ -163,7 +166,7 @@ class DiffusionEngine:
                 self.steps_switched = 0
                 rows = batch + self.padding(batch)
                 try:
-                    trajs = self.adapter.rollout(rows)[: len(batch)]
+                    trajs = self.adapter.rollout(rows, self._on_step())[: len(batch)]
                 except RuntimeError as e:
                     if self._fp8_on() is None or "CUBLAS_STATUS_NOT_SUPPORTED" not in str(e):
                         raise
@@ -185,7 +188,8 @@ class DiffusionEngine:
             # Unit gathering: every rank runs as many forwards (the others wait in their all-gathers).
             extra = max(n for n, _ in templates) - len(batches) if self.per_unit else 0
             for _ in range(extra):
-                self.adapter.rollout([self._dummy(next(r for _, keyed in templates for r, _ in keyed))])
+                dummy = self._dummy(next(r for _, keyed in templates for r, _ in keyed))
+                self.adapter.rollout([dummy], self._on_step())
             self.stats["padding_batches"] = extra
         done = [t for t in results if t is not None]
         assert len(done) == len(results)

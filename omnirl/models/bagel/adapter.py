@@ -37,7 +37,7 @@ from omnirl.models.bagel.port import (
     official_name,
     save_official,
 )
-from omnirl.models.base import Output, Request, Trajectory
+from omnirl.models.base import Output, Request, StepHook, Trajectory
 from omnirl.models.diffusers_setup import DiffusionBase, trajectories
 from omnirl.models.flow_sde import WindowedSampler, host_rows, phase, to_host
 from omnirl.models.peft_lora import peft_config, sorted_sets
@@ -232,7 +232,7 @@ class BagelAdapter(DiffusionBase):
         return unpatchify(v * renorm, h, w)
 
     @torch.no_grad()
-    def rollout(self, requests: list[Request]) -> list[Trajectory]:
+    def rollout(self, requests: list[Request], on_step: StepHook | None = None) -> list[Trajectory]:
         """Generate a packed batch: one transformer forward per denoising step (two without `fused_cfg`),
         the prompts' contexts computed once first. Each request's own generator draws its initial latents,
         its window start and its step noise, on the host: its sample does not depend on its batch."""
@@ -242,7 +242,12 @@ class BagelAdapter(DiffusionBase):
         shift = self.settings.timestep_shift
         sigmas = bagel_sigmas(p.num_steps, shift)
         sampler = WindowedSampler(
-            requests, (LATENT_CHANNELS, p.height // f, p.width // f), sigmas, self.device, shift
+            requests,
+            (LATENT_CHANNELS, p.height // f, p.width // f),
+            sigmas,
+            self.device,
+            shift,
+            on_step=on_step,
         )
         latents = sampler.initial_latents  # [B, C, h, w]
         with phase("encode"):

@@ -30,7 +30,7 @@ from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
 
 from omnirl.config import Config
 from omnirl.fsdp import DTYPES, compute_dtype, load_pretrained
-from omnirl.models.base import Output, Request, Trajectory
+from omnirl.models.base import Output, Request, StepHook, Trajectory
 from omnirl.models.diffusers_setup import DiffusersBase, guided_velocity, make_trainable, trajectories
 from omnirl.models.flow_sde import WindowedSampler, phase, to_host
 from omnirl.ranges import POSITIVE, at_least
@@ -209,7 +209,7 @@ class FluxAdapter(DiffusersBase):
         return FluxPipeline._unpack_latents(v, h * pixels, w * pixels, pixels)  # [B, C, h, w]
 
     @torch.no_grad()
-    def rollout(self, requests: list[Request]) -> list[Trajectory]:
+    def rollout(self, requests: list[Request], on_step: StepHook | None = None) -> list[Trajectory]:
         """Generate a packed batch: one transformer forward (true-CFG rows included) per denoising step.
 
         Each request's own generator draws, in order: its initial latents, its SDE window start, and the
@@ -220,7 +220,9 @@ class FluxAdapter(DiffusersBase):
         channels = self.transformer.config.in_channels // 4
         h, w = p.height // self.vae_scale_factor, p.width // self.vae_scale_factor
         sigmas = self.sigmas(p.num_steps, (h // 2) * (w // 2))  # [T + 1] host
-        sampler = WindowedSampler(requests, (channels, h, w), sigmas, self.device, self.shift)
+        sampler = WindowedSampler(
+            requests, (channels, h, w), sigmas, self.device, self.shift, on_step=on_step
+        )
         latents = sampler.initial_latents  # [B, C, h, w]
         guided = p.guidance_scale > 1
         with phase("encode"):

@@ -33,7 +33,7 @@ from transformers import AutoTokenizer, Gemma3ForConditionalGeneration
 from omnirl.config import Config
 from omnirl.errors import ConfigError
 from omnirl.fsdp import DTYPES, compute_dtype, load_pretrained
-from omnirl.models.base import Output, Request, SamplingParams, Trajectory
+from omnirl.models.base import Output, Request, SamplingParams, StepHook, Trajectory
 from omnirl.models.diffusers_setup import DiffusersBase, make_trainable, trajectories
 from omnirl.models.flow_sde import Pool, WindowedSampler, phase, to_host
 from omnirl.ranges import POSITIVE, at_least
@@ -367,7 +367,7 @@ class LTX2Adapter(DiffusersBase):
         return torch.cat(out, dim=1)
 
     @torch.no_grad()
-    def rollout(self, requests: list[Request]) -> list[Trajectory]:
+    def rollout(self, requests: list[Request], on_step: StepHook | None = None) -> list[Trajectory]:
         """Generate a packed batch: one transformer forward (of both streams) per denoising step."""
         p = requests[0].params
         self.check_batch(requests, self.pixel_multiple * self.config.patch_size)
@@ -375,7 +375,7 @@ class LTX2Adapter(DiffusersBase):
         sigmas = self.sigmas(p.num_steps, grid.frames * grid.height * grid.width)
         pool = self.logprob_pool(p)
         sampler = WindowedSampler(
-            requests, self.latent_shape(p.height, p.width), sigmas, self.device, pool=pool
+            requests, self.latent_shape(p.height, p.width), sigmas, self.device, pool=pool, on_step=on_step
         )
         latents = sampler.initial_latents  # [B, L] float32
         with phase("encode"):

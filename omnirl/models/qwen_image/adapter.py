@@ -23,7 +23,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
 from omnirl.config import Config
 from omnirl.fsdp import DTYPES, compute_dtype, load_pretrained
-from omnirl.models.base import Output, Request, Trajectory
+from omnirl.models.base import Output, Request, StepHook, Trajectory
 from omnirl.models.diffusers_setup import DiffusersBase, make_trainable, trajectories
 from omnirl.models.flow_sde import WindowedSampler, host_rows, phase, to_host
 
@@ -67,15 +67,17 @@ def pipeline_sigmas(scheduler, num_steps: int, image_seq_len: int) -> torch.Tens
     return scheduler.sigmas.float().cpu()
 
 
-def prepare_latents(adapter, requests: list[Request]) -> tuple[torch.Tensor, WindowedSampler]:
+def prepare_latents(
+    adapter, requests: list[Request], on_step: StepHook | None = None
+) -> tuple[torch.Tensor, WindowedSampler]:
     """The packed batch's sigma schedule [T + 1] (host; `pipeline_sigmas` of the generated image's tokens,
     an edit's condition tokens not counted) and its sampler, whose initial latents are [B, C, h, w]: C the
-    transformer's input channels over 4, since it sees 2x2 latent patches."""
+    transformer's input channels over 4, since it sees 2x2 latent patches; `on_step` goes to the sampler."""
     p, factor = requests[0].params, adapter.vae_scale_factor
     channels = adapter.transformer.config.in_channels // 4
     h, w = p.height // factor, p.width // factor
     sigmas = pipeline_sigmas(adapter.scheduler, p.num_steps, (h // 2) * (w // 2))  # [T + 1] host
-    return sigmas, WindowedSampler(requests, (channels, h, w), sigmas, adapter.device)
+    return sigmas, WindowedSampler(requests, (channels, h, w), sigmas, adapter.device, on_step=on_step)
 
 
 def bucket(buckets: list[int], length: int) -> int:
@@ -331,7 +333,7 @@ class QwenImageAdapter(DiffusersBase):
         return packed_velocity(self, latents, sigmas, embeds, guidance_scale, fused_cfg, policy)
 
     @torch.no_grad()
-    def rollout(self, requests: list[Request]) -> list[Trajectory]:
+    def rollout(self, requests: list[Request], on_step: StepHook | None = None) -> list[Trajectory]:
         """Generate a packed batch: one transformer forward per denoising step (two if not `fused_cfg`).
 
         Each request's own generator draws, in order: its initial latents, its SDE window start, and the
@@ -340,7 +342,7 @@ class QwenImageAdapter(DiffusersBase):
         p = requests[0].params
         self.check_batch(requests, self.vae_scale_factor * 2)
         batch = len(requests)
-        sigmas, sampler = prepare_latents(self, requests)
+        sigmas, sampler = prepare_latents(self, requests, on_step)
         latents = sampler.initial_latents  # [B, C, h, w]
         guided = p.guidance_scale > 1
         texts = [r.prompt for r in requests] + ([r.negative_prompt for r in requests] if guided else [])

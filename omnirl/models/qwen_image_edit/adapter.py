@@ -34,7 +34,7 @@ from omnirl.config import Config
 from omnirl.data.prompts import PromptRow
 from omnirl.errors import ConfigError
 from omnirl.fsdp import DTYPES, load_pretrained
-from omnirl.models.base import Output, Request, Trajectory
+from omnirl.models.base import Output, Request, StepHook, Trajectory
 from omnirl.models.diffusers_setup import DiffusersBase, make_trainable, trajectories
 from omnirl.models.flow_sde import host_rows, phase, to_host
 from omnirl.models.qwen_image.adapter import (
@@ -278,14 +278,14 @@ class QwenImageEditAdapter(DiffusersBase):
         return packed_velocity(self, latents, sigmas, embeds, guidance_scale, fused_cfg, policy, condition)
 
     @torch.no_grad()
-    def rollout(self, requests: list[Request]) -> list[Trajectory]:
+    def rollout(self, requests: list[Request], on_step: StepHook | None = None) -> list[Trajectory]:
         """Generate a packed batch of one condition size as Qwen-Image's rollout does (one transformer
         forward per denoising step, two if not `fused_cfg`; each request's own generator), the text encoder
         and the VAE both reading each request's condition image at that size."""
         p = requests[0].params
         cond_h, cond_w = self.check_batch(requests, self.vae_scale_factor * 2)[-2]
         batch = len(requests)
-        sigmas, sampler = prepare_latents(self, requests)
+        sigmas, sampler = prepare_latents(self, requests, on_step)
         latents = sampler.initial_latents  # [B, C, h, w]
         guided = p.guidance_scale > 1
         # The text encoder and the VAE both see the condition image resized to the condition size.

@@ -25,7 +25,7 @@ from transformers import AutoTokenizer, CLIPTextModelWithProjection, T5EncoderMo
 from omnirl.config import Config
 from omnirl.errors import ConfigError
 from omnirl.fsdp import DTYPES, compute_dtype, load_pretrained
-from omnirl.models.base import Latent, Output, Request, Trajectory
+from omnirl.models.base import Latent, Output, Request, StepHook, Trajectory
 from omnirl.models.diffusers_setup import DiffusersBase, guided_velocity, make_trainable, trajectories
 from omnirl.models.flow_sde import WindowedSampler, phase, to_host
 
@@ -182,7 +182,7 @@ class SD3Adapter(DiffusersBase):
         return guided_velocity(forward, x, timestep, embeds, keys, guidance_scale, fused_cfg)
 
     @torch.no_grad()
-    def rollout(self, requests: list[Request]) -> list[Trajectory]:
+    def rollout(self, requests: list[Request], on_step: StepHook | None = None) -> list[Trajectory]:
         """Generate a packed batch: one transformer forward (CFG rows included) per denoising step.
 
         Each request's own generator draws, in order: its initial latents, its SDE window start, and the
@@ -195,7 +195,7 @@ class SD3Adapter(DiffusersBase):
         h, w = p.height // self.vae_scale_factor, p.width // self.vae_scale_factor
         sigmas = self.sigmas(num_steps)  # [T + 1] host
         shift = self.scheduler.config["shift"]
-        sampler = WindowedSampler(requests, (channels, h, w), sigmas, self.device, shift)
+        sampler = WindowedSampler(requests, (channels, h, w), sigmas, self.device, shift, on_step=on_step)
         latents = sampler.initial_latents  # [B, C, h, w]
         guided = p.guidance_scale > 1
         with phase("encode"):

@@ -35,7 +35,7 @@ from transformers import AutoTokenizer, UMT5EncoderModel
 from omnirl.config import Config
 from omnirl.errors import ConfigError
 from omnirl.fsdp import DTYPES, compute_dtype, load_pretrained
-from omnirl.models.base import Output, Request, Trajectory
+from omnirl.models.base import Output, Request, StepHook, Trajectory
 from omnirl.models.diffusers_setup import (
     LORA_FILE,
     DiffusersBase,
@@ -305,14 +305,16 @@ class WanAdapter(DiffusersBase):
         return guidance_scale > 1
 
     @torch.no_grad()
-    def rollout(self, requests: list[Request]) -> list[Trajectory]:
+    def rollout(self, requests: list[Request], on_step: StepHook | None = None) -> list[Trajectory]:
         """Generate a packed batch: one forward per denoising step (of the expert owning that step)."""
         p = requests[0].params
         # The checkpoint's own multiple: its VAE's factor (8, or 16 for the TI2V-5B VAE) x the 2x2 patches.
         self.check_batch(requests, self.vae_scale_factor * self.config.patch_size[1])
         sigmas = self.sigmas(p.num_steps)
         shape = self.latent_shape(p.height, p.width)
-        sampler = WindowedSampler(requests, shape, sigmas, self.device, self.settings.flow_shift)
+        sampler = WindowedSampler(
+            requests, shape, sigmas, self.device, self.settings.flow_shift, on_step=on_step
+        )
         latents = sampler.initial_latents  # [B, C, f, h, w]
         with phase("encode"):
             negatives = [r.negative_prompt for r in requests] if self.guided(p.guidance_scale) else None
