@@ -76,7 +76,7 @@ def collect_scores(
 def regenerate_selected(
     ops: Any, rewards: RewardPool, trajs: list, k: int, stats: dict[str, float]
 ) -> tuple[list, dict[str, np.ndarray]]:
-    """Sol-RL's second stage (rollout.fp8_select k, an FP8 diffusion rollout: `ops` is a DiffusionOps):
+    """Sol-RL's second stage (rollout.fp8.select k, an FP8 diffusion rollout: `ops` is a DiffusionOps):
     of each group of FP8 samples `trajs`, the k best and the k worst by reward (among the scored ones; a
     group with fewer than 2k scored samples keeps all of them) are generated again in bf16 from the same
     requests, hence from the same seeds and noise, and scored again. Returns the regenerated trajectories

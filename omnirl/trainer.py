@@ -83,8 +83,8 @@ def _train(cfg: Config, dist: D.DistInfo) -> dict[str, float]:
             engine = ops.sleepable  # a rollout engine with weights of its own (vLLM): awake only for rollouts
             with phase("rollout", stats, sleeper, sleep=train_only, wake=["offload"], engine=engine):
                 trajs, per_reward = rollout_and_score(ops, rewards, requests, stats)
-                if cfg.rollout.fp8_select:  # Sol-RL: explore in FP8, train on bf16 regenerations
-                    k = cfg.rollout.fp8_select
+                if cfg.rollout.fp8.select:  # Sol-RL: explore in FP8, train on bf16 regenerations
+                    k = cfg.rollout.fp8.select
                     trajs, per_reward = regenerate_selected(ops, rewards, trajs, k, stats)
             keep, adv_metrics = assign_advantages(cfg, trajs)
             rollout_only = {"offload": module_tensors(ops.offload_modules() + rewards.modules())}

@@ -207,7 +207,7 @@ class OmniTrajectory:
     prompt_ids: torch.Tensor  # [P] int64, chat template applied, placeholders expanded
     response_ids: torch.Tensor  # [T] int64, the stop token included when generation stopped on one
     logprobs: torch.Tensor | None  # [T] float32, the policy's log-prob of each token (models/lm.py
-    # output_logprobs); None where the rollout recorded none (rollout.vllm_logprobs false)
+    # output_logprobs); None where the rollout recorded none (rollout.vllm.logprobs false)
     mm_inputs: dict[str, torch.Tensor]  # e.g. pixel_values [N, D], image_grid_thw [I, 3],
     # input_features [A, M, F], feature_attention_mask [A, F]
     finish_reason: str  # "stop" (a stop / EOS token) | "length" (max_new_tokens)

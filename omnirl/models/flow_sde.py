@@ -148,7 +148,7 @@ def phase(name: str):
 
 
 # What the rollout engine runs before each denoising step's forward (`step_hook`), told whether the step
-# trains any row of the batch: an FP8 rollout of untrained steps only (rollout.fp8_steps untrained) puts
+# trains any row of the batch: an FP8 rollout of untrained steps only (rollout.fp8.steps untrained) puts
 # the policy's own layers in place for a trained step and the FP8 ones for the others.
 _STEP_HOOK: contextvars.ContextVar[Callable[[bool], None] | None] = contextvars.ContextVar(
     "omnirl_step_hook", default=None

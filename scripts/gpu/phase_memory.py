@@ -592,6 +592,7 @@ def check_plan(cfg, world: int) -> dict:
 
     from omnirl import distributed as D
     from omnirl.batching import make_requests
+    from omnirl.config import RolloutConfig
     from omnirl.data import LOADERS
     from omnirl.models import build_adapter
     from omnirl.ops.diffusion import sampling_params
@@ -607,7 +608,9 @@ def check_plan(cfg, world: int) -> dict:
             if lora:
                 params[name]["lora_params_m"] = lora / 1e6
     r = cfg.rollout
-    engine = DiffusionEngine(adapter, r.max_num_seqs, r.max_num_batched_tokens, compile=False)
+    engine = DiffusionEngine(
+        adapter, RolloutConfig(max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens)
+    )
     rows = LOADERS[cfg.data.format](cfg.data.train_path, None)
     dist = D.DistInfo(0, world, 0, meta, None)
     sp = sampling_params(cfg)
