@@ -87,9 +87,9 @@ def parse_cell(spec: str) -> Cell:
             kwargs["compile"] = option == "compiled"
         elif option in ("bf16", "fp8"):
             kwargs["precision"] = option
-        elif option == "untrained":  # fp8 on the steps no row trains (rollout.fp8_steps untrained)
+        elif option == "untrained":  # fp8 on the steps no row trains (rollout.fp8.steps untrained)
             kwargs["fp8_steps"] = option
-        elif option == "exact":  # fp8 GEMMs promoting their sums to float32 (rollout.fp8_fast_accum false)
+        elif option == "exact":  # fp8 GEMMs promoting their sums to float32 (rollout.fp8.fast_accum false)
             kwargs["fast_accum"] = False
         else:
             raise argparse.ArgumentTypeError(f"cell {spec!r}: unknown option {option!r}")

@@ -106,7 +106,7 @@ def step_table(row: dict, title: str = "") -> str:
     if "time/generate_s" in row:
         wait = fmt(row.get("time/score_wait_s"), 2)
         parts.append(f"generation {fmt(row['time/generate_s'])} s, scoring wait {wait} s")
-    if "time/regenerate_s" in row:  # Sol-RL (rollout.fp8_select): the bf16 regeneration of the chosen
+    if "time/regenerate_s" in row:  # Sol-RL (rollout.fp8.select): the bf16 regeneration of the chosen
         parts.append(f"bf16 regeneration {fmt(row['time/regenerate_s'])} s")
     if "mem/host_gib" in row:
         parts.append(f"host buffers {fmt(row['mem/host_gib'])} GiB")  # pinned on an accelerator
