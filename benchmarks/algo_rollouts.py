@@ -30,6 +30,7 @@ import torch
 import transformers
 
 from benchmarks.measure import make_requests, peak_gib, reset_peak, timed_repeats
+from omnirl.config import RolloutConfig
 from omnirl.models import build_adapter, write_random_checkpoint
 from omnirl.models.flow_sde import compressed_schedule, sliding_window
 from omnirl.ops.diffusion import sampling_params
@@ -94,7 +95,7 @@ def wan_cells(cfg, adapter, a) -> list[dict]:
     window = dataclasses.replace(
         dance, noise_level=1.2, sde_window_size=2, sde_window_range=(0, 5), sde_window_random=False
     )
-    engine = DiffusionEngine(adapter, a.videos)
+    engine = DiffusionEngine(adapter, RolloutConfig(max_num_seqs=a.videos))
     engine.generate(make_requests(PROMPTS[:1], window, ""))  # kernels warmed, untimed
     rows = []
     for name, params in (("window", window), ("dancegrpo", dance)):
@@ -106,7 +107,7 @@ def sd35_cells(cfg, adapter, a) -> list[dict]:
     s = cfg.sampling
     flash = sampling_params(cfg)
     full = dataclasses.replace(flash, ode_compress_ratio=0.0)
-    engine = DiffusionEngine(adapter, a.images)
+    engine = DiffusionEngine(adapter, RolloutConfig(max_num_seqs=a.images))
     engine.generate(make_requests(PROMPTS[:1], full, ""))  # kernels warmed, untimed
     rows = []
     for start in a.starts:

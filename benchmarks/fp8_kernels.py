@@ -3,7 +3,7 @@ quantisation against fp32 (within e4m3 rounding), the scaled matmul against the 
 operands (eager and compiled), against torchao's float8 dynamic row-wise linear where torchao is installed
 (the same math through a maintained library), and the time of one linear layer at Qwen-Image's block
 shapes in bf16 and in FP8 (compiled: the quantisation fused, as the rollout runs it), with and without
-fast accumulation (rollout.fp8_fast_accum). `--row-sweep`: only which row counts the device's scaled
+fast accumulation (rollout.fp8.fast_accum). `--row-sweep`: only which row counts the device's scaled
 matmul takes (raw, and through `fp8_linear`, eager and compiled, with and without fast accumulation).
 
     python -m benchmarks.fp8_kernels --out fp8_kernels.json
@@ -143,7 +143,7 @@ def main() -> None:
         flops = 2 * a.rows * k * n
         bf16_ms = cuda_ms(lambda x=x, linear=linear: F.linear(x, linear.weight, linear.bias))
         fp8_ms = cuda_ms(lambda args=args: compiled(*args))
-        # rollout.fp8_fast_accum: the tensor cores' own accumulator, no promotion to float32.
+        # rollout.fp8.fast_accum: the tensor cores' own accumulator, no promotion to float32.
         y_fast = compiled(*args, fast_accum=True)
         fast_ms = cuda_ms(lambda args=args: compiled(*args, fast_accum=True))
         fast_vs_exact = (y_fast.float() - y_eager.float()).abs().max() / scale_ref

@@ -247,8 +247,8 @@ def main() -> None:
         "(generation.kv_windows 1: every step attends to the whole KV cache), vllm, "
         "vllm_unseeded, vllm_nolp, vllm_plain, vllm_plain_bias, vllm_plain_logprobs, vllm_plain_flat, "
         "vllm_plain_seeds, generate, generate_batch (vllm: the vLLM rollout backend, needs vllm installed; "
-        "vllm_unseeded: the same engine with rollout.vllm_request_seeds off; vllm_nolp: unseeded and "
-        "rollout.vllm_logprobs off; vllm_plain: that engine's LLM.generate with plain "
+        "vllm_unseeded: the same engine with rollout.vllm.request_seeds off; vllm_nolp: unseeded and "
+        "rollout.vllm.logprobs off; vllm_plain: that engine's LLM.generate with plain "
         "sampling settings and token prompts, and _bias / _logprobs / _flat / _seeds: plus one of the "
         "backend's settings: the placeholder ban, log-probs as dicts or flat lists, per-request seeds)",
     )  # fmt: skip
@@ -309,7 +309,7 @@ def run(args, tmp: str) -> None:
     cfg.lora.target_modules = ["q_proj", "k_proj", "v_proj", "o_proj"]
     # The vLLM backend's settings: ours' KV budget, the largest load's max_num_seqs (cap_vllm: each load's).
     cfg.rollout.backend, cfg.rollout.max_num_seqs = "vllm", max(load[0] for load in loads)
-    cfg.generation.kv_cache_gib, cfg.rollout.vllm_max_model_len = args.kv_cache_gib, args.vllm_max_model_len
+    cfg.generation.kv_cache_gib, cfg.rollout.vllm.max_model_len = args.kv_cache_gib, args.vllm_max_model_len
     # The mmk12 recipe's placement: FSDP2 with the LoRA gathered in its base's dtype (a LoRA computes in its
     # base's dtype: config_checks), so the rollouts run the adapter's matmuls as a training run does. FSDP2's
     # mixed precision has no float16 (distributed.param_dtype), so a float16 LoRA runs unwrapped, as a

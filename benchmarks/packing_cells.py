@@ -13,6 +13,7 @@ import torch
 
 from benchmarks.measure import batch_lengths, peak_gib, real_flops, reset_peak, time_calls
 from omnirl import fsdp
+from omnirl.config import FP8Config, RolloutConfig
 from omnirl.memory import empty_cache
 from omnirl.models.base import Request
 from omnirl.models.qwen_image.adapter import bucket, collate
@@ -31,8 +32,8 @@ class Cell:
     compile: bool = False
     buckets: str = "recipe"  # "recipe" | "single" (the largest only) | "negative" (+ the negative's length)
     precision: str = "bf16"  # rollout.precision: "bf16" | "fp8"
-    fp8_steps: str = "all"  # rollout.fp8_steps with fp8: "all" | "untrained"
-    fast_accum: bool = True  # rollout.fp8_fast_accum with fp8; "exact" turns it off
+    fp8_steps: str = "all"  # rollout.fp8.steps with fp8: "all" | "untrained"
+    fast_accum: bool = True  # rollout.fp8.fast_accum with fp8; "exact" turns it off
 
     @property
     def spec(self) -> str:
@@ -59,14 +60,11 @@ class Cell:
     def engine(self, adapter) -> DiffusionEngine:
         """The rollout engine a recipe with this cell's `rollout.*` builds (every timed path builds its
         engines here, so no path drops a setting)."""
-        return DiffusionEngine(
-            adapter,
-            self.max_num_seqs,
-            compile=self.compile,
-            precision=self.precision,
-            fp8_steps=self.fp8_steps,
-            fp8_fast_accum=self.fast_accum,
+        fp8 = FP8Config(steps=self.fp8_steps, fast_accum=self.fast_accum)
+        rollout = RolloutConfig(
+            max_num_seqs=self.max_num_seqs, compile=self.compile, precision=self.precision, fp8=fp8
         )
+        return DiffusionEngine(adapter, rollout)
 
     def requests(self, requests: list[Request]) -> list[Request]:
         """`requests` with the cell's CFG layout in their sampling parameters (`SamplingParams.fused_cfg`)."""
@@ -89,9 +87,9 @@ def parse_cell(spec: str) -> Cell:
             kwargs["compile"] = option == "compiled"
         elif option in ("bf16", "fp8"):
             kwargs["precision"] = option
-        elif option == "untrained":  # fp8 on the steps no row trains (rollout.fp8_steps untrained)
+        elif option == "untrained":  # fp8 on the steps no row trains (rollout.fp8.steps untrained)
             kwargs["fp8_steps"] = option
-        elif option == "exact":  # fp8 GEMMs promoting their sums to float32 (rollout.fp8_fast_accum false)
+        elif option == "exact":  # fp8 GEMMs promoting their sums to float32 (rollout.fp8.fast_accum false)
             kwargs["fast_accum"] = False
         else:
             raise argparse.ArgumentTypeError(f"cell {spec!r}: unknown option {option!r}")
@@ -222,7 +220,7 @@ def forward_cell(
     requests = cell.requests(requests)  # the adapter's keys (the negative rows' padded length) follow it
     p = requests[0].params
     guided = p.guidance_scale > 1
-    engine = DiffusionEngine(adapter, cell.max_num_seqs, compile=cell.compile)
+    engine = DiffusionEngine(adapter, RolloutConfig(max_num_seqs=cell.max_num_seqs, compile=cell.compile))
     with prompt_buckets(adapter, cell.buckets, requests):
         batches = []
         for idx in engine.packer.pack(requests, fill=engine.pad):

@@ -14,10 +14,10 @@ def run_vllm(
     """The vLLM backend, created on first use (the warm-up's call, which then also holds its start) with the
     same KV budget and max_num_seqs as ours; each generate pushes the trainer's weights first (their time is
     `vllm/push_s` in the stats, inside the call's time). `seeds` False: the same engine with
-    rollout.vllm_request_seeds off (vLLM's batched sampler, no per-request seed); `logprobs` False: with
-    rollout.vllm_logprobs off (no log-prob asked for)."""
-    cfg.rollout.vllm_request_seeds = seeds
-    cfg.rollout.vllm_logprobs = logprobs
+    rollout.vllm.request_seeds off (vLLM's batched sampler, no per-request seed); `logprobs` False: with
+    rollout.vllm.logprobs off (no log-prob asked for)."""
+    cfg.rollout.vllm.request_seeds = seeds
+    cfg.rollout.vllm.logprobs = logprobs
     from omnirl.rollout.vllm_engine import VLLMEngine
 
     if not engines:

@@ -1,16 +1,17 @@
 """`scripts/train.py --help` and `--help-all`.
 
 `--help` is short: the recipe's header, the fields it sets (value and documentation) section by section,
-the names of the other fields of those sections (the vLLM backend's only where the recipe runs it), and
-the recipes in yaml/. `--help-all` documents every field of every section. Both read the attribute
-docstrings of omnirl.config (and of the family's `Settings`), as tyro does, and wrap them to the terminal
-as whole paragraphs.
+the names of the other fields of those sections (a component's own section, `--algo.dgpo.*`, only where
+the recipe runs it), and the recipes in yaml/. `--help-all` documents every field of every section. Both
+read the attribute docstrings of omnirl.config (and of the family's `Settings`), as tyro does, and wrap
+them to the terminal as whole paragraphs.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
 import shutil
 import textwrap
@@ -21,6 +22,7 @@ from typing import Any
 import yaml
 
 from omnirl.config import RECIPE_DIR, Config
+from omnirl.config_checks import sections
 
 USAGE = "usage: python scripts/train.py [--nproc_per_node N] --recipe NAME [--section.field VALUE ...]"
 
@@ -48,6 +50,18 @@ def type_name(tp: Any) -> str:
     if typing.get_origin(tp) is None and isinstance(tp, type):
         return tp.__name__
     return str(tp).replace("typing.", "")
+
+
+def runs(cfg: Config, section: str) -> bool:
+    """Whether the run of `cfg` reads the component section `section` (`--help` names only those): its
+    loss's own (algo.<loss>), the vLLM backend's with rollout.backend vllm, FP8's with rollout.precision
+    fp8."""
+    parent, _, name = section.partition(".")
+    if parent == "algo":
+        return name == cfg.algo.loss
+    return {"rollout.vllm": cfg.rollout.backend == "vllm", "rollout.fp8": cfg.rollout.precision == "fp8"}[
+        section
+    ]
 
 
 def recipes() -> list[str]:
@@ -83,25 +97,28 @@ def help_text(cfg: Config | None, source: Path | None, full: bool, width: int | 
         para("Every field (--section.field VALUE sets one; the value shown is the recipe's or the default):")
     elif source is not None:
         para("What the recipe sets, by section (--section.field VALUE overrides any field):")
-    for section in dataclasses.fields(cfg):
-        values = getattr(cfg, section.name)
-        if not dataclasses.is_dataclass(values) or isinstance(values, type):
+    for name, cls in sections(type(cfg)):
+        values = functools.reduce(getattr, name.split("."), cfg)
+        mapping = functools.reduce(
+            lambda d, k: d.get(k) if isinstance(d, dict) else None, name.split("."), given
+        )
+        if not (full or isinstance(mapping, dict)):
             continue
-        if not (full or section.name in given):
-            continue
-        cls = type(values)
+        set_here: dict = mapping if isinstance(mapping, dict) else {}
         docs = field_docs(cls)
-        out.extend(["", section.name])
+        hints = typing.get_type_hints(cls)
+        out.extend(["", name])
         rest = []
         for f in dataclasses.fields(cls):
-            if not full and f.name not in given[section.name]:
-                # The vLLM backend's settings only where the recipe runs it.
-                if not (f.name.startswith("vllm_") and cfg.rollout.backend != "vllm"):
-                    rest.append(f"--{section.name}.{f.name}")
+            flag = f"--{name}.{f.name}"
+            if dataclasses.is_dataclass(hints[f.name]):  # a section of its own, printed after this one
+                if not full and runs(cfg, flag[2:]) and not isinstance(set_here.get(f.name), dict):
+                    rest.append(f"{flag}.*")
                 continue
-            tp = typing.get_type_hints(cls)[f.name]
-            flag = f"--{section.name}.{f.name} {type_name(tp)} = {getattr(values, f.name)!r}"
-            para(flag, "  ", " " * 6)
+            if not full and f.name not in set_here:
+                rest.append(flag)
+                continue
+            para(f"{flag} {type_name(hints[f.name])} = {getattr(values, f.name)!r}", "  ", " " * 6)
             para(docs.get(f.name, ""), "      ")
         if rest:
             para("also: " + ", ".join(rest), "  ")

@@ -10,9 +10,10 @@ every other module may import it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPE_DIR = REPO_ROOT / "yaml"
@@ -198,6 +199,62 @@ class GenerationConfig:
 
 
 @dataclass
+class VLLMConfig:
+    """rollout.backend vllm: the vLLM engine's own settings (omnirl.rollout.vllm_engine)."""
+
+    sleep_level: int = 1
+    """vLLM's sleep level during training (1: weights offloaded to host memory and the KV cache freed; 2:
+    both discarded, every weight re-pushed at the next rollout). CUDA only: on CPU the calls run and are
+    logged, and free nothing."""
+    max_model_len: int = 0
+    """The longest prompt + response vLLM admits (0 = the model's own limit)."""
+    push_bucket_mib: int = 512
+    """A weight push (merged MoE LoRA, full fine-tune) goes in buckets of this size."""
+    request_seeds: bool = True
+    """Every request samples from its own seed (run.seed and its index), so a rollout is reproducible
+    request by request, as the native engine's is. vLLM then draws each seeded request's noise separately in
+    every decode step (its batched sampler serves unseeded requests only); false samples all requests from
+    vLLM's own generator, reproducible only for the same batch and schedule."""
+    logprobs: bool = True
+    """vLLM returns the log-prob of every sampled token, which algo.correction weighs against the trainer's
+    and the consistency/* metrics compare. false: it returns none and skips the host work of turning them
+    into lists at every step; the trainer's recomputed log-probs are then the only ones (needs
+    algo.old_logprob recompute and algo.correction none, the defaults then), and no consistency/* metrics
+    are logged."""
+
+    RANGES: ClassVar[dict] = {  # checked when the recipe loads (omnirl.config_checks)
+        "sleep_level": ((lambda v: v in (1, 2)), "1 or 2"),
+        "max_model_len": ((lambda v: v >= 0), "an integer >= 0 (0 = the model's own limit)"),
+        "push_bucket_mib": ((lambda v: v >= 1), "an integer >= 1"),
+    }
+
+
+@dataclass
+class FP8Config:
+    """rollout.precision fp8: which steps run FP8, how its GEMMs accumulate, and Sol-RL's selection
+    (omnirl.rollout.fp8, docs/fp8_rollout.md)."""
+
+    steps: Literal["untrained", "all"] = "untrained"
+    """The denoising steps that run in FP8. 'untrained': only the steps no row of a packed batch trains
+    (outside every row's SDE window); a step that trains some row runs in the policy's own precision, so
+    the old log-probs of every trained transition are the trainer's and need neither a recompute nor a
+    correction. 'all': every step; the trainer then recomputes the old log-probs (algo.old_logprob defaults
+    to recompute) and weights each trained step by the ratio of its to the rollout's probability
+    (algo.correction defaults to tis; omnirl.algos.correction)."""
+    fast_accum: bool = True
+    """The FP8 GEMMs accumulate in the tensor cores' own precision, without cuBLASLt's periodic promotion to
+    float32 (its fast-accumulation mode, the default of torchao's float8 inference configs). false
+    promotes: slower, closer to the bf16 rollout (docs/fp8_rollout.md)."""
+    select: int = 0
+    """0 trains on the FP8 samples themselves. K > 0 is Sol-RL's two stages: of each group, the K best and
+    the K worst FP8 samples by reward are generated again in bf16 from the same seeds and scored again, and
+    the update trains on those 2K samples alone (rollout.group_size must exceed 2K; no correction is
+    needed, they come from the trained precision)."""
+
+    RANGES: ClassVar[dict] = {"select": ((lambda v: v >= 0), "an integer >= 0")}
+
+
+@dataclass
 class RolloutConfig:
     prompts_per_step: int = 8
     """Prompts per RL step over all ranks (each rank takes an equal share)."""
@@ -223,26 +280,6 @@ class RolloutConfig:
     weight copy). 'vllm': vLLM in-process on every rank, its own weights pushed from memory after every
     update and verified; with it algo.old_logprob defaults to recompute and algo.correction to tis
     (omnirl.rollout.vllm_engine; docs/rollout_backends.md)."""
-    vllm_sleep_level: int = 1
-    """rollout.backend vllm: vLLM's sleep level during training (1: weights offloaded to host memory and the
-    KV cache freed; 2: both discarded, every weight re-pushed at the next rollout). CUDA only: on CPU the
-    calls run and are logged, and free nothing."""
-    vllm_max_model_len: int = 0
-    """rollout.backend vllm: the longest prompt + response vLLM admits (0 = the model's own limit)."""
-    vllm_push_bucket_mib: int = 512
-    """rollout.backend vllm: a weight push (merged MoE LoRA, full fine-tune) goes in buckets of this size."""
-    vllm_request_seeds: bool = True
-    """rollout.backend vllm: every request samples from its own seed (run.seed and its index), so a
-    rollout is reproducible request by request, as the native engine's is. vLLM then draws each seeded
-    request's noise separately in every decode step (its batched sampler serves unseeded requests only);
-    false samples all requests from vLLM's own generator, reproducible only for the same batch and
-    schedule."""
-    vllm_logprobs: bool = True
-    """rollout.backend vllm: vLLM returns the log-prob of every sampled token, which algo.correction weighs
-    against the trainer's and the consistency/* metrics compare. false: it returns none and skips the host
-    work of turning them into lists at every step; the trainer's recomputed log-probs are then the only
-    ones (needs algo.old_logprob recompute and algo.correction none, the defaults then), and no
-    consistency/* metrics are logged."""
     compile: bool = False
     """torch.compile the transformer's repeated blocks for rollout (training stays eager); batches are
     padded to a few bucket sizes (rollout.diffusion.bucket_size) so that a rollout compiles each shape once
@@ -251,24 +288,12 @@ class RolloutConfig:
     """Diffusion adapters: the precision of the transformer blocks' linear layers in the rollout. 'fp8':
     float8 e4m3 with per-row weight and activation scales (omnirl.rollout.fp8; each family states which
     block layers stay in bf16), on NVIDIA GPUs of compute capability 8.9 or newer (the CPU emulates it);
-    it pays with rollout.compile. Training stays in the model's precision (rollout.fp8_steps says which
+    it pays with rollout.compile. Training stays in the model's precision (rollout.fp8.steps says which
     steps run FP8)."""
-    fp8_steps: Literal["untrained", "all"] = "untrained"
-    """rollout.precision fp8: the denoising steps that run in FP8. 'untrained': only the steps no row of a
-    packed batch trains (outside every row's SDE window); a step that trains some row runs in the policy's
-    own precision, so the old log-probs of every trained transition are the trainer's and need neither a
-    recompute nor a correction. 'all': every step; the trainer then recomputes the old log-probs
-    (algo.old_logprob defaults to recompute) and weights each trained step by the ratio of its to the
-    rollout's probability (algo.correction defaults to tis; omnirl.algos.correction)."""
-    fp8_fast_accum: bool = True
-    """rollout.precision fp8: the FP8 GEMMs accumulate in the tensor cores' own precision, without
-    cuBLASLt's periodic promotion to float32 (its fast-accumulation mode, the default of torchao's float8
-    inference configs). false promotes: slower, closer to the bf16 rollout (docs/fp8_rollout.md)."""
-    fp8_select: int = 0
-    """rollout.precision fp8: 0 trains on the FP8 samples themselves. K > 0 is Sol-RL's two stages: of
-    each group, the K best and the K worst FP8 samples by reward are generated again in bf16 from the
-    same seeds and scored again, and the update trains on those 2K samples alone (rollout.group_size must
-    exceed 2K; no correction is needed, they come from the trained precision)."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """rollout.backend vllm: the vLLM backend's own settings."""
+    fp8: FP8Config = field(default_factory=FP8Config)
+    """rollout.precision fp8: the FP8 rollout's own settings."""
 
 
 @dataclass
@@ -304,6 +329,70 @@ class RewardConfig:
     """A scorer that takes longer than this for one batch is an error."""
 
 
+# A loss's own settings are the section of AlgoConfig named as the loss is in omnirl.algos.losses.LOSSES
+# (algo.<loss>.<field>); each checks its numbers in RANGES, as a family's `Settings` does.
+
+
+@dataclass
+class FlowDPPOConfig:
+    """flow_dppo's divergence mask (omnirl.algos.losses.flow_dppo_loss)."""
+
+    tau: float = 1e-5
+    """The divergence D_t (the exact KL between the step Gaussians of the policy and of the rollout) from
+    which a row whose ratio moved in its advantage's direction is masked out."""
+
+    RANGES: ClassVar[dict] = {"tau": ((lambda v: math.isfinite(v) and v > 0), "a finite number > 0")}
+
+
+@dataclass
+class DiffusionNFTConfig:
+    """diffusion_nft's implicit policies and its soft-updated old policy (omnirl.algos.losses,
+    omnirl.ops.nft)."""
+
+    beta: float = 1.0
+    """How far the implicit positive / negative policies move from the old velocity:
+    v+ = (1 - beta) v_old + beta v_theta, v- = (1 + beta) v_old - beta v_theta."""
+    old_decay_rate: float = 0.001
+    """The old policy (which samples the rollouts and gives v_old) is a soft-updated copy of the trained
+    weights, theta_old <- eta theta_old + (1 - eta) theta after every update, with
+    eta = min(old_decay_rate * (s - old_decay_delay), old_decay_max) after s optimizer steps (0 while
+    s < old_decay_delay). The defaults are DiffusionNFT's (its decay_type 1: 0.001 per step, at most 0.5, no
+    delay); its decay_type 2 is rate 0.0075, max 0.999, delay 75. A rate or max of 0 keeps no copy: the old
+    policy is the one that sampled the rollout (decay_type 0)."""
+    old_decay_max: float = 0.5
+    """The largest eta of the old policy's soft update (see old_decay_rate), < 1."""
+    old_decay_delay: int = 0
+    """Optimizer steps before the old policy's eta starts to grow (see old_decay_rate)."""
+
+    RANGES: ClassVar[dict] = {
+        "beta": ((lambda v: math.isfinite(v) and v > 0), "a finite number > 0"),
+        "old_decay_rate": ((lambda v: math.isfinite(v) and v >= 0), "a finite number >= 0"),
+        "old_decay_max": ((lambda v: math.isfinite(v) and 0 <= v < 1), "a number in [0, 1)"),
+        "old_decay_delay": ((lambda v: v >= 0), "an integer >= 0"),
+    }
+
+
+@dataclass
+class DGPOConfig:
+    """dgpo's group preference and its trained times (omnirl.algos.losses.dgpo_loss, omnirl.ops.dgpo)."""
+
+    beta: float = 100.0
+    """The scale of a group's preference margin: each (group, time) weighs its rows by
+    sigmoid(sum over the group of A_i beta (dsm_i - dsm_ref_i) / group_size) (the reference's beta_dpo)."""
+    timesteps: int = 4
+    """The times each sample is trained at per update, drawn per group without replacement from the steps
+    0 .. max_step of the rollout's schedule (the reference's num_train_timesteps)."""
+    max_step: int = 6
+    """The last step index of the rollout's schedule whose sigma a trained time may be (the reference's
+    trunc_steps: the low-noise end of the schedule is not trained)."""
+
+    RANGES: ClassVar[dict] = {
+        "beta": ((lambda v: math.isfinite(v) and v > 0), "a finite number > 0"),
+        "timesteps": ((lambda v: v >= 1), "an integer >= 1"),
+        "max_step": ((lambda v: v >= 0), "an integer >= 0"),
+    }
+
+
 @dataclass
 class AlgoConfig:
     loss: str = "flow_grpo"
@@ -319,32 +408,6 @@ class AlgoConfig:
     step's variance s_t^2 |dt|, i.e. 1 / |dt| larger (on SD3.5's 10-step shift-3 schedule 4-25x on the
     first nine steps, ~110x on the last), so the same kl_beta weighs it that much more. Equal for CPS and
     dance_sde: their references' s_t is the step's whole std (dance_sde: a sqrt(|dt|), VeRL-Omni's)."""
-    dppo_tau: float = 1e-5
-    """flow_dppo: the divergence D_t (the exact KL between the step Gaussians of the policy and of the
-    rollout) from which a row whose ratio moved in its advantage's direction is masked out."""
-    nft_beta: float = 1.0
-    """diffusion_nft: beta, how far the implicit positive / negative policies move from the old
-    velocity: v+ = (1 - beta) v_old + beta v_theta, v- = (1 + beta) v_old - beta v_theta."""
-    nft_old_decay_rate: float = 0.001
-    """diffusion_nft: the old policy (which samples the rollouts and gives v_old) is a soft-updated copy
-    of the trained weights, theta_old <- eta theta_old + (1 - eta) theta after every update, with
-    eta = min(nft_old_decay_rate * (s - nft_old_decay_delay), nft_old_decay_max) after s optimizer steps
-    (0 while s < nft_old_decay_delay). The defaults are DiffusionNFT's (its decay_type 1: 0.001 per step,
-    at most 0.5, no delay); its decay_type 2 is rate 0.0075, max 0.999, delay 75. A rate or max of 0
-    keeps no copy: the old policy is the one that sampled the rollout (decay_type 0)."""
-    nft_old_decay_max: float = 0.5
-    """diffusion_nft: the largest eta of the old policy's soft update (see nft_old_decay_rate), < 1."""
-    nft_old_decay_delay: int = 0
-    """diffusion_nft: optimizer steps before the old policy's eta starts to grow (see nft_old_decay_rate)."""
-    dgpo_beta: float = 100.0
-    """dgpo: beta, the scale of a group's preference margin: each (group, time) weighs its rows by
-    sigmoid(sum over the group of A_i beta (dsm_i - dsm_ref_i) / group_size) (the reference's beta_dpo)."""
-    dgpo_timesteps: int = 4
-    """dgpo: the times each sample is trained at per update, drawn per group without replacement from the
-    steps 0 .. dgpo_max_step of the rollout's schedule (the reference's num_train_timesteps)."""
-    dgpo_max_step: int = 6
-    """dgpo: the last step index of the rollout's schedule whose sigma a trained time may be (the
-    reference's trunc_steps: the low-noise end of the schedule is not trained)."""
     adv_clip: float | None = 5.0
     """Advantages are clamped to [-adv_clip, adv_clip]; null leaves them unclamped (Flow-DPPO's references,
     UniRL and VeRL-Omni: one success in a group of 48 keeps its sqrt(47) = 6.86). diffusion_nft needs a
@@ -370,6 +433,12 @@ class AlgoConfig:
     """Correction ratio per token, or per response (the product of its token ratios)."""
     correction_threshold: float = 2.0
     """The correction's C (> 1)."""
+    flow_dppo: FlowDPPOConfig = field(default_factory=FlowDPPOConfig)
+    """algo.loss flow_dppo: its own settings."""
+    diffusion_nft: DiffusionNFTConfig = field(default_factory=DiffusionNFTConfig)
+    """algo.loss diffusion_nft: its own settings."""
+    dgpo: DGPOConfig = field(default_factory=DGPOConfig)
+    """algo.loss dgpo: its own settings."""
 
 
 @dataclass

@@ -4,8 +4,11 @@ that only go together, the sampling window, the rollout backend and the frozen b
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import os
+import typing
 from typing import Any
 
 from omnirl.algos.losses import check_loss, loss_spec
@@ -15,8 +18,9 @@ from omnirl.models import get_adapter
 from omnirl.models.flow_sde import window
 from omnirl.ranges import FRACTION, NON_NEGATIVE, POSITIVE, at_least
 
-# Field -> (predicate, what is allowed). A family's own settings (`family.*`) have theirs in the RANGES
-# class attribute of the adapter's `Settings`, checked here in the same way.
+# Field -> (predicate, what is allowed). A family's own settings (`family.*`) and a component's own
+# section (`subsections`: algo.<loss>, rollout.vllm, rollout.fp8) have theirs in the RANGES class attribute
+# of their dataclass, checked here in the same way.
 RANGES = {
     "run.steps": at_least(1),
     "lora.rank": at_least(1),
@@ -47,7 +51,6 @@ RANGES = {
     "rollout.group_size": at_least(2),  # a group of one sample never has reward spread
     "rollout.max_num_seqs": at_least(1),
     "rollout.max_num_batched_tokens": at_least(0),
-    "rollout.fp8_select": at_least(0),
     "reward.num_workers": at_least(1),
     "reward.timeout_s": POSITIVE,
     "algo.clip_range": POSITIVE,
@@ -56,14 +59,6 @@ RANGES = {
         (lambda v: v is None or (math.isfinite(v) and v > 0)),
         "a finite number > 0, or null (unclamped)",
     ),
-    "algo.dppo_tau": POSITIVE,
-    "algo.nft_beta": POSITIVE,
-    "algo.nft_old_decay_rate": NON_NEGATIVE,
-    "algo.nft_old_decay_max": ((lambda v: math.isfinite(v) and 0 <= v < 1), "a number in [0, 1)"),
-    "algo.nft_old_decay_delay": at_least(0),
-    "algo.dgpo_beta": POSITIVE,
-    "algo.dgpo_timesteps": at_least(1),
-    "algo.dgpo_max_step": at_least(0),
     "algo.correction_threshold": ((lambda v: math.isfinite(v) and v > 1), "a finite number > 1"),
     "optim.lr": POSITIVE,
     "optim.weight_decay": NON_NEGATIVE,
@@ -83,6 +78,24 @@ RANGES = {
     "checkpoint.every": at_least(0),
     "checkpoint.keep": at_least(1),
 }
+
+
+def sections(config_cls: type, prefix: str = "") -> list[tuple[str, type]]:
+    """Every section of the config class `config_cls` by its dotted name, with its dataclass: the top-level
+    ones (`algo`, and `family` where typed) each followed by the sections it holds (`algo.dgpo`)."""
+    hints = typing.get_type_hints(config_cls)
+    found = []
+    for f in dataclasses.fields(config_cls):
+        tp = hints[f.name]
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            found += [(prefix + f.name, tp), *sections(tp, f"{prefix}{f.name}.")]
+    return found
+
+
+def subsections(config_cls: type) -> list[tuple[str, type]]:
+    """The sections of `config_cls` that are a field of another section (`algo.<loss>`, `rollout.vllm`,
+    `rollout.fp8`): a component's own settings, each with its RANGES."""
+    return [(name, cls) for name, cls in sections(config_cls) if "." in name]
 
 
 def check_values(cfg: Config) -> None:
@@ -105,6 +118,11 @@ def check_values(cfg: Config) -> None:
         value = getattr(cfg.family, name)
         if not ok(value):
             raise bad(f"family.{name}", value, allowed)
+    for key, section in subsections(type(cfg)):
+        values = functools.reduce(getattr, key.split("."), cfg)
+        for name, (ok, allowed) in section.RANGES.items():
+            if not ok(getattr(values, name)):
+                raise bad(f"{key}.{name}", getattr(values, name), allowed)
     for i, beta in enumerate(cfg.optim.betas):
         if not (math.isfinite(beta) and 0 <= beta < 1):
             raise bad(f"optim.betas[{i}]", beta, "a finite number in [0, 1)")
@@ -147,9 +165,9 @@ def check_values(cfg: Config) -> None:
     check_loss(cfg.algo)
     if cfg.rollout.backend == "vllm":
         _check_vllm(cfg, adapter)
-    elif not cfg.rollout.vllm_logprobs:
+    elif not cfg.rollout.vllm.logprobs:
         raise ConfigError(
-            "rollout.vllm_logprobs false applies to rollout.backend vllm; the native engine records its "
+            "rollout.vllm.logprobs false applies to rollout.backend vllm; the native engine records its "
             "log-probs at no extra cost"
         )
     _check_precision(cfg, adapter)
@@ -158,7 +176,7 @@ def check_values(cfg: Config) -> None:
 
 def fp8_trained(cfg: Config) -> bool:
     """The loss trains on transitions the rollout sampled in FP8: rollout.precision fp8 at every step
-    (fp8_steps all) on the rollout's own samples (fp8_select 0) with a log-prob loss (not DiffusionNFT,
+    (fp8.steps all) on the rollout's own samples (fp8.select 0) with a log-prob loss (not DiffusionNFT,
     which has no transitions). Then the trainer recomputes the old log-probs and corrects, unless the
     update runs the same FP8 GEMMs (train.precision fp8): then behaviour and trained policy are one
     function."""
@@ -166,24 +184,24 @@ def fp8_trained(cfg: Config) -> bool:
     return (
         r.precision == "fp8"
         and cfg.train.precision != "fp8"
-        and r.fp8_steps == "all"
-        and not r.fp8_select
+        and r.fp8.steps == "all"
+        and not r.fp8.select
         and loss_spec(cfg.algo.loss).logprobs
     )
 
 
 def _check_precision(cfg: Config, adapter: type) -> None:
-    """rollout.precision fp8 and Sol-RL's selection (rollout.fp8_select): a diffusion adapter, weights the
+    """rollout.precision fp8 and Sol-RL's selection (rollout.fp8.select): a diffusion adapter, weights the
     rollout can quantise once per phase, and old log-probs of the trained precision."""
-    r, a = cfg.rollout, cfg.algo
+    r, f, a = cfg.rollout, cfg.rollout.fp8, cfg.algo
     if cfg.train.precision == "fp8" and (cfg.model.finetune != "lora" or adapter.kind != "diffusion"):
         raise ConfigError(
             "train.precision fp8 runs the frozen base of a LoRA run in FP8: it needs model.finetune lora and "
             f"a diffusion adapter (model.adapter {cfg.model.adapter!r}, finetune {cfg.model.finetune!r})"
         )
     if r.precision == "bf16":
-        if r.fp8_select:
-            raise ConfigError("rollout.fp8_select needs rollout.precision fp8 (it selects among FP8 samples)")
+        if f.select:
+            raise ConfigError("rollout.fp8.select needs rollout.precision fp8 (it selects among FP8 samples)")
         return
     if adapter.kind != "diffusion":
         raise ConfigError(
@@ -195,22 +213,22 @@ def _check_precision(cfg: Config, adapter: type) -> None:
             "rollout.precision fp8 quantises the gathered weights once per rollout phase: it needs "
             "distributed.rollout_gather phase, not unit"
         )
-    if r.fp8_select and 2 * r.fp8_select >= r.group_size:
+    if f.select and 2 * f.select >= r.group_size:
         raise ConfigError(
-            f"rollout.fp8_select {r.fp8_select}: the {r.fp8_select} best and worst samples of a group must "
+            f"rollout.fp8.select {f.select}: the {f.select} best and worst samples of a group must "
             f"be fewer than rollout.group_size ({r.group_size})"
         )
-    if r.fp8_steps == "untrained" and (r.fp8_select or not loss_spec(a.loss).logprobs):
-        what = "rollout.fp8_select explores" if r.fp8_select else f"algo.loss {a.loss} trains"
+    if f.steps == "untrained" and (f.select or not loss_spec(a.loss).logprobs):
+        what = "rollout.fp8.select explores" if f.select else f"algo.loss {a.loss} trains"
         raise ConfigError(
-            f"rollout.fp8_steps untrained: {what} on samples with no trained steps kept in bf16; use "
-            "rollout.fp8_steps all (its default there)"
+            f"rollout.fp8.steps untrained: {what} on samples with no trained steps kept in bf16; use "
+            "rollout.fp8.steps all (its default there)"
         )
     if fp8_trained(cfg) and a.old_logprob == "rollout":
         raise ConfigError(
-            "algo.old_logprob rollout: with rollout.precision fp8 and rollout.fp8_steps all the rollout's "
+            "algo.old_logprob rollout: with rollout.precision fp8 and rollout.fp8.steps all the rollout's "
             "log-probs are not the trainer's; the trainer recomputes them (algo.old_logprob recompute, the "
-            "default there), or use rollout.fp8_steps untrained"
+            "default there), or use rollout.fp8.steps untrained"
         )
 
 
@@ -233,9 +251,9 @@ def _check_vllm(cfg: Config, adapter: type) -> None:
             "generation.merge_lora merges the LoRA for the native engine's decode step; rollout.backend vllm "
             "places the LoRA itself (merged into the pushed weights, or as vLLM's adapter): leave it off"
         )
-    if not cfg.rollout.vllm_logprobs and (cfg.algo.old_logprob, cfg.algo.correction) != ("recompute", "none"):
+    if not cfg.rollout.vllm.logprobs and (cfg.algo.old_logprob, cfg.algo.correction) != ("recompute", "none"):
         raise ConfigError(
-            "rollout.vllm_logprobs false: the rollout records no log-probs, so the trainer recomputes them "
+            "rollout.vllm.logprobs false: the rollout records no log-probs, so the trainer recomputes them "
             "and has nothing to correct against: needs algo.old_logprob recompute and algo.correction none "
             f"(got {cfg.algo.old_logprob}, {cfg.algo.correction})"
         )
@@ -244,12 +262,6 @@ def _check_vllm(cfg: Config, adapter: type) -> None:
             "rollout.backend vllm: the vllm package is not importable in this environment (GPU: pip "
             'install -e ".[vllm]"; CPU: bash scripts/vllm_cpu_env.sh builds its own venv; README.md, '
             '"Rollout backends")'
-        )
-    if cfg.rollout.vllm_sleep_level not in (1, 2):
-        raise ConfigError(f"rollout.vllm_sleep_level must be 1 or 2, got {cfg.rollout.vllm_sleep_level}")
-    if cfg.rollout.vllm_push_bucket_mib < 1:
-        raise ConfigError(
-            f"rollout.vllm_push_bucket_mib must be >= 1, got {cfg.rollout.vllm_push_bucket_mib}"
         )
     if cfg.generation.top_p < 1 or cfg.generation.top_k > 0:
         # vLLM reports log-probs after its top-k / top-p filter, which the trainer's recompute has not.

@@ -22,11 +22,32 @@ import yaml
 
 from omnirl.algos.losses import loss_spec
 from omnirl.config import RECIPE_DIR, Config, ModelConfig
-from omnirl.config_checks import check_values, fp8_trained
+from omnirl.config_checks import check_values, fp8_trained, sections
 from omnirl.errors import ConfigError
 from omnirl.models import get_adapter
 
 REQUIRED = ("model.path", "data.train_path")
+
+# Settings that moved into their component's own section: the old flat name (a recipe's key or a flag) is
+# refused with one line naming the new one.
+RENAMED = {
+    "algo.dppo_tau": "algo.flow_dppo.tau",
+    "algo.nft_beta": "algo.diffusion_nft.beta",
+    "algo.nft_old_decay_rate": "algo.diffusion_nft.old_decay_rate",
+    "algo.nft_old_decay_max": "algo.diffusion_nft.old_decay_max",
+    "algo.nft_old_decay_delay": "algo.diffusion_nft.old_decay_delay",
+    "algo.dgpo_beta": "algo.dgpo.beta",
+    "algo.dgpo_timesteps": "algo.dgpo.timesteps",
+    "algo.dgpo_max_step": "algo.dgpo.max_step",
+    "rollout.vllm_sleep_level": "rollout.vllm.sleep_level",
+    "rollout.vllm_max_model_len": "rollout.vllm.max_model_len",
+    "rollout.vllm_push_bucket_mib": "rollout.vllm.push_bucket_mib",
+    "rollout.vllm_request_seeds": "rollout.vllm.request_seeds",
+    "rollout.vllm_logprobs": "rollout.vllm.logprobs",
+    "rollout.fp8_steps": "rollout.fp8.steps",
+    "rollout.fp8_fast_accum": "rollout.fp8.fast_accum",
+    "rollout.fp8_select": "rollout.fp8.select",
+}
 
 
 @functools.cache
@@ -143,6 +164,8 @@ def _build(cls: type, data: dict, prefix: str, src: str) -> Any:
     for k in data:
         if k not in names:
             where = f"{prefix}.{k}" if prefix else k
+            if where in RENAMED:
+                raise ConfigError(f"{src}: {where} is now {RENAMED[where]}")
             raise ConfigError(f"{src}: unknown key {where!r} (known keys here: {', '.join(names)})")
     kwargs = {}
     for k, v in data.items():
@@ -167,6 +190,17 @@ def config_from_dict(data: dict, src: str = "<dict>", adapter: str | None = None
     adapter = adapter or recipe_adapter(data, src)
     data = {**data, "model": {**data.get("model", {}), "adapter": adapter}}
     return _build(config_class(adapter), data, "", src)
+
+
+def dotted_keys(data: dict, prefix: str = "") -> list[str]:
+    """The "section.field" names a parsed recipe sets, those of the sections inside a section too
+    ("algo.dgpo.beta")."""
+    keys = []
+    for key, value in data.items():
+        keys.append(prefix + str(key))
+        if isinstance(value, dict):
+            keys += dotted_keys(value, f"{prefix}{key}.")
+    return keys
 
 
 def check_required(cfg: Config, src: str) -> None:
@@ -204,10 +238,7 @@ def load_config(recipe: str, overrides: list[str]) -> Config:
     check_dict_flags(cfg, overrides)
     args = bool_values(type(cfg), overrides)
     cfg = tyro.cli(type(cfg), default=cfg, args=args, description=f"omnirl recipe {path}")
-    data = yaml.safe_load(path.read_text()) or {}
-    given = {
-        f"{section}.{key}" for section, values in data.items() if isinstance(values, dict) for key in values
-    }
+    given = set(dotted_keys(yaml.safe_load(path.read_text()) or {}))
     command_line = {a[2:].split("=", 1)[0] for a in overrides if a.startswith("--")}
     backend_defaults(cfg, given | command_line, command_line)
     check_required(cfg, str(path))
@@ -228,11 +259,11 @@ def backend_defaults(
     are the native engine's alone).
 
     rollout.backend vllm, and an FP8 rollout whose trained transitions ran in FP8 (`fp8_trained`:
-    rollout.fp8_steps all, trained on its own samples with a log-prob loss): the rollout's kernels are not
+    rollout.fp8.steps all, trained on its own samples with a log-prob loss): the rollout's kernels are not
     the trainer's, so the trainer recomputes the old log-probs (algo.old_logprob recompute) and corrects for
     the rollout's mismatch (algo.correction tis), unless the recipe or the command line sets these (`given`:
-    the "section.field" names they set). Sol-RL's exploration (rollout.fp8_select) and DiffusionNFT (no
-    transitions) run every step in FP8: rollout.fp8_steps all unless given. Otherwise the dataclass
+    the "section.field" names they set). Sol-RL's exploration (rollout.fp8.select) and DiffusionNFT (no
+    transitions) run every step in FP8: rollout.fp8.steps all unless given. Otherwise the dataclass
     defaults stay."""
     r = cfg.rollout
     if r.backend == "vllm" and "rollout.backend" in command_line:
@@ -240,16 +271,16 @@ def backend_defaults(
         for key in set(NATIVE_DECODE) - command_line:
             section, name = key.split(".")
             setattr(getattr(cfg, section), name, getattr(getattr(defaults, section), name))
-    explore = r.fp8_select or not loss_spec(cfg.algo.loss).logprobs
-    if r.precision == "fp8" and explore and "rollout.fp8_steps" not in given:
-        r.fp8_steps = "all"
+    explore = r.fp8.select or not loss_spec(cfg.algo.loss).logprobs
+    if r.precision == "fp8" and explore and "rollout.fp8.steps" not in given:
+        r.fp8.steps = "all"
     if r.backend != "vllm" and not fp8_trained(cfg):
         return
     if "algo.old_logprob" not in given:
         cfg.algo.old_logprob = "recompute"
     if "algo.correction" not in given:
-        # Without the rollout's log-probs (rollout.vllm_logprobs false) there is nothing to correct against.
-        vllm_silent = r.backend == "vllm" and not r.vllm_logprobs
+        # Without the rollout's log-probs (rollout.vllm.logprobs false) there is nothing to correct against.
+        vllm_silent = r.backend == "vllm" and not r.vllm.logprobs
         cfg.algo.correction = "none" if vllm_silent else "tis"
 
 
@@ -268,21 +299,22 @@ def is_bool_or_literal(tp: Any) -> bool:
 
 
 def check_flags(config_cls: type[Config], overrides: list[str]) -> None:
-    """Every `--section.field` (or `--section.field=value`, `--section.no-flag`) names a field of
-    `config_cls` (a dict field's entries are `--section.field.KEY`): an unknown one is a ConfigError naming
-    that flag alone, with the closest field's flag when one is close (difflib)."""
+    """Every `--section.field` (or `--section.field=value`, `--section.no-flag`; `--section.sub.field` for a
+    section inside a section) names a field of `config_cls` (a dict field's entries are
+    `--section.field.KEY`): an unknown one is a ConfigError naming that flag alone, with the new name of a
+    renamed setting (`RENAMED`) or the closest field's flag when one is close (difflib)."""
     import difflib
 
-    hints = typing.get_type_hints(config_cls)
     fields, flags, dicts = set(), set(), []
-    for section in dataclasses.fields(config_cls):
-        if dataclasses.is_dataclass(hints[section.name]):
-            for name, tp in typing.get_type_hints(hints[section.name]).items():
-                fields.add(f"{section.name}.{name}")
-                if tp is bool or is_bool_or_literal(tp):
-                    flags.add(f"{section.name}.no_{name}")
-                if typing.get_origin(tp) is dict:
-                    dicts.append(f"{section.name}.{name}.")
+    for section, cls in sections(config_cls):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            fields.add(f"{section}.{f.name}")
+            if tp is bool or is_bool_or_literal(tp):
+                flags.add(f"{section}.no_{f.name}")
+            if typing.get_origin(tp) is dict:
+                dicts.append(f"{section}.{f.name}.")
     for arg in overrides:
         if not arg.startswith("--") or arg in ("--help", "--help-all"):
             continue
@@ -291,6 +323,12 @@ def check_flags(config_cls: type[Config], overrides: list[str]) -> None:
             continue
         name = name.replace("-", "_")
         flag = arg.split("=", 1)[0]
+        section, _, leaf = name.rpartition(".")
+        old = f"{section}.{leaf.removeprefix('no_')}"
+        if old in RENAMED:
+            new_section, _, new_leaf = RENAMED[old].rpartition(".")
+            new = f"{new_section}.no_{new_leaf}" if leaf.startswith("no_") else RENAMED[old]
+            raise ConfigError(f"{flag} is now --{new}")
         close = difflib.get_close_matches(name, sorted(fields), n=1)
         hint = f"did you mean --{close[0]}?" if close else "--help lists the options"
         raise ConfigError(f"unrecognized option {flag} ({hint})")
@@ -326,13 +364,11 @@ def bool_values(config_cls: type[Config], overrides: list[str]) -> list[str]:
     """`--section.flag true|false` (or `=true|false`, any case) as tyro's `--section.flag` /
     `--section.no-flag`, so a boolean field of `config_cls` takes a value like every other field; other
     arguments pass as they are."""
-    hints = typing.get_type_hints(config_cls)
     flags, worded = set(), set()
-    for section in dataclasses.fields(config_cls):
-        if dataclasses.is_dataclass(hints[section.name]):
-            fields = typing.get_type_hints(hints[section.name]).items()
-            flags |= {f"{section.name}.{name}" for name, tp in fields if tp is bool}
-            worded |= {f"{section.name}.{name}" for name, tp in fields if is_bool_or_literal(tp)}
+    for section, cls in sections(config_cls):
+        fields = typing.get_type_hints(cls).items()
+        flags |= {f"{section}.{name}" for name, tp in fields if tp is bool}
+        worded |= {f"{section}.{name}" for name, tp in fields if is_bool_or_literal(tp)}
     out, i = [], 0
     while i < len(overrides):
         arg, value = overrides[i], None
@@ -357,7 +393,7 @@ def bool_values(config_cls: type[Config], overrides: list[str]) -> list[str]:
             i += 1
             continue
         if name in flags and value is not None and value.lower() in ("true", "false"):
-            section, field_name = name.split(".")
+            section, _, field_name = name.rpartition(".")
             arg = f"--{section}.{field_name}" if value.lower() == "true" else f"--{section}.no-{field_name}"
         out.append(arg)
         i += 1

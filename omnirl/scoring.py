@@ -32,10 +32,10 @@ def rollout_step(
     cfg: Config, ops: KindOps, rewards: RewardPool, requests: list[Request], stats: dict[str, float]
 ) -> tuple[list, dict[str, np.ndarray]]:
     """The samples a training step trains on, scored: those of `rollout_and_score`; with Sol-RL's
-    selection (rollout.fp8_select k: explore in FP8, train on bf16 regenerations) the bf16 regenerations of
+    selection (rollout.fp8.select k: explore in FP8, train on bf16 regenerations) the bf16 regenerations of
     the k best and k worst of each group (`regenerate_selected`). Writes the timings into `stats`."""
     trajs, per_reward = rollout_and_score(ops, rewards, requests, stats)
-    select = cfg.rollout.fp8_select
+    select = cfg.rollout.fp8.select
     if not select:
         return trajs, per_reward
     return regenerate_selected(ops, rewards, trajs, select, stats)
@@ -91,7 +91,7 @@ def collect_scores(
 def regenerate_selected(
     ops: Any, rewards: RewardPool, trajs: list, k: int, stats: dict[str, float]
 ) -> tuple[list, dict[str, np.ndarray]]:
-    """Sol-RL's second stage (rollout.fp8_select k, an FP8 diffusion rollout: `ops` is a DiffusionOps):
+    """Sol-RL's second stage (rollout.fp8.select k, an FP8 diffusion rollout: `ops` is a DiffusionOps):
     of each group of FP8 samples `trajs`, the k best and the k worst by reward (among the scored ones; a
     group with fewer than 2k scored samples keeps all of them) are generated again in bf16 from the same
     requests, hence from the same seeds and noise, and scored again. Returns the regenerated trajectories

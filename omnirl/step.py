@@ -49,7 +49,7 @@ class UpdateTuning:
         if cfg.train.precision == "fp8":
             D.check_fp8_matmul(ops.adapter.device)
             units, keep = ops.adapter.fsdp_units(), ops.adapter.fp8_keep_bf16
-            self.fp8 = Fp8Update(units, keep, cfg.rollout.fp8_fast_accum)
+            self.fp8 = Fp8Update(units, keep, cfg.rollout.fp8.fast_accum)
         if hasattr(ops, "clock"):  # the ops that time a part of their loss (the KL reference pass)
             ops.clock = self.clock  # pyright: ignore[reportAttributeAccessIssue]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from omnirl.config import Config
+from omnirl.config import Config, RolloutConfig
 from omnirl.distributed import derive_seed
 from omnirl.models.base import Request, SamplingParams
 from omnirl.models.diffusers_setup import LORA_FILE
@@ -113,13 +113,13 @@ def compiled_rollout_diffs(adapter, make: Callable[[], list[Request]], max_num_s
 
     monkeypatch.setattr(compiled, "COMPILE_BACKEND", "eager")
     start = counters["stats"]["unique_graphs"]
-    engine = DiffusionEngine(adapter, max_num_seqs, compile=True)
+    engine = DiffusionEngine(adapter, RolloutConfig(max_num_seqs=max_num_seqs, compile=True))
     first = engine.generate(make())
     graphs = counters["stats"]["unique_graphs"] - start
     with torch._dynamo.config.patch(error_on_recompile=True):
         second = engine.generate(make())
     assert all("forward" not in vars(m) for m in adapter.fsdp_units()), "training must run the eager forward"
-    eager = DiffusionEngine(adapter, max_num_seqs).generate(make())
+    eager = DiffusionEngine(adapter, RolloutConfig(max_num_seqs=max_num_seqs)).generate(make())
     d_latents = d_logprobs = 0.0
     for run in (first, second):
         for a, b in zip(run, eager, strict=True):

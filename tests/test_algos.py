@@ -20,7 +20,7 @@ from omnirl.algos.losses import (
     flow_kl,
     get_loss,
 )
-from omnirl.config import AlgoConfig
+from omnirl.config import AlgoConfig, DGPOConfig, DiffusionNFTConfig, FlowDPPOConfig
 from omnirl.config_checks import check_values
 from omnirl.errors import ConfigError
 from omnirl.models.flow_sde import flow_step
@@ -297,7 +297,9 @@ def test_flow_dppo_loss_and_mask_by_hand():
     divergence = torch.tensor(DPPO_D, dtype=torch.float64, requires_grad=True)
     weights = torch.tensor([1.0] * 6 + [0.0], dtype=torch.float64)  # the last row pads
     loss, m = flow_dppo_loss(
-        RowInputs(lp, old, adv, weights, divergence=divergence), AlgoConfig(dppo_tau=1e-5), 6
+        RowInputs(lp, old, adv, weights, divergence=divergence),
+        AlgoConfig(flow_dppo=FlowDPPOConfig(tau=1e-5)),
+        6,
     )
     # -A r of the unmasked real rows, summed, over 6: rows 1, 2, 4, 5.
     unmasked = [-a * r for a, r, msk in zip(DPPO_ADV[:6], DPPO_RATIO[:6], DPPO_MASK[:6]) if not msk]
@@ -333,7 +335,7 @@ def test_diffusion_nft_loss_by_hand():
     v_old = torch.tensor([[0.0, 0.0], [0.0, 1.0]])
     target = torch.tensor([[1.0, -1.0], [0.0, 2.0]])
     t, adv, w = torch.tensor([0.5, 1.0]), torch.tensor([2.5, -5.0]), torch.ones(2)
-    nft = AlgoConfig(nft_beta=0.5, adv_clip=5.0)
+    nft = AlgoConfig(diffusion_nft=DiffusionNFTConfig(beta=0.5), adv_clip=5.0)
     loss, m = diffusion_nft_loss(NFTInputs(v, v_old, target, t, adv, w), nft, normaliser=2)
     assert loss.item() == pytest.approx((35 / 6 + 10) / 2)
     assert m["nft/positive_sum"] == pytest.approx(0.5 + 1.0) and m["nft/negative_sum"] == pytest.approx(
@@ -421,5 +423,5 @@ def test_dgpo_loss_equals_its_reference_over_micro_batches(kl_beta):
 def test_dgpo_refuses_more_times_than_steps():
     from omnirl.algos.losses import check_dgpo
 
-    with pytest.raises(ConfigError, match="algo.dgpo_timesteps"):
-        check_dgpo(AlgoConfig(loss="dgpo", dgpo_timesteps=8, dgpo_max_step=6))
+    with pytest.raises(ConfigError, match="algo.dgpo.timesteps"):
+        check_dgpo(AlgoConfig(loss="dgpo", dgpo=DGPOConfig(timesteps=8, max_step=6)))

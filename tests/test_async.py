@@ -118,7 +118,7 @@ STALE = ("--algo.old_logprob", "recompute", "--algo.correction", "tis")
         (2, ("--distributed.rollout_ranks", "1"), "need algo.old_logprob recompute"),
         (3, ("--distributed.rollout_ranks", "2", "--rollout.prompts_per_step", "3", *STALE),
          "rollout ranks (2)"),
-        (2, ("--distributed.rollout_ranks", "1", "--rollout.fp8_select", "1", "--rollout.precision", "fp8",
+        (2, ("--distributed.rollout_ranks", "1", "--rollout.fp8.select", "1", "--rollout.precision", "fp8",
              *STALE), "rollout.precision fp8"),
     ],
 )  # fmt: skip

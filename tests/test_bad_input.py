@@ -197,11 +197,14 @@ IMPOSSIBLE = {
         ["--sampling.sde_window_shift_interval", "0"],
         "sampling.sde_window_shift_interval must be an integer >= 1, got 0",
     ),
-    "DPPO tau 0": (["--algo.dppo_tau", "0"], "algo.dppo_tau must be a finite number > 0, got 0.0"),
-    "NFT beta 0": (["--algo.nft_beta", "0"], "algo.nft_beta must be a finite number > 0, got 0.0"),
+    "DPPO tau 0": (["--algo.flow_dppo.tau", "0"], "algo.flow_dppo.tau must be a finite number > 0, got 0.0"),
+    "NFT beta 0": (
+        ["--algo.diffusion_nft.beta", "0"],
+        "algo.diffusion_nft.beta must be a finite number > 0, got 0.0",
+    ),
     "NFT old policy decay 1": (
-        ["--algo.nft_old_decay_max", "1"],
-        "algo.nft_old_decay_max must be a number in [0, 1), got 1.0",
+        ["--algo.diffusion_nft.old_decay_max", "1"],
+        "algo.diffusion_nft.old_decay_max must be a number in [0, 1), got 1.0",
     ),
     "NFT with recomputed log-probs": (
         ["--algo.loss", "diffusion_nft", "--algo.old_logprob", "recompute"],

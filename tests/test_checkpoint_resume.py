@@ -188,7 +188,7 @@ def test_nft_resume_restores_the_soft_updated_old_policy(tiny_sd3, data, tmp_pat
     bit-identical to the run that never stopped (on a policy that differs from the old one: the
     first mini-batch of every update after the first has nft/old_deviate > 0)."""
     nft = ROOT / "yaml/sd3_tiny_nft.yaml"
-    fast = ["--algo.nft_old_decay_rate", "0.25"]
+    fast = ["--algo.diffusion_nft.old_decay_rate", "0.25"]
     ref = tmp_path / "uninterrupted"
     torchrun(2, nft, *overrides(tiny_sd3, data, ref, *fast))
     ckpt = ref / "checkpoints/step_000002"
@@ -207,7 +207,7 @@ def test_nft_resume_restores_the_soft_updated_old_policy(tiny_sd3, data, tmp_pat
     # Resuming with the soft update off would silently change the old policy: refused by name.
     bad = tmp_path / "off"
     cmd, env = torchrun_cmd(1, nft, *overrides(tiny_sd3, data, bad, "--checkpoint.resume", str(ckpt)),
-                            "--algo.nft_old_decay_max", "0")  # fmt: skip
+                            "--algo.diffusion_nft.old_decay_max", "0")  # fmt: skip
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "unexpected extra.nft_old_policy." in r.stdout + r.stderr
     checkpoint.adapter_from_checkpoint(ckpt)  # export reads only the trained weights of such a checkpoint

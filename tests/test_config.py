@@ -191,21 +191,26 @@ def test_help_is_the_recipes_sections_and_help_all_every_field():
     those sections by name, every recipe, and where the rest is; --help-all: every field of every section.
     Both wrap whole paragraphs to the width (no docstring's source line break inside them)."""
     import dataclasses
+    import typing
 
     from omnirl.cli_help import help_text
+    from omnirl.config_checks import sections
 
     cfg, source = load_recipe("sd3_tiny_flowgrpo")
     short = help_text(cfg, source, full=False, width=80)
     assert "\n\nyaml/sd3_tiny_flowgrpo.yaml: The quickstart: Flow-GRPO" in short
     assert "  --optim.lr float = 0.01\n      AdamW learning rate.\n" in short
     assert "--generation." not in short  # an omni section the recipe does not set
-    assert "--rollout.vllm_" not in short and "--rollout.vllm_" in help_text(cfg, source, full=True)
+    assert "--rollout.vllm." not in short and "--rollout.vllm." in help_text(cfg, source, full=True)
     assert "also: " in short and all(name in short for name in RECIPES) and "--help-all" in short
     full = help_text(cfg, source, full=True, width=80)
-    for section in dataclasses.fields(cfg):
-        values = getattr(cfg, section.name)
-        if dataclasses.is_dataclass(values):
-            assert all(f"  --{section.name}.{f.name} " in full for f in dataclasses.fields(values))
+    for name, cls in sections(type(cfg)):  # a component's section inside its parent's too (algo.dgpo)
+        leaves = [
+            f
+            for f in dataclasses.fields(cls)
+            if not dataclasses.is_dataclass(typing.get_type_hints(cls)[f.name])
+        ]
+        assert leaves and all(f"  --{name}.{f.name} " in full for f in leaves), name
     # A docstring written over two source lines is one paragraph, wrapped only at the width.
     wide = help_text(cfg, source, full=True, width=200)
     doc = (

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from omnirl.config import RolloutConfig
 from omnirl.distributed import derive_seed
-from omnirl.memory import GIB
 from omnirl.models.base import Request, SamplingParams
 from omnirl.models.sd3.adapter import SD3Adapter
 from omnirl.recipe import config_for
@@ -50,7 +50,7 @@ def adapter(tiny_sd3):
 @pytest.fixture(scope="module")
 def serial(adapter):
     """The reference: one request per forward."""
-    return DiffusionEngine(adapter, 1).generate(MIXED)
+    return DiffusionEngine(adapter, RolloutConfig(max_num_seqs=1)).generate(MIXED)
 
 
 def run(engine: DiffusionEngine, requests: list[Request]):
@@ -86,7 +86,7 @@ def max_diffs(trajs, reference) -> tuple[float, float]:
 
 @pytest.mark.slow
 def test_packed_rollout_equals_serial(adapter, serial):
-    packed, seen, rows = run(DiffusionEngine(adapter, 4), MIXED)
+    packed, seen, rows = run(DiffusionEngine(adapter, RolloutConfig(max_num_seqs=4)), MIXED)
     assert seen == [[0, 2, 4], [1, 3, 5]]  # grouped by key over the whole queue, not first-in-first-out
     assert rows == [6] * STEPS + [6] * STEPS  # 3 requests x 2 CFG rows per forward
     assert [t.final_latents.shape[-1] for t in packed] == [16, 24] * 3
@@ -100,8 +100,8 @@ def test_packed_rollout_equals_serial(adapter, serial):
 
 @pytest.mark.slow
 def test_unfused_cfg_equals_fused(adapter, serial):
-    fused, _, _ = run(DiffusionEngine(adapter, 4), MIXED)
-    split, _, rows = run(DiffusionEngine(adapter, 4), unfused(MIXED))
+    fused, _, _ = run(DiffusionEngine(adapter, RolloutConfig(max_num_seqs=4)), MIXED)
+    split, _, rows = run(DiffusionEngine(adapter, RolloutConfig(max_num_seqs=4)), unfused(MIXED))
     assert rows == [3] * (4 * STEPS)  # two forwards of 3 rows per step
     assert not hasattr(adapter, "fused_cfg")  # the layout travels in the requests, never on the adapter
     d_latents, d_logprobs = max_diffs(split, fused)
@@ -114,7 +114,7 @@ def test_unfused_cfg_equals_fused(adapter, serial):
 
 @pytest.mark.slow
 def test_padded_bucket_batch_equals_unpadded(adapter, serial):
-    engine = DiffusionEngine(adapter, 4)
+    engine = DiffusionEngine(adapter, RolloutConfig(max_num_seqs=4))
     engine.pad = True  # what compile turns on, here without compiling
     padded, seen, rows = run(engine, MIXED)
     assert rows == [8] * (2 * STEPS)  # 3 requests padded to a bucket of 4, x 2 CFG rows
@@ -130,12 +130,20 @@ def test_padded_bucket_batch_equals_unpadded(adapter, serial):
 def test_token_budget_counts_fused_cfg_rows(adapter):
     budget = 4 * adapter.num_tokens(MIXED[0])  # 4 rows of a KEY_A request
     four = make_requests([KEY_A] * 4)
-    assert DiffusionEngine(adapter, 8, budget).packer.pack(four) == [[0, 1], [2, 3]]  # 2 requests x 2 rows
-    assert DiffusionEngine(adapter, 8, budget).packer.pack(unfused(four)) == [[0, 1, 2, 3]]
+    assert DiffusionEngine(adapter, RolloutConfig(max_num_seqs=8, max_num_batched_tokens=budget)).packer.pack(
+        four
+    ) == [[0, 1], [2, 3]]  # 2 requests x 2 rows
+    assert DiffusionEngine(adapter, RolloutConfig(max_num_seqs=8, max_num_batched_tokens=budget)).packer.pack(
+        unfused(four)
+    ) == [[0, 1, 2, 3]]
     unguided = make_requests([SamplingParams(32, 32, STEPS, 1.0, 0.7, "sde", 2, (0, 3))] * 4)
-    assert DiffusionEngine(adapter, 8, budget).packer.pack(unguided) == [[0, 1, 2, 3]]
+    assert DiffusionEngine(adapter, RolloutConfig(max_num_seqs=8, max_num_batched_tokens=budget)).packer.pack(
+        unguided
+    ) == [[0, 1, 2, 3]]
     with pytest.raises(ValueError, match=f"rollout.max_num_batched_tokens={budget // 4}"):
-        DiffusionEngine(adapter, 8, budget // 4).packer.pack(four)
+        DiffusionEngine(
+            adapter, RolloutConfig(max_num_seqs=8, max_num_batched_tokens=budget // 4)
+        ).packer.pack(four)
 
 
 @pytest.mark.slow
@@ -149,7 +157,7 @@ def test_compiled_rollout_does_not_recompile(adapter, monkeypatch):
         return counters["stats"]["unique_graphs"]
 
     start = graphs()
-    engine = DiffusionEngine(adapter, 4, compile=True)
+    engine = DiffusionEngine(adapter, RolloutConfig(max_num_seqs=4, compile=True))
     seven = make_requests([KEY_A] * 7)
     compiled, seen, rows = run(engine, seven)
     assert seen == [[0, 1, 2, 3], [4, 5, 6]] and rows == [8] * (2 * STEPS)  # filled 4 + 3, 3 padded to 4
@@ -159,13 +167,13 @@ def test_compiled_rollout_does_not_recompile(adapter, monkeypatch):
     with torch._dynamo.config.patch(error_on_recompile=True):
         again, _, _ = run(engine, make_requests([KEY_A] * 3))  # a new rollout: 3 padded to 4 again
     assert graphs() - start == 2
-    eager, _, _ = run(DiffusionEngine(adapter, 4), seven)
+    eager, _, _ = run(DiffusionEngine(adapter, RolloutConfig(max_num_seqs=4)), seven)
     d_latents, d_logprobs = max_diffs(compiled, eager)
     print(f"compiled (eager backend) vs eager: latents {d_latents:.2e}, logprobs {d_logprobs:.2e}")
     assert d_latents < 1e-5 and d_logprobs < 1e-5
     assert max(max_diffs(again, eager[:3])) < 1e-5
     # The counter does see a new batch size: without padding, 3 requests (6 rows) compile again.
-    unpadded = DiffusionEngine(adapter, 4, compile=True)
+    unpadded = DiffusionEngine(adapter, RolloutConfig(max_num_seqs=4, compile=True))
     unpadded.pad = False
     run(unpadded, make_requests([KEY_A] * 3))
     assert graphs() - start == 4
@@ -188,7 +196,9 @@ def test_a_probe_that_runs_out_of_memory_names_what_does_not_fit(adapter, monkey
     monkeypatch.setattr(diffusion, "empty_cache", lambda: emptied.append(True))
     done = []
     with pytest.raises(ValueError) as e:
-        DiffusionEngine(adapter, 4, memory_budget=GIB).generate(make_requests([KEY_A] * 4), done.append)
+        DiffusionEngine(adapter, RolloutConfig(max_num_seqs=4, memory_budget_gib=1.0)).generate(
+            make_requests([KEY_A] * 4), done.append
+        )
     message = str(e.value)
     assert message.startswith("rollout.max_num_seqs 4 does not fit: measuring what a batch needs, a rollout")
     assert "of 2 requests ran out of device memory" in message

@@ -2,7 +2,7 @@
 against an fp32 reference, the layers each family keeps in bf16 (by module name, on each tiny family), the
 stand-ins swapped in only while the rollout runs and compiled once for all blocks, the rollout correction
 applied where and only where the option is on, the recompute path whenever a trained step ran in another
-precision than the trainer's, FP8 on the untrained steps only (rollout.fp8_steps untrained) leaving the
+precision than the trainer's, FP8 on the untrained steps only (rollout.fp8.steps untrained) leaving the
 trained transitions a bf16 rollout's, and Sol-RL's bf16 regeneration of the selected samples from the same
 seeds."""
 
@@ -16,6 +16,7 @@ from torch._dynamo.utils import counters
 
 from omnirl import distributed as D
 from omnirl.batching import make_requests
+from omnirl.config import FP8Config, RolloutConfig
 from omnirl.data.prompts import load_prompts
 from omnirl.errors import ConfigError
 from omnirl.models import flow_sde, get_adapter
@@ -169,6 +170,11 @@ def sd3(tiny_sd3):
     return get_adapter("sd3")(tiny_config("sd3", tiny_sd3), torch.device("cpu"))
 
 
+def fp8_rollout(steps: str = "all", **rollout) -> RolloutConfig:
+    """The rollout section of an FP8 engine of 4 requests a batch whose `steps` run FP8."""
+    return RolloutConfig(max_num_seqs=4, precision="fp8", fp8=FP8Config(steps=steps), **rollout)
+
+
 @pytest.mark.slow  # tiny models and their rollouts: more than a few seconds on 2 cores
 def test_fp8_rollout_is_close_to_bf16_and_leaves_the_policy_alone(sd3):
     """The FP8 rollout's samples are near the policy's own (same seeds) but not equal to them; the policy's
@@ -176,9 +182,9 @@ def test_fp8_rollout_is_close_to_bf16_and_leaves_the_policy_alone(sd3):
     made trainable to check) at every rollout."""
     requests = engine_requests([KEY] * 3)
     before = {n: p.detach().clone() for n, p in sd3.policy.named_parameters()}
-    fp8_engine = DiffusionEngine(sd3, 4, precision="fp8")
+    fp8_engine = DiffusionEngine(sd3, fp8_rollout())
     fp8, _, _ = run(fp8_engine, requests)
-    reference, _, _ = run(DiffusionEngine(sd3, 4), requests)
+    reference, _, _ = run(DiffusionEngine(sd3, RolloutConfig(max_num_seqs=4)), requests)
     # A rollout's log-prob of its own step depends on its noise alone (the same seeds): the gap shows when
     # the trainer scores the FP8 transitions (test_correction_weights_...), not here.
     d_latents, _ = max_diffs(fp8, reference)
@@ -215,18 +221,18 @@ def test_fp8_rollout_compiles_one_code_for_all_blocks(sd3, monkeypatch):
     recompile."""
     monkeypatch.setattr(rollout_compiled, "COMPILE_BACKEND", "eager")
     start = counters["stats"]["unique_graphs"]
-    engine = DiffusionEngine(sd3, 4, compile=True, precision="fp8")
+    engine = DiffusionEngine(sd3, fp8_rollout(compile=True))
     compiled, _, _ = run(engine, engine_requests([KEY] * 4))
     assert counters["stats"]["unique_graphs"] - start == 2  # the tiny SD3's two block variants
     with torch._dynamo.config.patch(error_on_recompile=True):
         again, _, _ = run(engine, engine_requests([KEY] * 3))
-    eager, _, _ = run(DiffusionEngine(sd3, 4, precision="fp8"), engine_requests([KEY] * 4))
+    eager, _, _ = run(DiffusionEngine(sd3, fp8_rollout()), engine_requests([KEY] * 4))
     assert max(max_diffs(compiled, eager)) < 1e-5
     # FP8 on the untrained steps only: the blocks' code in both precisions, switched per step without
     # compiling again. The FP8 code is the one compiled above (dynamo's cache is the forward's); the bf16
     # one is new (unless an earlier test compiled it).
     start = counters["stats"]["unique_graphs"]
-    engine = DiffusionEngine(sd3, 4, compile=True, precision="fp8", fp8_steps="untrained")
+    engine = DiffusionEngine(sd3, fp8_rollout("untrained", compile=True))
     run(engine, engine_requests([KEY] * 4))
     assert counters["stats"]["unique_graphs"] - start <= 2
     first = engine_requests([dataclasses.replace(KEY, sde_window_range=(0, 2))] * 4)  # steps 0-1 trained
@@ -234,7 +240,7 @@ def test_fp8_rollout_compiles_one_code_for_all_blocks(sd3, monkeypatch):
         run(engine, engine_requests([KEY] * 3))
         untrained, _, _ = run(engine, first)
     # Compiled too, the trained steps run the bf16 code: their records are a compiled bf16 rollout's.
-    bf16, _, _ = run(DiffusionEngine(sd3, 4, compile=True), first)
+    bf16, _, _ = run(DiffusionEngine(sd3, RolloutConfig(max_num_seqs=4, compile=True)), first)
     for a, b in zip(untrained, bf16):
         for field in ("latents", "next_latents", "logprobs"):
             assert torch.equal(getattr(a, field), getattr(b, field)), field
@@ -243,14 +249,14 @@ def test_fp8_rollout_compiles_one_code_for_all_blocks(sd3, monkeypatch):
 
 @pytest.mark.slow  # tiny models and their rollouts: more than a few seconds on 2 cores
 def test_fp8_on_untrained_steps_leaves_the_trained_ones_in_bf16(sd3):
-    """rollout.fp8_steps untrained: a step that trains some row of the batch runs the policy's own layers,
+    """rollout.fp8.steps untrained: a step that trains some row of the batch runs the policy's own layers,
     the others the FP8 stand-ins (counted on one layer). With every row's window at steps 0-1 the trained
     transitions and their log-probs equal a bf16 rollout's from the same seeds, bit for bit, while the
     final samples (steps 2-3 in FP8) do not; with windows drawn per row the FP8 steps are exactly those no
     row of the batch trains, and the weights are quantised once for the whole rollout."""
     first = dataclasses.replace(KEY, sde_window_range=(0, 2))
     requests = engine_requests([first] * 3)
-    engine = DiffusionEngine(sd3, 4, precision="fp8", fp8_steps="untrained")
+    engine = DiffusionEngine(sd3, fp8_rollout("untrained"))
     (_, _, layer), stand_in = engine.fp8.layers[0], engine.fp8.stand_ins[0]
     calls = {"bf16": 0, "fp8": 0}
 
@@ -265,8 +271,8 @@ def test_fp8_on_untrained_steps_leaves_the_trained_ones_in_bf16(sd3):
             h.remove()
     per_step = len(rows) // STEPS  # transformer forwards per step
     assert calls == {"bf16": 2 * per_step, "fp8": (STEPS - 2) * per_step}
-    reference, _, _ = run(DiffusionEngine(sd3, 4), requests)
-    everywhere, _, _ = run(DiffusionEngine(sd3, 4, precision="fp8"), requests)
+    reference, _, _ = run(DiffusionEngine(sd3, RolloutConfig(max_num_seqs=4)), requests)
+    everywhere, _, _ = run(DiffusionEngine(sd3, fp8_rollout()), requests)
     for a, b, c in zip(untrained, reference, everywhere):
         assert a.step_indices.tolist() == [0, 1]
         for field in ("latents", "next_latents", "logprobs"):
@@ -305,7 +311,7 @@ def test_fp8_on_untrained_steps_refuses_a_loop_that_bypasses_the_sampler(sd3, mo
     """A denoising loop that does not step through `sampler.steps()` would run its trained steps in FP8
     unnoticed: the engine stops after that batch with one line naming the adapter."""
     monkeypatch.setattr(flow_sde.WindowedSampler, "steps", lambda self: iter(range(self.num_steps)))
-    engine = DiffusionEngine(sd3, 4, precision="fp8", fp8_steps="untrained")
+    engine = DiffusionEngine(sd3, fp8_rollout("untrained"))
     with pytest.raises(RuntimeError, match=r"SD3Adapter.rollout does not step through sampler.steps\(\)"):
         engine.generate(engine_requests([KEY]))
     assert not engine.fp8.active  # the original layers are back
@@ -324,29 +330,29 @@ def tiny_cfg(tiny_sd3, tmp_path, *overrides):
 
 def test_fp8_recomputes_old_logprobs_and_refuses_the_rollouts(tiny_sd3, tmp_path):
     """The trainer recomputes the old log-probs and corrects exactly when some trained step runs in FP8:
-    rollout.fp8_steps all (the fp8 defaults override the recipe's old_logprob rollout only where the recipe
-    does not set it: the tiny recipe sets it, so the command line must), not with fp8_steps untrained (the
+    rollout.fp8.steps all (the fp8 defaults override the recipe's old_logprob rollout only where the recipe
+    does not set it: the tiny recipe sets it, so the command line must), not with fp8.steps untrained (the
     default: the trained steps run in bf16) nor in bf16; Sol-RL and DiffusionNFT explore in FP8 at every
     step."""
     fp8 = ("--rollout.precision", "fp8")
     untrained = tiny_cfg(tiny_sd3, tmp_path, *fp8)
-    assert untrained.rollout.fp8_steps == "untrained"
+    assert untrained.rollout.fp8.steps == "untrained"
     assert untrained.algo.old_logprob == "rollout" and untrained.algo.correction == "none"
     with pytest.raises(ConfigError, match="algo.old_logprob rollout: with rollout.precision fp8 and"):
-        tiny_cfg(tiny_sd3, tmp_path, *fp8, "--rollout.fp8_steps", "all")
-    cfg = tiny_cfg(tiny_sd3, tmp_path, *fp8, "--rollout.fp8_steps", "all", "--algo.old_logprob", "recompute")
+        tiny_cfg(tiny_sd3, tmp_path, *fp8, "--rollout.fp8.steps", "all")
+    cfg = tiny_cfg(tiny_sd3, tmp_path, *fp8, "--rollout.fp8.steps", "all", "--algo.old_logprob", "recompute")
     assert cfg.algo.correction == "tis"
     assert tiny_cfg(tiny_sd3, tmp_path).algo.old_logprob == "rollout"
     # Sol-RL trains on bf16 regenerations: the rollout's own log-probs are the trainer's.
-    sol = tiny_cfg(tiny_sd3, tmp_path, *fp8, "--rollout.fp8_select", "1")
+    sol = tiny_cfg(tiny_sd3, tmp_path, *fp8, "--rollout.fp8.select", "1")
     assert sol.algo.old_logprob == "rollout" and sol.algo.correction == "none"
-    assert sol.rollout.fp8_steps == "all"  # it explores in FP8 at every step
+    assert sol.rollout.fp8.steps == "all"  # it explores in FP8 at every step
     for args, match in [
-        (["--rollout.fp8_select", "1"], "rollout.fp8_select needs rollout.precision fp8"),
-        ([*fp8, "--rollout.fp8_select", "2"], "fewer than rollout.group_size"),
-        ([*fp8, "--rollout.fp8_select", "1", "--rollout.fp8_steps", "untrained"],
-         "rollout.fp8_steps untrained: rollout.fp8_select explores"),
-        ([*fp8, "--rollout.fp8_steps", "all", "--algo.old_logprob", "recompute",
+        (["--rollout.fp8.select", "1"], "rollout.fp8.select needs rollout.precision fp8"),
+        ([*fp8, "--rollout.fp8.select", "2"], "fewer than rollout.group_size"),
+        ([*fp8, "--rollout.fp8.select", "1", "--rollout.fp8.steps", "untrained"],
+         "rollout.fp8.steps untrained: rollout.fp8.select explores"),
+        ([*fp8, "--rollout.fp8.steps", "all", "--algo.old_logprob", "recompute",
           "--distributed.rollout_gather", "unit"], "needs distributed.rollout_gather phase"),
     ]:  # fmt: skip
         with pytest.raises(ConfigError, match=match):
@@ -355,12 +361,12 @@ def test_fp8_recomputes_old_logprobs_and_refuses_the_rollouts(tiny_sd3, tmp_path
 
 @pytest.mark.parametrize("setting", [None, "false"])
 def test_fast_accumulation_reaches_every_fp8_gemm(tiny_sd3, tmp_path, monkeypatch, setting):
-    """rollout.fp8_fast_accum (on unless the recipe turns it off) is the `use_fast_accum` of every scaled
+    """rollout.fp8.fast_accum (on unless the recipe turns it off) is the `use_fast_accum` of every scaled
     matmul the FP8 rollout's blocks run: the FP8 rollout of one request counted at the GEMM."""
-    args = ("--rollout.fp8_fast_accum", setting) if setting else ()
-    every_step = ("--rollout.fp8_steps", "all", "--algo.old_logprob", "recompute")
+    args = ("--rollout.fp8.fast_accum", setting) if setting else ()
+    every_step = ("--rollout.fp8.steps", "all", "--algo.old_logprob", "recompute")
     cfg = tiny_cfg(tiny_sd3, tmp_path, "--rollout.precision", "fp8", *every_step, *args)
-    assert cfg.rollout.fp8_fast_accum == (setting is None)
+    assert cfg.rollout.fp8.fast_accum == (setting is None)
     dist = D.init_distributed()
     ops = DiffusionOps(cfg, get_adapter("sd3")(cfg, dist.device))
     assert ops.engine.fp8 is not None and ops.engine.fp8.stand_ins
@@ -413,7 +419,7 @@ def test_correction_weights_apply_where_and_only_where_fp8_is_on(tiny_sd3, tmp_p
     steps = "untrained" if precision == "fp8-untrained" else "all"
     cfg = tiny_cfg(
         tiny_sd3, tmp_path, "--rollout.precision", precision.removesuffix("-untrained"),
-        "--rollout.fp8_steps", steps, "--algo.old_logprob", "recompute",
+        "--rollout.fp8.steps", steps, "--algo.old_logprob", "recompute",
         "--algo.correction", "tis", "--algo.correction_level", level,
         "--algo.correction_threshold", "1.00002",
         "--model.gradient_checkpointing", "false",  # no auto probe: the spy below sees the update's rows
@@ -472,7 +478,7 @@ def test_correction_weights_apply_where_and_only_where_fp8_is_on(tiny_sd3, tmp_p
 def test_sol_rl_regenerates_the_best_and_worst_in_bf16_from_the_same_seeds(tiny_sd3, tmp_path):
     """Sol-RL: of each FP8 group the best and the worst sample are generated again in the policy's
     precision from the same requests: equal to a bf16 rollout of those requests, unlike the FP8 ones."""
-    cfg = tiny_cfg(tiny_sd3, tmp_path, "--rollout.precision", "fp8", "--rollout.fp8_select", "1")
+    cfg = tiny_cfg(tiny_sd3, tmp_path, "--rollout.precision", "fp8", "--rollout.fp8.select", "1")
     dist = D.init_distributed()
     ops = DiffusionOps(cfg, get_adapter("sd3")(cfg, dist.device))
     requests, _ = make_requests(cfg, load_prompts(cfg.data.train_path), 0, dist, ops.params)
@@ -488,7 +494,7 @@ def test_sol_rl_regenerates_the_best_and_worst_in_bf16_from_the_same_seeds(tiny_
     assert [t.request.index for t in trajs] == sorted(expect) and len(trajs) == 4
     assert len(per_reward["jpeg_compressibility"]) == 4 and all(math.isfinite(t.reward) for t in trajs)
     assert stats["time/regenerate_s"] > 0 and math.isfinite(stats["rollout/explore_reward_mean"])
-    bf16 = DiffusionEngine(ops.adapter, 32).generate([t.request for t in trajs])
+    bf16 = DiffusionEngine(ops.adapter, RolloutConfig(max_num_seqs=32)).generate([t.request for t in trajs])
     assert max(max_diffs(trajs, bf16)) == 0
     fp8 = [t for t in explored if t.request.index in expect]
     assert max(max_diffs(fp8, bf16)) > 1e-4
@@ -498,7 +504,7 @@ def test_flow_losses_weight_the_policy_term_by_the_correction():
     """flow_grpo and flow_dppo multiply each row's policy term (not its KL) by its correction weight;
     weights of 1 change nothing."""
     from omnirl.algos.losses import RowInputs, flow_dppo_loss, flow_grpo_loss
-    from omnirl.config import AlgoConfig
+    from omnirl.config import AlgoConfig, FlowDPPOConfig
 
     torch.manual_seed(2)
     lp, old, adv = torch.randn(6) * 1e-3, torch.randn(6) * 1e-3, torch.randn(6)
@@ -514,7 +520,9 @@ def test_flow_losses_weight_the_policy_term_by_the_correction():
     assert ones.item() == base.item()
     d = torch.zeros(6)  # inside the trust region: nothing masked, the policy term is -A r
     dppo, _ = flow_dppo_loss(
-        RowInputs(lp, old, adv, w, is_weight=c, divergence=d), AlgoConfig(dppo_tau=1e-5), 5.0
+        RowInputs(lp, old, adv, w, is_weight=c, divergence=d),
+        AlgoConfig(flow_dppo=FlowDPPOConfig(tau=1e-5)),
+        5.0,
     )
     assert dppo.item() == pytest.approx((w * c * -adv * ratio).sum().item() / 5.0)
 

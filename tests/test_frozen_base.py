@@ -14,6 +14,7 @@ from benchmarks import frozen_memory
 from omnirl import distributed as D
 from omnirl import fsdp
 from omnirl.batching import make_requests
+from omnirl.config import RolloutConfig
 from omnirl.data.prompts import load_prompts
 from omnirl.errors import ConfigError
 from omnirl.memory import GIB, peak_bytes
@@ -159,7 +160,7 @@ def test_a_max_num_seqs_that_cannot_fit_fails_before_the_rollout(tiny_sd3, tmp_p
     adapter = get_adapter("sd3")(cfg, dist.device)
     requests, _ = make_requests(cfg, load_prompts(cfg.data.train_path), 0, dist, sampling_params(cfg))
     assert len(requests) == 8
-    roomy = DiffusionEngine(adapter, max_num_seqs=8, memory_budget=GIB)
+    roomy = DiffusionEngine(adapter, RolloutConfig(max_num_seqs=8, memory_budget_gib=1.0))
     reference = roomy.generate(requests)
     (fixed, per_row, top), = roomy.row_cost.values()  # fmt: skip
     assert per_row > 0 and fixed >= 0 and top == 2  # SD3 decodes in one piece: probed at 1 and 2 rows
@@ -170,14 +171,16 @@ def test_a_max_num_seqs_that_cannot_fit_fails_before_the_rollout(tiny_sd3, tmp_p
     assert 0.9 * estimate <= real <= 1.1 * estimate
 
     budget = fixed + 3.5 * per_row  # room for 3 requests
-    tight = DiffusionEngine(adapter, max_num_seqs=8, memory_budget=budget)
+    tight = DiffusionEngine(adapter, RolloutConfig(max_num_seqs=8, memory_budget_gib=budget / GIB))
     done = []
     with pytest.raises(ValueError) as e:
         tight.generate(requests, on_batch=done.append)
     assert "the largest rollout.max_num_seqs that fits is 3" in str(e.value)
     assert str(e.value).startswith("rollout.max_num_seqs 8 does not fit")
     assert done == []  # failed before any batch was generated
-    fits = DiffusionEngine(adapter, max_num_seqs=3, memory_budget=budget).generate(requests)
+    fits = DiffusionEngine(adapter, RolloutConfig(max_num_seqs=3, memory_budget_gib=budget / GIB)).generate(
+        requests
+    )
     for a, b in zip(fits, reference):
         assert torch.allclose(a.output.image, b.output.image, atol=1e-5)
 
@@ -214,7 +217,7 @@ def test_the_memory_probes_denoise_only_the_window_and_still_give_the_peak(
     requests, _ = make_requests(cfg, load_prompts(cfg.data.train_path), 0, dist, sampling_params(cfg))
     forwards = []
     hook = adapter.policy.register_forward_pre_hook(lambda *_: forwards.append(1))
-    engine = DiffusionEngine(adapter, max_num_seqs=8, memory_budget=GIB)
+    engine = DiffusionEngine(adapter, RolloutConfig(max_num_seqs=8, memory_budget_gib=1.0))
     try:
         engine.generate(requests)
     finally:
@@ -237,7 +240,7 @@ def test_no_budget_on_cpu_measures_nothing(tiny_sd3, tmp_path):
     dist = D.init_distributed()
     adapter = get_adapter("sd3")(cfg, dist.device)
     requests, _ = make_requests(cfg, load_prompts(cfg.data.train_path), 0, dist, sampling_params(cfg))
-    engine = DiffusionEngine(adapter, max_num_seqs=8)
+    engine = DiffusionEngine(adapter, RolloutConfig(max_num_seqs=8))
     engine.generate(requests)
     assert engine.row_cost == {}
 

@@ -163,7 +163,7 @@ def test_bypass_consistency_and_nonfinite_guard(tiny_qwen3_omni_thinker_k12, tmp
 
 @pytest.mark.slow
 def test_update_without_rollout_logprobs_is_the_same_update(tiny_qwen3_omni_thinker_k12, tmp_path):
-    """A rollout that recorded no log-probs (rollout.vllm_logprobs false: the trajectories hold None) makes,
+    """A rollout that recorded no log-probs (rollout.vllm.logprobs false: the trajectories hold None) makes,
     in recompute mode without a correction, the update the recorded log-probs make: the same parameters
     after it; it logs no consistency metrics. A padding row without them stands in with zeros."""
     from omnirl.ops.omni import TokenRow, _old_logprobs

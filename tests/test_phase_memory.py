@@ -113,7 +113,7 @@ def test_table_of_a_gpu_row():
     # One rank: the peak alone; a CPU row (no peaks, no sleeper): "-".
     one = {k: v for k, v in row.items() if "/rank1" not in k}
     assert "| rollout | 31.0 | 88.8 | 3.25 |" in pm.step_table(one)
-    # Sol-RL (rollout.fp8_select): the bf16 regeneration of the chosen samples, in the line and the JSON.
+    # Sol-RL (rollout.fp8.select): the bf16 regeneration of the chosen samples, in the line and the JSON.
     sol = {**one, "time/regenerate_s": 7.25}
     assert "scoring wait 0.25 s; bf16 regeneration 7.2 s; host" in pm.step_table(sol).splitlines()[0]
     assert pm.summarise_steps([sol])[0]["regenerate_s"] == 7.25

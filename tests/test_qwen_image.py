@@ -13,6 +13,7 @@ import torch
 from diffusers import QwenImagePipeline
 from safetensors.torch import load_file
 
+from omnirl.config import RolloutConfig
 from omnirl.config_checks import check_values
 from omnirl.errors import ConfigError
 from omnirl.models import get_adapter
@@ -110,7 +111,7 @@ def test_buckets_key_and_tokens(adapter, tiny_qwen_image):
     assert [adapter.num_tokens(r) for r in requests] == [64 + 32, 64 + 32, 64 + 32, 64 + 16]
     # Sorted by bucketed tokens (then queue position), two rows a batch: the 11-token prompt of bucket 16
     # shares a batch with a 19-token one, both padded to 32, the negatives to their bucket 16.
-    engine = DiffusionEngine(adapter, max_num_seqs=2)
+    engine = DiffusionEngine(adapter, RolloutConfig(max_num_seqs=2))
     assert engine.packer.pack(requests) == [[3, 0], [1, 2]]
     assert padded_lengths(BUCKETS, [11, 19], [5, 11], fused_cfg=True) == (32, 16)
     unfused = make_requests(dataclasses.replace(sde(), fused_cfg=False))

@@ -66,7 +66,8 @@ QUOTES = [
      "the soft-updated old policy | {steps} | {first:.4f} | {last:.4f} | **{change:+.4f}** | "
      "{step_s:.0f} s |"),
     (TINY, NFT_DECAY0,
-     "`--algo.nft_old_decay_max 0` (the old policy the rollout's) rose from {first:.4f} to {last:.4f}, "
+     "`--algo.diffusion_nft.old_decay_max 0` (the old policy the rollout's) rose from "
+     "{first:.4f} to {last:.4f}, "
      "**{change:+.4f}** ({step_s:.0f} s of steps;"),
     (TINY, DPPO,
      "(`algo.adv_clip null`) | {steps} | {first:.4f} | {last:.4f} | **{change:+.4f}** | {step_s:.0f} s |"),

@@ -248,12 +248,12 @@ def test_nft_times_and_noises_per_pass_by_hand(tmp_path):
 def test_nft_old_decay_schedule():
     """eta of the old policy's soft update by optimizer steps: the reference's decay_type 1 (the defaults)
     and 2 (rate 0.0075, max 0.999, 75 steps at 0), as its `return_decay` computes them."""
-    from omnirl.config import AlgoConfig
+    from omnirl.config import DiffusionNFTConfig
     from omnirl.ops.nft import old_decay
 
-    one = AlgoConfig()
+    one = DiffusionNFTConfig()
     assert [old_decay(one, s) for s in (0, 1, 250, 500, 10_000)] == pytest.approx([0, 0.001, 0.25, 0.5, 0.5])
-    two = AlgoConfig(nft_old_decay_rate=0.0075, nft_old_decay_max=0.999, nft_old_decay_delay=75)
+    two = DiffusionNFTConfig(old_decay_rate=0.0075, old_decay_max=0.999, old_decay_delay=75)
     expected = [0, 0, 0, 0.0075, 0.9975, 0.999]
     assert [old_decay(two, s) for s in (0, 74, 75, 76, 208, 209)] == pytest.approx(expected)
 
@@ -470,14 +470,14 @@ def test_tiny_nft_recipe_under_torchrun_fsdp(tiny_sd3, tmp_path):
 def test_nft_old_policy_with_eta_zero_is_the_rollout_policy(tiny_sd3, tmp_path):
     """The soft-updated old policy with eta 0 at every update (its delay past the run's end: the old copy
     is kept, checkpointed, swapped in for the later mini-batches and copied from the policy after each
-    update) trains bit for bit as no soft update at all (nft_old_decay_max 0: the old policy is the
+    update) trains bit for bit as no soft update at all (diffusion_nft.old_decay_max 0: the old policy is the
     rollout's, the behaviour before the soft update existed): same weights, same metrics."""
     from safetensors.torch import load_file
 
     runs = {}
     for name, extra in (
-        ("off", ["--algo.nft_old_decay_max", "0"]),
-        ("eta0", ["--algo.nft_old_decay_delay", "1000"]),
+        ("off", ["--algo.diffusion_nft.old_decay_max", "0"]),
+        ("eta0", ["--algo.diffusion_nft.old_decay_delay", "1000"]),
     ):
         out = tmp_path / name
         torchrun(

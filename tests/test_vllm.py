@@ -7,7 +7,7 @@ everywhere. Checked: the tiny Qwen3-Omni thinker with an image generates n > 1 s
 per-request seeds, reproducibly, with the trainer's log-probs (fp32, 1e-5); after an update the pushed
 weights give vLLM the trainer's new log-probs, for the MoE thinker's merged LoRA and for a dense Qwen3-VL's
 tensor LoRA; a push that binds nothing fails; the tiny MMK12 recipe on 2 ranks under torchrun, with and
-without the rollout's log-probs (rollout.vllm_logprobs).
+without the rollout's log-probs (rollout.vllm.logprobs).
 """
 
 from __future__ import annotations
@@ -31,15 +31,15 @@ NO_VLLM = "vllm is not importable here (bash scripts/vllm_cpu_env.sh builds the 
 TOL = 1e-5
 
 
-def omni_config(path, adapter="qwen3_omni_thinker", **rollout):
+def omni_config(path, adapter="qwen3_omni_thinker", backend="vllm", **vllm):
     cfg = config_for(adapter)
     cfg.model.path, cfg.model.adapter = str(path), adapter
     cfg.lora.target_modules = ["q_proj", "k_proj", "v_proj", "o_proj"]
-    cfg.rollout.backend = "vllm"
-    cfg.rollout.max_num_seqs, cfg.rollout.vllm_max_model_len = 8, 512
+    cfg.rollout.backend = backend
+    cfg.rollout.max_num_seqs, cfg.rollout.vllm.max_model_len = 8, 512
     cfg.generation.kv_cache_gib, cfg.generation.max_new_tokens = 0.25, 12
-    for k, v in rollout.items():
-        setattr(cfg.rollout, k, v)
+    for k, v in vllm.items():
+        setattr(cfg.rollout.vllm, k, v)
     return cfg
 
 
@@ -108,27 +108,27 @@ def test_a_native_recipe_switched_to_vllm_drops_its_native_decode_settings(tmp_p
 
 
 def test_vllm_without_logprobs_corrects_nothing_and_is_refused_elsewhere(tmp_path):
-    """rollout.vllm_logprobs false: the correction defaults to none (nothing to correct against); a recipe's
+    """rollout.vllm.logprobs false: the correction defaults to none (nothing to correct against); a recipe's
     correction, the bypass mode or the native backend with it are one clear error each."""
     from omnirl.recipe import backend_defaults
 
-    cfg = omni_config(tmp_path, vllm_logprobs=False)
+    cfg = omni_config(tmp_path, logprobs=False)
     backend_defaults(cfg, set())
     assert (cfg.algo.old_logprob, cfg.algo.correction) == ("recompute", "none")
     for given, algo in (
         ("algo.correction", {"correction": "tis"}),
         ("algo.old_logprob", {"old_logprob": "rollout"}),
     ):
-        cfg = omni_config(tmp_path, vllm_logprobs=False)
+        cfg = omni_config(tmp_path, logprobs=False)
         for k, v in algo.items():
             setattr(cfg.algo, k, v)
         backend_defaults(cfg, {given})
         with pytest.raises(
-            ConfigError, match="rollout.vllm_logprobs false: the rollout records no log-probs"
+            ConfigError, match="rollout.vllm.logprobs false: the rollout records no log-probs"
         ):
             check_values(cfg)
-    cfg = omni_config(tmp_path, backend="native", vllm_logprobs=False)
-    with pytest.raises(ConfigError, match="rollout.vllm_logprobs false applies to rollout.backend vllm"):
+    cfg = omni_config(tmp_path, backend="native", logprobs=False)
+    with pytest.raises(ConfigError, match="rollout.vllm.logprobs false applies to rollout.backend vllm"):
         check_values(cfg)
 
 
@@ -142,12 +142,12 @@ def omni_vllm(tmp_path_factory):
         pytest.skip(NO_VLLM)
     from omnirl.models.qwen3_omni_thinker.adapter import Qwen3OmniThinkerAdapter
     from omnirl.models.qwen3_omni_thinker.tiny import make_tiny_qwen3_omni
-    from omnirl.rollout.vllm_engine import VLLMEngine
+    from omnirl.rollout.vllm_engine import vllm_engine
 
     path = make_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny") / "qwen3_omni_vllm", head_dim=32)
     cfg = omni_config(path)
     adapter = Qwen3OmniThinkerAdapter(cfg, torch.device("cpu"))
-    return adapter, VLLMEngine(adapter, cfg)
+    return adapter, vllm_engine(adapter, cfg)
 
 
 def image_requests(n_prompts: int, n: int, params: GenerationParams) -> list[Request]:
@@ -205,7 +205,7 @@ def test_omni_image_samples_seeds_and_logprobs(omni_vllm):
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAVE_VLLM, reason=NO_VLLM)
 def test_no_logprobs_asked_draws_the_same_samples(omni_vllm):
-    """rollout.vllm_logprobs false: vLLM is asked for no log-probs (its outputs carry none), the trajectories
+    """rollout.vllm.logprobs false: vLLM is asked for no log-probs (its outputs carry none), the trajectories
     hold None, and the seeded samples are those of the engine that records them."""
     adapter, engine = omni_vllm
     requests = image_requests(2, 2, GenerationParams(max_new_tokens=12, temperature=0.9))
@@ -218,12 +218,12 @@ def test_no_logprobs_asked_draws_the_same_samples(omni_vllm):
         asked.extend((p.logprobs, o.outputs[0].logprobs) for p, o in zip(params, outputs))
         return outputs
 
-    engine.cfg.rollout.vllm_logprobs = False
+    engine.vllm.logprobs = False
     engine.llm.generate = spy
     try:
         silent = engine.generate(requests)
     finally:
-        engine.cfg.rollout.vllm_logprobs = True
+        engine.vllm.logprobs = True
         del engine.llm.generate
     assert asked and all(p is None and lp is None for p, lp in asked)
     assert all(t.logprobs is None for t in silent)
@@ -342,12 +342,12 @@ def test_dense_lora_push_as_a_tensor_adapter(tmp_path):
     onto nothing in vLLM fails."""
     from omnirl.models.qwen_vl.adapter import QwenVLAdapter
     from omnirl.models.qwen_vl.tiny import make_tiny_qwen_vl
-    from omnirl.rollout.vllm_engine import VLLMEngine, _swap_lora
+    from omnirl.rollout.vllm_engine import _swap_lora, vllm_engine
 
     path = make_tiny_qwen_vl(tmp_path / "qwen3_vl", "qwen3_vl", head_dim=32)
     cfg = omni_config(path, "qwen_vl")
     adapter = QwenVLAdapter(cfg, torch.device("cpu"))
-    engine = VLLMEngine(adapter, cfg)
+    engine = vllm_engine(adapter, cfg)
     assert engine.mode == "lora"
     requests = image_requests(2, 2, GenerationParams(max_new_tokens=12))
     first = engine.generate(requests)
@@ -378,13 +378,13 @@ def test_full_finetune_push_in_buckets(omni_vllm, tmp_path):
     """A full fine-tune of the MoE thinker: every weight pushed in small buckets (fused experts split back to
     the checkpoint's per-expert tensors, then re-packed), after an update of attention, router and experts."""
     from omnirl.models.qwen3_omni_thinker.adapter import Qwen3OmniThinkerAdapter
-    from omnirl.rollout.vllm_engine import VLLMEngine
+    from omnirl.rollout.vllm_engine import vllm_engine
 
     path = omni_vllm[0].path
-    cfg = omni_config(path, vllm_push_bucket_mib=1)
+    cfg = omni_config(path, push_bucket_mib=1)
     cfg.model.finetune = "full"
     adapter = Qwen3OmniThinkerAdapter(cfg, torch.device("cpu"))
-    engine = VLLMEngine(adapter, cfg)
+    engine = vllm_engine(adapter, cfg)
     assert engine.mode == "full"
     requests = image_requests(2, 2, GenerationParams(max_new_tokens=10))
     with torch.no_grad():
@@ -408,7 +408,7 @@ def test_tiny_recipe_with_vllm_under_torchrun(tmp_path):
     out = tmp_path / "run"
     args = ["--model.path", str(model), "--rollout.backend", "vllm", "--log.no-tensorboard"]
     args += ["--run.output_dir", str(out), "--run.steps", "2", "--checkpoint.every", "0"]
-    args += ["--rollout.vllm_max_model_len", "512"]
+    args += ["--rollout.vllm.max_model_len", "512"]
     r = torchrun(2, ROOT / "yaml/mmk12_tiny.yaml", *args, timeout=900)
     assert "Traceback" not in r.stderr
     rows = read_jsonl(out / "metrics.jsonl")
@@ -435,7 +435,7 @@ def test_tiny_recipe_without_rollout_logprobs_under_torchrun(tmp_path):
     out = tmp_path / "run"
     args = ["--model.path", str(model), "--rollout.backend", "vllm", "--log.no-tensorboard"]
     args += ["--run.output_dir", str(out), "--run.steps", "2", "--checkpoint.every", "0"]
-    args += ["--rollout.vllm_max_model_len", "512", "--rollout.vllm_logprobs", "false"]
+    args += ["--rollout.vllm.max_model_len", "512", "--rollout.vllm.logprobs", "false"]
     torchrun(2, ROOT / "yaml/mmk12_tiny.yaml", *args, timeout=900)
     rows = read_jsonl(out / "metrics.jsonl")
     assert [m["step"] for m in rows] == [0, 1]
@@ -469,7 +469,7 @@ def test_throughput_benchmark_runs_both_backends_on_one_thinker(tmp_path):
     ours, vllm = report["results"]["ours"], report["results"]["vllm"]
     assert ours["tokens"] > 0 and vllm["tokens"] > 0
     assert vllm["tokens_per_s_generate"] >= vllm["tokens_per_s"] and vllm["vllm/push_bound"] == 8
-    assert report["results"]["vllm_unseeded"]["tokens"] > 0  # rollout.vllm_request_seeds off
-    assert report["results"]["vllm_nolp"]["tokens"] > 0  # and rollout.vllm_logprobs off
+    assert report["results"]["vllm_unseeded"]["tokens"] > 0  # rollout.vllm.request_seeds off
+    assert report["results"]["vllm_nolp"]["tokens"] > 0  # and rollout.vllm.logprobs off
     for key in ("logprob_check", "vllm_logprob_check", "vllm_unseeded_logprob_check"):
         assert report[key]["prob_pearson"] >= 0.9999 and report[key]["max_abs_diff"] <= TOL, key

@@ -9,6 +9,7 @@ import pytest
 import torch
 from diffusers import WanPipeline
 
+from omnirl.config import RolloutConfig
 from omnirl.config_checks import check_values
 from omnirl.distributed import derive_seed
 from omnirl.errors import ConfigError
@@ -231,7 +232,7 @@ def test_memory_probe_starts_where_the_decode_chunk_is_full(ti2v, monkeypatch):
     monkeypatch.setattr(ti2v, "rollout", lambda batch: probes.append(len(batch)) or rollout(batch))
 
     budget = 1.01 * peak[8]  # 8 requests fit
-    engine = DiffusionEngine(ti2v, 8, memory_budget=budget)
+    engine = DiffusionEngine(ti2v, RolloutConfig(max_num_seqs=8, memory_budget_gib=budget / GIB))
     assert len(engine.generate(requests)) == 8
     assert probes == [2, 4, 8]  # the two probes, then the batch
     ((fixed, per_row, top),) = engine.row_cost.values()
@@ -243,12 +244,14 @@ def test_memory_probe_starts_where_the_decode_chunk_is_full(ti2v, monkeypatch):
     budget = (peak[6] + peak[7]) / 2  # 6 requests fit, 7 do not
     probes.clear()
     with pytest.raises(ValueError, match="the largest rollout.max_num_seqs that fits is 6$"):
-        DiffusionEngine(ti2v, 8, memory_budget=budget).generate(requests)
+        DiffusionEngine(ti2v, RolloutConfig(max_num_seqs=8, memory_budget_gib=budget / GIB)).generate(
+            requests
+        )
     assert probes == [2, 4] and old_fits(budget) < 6
 
     # Batches of at most 2k rows: the probe runs at their size, never more rows than the batch holds.
     probes.clear()
-    engine = DiffusionEngine(ti2v, 8, memory_budget=GIB)
+    engine = DiffusionEngine(ti2v, RolloutConfig(max_num_seqs=8, memory_budget_gib=1.0))
     for n in (1, 3, 8):
         engine.generate(requests[:n])
     assert probes == [1, 1] + [2, 3, 3] + [2, 4, 8]
@@ -256,7 +259,7 @@ def test_memory_probe_starts_where_the_decode_chunk_is_full(ti2v, monkeypatch):
     # check_memory runs the probes a generate would, and nothing else; a key measured at its largest
     # batch is not measured again.
     probes.clear()
-    engine = DiffusionEngine(ti2v, 8, memory_budget=GIB)
+    engine = DiffusionEngine(ti2v, RolloutConfig(max_num_seqs=8, memory_budget_gib=1.0))
     engine.check_memory(requests[:4])
     assert probes == [2, 4]
     engine.generate(requests[:4])

@@ -43,6 +43,8 @@ class LossSpec:
     logprobs: bool = True  # it reads the rollout's log-probs (old_logprob, correction, a stochastic step)
     divergence: bool = False  # it reads RowInputs.divergence (so the rollout records each step's mean)
     check: str = ""  # "module:function" refusing the AlgoConfig settings it cannot run with (ConfigError)
+    # A loss's own settings are the AlgoConfig section of its name here (algo.flow_dppo, algo.diffusion_nft,
+    # algo.dgpo), with their ranges (omnirl.config).
 
 
 LOSSES = {
@@ -112,11 +114,11 @@ def check_nft(algo: AlgoConfig) -> None:
 
 
 def check_dgpo(algo: AlgoConfig) -> None:
-    if algo.dgpo_timesteps > algo.dgpo_max_step + 1:
+    dgpo = algo.dgpo
+    if dgpo.timesteps > dgpo.max_step + 1:
         raise ConfigError(
-            f"algo.dgpo_timesteps ({algo.dgpo_timesteps}) must be at most algo.dgpo_max_step + 1 "
-            f"({algo.dgpo_max_step + 1}): the times are drawn without replacement from steps 0 .. "
-            "dgpo_max_step"
+            f"algo.dgpo.timesteps ({dgpo.timesteps}) must be at most algo.dgpo.max_step + 1 "
+            f"({dgpo.max_step + 1}): the times are drawn without replacement from steps 0 .. max_step"
         )
 
 
@@ -299,7 +301,7 @@ def flow_dppo_loss(
 
     inputs: as `flow_grpo_loss`, and divergence: [M] D, the exact KL between the step Gaussians of the
     current and the behaviour policy (`flow_kl` of the two means with the step's std; detached here: the
-    mask carries no gradient); algo: dppo_tau (tau, its threshold) and kl_beta.
+    mask carries no gradient); algo: flow_dppo.tau (tau, its threshold) and kl_beta.
 
     r_i = exp(logprob_i - old_logprob_i); row i is masked when it has left the trust region (D_i >= tau)
     and its ratio moved the way its advantage pushes (A_i > 0 and r_i > 1, or A_i < 0 and r_i < 1);
@@ -312,7 +314,7 @@ def flow_dppo_loss(
     dppo/kl_new_old_max (the largest D of a real row: combined by max, not summed), dppo/mask_count and
     its split dppo/mask_pos_count (A > 0) / dppo/mask_neg_count (A < 0), loss/kl_sum (with `kl`).
     """
-    logprob, tau, kl, is_weight = inputs.logprob, algo.dppo_tau, inputs.kl, inputs.is_weight
+    logprob, tau, kl, is_weight = inputs.logprob, algo.flow_dppo.tau, inputs.kl, inputs.is_weight
     w, adv = _check_rows(inputs, normaliser, algo.kl_beta)
     divergence = inputs.divergence
     assert divergence is not None and divergence.shape == logprob.shape, "flow_dppo needs the divergence"
@@ -350,7 +352,7 @@ def diffusion_nft_loss(
 
     inputs (`NFTInputs`): velocity v_theta(x_t, t) at the forward-noised x_t = (1 - t) x0 + t eps,
     old_velocity, target eps - x0, t, advantages (clamped to +-adv_clip), weights, and ref_velocity for the
-    KL term (kl_beta > 0); algo: nft_beta (beta), adv_clip and kl_beta.
+    KL term (kl_beta > 0); algo: diffusion_nft.beta (beta), adv_clip and kl_beta.
 
     The implicit positive and negative policies mix the old velocity with the current one by beta:
     v+ = (1 - beta) v_old + beta v, v- = (1 + beta) v_old - beta v; the optimality probability of a
@@ -368,7 +370,7 @@ def diffusion_nft_loss(
     (with ref_velocity).
     """
     velocity, t, advantages, ref_velocity = inputs.velocity, inputs.t, inputs.advantages, inputs.ref_velocity
-    beta, adv_clip, kl_beta = algo.nft_beta, algo.adv_clip, algo.kl_beta
+    beta, adv_clip, kl_beta = algo.diffusion_nft.beta, algo.adv_clip, algo.kl_beta
     assert velocity.shape == inputs.old_velocity.shape == inputs.target.shape, velocity.shape
     assert velocity.dim() >= 2, velocity.shape
     assert t.shape == advantages.shape == inputs.weights.shape == velocity.shape[:1], (

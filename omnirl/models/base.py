@@ -181,7 +181,7 @@ class OmniTrajectory:
     prompt_ids: torch.Tensor  # [P] int64, chat template applied, placeholders expanded
     response_ids: torch.Tensor  # [T] int64, the stop token included when generation stopped on one
     logprobs: torch.Tensor | None  # [T] float32, the policy's log-prob of each token (models/lm.py
-    # output_logprobs); None where the rollout recorded none (rollout.vllm_logprobs false)
+    # output_logprobs); None where the rollout recorded none (rollout.vllm.logprobs false)
     mm_inputs: dict[str, torch.Tensor]  # e.g. pixel_values [N, D], image_grid_thw [I, 3],
     # input_features [A, M, F], feature_attention_mask [A, F]
     finish_reason: str  # "stop" (a stop / EOS token) | "length" (max_new_tokens)
@@ -381,7 +381,7 @@ class DiffusionAdapter(Protocol):
         """Generate every request, as one packed denoising loop; all must share `params.key`. `on_step`,
         when given, runs before each denoising step told whether the step trains any row of the batch
         (`flow_sde.WindowedSampler`: pass it to the sampler and step through `sampler.steps()`); the engine
-        sets a step's precision with it (rollout.fp8_steps untrained)."""
+        sets a step's precision with it (rollout.fp8.steps untrained)."""
         ...
 
     def velocity(

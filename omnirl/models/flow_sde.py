@@ -234,7 +234,7 @@ class WindowedSampler:
     ODE after a window shared by the whole batch runs on the compressed schedule (`compressed_schedule`,
     with the schedule's `shift`): `num_steps` and `sigmas` are then the sampler's, not the request's.
     `on_step(trained)` runs before each step (`steps`): the rollout engine's per-step precision (rollout.
-    fp8_steps untrained: the policy's own layers for a step that trains a row, FP8 for the others).
+    fp8.steps untrained: the policy's own layers for a step that trains a row, FP8 for the others).
     A rollout that records no log-probs (validation) has no window: the ODE step everywhere. Noise is drawn
     on the host, so samples do not depend on the device either.
 

@@ -8,8 +8,8 @@ the update half (rows, the group weights, micro-batches, the loss) is here.
 
 A row (`DGPORow`) is (sample, time, noise): the sample's clean latents x0 (`Trajectory.final_latents`), a
 time t = sigma_j of the rollout's schedule and a standard-normal noise. As in the reference
-(scripts/train_sd3_dgpo.py), each sample is trained at `algo.dgpo_timesteps` step indices j drawn
-without replacement from 0 .. `algo.dgpo_max_step`, and the samples of a group share their times and, at
+(scripts/train_sd3_dgpo.py), each sample is trained at `algo.dgpo.timesteps` step indices j drawn
+without replacement from 0 .. `algo.dgpo.max_step`, and the samples of a group share their times and, at
 each time, their noise (its `use_shared_noise`), so the group's members are compared on the same x_t
 draw. The reference draws the times once for the whole batch on rank 0 and broadcasts them; here each
 group draws its own from its group seed, which every rank knows, so nothing is broadcast and the draw does
@@ -46,7 +46,7 @@ from omnirl.ops.diffusion import DiffusionOps, reference
 
 @dataclass
 class DGPORow:
-    """The k-th of the `algo.dgpo_timesteps` rows of a sample: its time index `time_index(max_step)` and
+    """The k-th of the `algo.dgpo.timesteps` rows of a sample: its time index `time_index(max_step)` and
     its noise `noise()`, both drawn from its group's seed (the same for every sample of the group)."""
 
     traj: Trajectory
@@ -71,9 +71,9 @@ class DGPOOps(DiffusionOps):
 
     def __init__(self, cfg: Config, adapter: DiffusionAdapter):
         super().__init__(cfg, adapter)
-        if cfg.algo.dgpo_max_step >= cfg.sampling.num_steps:
+        if cfg.algo.dgpo.max_step >= cfg.sampling.num_steps:
             raise ConfigError(
-                f"algo.dgpo_max_step ({cfg.algo.dgpo_max_step}) must be below sampling.num_steps "
+                f"algo.dgpo.max_step ({cfg.algo.dgpo.max_step}) must be below sampling.num_steps "
                 f"({cfg.sampling.num_steps}): it is a step index of the rollout's schedule"
             )
         if self.ref_model is None and cfg.model.finetune == "full":
@@ -83,7 +83,7 @@ class DGPOOps(DiffusionOps):
 
     def inputs(self, mb: list[DGPORow]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
         """x_t [M, *latent], t [M], target eps - x0 [M, *latent] and the embeddings of a micro-batch."""
-        device, max_step = self.adapter.device, self.cfg.algo.dgpo_max_step
+        device, max_step = self.adapter.device, self.cfg.algo.dgpo.max_step
         x0 = torch.stack([r.traj.final_latents for r in mb]).to(device).float()  # [M, *latent]
         noise = torch.stack([r.noise() for r in mb]).to(device)  # [M, *latent]
         t = torch.stack([r.traj.sigmas[r.time_index(max_step)] for r in mb]).to(device).float()  # [M]
@@ -94,8 +94,8 @@ class DGPOOps(DiffusionOps):
     # The update's rows are DGPORow, not DiffusionOps's Pair (it reuses DiffusionOps's rollout only): the
     # update methods override DiffusionOps's with their own row type.
     def update_rows(self, trajs: list[Trajectory], keep: torch.Tensor, gen: torch.Generator) -> list[DGPORow]:  # pyright: ignore[reportIncompatibleMethodOverride]
-        a, r = self.cfg.algo, self.cfg.rollout
-        m = a.dgpo_timesteps
+        dgpo, r = self.cfg.algo.dgpo, self.cfg.rollout
+        m = dgpo.timesteps
         where = global_positions(gen, r.prompts_per_step * r.group_size * m)
         rows = [
             DGPORow(t, k, 1.0, position=where[t.request.index * m + k])
@@ -112,7 +112,7 @@ class DGPOOps(DiffusionOps):
                 with reference(self.adapter, self.ref_model) as ref:
                     v_ref = self.adapter.velocity(x_t, t, embeds, 1.0, policy=ref)
                 adv = torch.tensor([row.traj.advantage for row in mb], device=v.device)
-                margin = dgpo_margin(v, v_ref, target, adv, a.dgpo_beta, r.group_size).cpu().double()
+                margin = dgpo_margin(v, v_ref, target, adv, dgpo.beta, r.group_size).cpu().double()
                 for row, value in zip(mb, margin.tolist()):
                     if row.weight:
                         sums[row.traj.request.group_id * m + row.k] += value

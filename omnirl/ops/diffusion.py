@@ -13,14 +13,14 @@
 - Every update measures the trainer-vs-rollout log-prob gap per trained timestep index (mean and max over
   the first mini-batch, whose forwards run the policy the rollout sampled from: no extra forward).
 - rollout.precision fp8: the rollout runs the blocks' linear layers in FP8 (`omnirl.rollout.fp8`), the
-  trainer in the policy's precision. With rollout.fp8_steps untrained only the steps no row trains run FP8:
-  the trained transitions are the policy's own and nothing changes here. With fp8_steps all the behaviour
+  trainer in the policy's precision. With rollout.fp8.steps untrained only the steps no row trains run FP8:
+  the trained transitions are the policy's own and nothing changes here. With fp8.steps all the behaviour
   policy of the trained steps is the FP8 one: the trainer recomputes the
   old log-probs in its own precision (algo.old_logprob recompute, enforced when the recipe loads) and the
   loss weights each row by the truncated (tis) or masked (mis) ratio of the recomputed to the rollout's
   probability (`omnirl.algos.correction`; correction_level token: per trained step, sequence: per sample,
   the product over its trained steps). The logged per-timestep gap is then the FP8-vs-trainer gap. Sol-RL
-  (rollout.fp8_select) trains on bf16 regenerations instead (`regenerate_selected`): nothing to correct.
+  (rollout.fp8.select) trains on bf16 regenerations instead (`regenerate_selected`): nothing to correct.
 
 DiffusionNFT trains on other rows (a clean sample, a time, a noise: no transitions) and has its own update
 half, `omnirl.ops.nft.NFTOps`, which reuses this rollout half.
@@ -142,18 +142,7 @@ class DiffusionOps:
         self.loss_fn = get_loss(cfg.algo.loss, "diffusion")
         self.params = sampling_params(cfg)
         self.ref_model = build_reference(cfg, adapter)
-        r = cfg.rollout
-        self.engine = DiffusionEngine(
-            adapter,
-            r.max_num_seqs,
-            r.max_num_batched_tokens,
-            r.compile,
-            per_unit=cfg.distributed.rollout_gather == "unit",
-            memory_budget=r.memory_budget_gib * 2**30,
-            precision=r.precision,
-            fp8_steps=r.fp8_steps,
-            fp8_fast_accum=r.fp8_fast_accum,
-        )
+        self.engine = DiffusionEngine(adapter, cfg.rollout, per_unit=cfg.distributed.rollout_gather == "unit")
         a = cfg.algo
         # Only an FP8 rollout whose trained steps ran in FP8 and that trains on its own samples, or an
         # asynchronous run's rollout of an older policy, has a behaviour policy other than the trainer's.
@@ -162,8 +151,8 @@ class DiffusionOps:
         if a.correction != "none" and not self.correct and self.spec.logprobs:
             D.print0(
                 f"warning: algo.correction {a.correction!r} is ignored: a diffusion rollout samples with the "
-                "trainer's weights in its precision unless rollout.precision is fp8 (with fp8_steps all and "
-                "fp8_select 0)"
+                "trainer's weights in its precision unless rollout.precision is fp8 (with fp8.steps all and "
+                "fp8.select 0)"
             )
         self._gap = self._no_gap()
         self._shown: list[Request] = []  # this step's requests whose samples are logged, to decode

@@ -33,8 +33,8 @@ checkpoint (`state`), with the optimizer-step count that drives eta.
 
 Where the old policy equals the policy (before any update moved them apart: eta was 0 at every update so
 far), the first mini-batch of an update takes v_old = v.detach() and costs no forward; other mini-batches
-run one no-grad forward with the old parameters swapped in. With algo.nft_old_decay_rate or _max 0 no
-copy is kept at all: the old policy is the one that sampled the rollout (the reference's decay_type 0),
+run one no-grad forward with the old parameters swapped in. With algo.diffusion_nft.old_decay_rate or _max 0
+no copy is kept at all: the old policy is the one that sampled the rollout (the reference's decay_type 0),
 and only with several optimizer steps per rollout (optim.mini_batches or optim.epochs > 1) are the
 trainable parameters copied before the update, for the later mini-batches, and dropped after it.
 """
@@ -50,7 +50,7 @@ from torch import nn
 
 from omnirl.algos.losses import NFTInputs
 from omnirl.batching import equalise, shuffled_rows
-from omnirl.config import AlgoConfig, Config
+from omnirl.config import Config, DiffusionNFTConfig
 from omnirl.distributed import derive_seed
 from omnirl.models.base import DiffusionAdapter, Request, SamplingParams, Trajectory
 from omnirl.ops.diffusion import DiffusionOps, reference
@@ -103,13 +103,13 @@ def swapped(params: list[nn.Parameter], values: list[torch.Tensor]):
                 p.copy_(v)
 
 
-def old_decay(a: AlgoConfig, optimizer_steps: int) -> float:
+def old_decay(nft: DiffusionNFTConfig, optimizer_steps: int) -> float:
     """eta of the old policy's soft update after `optimizer_steps` optimizer steps: 0 during the first
-    nft_old_decay_delay steps, then growing by nft_old_decay_rate a step up to nft_old_decay_max (the
-    reference's `return_decay(global_step, decay_type)`, its global_step counting optimizer steps)."""
-    if optimizer_steps < a.nft_old_decay_delay:
+    old_decay_delay steps, then growing by old_decay_rate a step up to old_decay_max (the reference's
+    `return_decay(global_step, decay_type)`, its global_step counting optimizer steps)."""
+    if optimizer_steps < nft.old_decay_delay:
         return 0.0
-    return min((optimizer_steps - a.nft_old_decay_delay) * a.nft_old_decay_rate, a.nft_old_decay_max)
+    return min((optimizer_steps - nft.old_decay_delay) * nft.old_decay_rate, nft.old_decay_max)
 
 
 class NFTOps(DiffusionOps):
@@ -117,8 +117,8 @@ class NFTOps(DiffusionOps):
 
     def __init__(self, cfg: Config, adapter: DiffusionAdapter):
         super().__init__(cfg, adapter)
-        a = cfg.algo
-        self.soft = a.nft_old_decay_rate > 0 and a.nft_old_decay_max > 0  # the soft-updated old policy
+        nft = cfg.algo.diffusion_nft
+        self.soft = nft.old_decay_rate > 0 and nft.old_decay_max > 0  # the soft-updated old policy
         # soft: the old policy's parameters (made at the first update or checkpoint load, after FSDP2 has
         # sharded the policy); else the rollout policy's, copied for the later mini-batches of an update.
         self._old: list[torch.Tensor] | None = None
@@ -138,7 +138,7 @@ class NFTOps(DiffusionOps):
     def old_is_policy(self) -> bool:
         """Whether, between updates, the old policy holds the policy's own values: every soft update so far
         had eta 0 (each one then copied the policy). Asked before an update's first optimizer step."""
-        return old_decay(self.cfg.algo, int(self._steps)) == 0
+        return old_decay(self.cfg.algo.diffusion_nft, int(self._steps)) == 0
 
     def state(self) -> dict[str, torch.Tensor]:
         """The old policy's parameters by name, and the optimizer-step count (only with the soft update)."""
@@ -220,7 +220,7 @@ class NFTOps(DiffusionOps):
             self._old = None
             return {}
         self._steps += optimizer_steps
-        eta = old_decay(self.cfg.algo, int(self._steps))
+        eta = old_decay(self.cfg.algo.diffusion_nft, int(self._steps))
         with torch.no_grad():
             for old, p in zip(self.old_policy(), self.trainable(), strict=True):
                 if eta == 0:

@@ -133,9 +133,9 @@ class OmniOps:
         self.loss_fn = get_loss(cfg.algo.loss, "omni")
         self.params = generation_params(cfg, adapter.tokenizer)
         if cfg.rollout.backend == "vllm":
-            from omnirl.rollout.vllm_engine import VLLMEngine
+            from omnirl.rollout.vllm_engine import vllm_engine
 
-            self.engine = self.sleepable = VLLMEngine(adapter, cfg)
+            self.engine = self.sleepable = vllm_engine(adapter, cfg)
         else:
             g, r = cfg.generation, cfg.rollout
             _check_kv_windows(cfg, adapter.context_tokens)  # check_config's, where it read no config
@@ -260,7 +260,7 @@ class OmniOps:
         batch = {k: v.to(device) for k, v in self.adapter.collate([t.prompt_inputs() for t in trajs]).items()}
         seqs, mask = pad_responses([t.response_ids for t in trajs], self.adapter.pad_token_id)  # [B, T]
         recorded = [t.logprobs for t in trajs if t.logprobs is not None]
-        rollout = None  # a rollout that recorded no log-probs (rollout.vllm_logprobs false)
+        rollout = None  # a rollout that recorded no log-probs (rollout.vllm.logprobs false)
         if len(recorded) == len(trajs):
             rollout = _padded(recorded, seqs.shape[1], device)  # [B, T]
         return batch, seqs.to(device), mask.to(device), rollout

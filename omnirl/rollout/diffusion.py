@@ -24,6 +24,7 @@ import torch
 
 from omnirl import distributed as D
 from omnirl import fsdp
+from omnirl.config import RolloutConfig
 from omnirl.memory import GIB, empty_cache, free_bytes, peak_bytes
 from omnirl.models.base import DiffusionAdapter, Request, Trajectory
 from omnirl.rollout.compiled import Compiled, compile_forwards, swapped
@@ -45,40 +46,35 @@ def bucket_size(n: int, capacity: int) -> int:
 
 
 class DiffusionEngine:
-    def __init__(
-        self,
-        adapter: DiffusionAdapter,
-        max_num_seqs: int,
-        max_num_batched_tokens: int = 0,
-        compile: bool = False,
-        per_unit: bool = False,
-        memory_budget: float = 0.0,
-        precision: str = "bf16",
-        fp8_steps: str = "all",
-        fp8_fast_accum: bool = True,
-    ):
+    """Built from the rollout section (`RolloutConfig`: max_num_seqs, max_num_batched_tokens, compile,
+    memory_budget_gib, precision and fp8) and whether each forward gathers one FSDP unit (`per_unit`:
+    distributed.rollout_gather unit)."""
+
+    def __init__(self, adapter: DiffusionAdapter, rollout: RolloutConfig, per_unit: bool = False):
         self.adapter = adapter
         self.per_unit = per_unit
-        self.memory_budget = memory_budget  # bytes; 0 = the free device memory (none checked on CPU)
+        self.memory_budget = (
+            rollout.memory_budget_gib * 2**30
+        )  # bytes; 0 = the free device memory (none on CPU)
         # compatibility key -> (fixed bytes, bytes per request, the rows of its larger probe): measured once,
         # and again only when a larger batch of the key lets the probe go further towards 2k rows
         self.row_cost: dict = {}
         self.stats: dict[str, float] = {}  # the last call's padding batches and per-request cost
-        self.packer = RequestPacker(max_num_seqs, max_num_batched_tokens, adapter.compat_key, self.tokens)
+        self.packer = RequestPacker(
+            rollout.max_num_seqs, rollout.max_num_batched_tokens, adapter.compat_key, self.tokens
+        )
         # Padding to bucket sizes is what keeps a compiled rollout from recompiling; eager needs none.
-        self.pad = compile
+        self.pad = rollout.compile
         self.compiled: Compiled = []
-        if compile:
+        if rollout.compile:
             self.compiled = compile_forwards(adapter.fsdp_units())
         self.fp8: Fp8Rollout | None = None
-        if precision == "fp8":
+        if rollout.precision == "fp8":
             D.check_fp8_matmul(adapter.device)
-            self.fp8 = Fp8Rollout(adapter.fsdp_units(), adapter.fp8_keep_bf16, fp8_fast_accum)
+            self.fp8 = Fp8Rollout(adapter.fsdp_units(), adapter.fp8_keep_bf16, rollout.fp8.fast_accum)
         self.use_fp8 = self.fp8 is not None  # `in_bf16` turns it off for a call
-        if fp8_steps not in ("all", "untrained"):
-            raise ValueError(f"fp8_steps must be 'all' or 'untrained', got {fp8_steps!r}")
-        self.fp8_untrained_only = fp8_steps == "untrained"
-        self.steps_switched = 0  # step hook calls in the current batch (fp8_steps untrained)
+        self.fp8_untrained_only = rollout.fp8.steps == "untrained"
+        self.steps_switched = 0  # step hook calls in the current batch (fp8.steps untrained)
 
     def tokens(self, request: Request) -> int:
         """Transformer tokens of a request in one forward: its CFG row counts too when fused."""
@@ -179,7 +175,7 @@ class DiffusionEngine:
                     # its trained steps would have run in FP8, their log-probs taken for the trainer's
                     raise RuntimeError(
                         f"{type(self.adapter).__name__}.rollout does not step through sampler.steps(): "
-                        "rollout.fp8_steps untrained cannot keep its trained steps in bf16"
+                        "rollout.fp8.steps untrained cannot keep its trained steps in bf16"
                     )
                 for i, t in zip(idx, trajs):
                     results[i] = t

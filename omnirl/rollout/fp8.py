@@ -154,7 +154,7 @@ class Fp8Rollout:
     def use(self, fp8: bool) -> None:
         """Put the stand-ins (`fp8`) or the original layers in place; inside `swapped` only, where the
         stand-ins hold their FP8 weights. Switching costs a few hundred attribute writes, no copy: an
-        FP8 rollout of untrained steps only (rollout.fp8_steps untrained) switches at every step."""
+        FP8 rollout of untrained steps only (rollout.fp8.steps untrained) switches at every step."""
         if fp8 == self.active:
             return
         for (parent, attr, linear), stand_in in zip(self.layers, self.stand_ins):

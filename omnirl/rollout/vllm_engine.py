@@ -7,13 +7,13 @@ the trainer's process group stays usable), in a single process with V1 multiproc
 the native `GenerationEngine` gets: the prompt ids of the adapter's `prepare` (the placeholder runs
 collapsed to one token each, which vLLM's processor expands again from the same image or audio; the
 expanded ids it reports are checked to equal `prepare`'s) and the raw image / audio. Every `Request` is one
-vLLM request with n=1 and the request's own seed (unless rollout.vllm_request_seeds is off), so a group's
+vLLM request with n=1 and the request's own seed (unless rollout.vllm.request_seeds is off), so a group's
 samples are separate requests with their derived seeds, as in the native engine. The placeholder ids are
 excluded from sampling (a `logit_bias` of -inf, as `lm.output_logprobs` masks them), and the recorded
 log-prob is vLLM's "processed" one: log_softmax of the logits after that bias and the temperature, which is
 the trainer's definition as long as top-k / top-p are off (training rollouts with this backend must keep
 them off: `omnirl.config_checks._check_vllm`); it comes back as vLLM's flat lists (`flat_logprobs`), not as a
-dict and an object per token. With rollout.vllm_logprobs false no log-prob is asked for (vLLM then skips
+dict and an object per token. With rollout.vllm.logprobs false no log-prob is asked for (vLLM then skips
 turning one into Python objects per token and step) and the trajectories carry None: the trainer recomputes
 the old log-probs and corrects nothing.
 
@@ -23,7 +23,7 @@ Weights (`push`, at the start of every `generate`, all ranks together: a sharded
 - a MoE model's LoRA (vLLM's MoE LoRA kernels need Triton, absent on CPU; merged on GPUs too): the LoRA
   merged into copies of the base weights it adapts, on their device, only those pushed through vLLM's
   in-place reload;
-- a full fine-tune: every weight, gathered, in buckets of rollout.vllm_push_bucket_mib.
+- a full fine-tune: every weight, gathered, in buckets of rollout.vllm.push_bucket_mib.
 Every push is verified in the worker: the LoRA modules it bound must be as many as the trainer has LoRA
 layers; a weight push must have loaded at least as many elements as were pushed and left no layer partly
 written (a fused q/k/v or gate/up layer is only rewritten whole). A push that binds nothing raises.
@@ -58,6 +58,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from omnirl import distributed as D
+from omnirl.config import Config, ModelConfig, VLLMConfig
 from omnirl.models.base import OmniAdapter, OmniTrajectory, Request, prepare_once
 from omnirl.models.peft_lora import merged_weight
 from omnirl.rollout import vllm_compat
@@ -76,7 +77,7 @@ def _unwrap(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
-def kv_budget(cfg, device: torch.device) -> float:
+def kv_budget(cfg: Config, device: torch.device) -> float:
     """generation.kv_cache_gib in bytes, or with it null generation.kv_cache_fraction of the memory free
     when the engine is made (rollout.memory_budget_gib when set), as the native engine sizes its cache."""
     from omnirl.memory import free_bytes
@@ -96,10 +97,36 @@ def startup_memory_utilization(device: torch.device) -> float:
     return max(0.01, round(free / total - 0.02, 4))
 
 
-class VLLMEngine:
-    """See the module docstring. `stats` describes the last generate call and its push."""
+def vllm_engine(adapter: OmniAdapter, cfg: Config) -> VLLMEngine:
+    """The run's vLLM engine: its section (rollout.vllm) and the few settings of other sections it needs."""
+    return VLLMEngine(
+        adapter,
+        cfg.rollout.vllm,
+        cfg.model,
+        seed=cfg.run.seed,
+        max_num_seqs=cfg.rollout.max_num_seqs,
+        kv_cache_bytes=kv_budget(cfg, adapter.device),
+        cuda_graph=cfg.generation.cuda_graph,
+    )
 
-    def __init__(self, adapter: OmniAdapter, cfg):
+
+class VLLMEngine:
+    """See the module docstring. Built from its section (`VLLMConfig`) and what it takes from the others:
+    the model's path, dtype and finetune mode, the run's seed, the requests per batch, the KV cache's bytes
+    and whether decode steps replay CUDA graphs (`vllm_engine` reads them off a config). `stats` describes
+    the last generate call and its push."""
+
+    def __init__(
+        self,
+        adapter: OmniAdapter,
+        vllm_cfg: VLLMConfig,
+        model: ModelConfig,
+        *,
+        seed: int,
+        max_num_seqs: int,
+        kv_cache_bytes: float,
+        cuda_graph: bool,
+    ):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine core
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # see vllm_compat.check_vllm
         import vllm
@@ -107,12 +134,12 @@ class VLLMEngine:
         vllm_compat.check_vllm(vllm.__version__)  # one clear error where this vLLM lacks a feature
         from vllm import LLM
 
-        self.adapter, self.cfg = adapter, cfg
+        self.adapter, self.vllm = adapter, vllm_cfg
         self.device = adapter.device
-        self.sleep_level = cfg.rollout.vllm_sleep_level
+        self.sleep_level = vllm_cfg.sleep_level
         hf = adapter.hf_model
         self.moe = getattr(hf.config.get_text_config(), "num_experts", 0) > 0
-        self.mode = "full" if cfg.model.finetune == "full" else ("merged" if self.moe else "lora")
+        self.mode = "full" if model.finetune == "full" else ("merged" if self.moe else "lora")
         self.lora_layers = self._lora_layers()  # name -> peft LoraLayer
         self.asleep = False
         self.asleep_bytes = 0  # device memory vLLM released by its last sleep (memory.phase's peaks)
@@ -126,12 +153,12 @@ class VLLMEngine:
         # one dict and Logprob object per token, where this vLLM has them: the same values, less host work.
         self.flat = vllm_compat.flat_logprobs_kwargs()
         kwargs: dict[str, Any] = dict(
-            model=cfg.model.path,
-            dtype=cfg.model.dtype,
-            seed=cfg.run.seed,
-            max_num_seqs=cfg.rollout.max_num_seqs,
-            kv_cache_memory_bytes=int(kv_budget(cfg, self.device)),
-            enforce_eager=self.device.type == "cpu" or not cfg.generation.cuda_graph,
+            model=model.path,
+            dtype=model.dtype,
+            seed=seed,
+            max_num_seqs=max_num_seqs,
+            kv_cache_memory_bytes=int(kv_cache_bytes),
+            enforce_eager=self.device.type == "cpu" or not cuda_graph,
             tensor_parallel_size=1,
             logprobs_mode="processed_logprobs",
             limit_mm_per_prompt={"image": 1, "audio": 1, "video": 0},
@@ -143,10 +170,11 @@ class VLLMEngine:
         )
         if self.device.type == "cuda":
             kwargs["gpu_memory_utilization"] = startup_memory_utilization(self.device)
-        if cfg.rollout.vllm_max_model_len:
-            kwargs["max_model_len"] = cfg.rollout.vllm_max_model_len
+        if vllm_cfg.max_model_len:
+            kwargs["max_model_len"] = vllm_cfg.max_model_len
         if self.mode == "lora":
-            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=cfg.lora.rank)
+            assert adapter.lora_config is not None  # model.finetune lora
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=adapter.lora_config.r)
         if D.rank_and_world()[1] > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
         start = time.perf_counter()
@@ -175,7 +203,7 @@ class VLLMEngine:
             _check_params(r)
         start = time.perf_counter()
         prepared = prepare_once(self.adapter, requests)
-        record = self.cfg.rollout.vllm_logprobs  # false: the trajectories' log-probs are None
+        record = self.vllm.logprobs  # false: the trajectories' log-probs are None
         prompts, params = [], []
         for r, x in zip(requests, prepared):
             mm = {}
@@ -192,7 +220,7 @@ class VLLMEngine:
             params.append(
                 SamplingParams(
                     n=1,
-                    seed=r.seed if self.cfg.rollout.vllm_request_seeds else None,
+                    seed=r.seed if self.vllm.request_seeds else None,
                     max_tokens=p.max_new_tokens,
                     temperature=p.temperature,
                     top_p=p.top_p,
@@ -318,12 +346,12 @@ class VLLMEngine:
             yield name, merged[name] if name in merged else _unwrap(p)
 
     def _push_weights(self, full: bool) -> int:
-        """Push in buckets of rollout.vllm_push_bucket_mib, each verified in the worker; returns the
+        """Push in buckets of rollout.vllm.push_bucket_mib, each verified in the worker; returns the
         tensors pushed."""
         from transformers.core_model_loading import revert_weight_conversion
 
         hf = self.adapter.hf_model
-        budget = self.cfg.rollout.vllm_push_bucket_mib * 2**20
+        budget = self.vllm.push_bucket_mib * 2**20
         total, bucket, size, last = 0, {}, 0, ""
 
         def send(bucket: dict[str, torch.Tensor]) -> int:

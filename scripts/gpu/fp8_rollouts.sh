@@ -63,7 +63,7 @@ run_job() {  # JOB GPU
         for mode in bf16 untrained solrl; do
             local extra=()
             [[ $mode != bf16 ]] && extra=(--rollout.precision fp8)
-            [[ $mode == solrl ]] && extra+=(--rollout.fp8_select 2)
+            [[ $mode == solrl ]] && extra+=(--rollout.fp8.select 2)
             CUDA_VISIBLE_DEVICES=$gpu MASTER_PORT=$((29555 + gpu)) timeout -k 10 "$cap" \
                 python -m scripts.gpu.phase_memory "${recipe[@]}" "${extra[@]}" \
                 --out "$out/fp8_solrl_$mode" >"$out/fp8_solrl_$mode.log" 2>&1

@@ -3,7 +3,7 @@
 # layers) on four loads (64 concurrent with 128 requests, 256 with 256; full length and 1% stop tokens; up
 # to 384 new tokens): the native engine (with its defaults; with the mmk12 recipe's merged LoRA and compiled
 # norms and routers, ours_norms; and that with 4 row buckets, ours_rows), the vLLM backend (seeded;
-# unseeded; unseeded without log-probs, rollout.vllm_logprobs false) and plain vLLM, the unseeded backends
+# unseeded; unseeded without log-probs, rollout.vllm.logprobs false) and plain vLLM, the unseeded backends
 # and plain vLLM three times (interleaved); then a deeper thinker (DEEP_LAYERS) at full length, 64
 # concurrent, 64 requests. Kernel tables of ours_norms, the unseeded backend and plain vLLM on every load.
 # (What each of the backend's settings costs plain vLLM alone: the vllm_plain_* methods of

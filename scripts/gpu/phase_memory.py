@@ -106,7 +106,7 @@ def step_table(row: dict, title: str = "") -> str:
     if "time/generate_s" in row:
         wait = fmt(row.get("time/score_wait_s"), 2)
         parts.append(f"generation {fmt(row['time/generate_s'])} s, scoring wait {wait} s")
-    if "time/regenerate_s" in row:  # Sol-RL (rollout.fp8_select): the bf16 regeneration of the chosen
+    if "time/regenerate_s" in row:  # Sol-RL (rollout.fp8.select): the bf16 regeneration of the chosen
         parts.append(f"bf16 regeneration {fmt(row['time/regenerate_s'])} s")
     if "mem/host_gib" in row:
         parts.append(f"host buffers {fmt(row['mem/host_gib'])} GiB")  # pinned on an accelerator
@@ -590,6 +590,7 @@ def check_plan(cfg, world: int) -> dict:
 
     from omnirl import distributed as D
     from omnirl.batching import make_requests
+    from omnirl.config import RolloutConfig
     from omnirl.data import LOADERS
     from omnirl.models import build_adapter
     from omnirl.ops.diffusion import sampling_params
@@ -605,7 +606,9 @@ def check_plan(cfg, world: int) -> dict:
             if lora:
                 params[name]["lora_params_m"] = lora / 1e6
     r = cfg.rollout
-    engine = DiffusionEngine(adapter, r.max_num_seqs, r.max_num_batched_tokens, compile=False)
+    engine = DiffusionEngine(
+        adapter, RolloutConfig(max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens)
+    )
     rows = LOADERS[cfg.data.format](cfg.data.train_path, None)
     dist = D.DistInfo(0, world, 0, meta, None)
     sp = sampling_params(cfg)

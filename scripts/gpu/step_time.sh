@@ -41,7 +41,7 @@ qwen=(--recipe qwen_image_flowgrpo_ocr --rollout.prompts_per_step 4 --rollout.gr
     --reward jpeg_compressibility=1 --steps 3)
 [[ -n $bpe ]] && qwen+=(--qwen-bpe "$bpe")
 compiled=(--train.compile true --rollout.compile true)
-fp8=(--rollout.precision fp8 --rollout.fp8_steps all --train.precision fp8)
+fp8=(--rollout.precision fp8 --rollout.fp8.steps all --train.precision fp8)
 for job in "${jobs[@]}"; do
     case $job in
     sd35) model=sd3 args=("${sd35[@]}") ;;
