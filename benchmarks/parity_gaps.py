@@ -11,13 +11,14 @@ tolerance the gate applies (health.parity_tolerance).
         --recipes sd3_tiny_flowgrpo qwen_image_tiny_flowgrpo wan22_ti2v_tiny_dancegrpo \
         --out benchmarks/results/parity_gaps_fp8_GPU_DATE.json      (a GPU: FP8 GEMMs need one)
 
-Each run is `scripts/train.py --recipe R` for one step in this process (small groups, no checkpoint, no
-images) with health.parity off, so that a gap past the tolerance is measured instead of stopping the run.
-Precisions: fp32 the recipe as it is (float32); bf16 model.dtype bfloat16; fp8 bf16 with
-rollout.precision fp8 on every step (the diffusion families with an FP8 rollout); vllm rollout.backend
-vllm (omni; the model needs heads of 32 for vLLM's CPU attention: tiny_k12's head_dim=32 build). A run that
-fails records its `error:` line. `--dry-run` prints each run's command line and runs nothing. `--page`
-renders the JSON's table (the page and docs/health.md quote it; tests/test_results.py holds them to it).
+Each run is `scripts/train.py --recipe R` for one step in this process (the recipe's groups, no
+checkpoint, no images) with health.parity off, so that a gap past the tolerance is measured instead of
+stopping the run. Precisions: fp32 the recipe as it is (float32); bf16 model.dtype and
+distributed.param_dtype bfloat16; fp8 bf16 with rollout.precision fp8 on every step (the diffusion
+families with an FP8 rollout); vllm rollout.backend vllm (omni; the model needs heads of 32 for vLLM's
+CPU attention: tiny_k12's head_dim=32 build). A run that fails records its `error:` line. `--dry-run`
+prints each run's command line and runs nothing. `--page` renders the JSON's table (the page and
+docs/health.md quote it; tests/test_results.py holds them to it).
 """
 
 from __future__ import annotations
@@ -37,13 +38,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PRECISIONS = {
     "fp32": [],
-    "bf16": ["--model.dtype", "bfloat16"],
-    "fp8": ["--model.dtype", "bfloat16", "--rollout.precision", "fp8", "--rollout.fp8_steps", "all"],
+    "bf16": ["--model.dtype", "bfloat16", "--distributed.param_dtype", "bfloat16"],
+    "fp8": [
+        "--model.dtype",
+        "bfloat16",
+        "--distributed.param_dtype",
+        "bfloat16",
+        "--rollout.precision",
+        "fp8",
+        "--rollout.fp8_steps",
+        "all",
+    ],
     "vllm": ["--rollout.backend", "vllm", "--rollout.vllm_max_model_len", "512"],
 }
 SMALL = [
-    "--run.steps", "1", "--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
-    "--checkpoint.every", "0", "--log.image_every", "0", "--log.no-tensorboard", "--validation.every", "0",
+    "--run.steps", "1", "--checkpoint.every", "0", "--log.image_every", "0", "--log.no-tensorboard",
+    "--validation.every", "0",
     "--health.no-parity", "--health.guard_every", "0",
 ]  # fmt: skip
 
