@@ -72,3 +72,23 @@ def test_a_short_run_compares_its_halves():
     assert summary([1.0, 2.0, 3.0], 10) == (1, 1.0, 3.0)
     assert summary([5.0], 10) == (1, 5.0, 5.0)
     assert summary([0.0] * 10 + [1.0] * 20, 10) == (10, 0.0, 1.0)
+
+
+# (page, benchmark module, record): the page holds the table the module renders from its record.
+TABLES = [
+    ("benchmarks/results/health_quickstart.md", "health_quickstart", "health_quickstart_cpu_2026-12-05.json"),
+]
+
+
+@pytest.mark.parametrize("page, module, name", TABLES)
+def test_a_result_table_is_its_records(page, module, name):
+    table = importlib.import_module(f"benchmarks.{module}").table
+    text = (ROOT / page).read_text()
+    assert table(json.loads((RESULTS / name).read_text())) in text, f"{page} does not hold {name}'s table"
+
+
+def test_the_guard_record_holds_several_prompts():
+    r = json.loads((RESULTS / "health_quickstart_cpu_2026-12-05.json").read_text())
+    assert len(r["guard_prompts"]) > 1 and len(r["commit"]) == 40
+    for run in r["runs"].values():
+        assert run["summary"]["steps"] == len(run["curves"]["reward/mean"])
