@@ -134,3 +134,19 @@ def test_the_gate_names_the_perturbed_omni_position(tiny_qwen3_omni_k12, tmp_pat
     with pytest.raises(P.ParityError) as e:
         P.gate(cfg, 0, logs)
     assert "qwen3_omni_thinker response positions 4-7 (the worst position 5: 0.02)" in str(e.value)
+
+
+def test_the_gap_benchmark_dry_run_names_each_runs_settings(capsys):
+    """The fp8 gaps need a GPU: the command the lead runs, dry (command lines only), on CPU."""
+    from benchmarks.parity_gaps import main
+
+    recipes = ["sd3_tiny_flowgrpo", "mmk12_tiny"]
+    assert (
+        main(["--dry-run", "--precisions", "fp8", "vllm", "--models", "tiny_models", "--recipes", *recipes])
+        == 0
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4 and all(x.startswith("python scripts/train.py --recipe ") for x in lines)
+    assert "--model.path tiny_models/sd3 " in lines[0] and "--rollout.precision fp8" in lines[0]
+    assert "--health.no-parity" in lines[0] and "--rollout.backend vllm" in lines[3]
+    assert main(["--dry-run", "--recipes", "no_such_recipe"]) == 2
