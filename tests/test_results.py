@@ -77,6 +77,8 @@ def test_a_short_run_compares_its_halves():
 # (page, benchmark module, record): the page holds the table the module renders from its record.
 TABLES = [
     ("benchmarks/results/health_quickstart.md", "health_quickstart", "health_quickstart_cpu_2026-12-05.json"),
+    ("benchmarks/results/parity_gaps_cpu.md", "parity_gaps", "parity_gaps_cpu_2026-12-05.json"),
+    ("docs/health.md", "parity_gaps", "parity_gaps_cpu_2026-12-05.json"),
 ]
 
 
