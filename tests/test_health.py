@@ -229,7 +229,7 @@ def test_the_quickstart_alerts_in_its_first_half(tiny_sd3, tmp_path, capsys, mon
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 def test_an_ungameable_reward_does_not_alert(tiny_sd3, tmp_path, capsys, monkeypatch):
     """JPEG incompressibility (detail is rewarded: no sample collapse pays) over more steps than the
-    quickstart needs to alert (step 36): no alert."""
+    quickstart needs to alert (step 46): no alert."""
     monkeypatch.chdir(ROOT)
     out = tmp_path / "out"
     args = ["--model.path", str(tiny_sd3), "--run.output_dir", str(out), "--health.on_alert", "stop"]
@@ -237,10 +237,10 @@ def test_an_ungameable_reward_does_not_alert(tiny_sd3, tmp_path, capsys, monkeyp
     recipe["reward"]["weights"] = {"jpeg_incompressibility": 1.0}
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     status = train_main(
-        ["--recipe", str(tmp_path / "recipe.yaml"), *args, "--run.steps", "40", "--log.image_every", "0"]
+        ["--recipe", str(tmp_path / "recipe.yaml"), *args, "--run.steps", "50", "--log.image_every", "0"]
     )
     assert status == 0, capsys.readouterr().err[-2000:]
     rows = read_metrics(out / "metrics.jsonl")
-    assert len(rows) == 40 and rows[-1]["health/alerts"] == 0
+    assert len(rows) == 50 and rows[-1]["health/alerts"] == 0
     assert min(r["health/diversity_ratio"] for r in rows[3:]) > 0.5  # health.diversity_min
     assert not (out / "health_alerts.jsonl").read_text()

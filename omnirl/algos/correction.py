@@ -19,7 +19,9 @@ a little per token, and over thousands of tokens that bias adds up. Three ways t
 token ratios (exp of the summed log-ratio), for every token of the response.
 
 `consistency_metrics` measures the gap on every step, over real tokens only: with an unchanged policy
-it should be near zero (fp32 on CPU: max |diff| ~1e-6, Pearson 1).
+it should be near zero (fp32 on CPU: max |diff| ~1e-6, Pearson 1). `position_gaps` measures it per
+span of response positions, so that a gap that only one position has (a rollout engine whose cache or
+positions go wrong from some token on) is not averaged away over the response.
 
 Our own code: a few lines of tensor math over the masks and the global statistics we log.
 """
@@ -137,3 +139,49 @@ def consistency_metrics(
         "consistency/prob_abs_diff_max": max_dprob,
         "consistency/tokens": n,
     }
+
+
+def position_spans(size: int) -> list[tuple[int, int]]:
+    """The [lo, hi) spans of response positions below `size` that `position_gaps` pools: 0, 1, 2-3, 4-7,
+    ..., each as long as all before it, so the tail (which fewer responses reach) pools more positions."""
+    spans, lo = [(0, 1)], 1
+    while lo < size:
+        spans.append((lo, min(2 * lo, size)))
+        lo *= 2
+    return spans
+
+
+def position_gaps(
+    actor_logprob: torch.Tensor, rollout_logprob: torch.Tensor, positions: torch.Tensor, size: int
+) -> dict[str, float]:
+    """The trainer-vs-rollout log-prob gap per span of response positions (`position_spans(size)`), over
+    the real tokens of all ranks.
+
+    actor_logprob, rollout_logprob, positions: [N] the real tokens, each with its position in its response
+    (0 the first response token, below `size`). Collective: every rank calls it once per step (one SUM
+    all-reduce) and gets, for every span that holds tokens, consistency/posLO_HI/logprob_abs_diff_mean (over
+    the span's tokens), worst_position (the position of the span whose mean gap over the responses that
+    reach it is the largest) and worst_position_gap (that mean)."""
+    assert actor_logprob.shape == rollout_logprob.shape == positions.shape, (
+        actor_logprob.shape,
+        positions.shape,
+    )
+    sums = torch.zeros(
+        2, size, dtype=torch.float64, device=actor_logprob.device
+    )  # [2, P]: sum of |diff|, count
+    diff = (actor_logprob.detach().double() - rollout_logprob.detach().double()).abs()
+    sums[0].index_add_(0, positions, diff)
+    sums[1].index_add_(0, positions, torch.ones_like(diff))
+    sums = all_reduce(sums).cpu()
+    out: dict[str, float] = {}
+    for lo, hi in position_spans(size):
+        total, count = sums[0, lo:hi], sums[1, lo:hi]
+        if count.sum() == 0:
+            continue
+        means = total / count.clamp(min=1)  # a position no response reached: 0
+        worst = int(means.argmax())
+        key = f"consistency/pos{lo}_{hi - 1}"
+        out[f"{key}/logprob_abs_diff_mean"] = (total.sum() / count.sum()).item()
+        out[f"{key}/worst_position"] = float(lo + worst)
+        out[f"{key}/worst_position_gap"] = means[worst].item()
+    return out

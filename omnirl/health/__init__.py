@@ -8,13 +8,14 @@
 - `resume(history)`: a resumed run takes its diversity baseline and its adapted KL weight from the rows
   it logged before.
 - `before_update(step)`: at the run's first update, a fingerprint of the module the rollout runs.
-- `after_step(...)`: the fingerprint again after the first optimizer step (unchanged: the run stops), the
+- `after_step(...)`: the fingerprint again after the first optimizer step (unchanged: the run stops; with
+  rollout.backend vllm also the fingerprint of the weights vLLM generated with, before and after it), the
   parity gate (`omnirl.health.parity`), the sample statistics (`omnirl.health.monitors`), the guard set
   every health.guard_every steps, the alerts and what health.on_alert does about them
   (`omnirl.health.alerts`); returns the health/* metrics of the step.
 - `stop_if_needed(save)`: after the step is logged, a fatal check raises a HealthError, and an alert with
-  on_alert stop saves a checkpoint (`save`) and raises; `finish()` prints the run's alerts and writes them
-  to output_dir/health_alerts.jsonl.
+  on_alert stop saves a checkpoint (`save`) and raises, on every rank together when any rank decides so;
+  `finish()` prints the run's alerts and writes them to output_dir/health_alerts.jsonl.
 """
 
 from __future__ import annotations
@@ -66,6 +67,13 @@ class Health:
         self.guard_first: float | None = None
         self.reward_first: list[float] = []
         self.guard_pool = None
+        # rollout.backend vllm: the weights vLLM holds (its fingerprint after each rollout) must change after
+        # the first optimizer step, which the next rollout's push carries to it
+        self.vllm_watch = cfg.rollout.backend == "vllm" and cfg.health.lora_proof
+        self.vllm_before: float | None = None  # the fingerprint of the last rollout before the first update
+        self.vllm_pending = False  # an update came after it: the next rollout's must differ
+        if self.vllm_watch:
+            ops.engine.fingerprints = True
 
     def resume(self, history: list[dict]) -> None:
         """Continue a resumed run: the baseline of its first steps and its last adapted KL weight."""
@@ -83,6 +91,7 @@ class Health:
         if history:
             self.first_update = False
             self.reached = True
+            self._stop_watching_vllm()
 
     def before_update(self, step: int) -> None:
         """At the run's first update: the fingerprint of the module the rollout runs (collective)."""
@@ -110,6 +119,8 @@ class Health:
                     "rollout would sample the initial policy for the whole run"
                 )
             self.reached = True
+        if self.vllm_watch and "vllm/weights_fingerprint" in logs:
+            self._check_vllm(step, logs["vllm/weights_fingerprint"], updated)
         if any(k.startswith("consistency/") for k in logs):
             due = P.due(self.cfg, step, self.first_update)
             try:
@@ -118,7 +129,7 @@ class Health:
             except ParityError as e:
                 if due:
                     self.fatal = self.fatal or str(e)
-                out["health/parity_gap"] = _largest_gap(logs)
+                out["health/parity_gap"] = e.gap
         if updated:
             self.first_update = False
         if self.cfg.health.monitors:
@@ -137,6 +148,25 @@ class Health:
         out["health/kl_beta"] = self.cfg.algo.kl_beta
         out["health/alerts"] = float(len(self.alerts.history))
         return out
+
+    def _check_vllm(self, step: int, held: float, updated: bool) -> None:
+        """The fingerprint of the weights vLLM generated this step's rollout with: after an optimizer step,
+        the same as before it means the push did not reach vLLM."""
+        if not self.vllm_pending:
+            self.vllm_before, self.vllm_pending = held, updated
+            return
+        if held == self.vllm_before:
+            self.fatal = self.fatal or (
+                f"step {step}: the first optimizer step did not reach vLLM: the weights it holds after this "
+                f"step's push (fingerprint {held:.10g}) are those it generated with before the update: the "
+                "rollout would sample the initial policy for the whole run"
+            )
+        self._stop_watching_vllm()
+
+    def _stop_watching_vllm(self) -> None:
+        if self.vllm_watch:
+            self.ops.engine.fingerprints = False
+        self.vllm_watch = False
 
     def _monitors(self, step: int, logs: dict[str, float], trajs: list) -> dict[str, float]:
         means = M.reduce_means(M.step_sums(trajs), M.STATISTICS)
@@ -208,13 +238,19 @@ class Health:
 
     def stop_if_needed(self, save: Callable[[], object] | None) -> None:
         """After the step is logged: a fatal check raises; an alert with on_alert stop saves a checkpoint
-        (`save`; None: this step's was saved already), then raises."""
-        if self.fatal:
-            raise HealthError(self.fatal)
-        if self.stop_alert is not None:
+        (`save`; None: this step's was saved already), then raises. Collective: the ranks decide together
+        (a check one rank failed, say the fingerprint of its own vLLM engine, stops every rank, with the
+        lowest such rank's line), so no rank goes on into a collective that the others have left."""
+        stop = None if self.stop_alert is None else self.stop_alert.line()
+        decisions = D.all_gather_object((self.fatal, stop))
+        fatal = next((f for f, _ in decisions if f), None)
+        stop = next((a for _, a in decisions if a), None)
+        if fatal:
+            raise HealthError(fatal)
+        if stop is not None:
             if save is not None:
                 save()
-            raise HealthError(self.stop_alert.line() + "; a checkpoint of this step was saved")
+            raise HealthError(stop + "; a checkpoint of this step was saved")
 
     def finish(self) -> None:
         """The run's alerts: printed, and written to output_dir/health_alerts.jsonl (rank 0)."""
@@ -232,8 +268,3 @@ class Health:
                 print("  " + a.line(), flush=True)
         elif self.cfg.health.monitors:
             print("health: no alerts in this run", flush=True)
-
-
-def _largest_gap(logs: dict[str, float]) -> float:
-    gaps = [v for k, v in logs.items() if P.TIMESTEP.match(k)]
-    return max(gaps) if gaps else logs.get("consistency/logprob_abs_diff_mean", math.nan)

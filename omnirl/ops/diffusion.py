@@ -265,7 +265,13 @@ class DiffusionOps:
         is_weight = torch.tensor([p.is_weight for p in mb], device=device) if self.correct else None
         if measure:
             steps = torch.stack([p.traj.step_indices[p.k] for p in mb]).to(device)
-            self._measure_gap(out.logprob.detach(), rollout, steps, w)
+            mine, theirs = out.logprob.detach(), rollout
+            recorded = [p.traj.stream_logprobs for p in mb]  # [S] of each row: each stream apart (LTX-2)
+            if out.streams is not None and all(r is not None for r in recorded):
+                mine = torch.column_stack([mine, out.streams.detach()])
+                picked = torch.stack([r[p.k] for r, p in zip(recorded, mb) if r is not None]).to(device)
+                theirs = torch.column_stack([theirs, picked])
+            self._measure_gap(mine, theirs, steps, w)
         streams = {}  # each stream's log-prob of a latent of several (LTX-2's video and audio), logged apart
         if (pool := self.adapter.logprob_pool(self.params)) is not None:
             assert out.streams is not None  # flow_step pools by streams when given a Pool
@@ -310,17 +316,22 @@ class DiffusionOps:
         return torch.stack(rows).to(mean.device)
 
     def _no_gap(self) -> torch.Tensor:
-        """[3, T]: per timestep index, the sum and the max of |trainer - rollout| log-prob, and the count."""
-        return torch.zeros(3, self.params.num_steps, dtype=torch.float64)
+        """[3, T, 1 + S]: per timestep index, the sum and the max of |trainer - rollout| log-prob, and the
+        count; column 0 the step's log-prob, then each stream's of a latent that joins S (LTX-2)."""
+        pool = self.adapter.logprob_pool(self.params)
+        return torch.zeros(3, self.params.num_steps, 1 + len(pool.names if pool else ()), dtype=torch.float64)
 
     def _measure_gap(self, logprob, rollout, steps, w) -> None:
-        """Accumulate the trainer-vs-rollout log-prob gap of a micro-batch of the unchanged policy."""
+        """Accumulate the trainer-vs-rollout log-prob gap ([M, 1 + S]: the step's, then each stream's) of a
+        micro-batch of the unchanged policy."""
         real = w > 0
-        diff = (logprob.double() - rollout.double()).abs()[real].cpu()
+        diff = (logprob.double() - rollout.double()).abs()[real].cpu()  # [M', 1 + S]
+        diff = diff.reshape(len(diff), -1)
         steps = steps[real].cpu()
-        self._gap[0].index_add_(0, steps, diff)
-        self._gap[1].scatter_reduce_(0, steps, diff, "amax")
-        self._gap[2].index_add_(0, steps, torch.ones_like(diff))
+        gap = self._gap[..., : diff.shape[1]]  # a rollout that recorded no stream log-probs: column 0 only
+        gap[0].index_add_(0, steps, diff)
+        gap[1].scatter_reduce_(0, steps[:, None].expand_as(diff), diff, "amax")
+        gap[2].index_add_(0, steps, torch.ones_like(diff))
 
     def state(self) -> dict[str, torch.Tensor]:
         return {}
@@ -330,19 +341,26 @@ class DiffusionOps:
         timestep index t (consistency/tXX/logprob_abs_diff_mean and _max): in fp32 on CPU ~1e-6; in bf16 on
         a GPU the gap guidance amplifies. Collective: every rank calls it once per update."""
         gap, self._gap = self._gap, self._no_gap()
-        sums = D.all_reduce(gap[[0, 2]].clone())
+        sums = D.all_reduce(gap[[0, 2]].clone())  # [2, T, 1 + S]
         maxima = D.all_reduce(gap[1].clone(), op=torch.distributed.ReduceOp.MAX)
-        total, count = sums.sum(dim=1).tolist()
+        total, count = sums[..., 0].sum(dim=1).tolist()
         if count == 0:
             return {}
         out = {
             "consistency/logprob_abs_diff_mean": total / count,
-            "consistency/logprob_abs_diff_max": maxima.max().item(),
+            "consistency/logprob_abs_diff_max": maxima[:, 0].max().item(),
             "consistency/pairs": count,
         }
-        for t in torch.nonzero(sums[1]).flatten().tolist():
-            out[f"consistency/t{t:02d}/logprob_abs_diff_mean"] = (sums[0, t] / sums[1, t]).item()
-            out[f"consistency/t{t:02d}/logprob_abs_diff_max"] = maxima[t].item()
+        pool = self.adapter.logprob_pool(self.params)
+        columns = [""] + [f"{name}/" for name in (pool.names if pool else ())]
+        for t in torch.nonzero(sums[1, :, 0]).flatten().tolist():
+            for i, col in enumerate(columns):
+                if sums[1, t, i] == 0:
+                    continue
+                out[f"consistency/t{t:02d}/{col}logprob_abs_diff_mean"] = (
+                    sums[0, t, i] / sums[1, t, i]
+                ).item()
+                out[f"consistency/t{t:02d}/{col}logprob_abs_diff_max"] = maxima[t, i].item()
         return out
 
     def log_samples(self, logger: MetricsLogger, step: int, trajs: list[Trajectory]) -> None:

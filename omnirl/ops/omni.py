@@ -31,7 +31,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from omnirl import distributed as D
-from omnirl.algos.correction import consistency_metrics, correction_weights
+from omnirl.algos.correction import consistency_metrics, correction_weights, position_gaps
 from omnirl.algos.losses import TokenInputs, get_loss
 from omnirl.batching import equalise, make_requests, shuffled_rows
 from omnirl.config import Config
@@ -159,6 +159,7 @@ class OmniOps:
         self._measured: dict[str, float] | None = None  # consistency of this update, once measured
         self._actor: list[torch.Tensor] = []  # bypass mode: the first mini-batch's token log-probs
         self._rollout: list[torch.Tensor] = []
+        self._positions: list[torch.Tensor] = []  # and each token's position in its response
 
     @staticmethod
     def check_config(cfg: Config) -> None:
@@ -270,7 +271,7 @@ class OmniOps:
         consistency with the rollout's, and (tis / mis) the correction weights, from the same numbers."""
         a = self.cfg.algo
         sums = dict.fromkeys(["correction/weight_sum", "correction/clip_count", "correction/count"], 0.0)
-        actor, rollout_all = [], []
+        actor, rollout_all, positions = [], [], []
         for mb in self.micro_batches(rows, pad_traj):
             batch, seqs, mask, rollout = self._inputs(mb)
             lp = self.adapter.token_logprobs(batch, seqs, mask, self.params.temperature)  # [B, T]
@@ -282,6 +283,7 @@ class OmniOps:
             lp, rollout, mask = lp[real], rollout[real], mask[real]
             actor.append(lp[mask])
             rollout_all.append(rollout[mask])
+            positions.append(_positions(mask))
             if self.correct:
                 assert a.correction != "none"  # self.correct: there is a correction
                 weights, m = correction_weights(
@@ -291,7 +293,7 @@ class OmniOps:
                     mb[b].is_weight = w[: len(mb[b].traj.response_ids)].cpu()
                 for k, v in m.items():
                     sums[k] += v
-        self._measured = self._consistency(actor, rollout_all) if actor else {}
+        self._measured = self._consistency(actor, rollout_all, positions) if actor else {}
         return sums if self.correct else {}
 
     def loss(self, mb: list[TokenRow], normaliser: float, measure: bool) -> tuple[torch.Tensor, dict]:
@@ -314,27 +316,38 @@ class OmniOps:
             real = w > 0
             self._actor.append(logprob.detach()[real][mask[real]])
             self._rollout.append(rollout[real][mask[real]])
+            self._positions.append(_positions(mask[real]))
         max_length = self.cfg.generation.max_new_tokens
         inputs = TokenInputs(logprob, old, adv, mask, w, max_length, ref_logprob=ref, is_weight=is_weight)
         return self.loss_fn(inputs, a, normaliser)
 
-    def _consistency(self, actor: list[torch.Tensor], rollout: list[torch.Tensor]) -> dict[str, float]:
+    def _consistency(
+        self, actor: list[torch.Tensor], rollout: list[torch.Tensor], positions: list[torch.Tensor]
+    ) -> dict[str, float]:
+        """Over all tokens (`consistency_metrics`) and per span of response positions (`position_gaps`)."""
         empty = torch.zeros(0, device=self.engine.device)
         actor_t, rollout_t = torch.cat([empty, *actor]), torch.cat([empty, *rollout])
-        return consistency_metrics(actor_t, rollout_t, torch.ones_like(actor_t, dtype=torch.bool))
+        where = torch.cat([empty.long(), *positions])
+        out = consistency_metrics(actor_t, rollout_t, torch.ones_like(actor_t, dtype=torch.bool))
+        return {**out, **position_gaps(actor_t, rollout_t, where, self.cfg.generation.max_new_tokens)}
 
     def state(self) -> dict[str, torch.Tensor]:
         return {}
 
     def measured(self, optimizer_steps: int) -> dict[str, float]:
         if self._measured is None:  # bypass mode: what the first mini-batch collected (maybe nothing)
-            self._measured = self._consistency(self._actor, self._rollout)
+            self._measured = self._consistency(self._actor, self._rollout, self._positions)
         out = self._measured
         if self.sleepable is not None:  # vLLM: its start, push (time and what it bound) and generation
             out = {**out, **self.sleepable.stats}
-        self._measured, self._actor, self._rollout = None, [], []
+        self._measured, self._actor, self._rollout, self._positions = None, [], [], []
         return out
 
     def log_samples(self, logger: MetricsLogger, step: int, trajs: list[OmniTrajectory]) -> None:
         texts = [f"request {t.request.index}, reward {t.reward:.4f}: {t.text}" for t in trajs[:8]]
         logger.log_texts(step, "samples", texts)
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    """[N] each real token's position in its response, in the order `x[mask]` lists them (mask [B, T])."""
+    return torch.arange(mask.shape[1], device=mask.device).expand_as(mask)[mask]

@@ -144,6 +144,8 @@ class VLLMEngine:
         self.asleep = False
         self.asleep_bytes = 0  # device memory vLLM released by its last sleep (memory.phase's peaks)
         self.push_all = False  # a level-2 sleep discarded vLLM's weights: the next push sends all of them
+        # omnirl.health's LoRA proof: after each generation, stats["vllm/weights_fingerprint"] (`fingerprint`)
+        self.fingerprints = False
         # The placeholder ids never sampled, as `lm.output_logprobs` masks them: a logit bias of -inf, the
         # bias vLLM adds before it samples and before its processed log-probs. (Not allowed_token_ids: 0.26
         # refuses ids past the tokenizer's length, and a model's vocabulary is padded beyond it.)
@@ -237,6 +239,8 @@ class VLLMEngine:
         start = time.perf_counter()
         outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
         self.stats["vllm/generate_s"] = time.perf_counter() - start
+        if self.fingerprints:  # after the generation: the weights vLLM computed it with
+            self.stats["vllm/weights_fingerprint"] = self.fingerprint()
         start = time.perf_counter()
         # One batched decode (the fast tokenizer decodes the batch in parallel) instead of one per response.
         texts = self.adapter.tokenizer.batch_decode(
@@ -308,6 +312,11 @@ class VLLMEngine:
         self.stats["vllm/push_bound"] = float(bound)
         self._log(f"pushed weights to vLLM: {bound} {kind} bound in {self.stats['vllm/push_s']:.3f} s")
         return self.stats
+
+    def fingerprint(self) -> float:
+        """The weights this rank's vLLM worker holds, as one number (`_held_fingerprint`): an update that
+        reached vLLM changes it."""
+        return self.llm.collective_rpc(_held_fingerprint, args=(self.mode,))[0]
 
     def _push_lora(self) -> int:
         import peft
@@ -467,6 +476,24 @@ def _swap_lora(worker, lora_id: int, tensors: dict[str, torch.Tensor], peft_conf
     if unbound:
         raise RuntimeError(f"LoRA tensors for modules vLLM does not have: {unbound[:5]}")
     return bound
+
+
+def _held_fingerprint(worker, mode: str) -> float:
+    """The sum of |x| (float64) of what the worker computes with: the A and B slots of its LoRA layers (mode
+    lora: the adapter a generation activated), else every parameter of its model (merged and full pushes)."""
+    from vllm.lora.layers import BaseLayerWithLoRA
+
+    model = worker.model_runner.get_model()
+    tensors: list[torch.Tensor] = []
+    if mode == "lora":
+        for m in model.modules():
+            if isinstance(m, BaseLayerWithLoRA):
+                for stacked in (getattr(m, "lora_a_stacked", ()), getattr(m, "lora_b_stacked", ())):
+                    tensors += stacked if isinstance(stacked, (list, tuple)) else [stacked]
+    else:
+        tensors = list(model.parameters())
+    with torch.no_grad():
+        return sum(float(t.abs().sum(dtype=torch.float64)) for t in tensors)
 
 
 def _reload(worker, items: list[tuple[str, torch.Tensor]]) -> int:

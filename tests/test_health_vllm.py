@@ -1,0 +1,101 @@
+"""The update must reach vLLM: the fingerprint of the weights the vLLM worker generated with, before the first
+optimizer step and after the next push, must differ, else the run stops with one line.
+
+`Health`'s side runs everywhere (the fingerprints as the engine reports them, in the step's metrics); the
+engine's side (`VLLMEngine.fingerprint`: the LoRA slots vLLM computes with) runs with the real vLLM in the
+venv of scripts/vllm_cpu_env.sh (marked `vllm`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, inject_adapter_in_model
+from torch import nn
+
+from omnirl.config import config_for
+from omnirl.health import Health, HealthError
+from omnirl.models.base import GenerationParams
+from tests.test_vllm import HAVE_VLLM, NO_VLLM, image_requests, omni_config
+
+
+class Engine:
+    fingerprints = False
+
+
+class Ops:
+    """What Health reads of the trainer's ops: a policy holding a LoRA, and the rollout engine."""
+
+    def __init__(self):
+        policy = nn.Module()
+        policy.to_q = nn.Linear(4, 4)
+        self.policy = inject_adapter_in_model(LoraConfig(r=2, target_modules=["to_q"]), policy)
+        self.adapter = object()
+        self.engine = Engine()
+
+
+def health():
+    cfg = config_for("qwen3_omni_thinker")
+    cfg.rollout.backend, cfg.lora.target_modules = "vllm", ["to_q"]
+    ops = Ops()
+    return Health(cfg, ops, None, None), ops.engine
+
+
+def step(h: Health, i: int, held: float, updates: float) -> None:
+    logs = {"vllm/weights_fingerprint": held, "train/updates": updates, "reward/mean": 0.0}
+    h.after_step(i, logs, [], None, lambda: None)
+    h.stop_if_needed(None)
+
+
+def test_an_update_that_does_not_reach_vllm_stops():
+    h, engine = health()
+    assert engine.fingerprints  # the engine reports what it holds after every rollout
+    step(h, 0, 12.5, 0.0)  # no optimizer step (every group without reward spread): nothing to compare
+    step(h, 1, 12.5, 1.0)  # the rollout before the first optimizer step
+    with pytest.raises(HealthError) as e:
+        step(h, 2, 12.5, 1.0)  # the push after it left vLLM's weights as they were
+    assert str(e.value).startswith(
+        "step 2: the first optimizer step did not reach vLLM: the weights it holds"
+    )
+    assert "(fingerprint 12.5)" in str(e.value)
+    assert not engine.fingerprints  # checked once: the engine stops computing it
+
+
+def test_an_update_that_reaches_vllm_passes():
+    h, engine = health()
+    step(h, 0, 12.5, 1.0)
+    step(h, 1, 12.75, 1.0)
+    step(h, 2, 12.75, 1.0)  # checked once, after the first optimizer step only
+    assert not engine.fingerprints and h.fatal is None
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAVE_VLLM, reason=NO_VLLM)
+def test_the_fingerprint_follows_the_lora_vllm_holds(tmp_path, monkeypatch):
+    """A dense Qwen3-VL whose LoRA vLLM serves as an adapter: the fingerprint (its LoRA slots) is steady
+    while the LoRA is, moves with an update the push carries, and stays put when the push carries
+    nothing (a push that swaps no adapter in)."""
+    from omnirl.models.qwen_vl import QwenVLAdapter
+    from omnirl.models.tiny_omni import make_tiny_qwen_vl
+    from omnirl.rollout.vllm_engine import VLLMEngine
+
+    path = make_tiny_qwen_vl(tmp_path / "qwen3_vl", "qwen3_vl", head_dim=32)
+    cfg = omni_config(path, "qwen_vl")
+    adapter = QwenVLAdapter(cfg, torch.device("cpu"))
+    engine = VLLMEngine(adapter, cfg)
+    assert engine.mode == "lora"
+    engine.fingerprints = True
+    requests = image_requests(1, 2, GenerationParams(max_new_tokens=8))
+    held = []
+    for change in (False, False, True, "unpushed"):
+        if change:
+            with torch.no_grad():  # an optimizer step on the LoRA
+                for name, p in adapter.model.named_parameters():
+                    if "lora_B" in name:
+                        p.add_(torch.randn_like(p) * 0.3)
+        if change == "unpushed":
+            monkeypatch.setattr(engine, "_push_lora", lambda: len(engine.lora_layers))
+        engine.generate(requests)
+        held.append(engine.stats["vllm/weights_fingerprint"])
+    print(f"fingerprints: {held}")
+    assert held[0] > 0 and held[1] == held[0] and held[2] != held[1]
+    assert held[3] == held[2]  # the trainer's LoRA moved, vLLM's did not: what Health stops on
