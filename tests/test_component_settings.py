@@ -10,8 +10,9 @@ import pytest
 import yaml
 
 from omnirl.algos.losses import LOSSES
-from omnirl.config import Config, ConfigError
+from omnirl.config import Config
 from omnirl.config_checks import subsections
+from omnirl.errors import ConfigError
 from omnirl.recipe import RENAMED, config_from_dict, load_config
 from tests.test_bad_input import ROOT, assert_one_error_line, load_train_script
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from omnirl.algos.correction import position_gaps, position_spans
-from omnirl.config import config_for
 from omnirl.health import parity as P
 from omnirl.metrics import read_metrics
+from omnirl.recipe import config_for
 from tests.test_health import ROOT, SMALL_RUN, one_error_line, train_main
 
 

@@ -12,9 +12,9 @@ import torch
 from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 
-from omnirl.config import config_for
 from omnirl.health import Health, HealthError
 from omnirl.models.base import GenerationParams
+from omnirl.recipe import config_for
 from tests.test_vllm import HAVE_VLLM, NO_VLLM, image_requests, omni_config
 
 

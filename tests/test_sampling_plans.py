@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import omnirl.models
-from omnirl.models.base import Request, SamplingParams, derive_seed
+from omnirl.distributed import derive_seed
+from omnirl.models.base import Request, SamplingParams
 from omnirl.models.flow_sde import WindowedSampler, sliding_window
 
 
