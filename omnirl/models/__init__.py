@@ -24,6 +24,7 @@ ADAPTERS = {
     "ltx2": "omnirl.models.ltx2:LTX2Adapter",
     "bagel": "omnirl.models.bagel:BagelAdapter",
     "flux": "omnirl.models.flux.adapter:FluxAdapter",
+    "flux2_klein": "omnirl.models.flux.klein:Flux2KleinAdapter",
 }
 
 

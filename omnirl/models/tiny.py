@@ -416,6 +416,13 @@ def _make_tiny_flux(out_dir: str | Path) -> Path:
     return make_tiny_flux(out_dir)
 
 
+def _make_tiny_flux2_klein(out_dir: str | Path) -> Path:
+    """The tiny FLUX.2-klein (omnirl.models.flux.tiny)."""
+    from omnirl.models.flux.tiny import make_tiny_flux2_klein
+
+    return make_tiny_flux2_klein(out_dir)
+
+
 def make_tiny_pickscore(out_dir: str | Path) -> Path:
     """A tiny random PickScore in the layout `reward.paths.pickscore` names: a `CLIPModel` (2 layers, hidden
     32, 32 px images) with its `CLIPProcessor` (the character-level CLIP tokenizer) in one directory."""
@@ -537,4 +544,5 @@ TINY_MODELS = {
     "clap": make_tiny_clap,
     "bagel": make_tiny_bagel,
     "flux": _make_tiny_flux,
+    "flux2_klein": _make_tiny_flux2_klein,
 }

@@ -1,2 +1,3 @@
-"""FLUX.1: the adapter (`adapter.py`), its tiny test model (`tiny.py`) and its full-size public configs
-for random-init measurements (`config.py`). README.md says what the family supports."""
+"""FLUX.1 and FLUX.2-klein: the adapters (`adapter.py`, `klein.py`), their tiny test models (`tiny.py`)
+and FLUX.1's full-size public configs for random-init measurements (`config.py`). README.md says what the
+family supports."""
