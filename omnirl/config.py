@@ -350,6 +350,22 @@ class AlgoConfig:
     dgpo_max_step: int = 6
     """dgpo: the last step index of the rollout's schedule whose sigma a trained time may be (the
     reference's trunc_steps: the low-noise end of the schedule is not trained)."""
+    dgpo_trust_region: bool = False
+    """dgpo: the reference's PPO-style trust region (its clip_dsm) around an EMA copy of the trained weights:
+    a row whose ratio exp(dsm_ema - dsm) has left 1 + clip_range (advantage > 0) or 1 - clip_range
+    (otherwise) adds no gradient (its dsm is detached; algo.clip_range, the reference's 1e-3). The copy
+    follows the weights after every optimizer step s (from 0): ema <- ema + (1 - d) (theta - ema),
+    d = min(0.3, 0.001 s) (the reference's ema_ref)."""
+    dgpo_clip_kl: bool = False
+    """dgpo: with dgpo_trust_region, a clipped row's KL term adds no gradient either (the reference's
+    clip_kl)."""
+    dgpo_ema_ref: bool = False
+    """dgpo: the group margins compare the policy with the EMA copy (see dgpo_trust_region) instead of the
+    reference policy, the LoRA off (the reference's use_ema_ref); the KL term still compares with the
+    reference policy."""
+    dgpo_ema_rollout_after: int | None = None
+    """dgpo: rollouts sample with the EMA copy's weights (see dgpo_trust_region) once more than this many
+    optimizer steps have been taken (the reference's switch_ema_ref); null: always with the policy's."""
     adv_clip: float | None = 5.0
     """Advantages are clamped to [-adv_clip, adv_clip]; null leaves them unclamped (Flow-DPPO's references,
     UniRL and VeRL-Omni: one success in a group of 48 keeps its sqrt(47) = 6.86). diffusion_nft needs a

@@ -69,6 +69,7 @@ RANGES = {
     "algo.dgpo_beta": POSITIVE,
     "algo.dgpo_timesteps": at_least(1),
     "algo.dgpo_max_step": at_least(0),
+    "algo.dgpo_ema_rollout_after": ((lambda v: v is None or v >= 0), "null or an integer >= 0"),
     "algo.correction_threshold": ((lambda v: math.isfinite(v) and v > 1), "a finite number > 1"),
     "optim.lr": POSITIVE,
     "optim.weight_decay": NON_NEGATIVE,
