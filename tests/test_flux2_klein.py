@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from omnirl.config import ConfigError
 from omnirl.models import get_adapter
 from omnirl.models.base import Request, SamplingParams
+from omnirl.models.flow_sde import flow_step
 from omnirl.models.flux.klein import Flux2KleinAdapter
 from tests.support_compare import (
     export_lora_twice,
@@ -114,6 +115,29 @@ def test_packed_rollout_equals_serial(adapter):
     d_latents, d_logprobs = packed_serial_diffs(packed, serial, LATENT)
     print(f"packed vs serial: window starts {starts}, latents {d_latents:.2e}, logprobs {d_logprobs:.2e}")
     assert d_latents < 1e-5 and d_logprobs < 1e-5
+
+
+@pytest.mark.slow
+def test_recomputed_logprob_equals_rollout(adapter):
+    """The trainer's recomputation (velocity with CFG from the stored embeddings, then the step's log-prob)
+    equals the rollout's record."""
+    params = SamplingParams(SIZE, SIZE, STEPS, 4.0, 0.7, "sde", 2, (0, 3))
+    trajs = adapter.rollout(make_requests(params))
+    k = len(trajs[0].step_indices)
+    steps = torch.cat([t.step_indices for t in trajs])
+    sigmas = trajs[0].sigmas
+    x = torch.cat([t.latents for t in trajs])
+    x_next = torch.cat([t.next_latents for t in trajs])
+    embeds = {key: torch.stack([t.embeds[key] for t in trajs for _ in range(k)]) for key in trajs[0].embeds}
+    assert "negative_prompt_embeds" in embeds
+    with torch.no_grad():
+        v = adapter.velocity(x, sigmas[steps], embeds, 4.0)
+        out = flow_step(
+            v, x, sigmas[steps], sigmas[steps + 1], float(sigmas[1]), 0.7, "sde", prev_sample=x_next
+        )
+    diff = max_diff(out.logprob, torch.cat([t.logprobs for t in trajs]))
+    print(f"recomputed vs rollout log-prob: max {diff:.2e}")
+    assert diff < 1e-5
 
 
 @pytest.mark.slow
