@@ -385,11 +385,27 @@ class DGPOConfig:
     max_step: int = 6
     """The last step index of the rollout's schedule whose sigma a trained time may be (the reference's
     trunc_steps: the low-noise end of the schedule is not trained)."""
+    trust_region: bool = False
+    """The reference's PPO-style trust region (its clip_dsm) around an EMA copy of the trained weights: a
+    row whose ratio exp(dsm_ema - dsm) has left 1 + clip_range (advantage > 0) or 1 - clip_range
+    (otherwise) adds no gradient (its dsm is detached; algo.clip_range, the reference's 1e-3). The copy
+    follows the weights after every optimizer step s (from 0): ema <- ema + (1 - d) (theta - ema),
+    d = min(0.3, 0.001 s) (the reference's ema_ref)."""
+    clip_kl: bool = False
+    """With trust_region, a clipped row's KL term adds no gradient either (the reference's clip_kl)."""
+    ema_ref: bool = False
+    """The group margins compare the policy with the EMA copy (see trust_region) instead of the reference
+    policy, the LoRA off (the reference's use_ema_ref); the KL term still compares with the reference
+    policy."""
+    ema_rollout_after: int | None = None
+    """Rollouts sample with the EMA copy's weights (see trust_region) once more than this many optimizer
+    steps have been taken (the reference's switch_ema_ref); null: always with the policy's."""
 
     RANGES: ClassVar[dict] = {
         "beta": ((lambda v: math.isfinite(v) and v > 0), "a finite number > 0"),
         "timesteps": ((lambda v: v >= 1), "an integer >= 1"),
         "max_step": ((lambda v: v >= 0), "an integer >= 0"),
+        "ema_rollout_after": ((lambda v: v is None or v >= 0), "null or an integer >= 0"),
     }
 
 

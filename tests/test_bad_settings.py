@@ -26,6 +26,7 @@ RECIPES = {
     "qwen3_omni_thinker": "mmk12_tiny",
     "bagel": "bagel_tiny_flowgrpo",
     "flux": "flux_tiny_flowgrpo",
+    "flux2_klein": "flux2_klein_tiny_flowgrpo",
 }
 NUMBERS = (int, float, float | None, list[int])
 # (adapter, field, value) -> why a run can use that value; such a case is left out below. Otherwise each

@@ -115,6 +115,8 @@ def check_nft(algo: AlgoConfig) -> None:
 
 def check_dgpo(algo: AlgoConfig) -> None:
     dgpo = algo.dgpo
+    if dgpo.clip_kl and not dgpo.trust_region:
+        raise ConfigError("algo.dgpo.clip_kl needs algo.dgpo.trust_region: it clips by its ratio")
     if dgpo.timesteps > dgpo.max_step + 1:
         raise ConfigError(
             f"algo.dgpo.timesteps ({dgpo.timesteps}) must be at most algo.dgpo.max_step + 1 "
@@ -171,6 +173,7 @@ class DGPOInputs:
     group_weight: torch.Tensor  # [M] its (group, time)'s weight: sigmoid of the summed `dgpo_margin`s
     weights: torch.Tensor  # [M] 1 for real rows, 0 for padding
     ref_velocity: torch.Tensor | None = None  # [M, *latent] the reference policy's, for the KL term
+    ema_velocity: torch.Tensor | None = None  # [M, *latent] the EMA copy's, for algo.dgpo.trust_region
 
 
 @dataclass(frozen=True)
@@ -444,8 +447,14 @@ def dgpo_loss(
     normaliser, with `normaliser` the global number of real rows of the mini-batch (the reference's mean
     over rows, and its KL term with beta = kl_beta).
 
+    With algo.dgpo.trust_region (the reference's clip_dsm), ema_velocity is the EMA copy's velocity: the
+    ratio r_i = exp(dsm_ema_i - dsm_i) and a row is clipped where A_i > 0 and r_i > 1 + clip_range, or
+    A_i <= 0 and r_i < 1 - clip_range; a clipped row's dsm_i enters policy_i detached (its value, no
+    gradient), and with algo.dgpo.clip_kl its KL term too.
+
     Metrics (sums over real rows; divide by the summed "loss/count"): loss/policy_sum, loss/count,
-    dgpo/dsm_sum, dgpo/group_weight_sum, loss/kl_sum (with ref_velocity).
+    dgpo/dsm_sum, dgpo/group_weight_sum, loss/kl_sum (with ref_velocity), loss/clip_count (with the trust
+    region).
     """
     v, adv, ref_velocity = inputs.velocity.float(), inputs.advantages.detach().float(), inputs.ref_velocity
     assert v.shape == inputs.target.shape and v.dim() >= 2, v.shape
@@ -455,15 +464,26 @@ def dgpo_loss(
     dims = tuple(range(1, v.dim()))
     w = inputs.weights.detach().float()
     group_weight = inputs.group_weight.detach().float()
-    dsm = (inputs.target.detach().float() - v).pow(2).mean(dim=dims)  # [M]
-    policy = group_weight * adv * dsm  # [M]
+    target = inputs.target.detach().float()
+    dsm = (target - v).pow(2).mean(dim=dims)  # [M]
+    clipped = torch.zeros_like(dsm, dtype=torch.bool)
+    if algo.dgpo.trust_region:
+        assert inputs.ema_velocity is not None, "algo.dgpo.trust_region needs ema_velocity"
+        dsm_ema = (target - inputs.ema_velocity.detach().float()).pow(2).mean(dim=dims)  # [M]
+        ratio = torch.exp(dsm_ema - dsm.detach())
+        clipped = torch.where(adv > 0, ratio > 1 + algo.clip_range, ratio < 1 - algo.clip_range)
+    policy = group_weight * adv * torch.where(clipped, dsm.detach(), dsm)  # [M]
     sums = {
         "loss/policy_sum": (w * policy).sum(),
         "loss/count": w.sum(),
         "dgpo/dsm_sum": (w * dsm.detach()).sum(),
         "dgpo/group_weight_sum": (w * group_weight).sum(),
     }
+    if algo.dgpo.trust_region:
+        sums["loss/clip_count"] = (w * clipped.float()).sum()
     kl = None if ref_velocity is None else ((v - ref_velocity.detach().float()) ** 2).mean(dim=dims)  # [M]
+    if kl is not None and algo.dgpo.clip_kl:
+        kl = torch.where(clipped, kl.detach(), kl)
     return _row_loss(sums, w, kl, algo.kl_beta, normaliser)
 
 

@@ -30,6 +30,7 @@ ADAPTERS = {
     "ltx2": "omnirl.models.ltx2.adapter:LTX2Adapter",
     "bagel": "omnirl.models.bagel.adapter:BagelAdapter",
     "flux": "omnirl.models.flux.adapter:FluxAdapter",
+    "flux2_klein": "omnirl.models.flux2_klein.adapter:Flux2KleinAdapter",
 }
 
 # The modules of a family's folder beside its adapter: tiny.py names its tiny checkpoints in `TINY`,

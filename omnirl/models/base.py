@@ -54,8 +54,9 @@ class SamplingParams:
     ode_solver: str = (
         "euler"  # "euler" | "dpm2": the ODE step after a row's window (flow_sde.WindowedSampler)
     )
-    # Which weights the forward runs, one per batch: "policy", or "old" (DiffusionNFT's soft-updated old
-    # policy, swapped into the trained parameters by its ops for the whole generate call)
+    # Which weights the forward runs, one per batch: "policy", "old" (DiffusionNFT's soft-updated old
+    # policy) or "ema" (DGPO's EMA copy), swapped into the trained parameters by its ops for the whole
+    # generate call
     lora: str = "policy"
     shared_initial_noise: bool = False  # a group's samples start from one draw (its group_seed)
     sde_window_random: bool = False  # DanceGRPO: SDE at every step but the last, a random subset trained

@@ -23,16 +23,30 @@ pass over every row first (the policy's and the reference's velocities), all-red
 (group, time) over ranks, and gives each row its weight. The reference computes the same sums from the
 forward that takes the gradient, with the weights not changing during an optimizer step's accumulation:
 with one mini-batch per update (the DGPO recipes) the weights are the same; with several, they are those
-of the update's start. The reference's optional trust region on an EMA copy of the policy (`clip_dsm`,
-`use_ema_ref`) is not implemented.
+of the update's start.
+
+The reference's trust region (scripts/train_sd3_dgpo.py with config/dgpo_wocfg_emaref.py) keeps an EMA
+copy of the trained weights (its `ema_ref`), made from the initial weights and moved after every optimizer
+step s (from 0) by ema <- ema + (1 - d) (theta - ema), d = min(0.3, 0.001 s): mostly the policy of the
+last steps. It serves three settings, any of which keeps the copy: `algo.dgpo.trust_region` (its
+`clip_dsm`: each micro-batch runs the copy's velocity, swapped into the trained parameters, and
+`losses.dgpo_loss` detaches the rows whose ratio left the clip range; `algo.dgpo.clip_kl` their KL term
+too), `algo.dgpo.ema_ref` (its `use_ema_ref`: the group margins compare with the copy instead of the LoRA
+off) and `algo.dgpo.ema_rollout_after` (its `switch_ema_ref`: rollouts sample with the copy's weights, the
+requests' `SamplingParams.lora` "ema"). The copy moves in an optimizer step post-hook, so a step skipped as
+non-finite does not move it; it is the run's state (`state()`), saved and resumed with the weights.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import weakref
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from omnirl import distributed as D
 from omnirl.algos.losses import DGPOInputs, dgpo_margin
@@ -40,8 +54,9 @@ from omnirl.batching import equalise, global_positions
 from omnirl.config import Config
 from omnirl.distributed import derive_seed
 from omnirl.errors import ConfigError
-from omnirl.models.base import DiffusionAdapter, Trajectory
+from omnirl.models.base import DiffusionAdapter, Request, SamplingParams, Trajectory
 from omnirl.ops.diffusion import DiffusionOps, reference
+from omnirl.ops.nft import swapped
 
 
 @dataclass
@@ -80,6 +95,71 @@ class DGPOOps(DiffusionOps):
             # DGPO always compares with the reference policy: a full fine-tune keeps a frozen copy (which
             # the trainer shards like the policy), as `build_reference` does for a KL term.
             self.ref_model = copy.deepcopy(adapter.policy).requires_grad_(False).eval()
+        a = cfg.algo
+        self.ema_on = a.dgpo.trust_region or a.dgpo.ema_ref or a.dgpo.ema_rollout_after is not None
+        # The EMA copy's parameters (made at the first update or checkpoint load, after FSDP2 has sharded
+        # the policy, from the weights no optimizer step has moved yet) and the optimizer steps so far.
+        self._ema: list[torch.Tensor] | None = None
+        self._steps = torch.zeros((), dtype=torch.int64)
+        if self.ema_on:  # (a weak reference: the hook is global, it must not keep these ops alive)
+            ops = weakref.ref(self)
+            self._hook = register_optimizer_step_post_hook(
+                lambda optimizer, args, kwargs: (o := ops()) and o._optimizer_stepped(optimizer)
+            )
+
+    def trainable(self) -> list[nn.Parameter]:
+        """The trained parameters as they are now (FSDP2 replaces them with sharded ones after __init__)."""
+        return [p for p in self.policy.parameters() if p.requires_grad]
+
+    def ema(self) -> list[torch.Tensor]:
+        """The EMA copy's parameters, in `trainable()` order (a copy of them at first)."""
+        assert self.ema_on
+        if self._ema is None:
+            self._ema = [p.detach().clone() for p in self.trainable()]
+        return self._ema
+
+    def ema_decay(self) -> float:
+        """d of the copy's next move: min(0.3, 0.001 s) after s optimizer steps."""
+        return min(0.3, 0.001 * int(self._steps))
+
+    @torch.no_grad()
+    def _optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        """After every optimizer step of the policy's optimizer: the EMA copy moves towards the weights."""
+        trainable = self.trainable()
+        if not any(p is trainable[0] for group in optimizer.param_groups for p in group["params"]):
+            return  # another optimizer's step
+        d = self.ema_decay()
+        for e, p in zip(self.ema(), trainable, strict=True):
+            e.add_(p.detach() - e, alpha=1 - d)
+        self._steps += 1
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The EMA copy's parameters by name and the optimizer-step count (only when it is kept)."""
+        if not self.ema_on:
+            return {}
+        names = [n for n, p in self.policy.named_parameters() if p.requires_grad]
+        ema = {f"dgpo_ema.{n}": t for n, t in zip(names, self.ema(), strict=True)}
+        return {"dgpo_optimizer_steps": self._steps, **ema}
+
+    def step_params(self, step: int) -> SamplingParams:
+        """The rollout's parameters: sampled by the EMA copy ("ema") once more than
+        algo.dgpo.ema_rollout_after optimizer steps were taken."""
+        params = super().step_params(step)
+        after = self.cfg.algo.dgpo.ema_rollout_after
+        ema = after is not None and int(self._steps) > after
+        return dataclasses.replace(params, lora="ema") if ema else params
+
+    def generate(self, requests: list[Request], on_done) -> list[Trajectory]:
+        if not requests or requests[0].params.lora != "ema":
+            return super().generate(requests, on_done)
+        assert all(r.params.lora == "ema" for r in requests), "one policy per generate call"
+        with swapped(self.trainable(), self.ema()):
+            return super().generate(requests, on_done)
+
+    def ema_velocity(self, x_t: torch.Tensor, t: torch.Tensor, embeds: dict) -> torch.Tensor:
+        """The EMA copy's conditional velocity, no gradient (its values swapped into the parameters)."""
+        with torch.no_grad(), swapped(self.trainable(), self.ema()):
+            return self.adapter.velocity(x_t, t, embeds, 1.0)
 
     def inputs(self, mb: list[DGPORow]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
         """x_t [M, *latent], t [M], target eps - x0 [M, *latent] and the embeddings of a micro-batch."""
@@ -95,6 +175,8 @@ class DGPOOps(DiffusionOps):
     # update methods override DiffusionOps's with their own row type.
     def update_rows(self, trajs: list[Trajectory], keep: torch.Tensor, gen: torch.Generator) -> list[DGPORow]:  # pyright: ignore[reportIncompatibleMethodOverride]
         dgpo, r = self.cfg.algo.dgpo, self.cfg.rollout
+        if self.ema_on:
+            self.ema()  # made before the first optimizer step: the initial weights
         m = dgpo.timesteps
         where = global_positions(gen, r.prompts_per_step * r.group_size * m)
         rows = [
@@ -109,8 +191,11 @@ class DGPOOps(DiffusionOps):
             for mb in self.micro_batches(rows, trajs[0]):
                 x_t, t, target, embeds = self.inputs(mb)
                 v = self.adapter.velocity(x_t, t, embeds, 1.0)
-                with reference(self.adapter, self.ref_model) as ref:
-                    v_ref = self.adapter.velocity(x_t, t, embeds, 1.0, policy=ref)
+                if dgpo.ema_ref:
+                    v_ref = self.ema_velocity(x_t, t, embeds)
+                else:
+                    with reference(self.adapter, self.ref_model) as ref:
+                        v_ref = self.adapter.velocity(x_t, t, embeds, 1.0, policy=ref)
                 adv = torch.tensor([row.traj.advantage for row in mb], device=v.device)
                 margin = dgpo_margin(v, v_ref, target, adv, dgpo.beta, r.group_size).cpu().double()
                 for row, value in zip(mb, margin.tolist()):
@@ -131,6 +216,9 @@ class DGPOOps(DiffusionOps):
     def loss(self, mb: list[DGPORow], normaliser: float, measure: bool) -> tuple[torch.Tensor, dict]:  # pyright: ignore[reportIncompatibleMethodOverride]
         a, adapter = self.cfg.algo, self.adapter
         x_t, t, target, embeds = self.inputs(mb)
+        # The EMA copy's velocity first: swapping its values into the parameters in place after v's forward
+        # would change tensors v's graph saved.
+        v_ema = self.ema_velocity(x_t, t, embeds) if a.dgpo.trust_region else None
         v = adapter.velocity(x_t, t, embeds, 1.0)  # [M, *latent] the conditional velocity
         v_ref = None
         if a.kl_beta > 0:
@@ -140,5 +228,11 @@ class DGPOOps(DiffusionOps):
         adv = torch.tensor([r.traj.advantage for r in mb], device=device)
         group_weight = torch.tensor([r.group_weight for r in mb], device=device)
         w = torch.tensor([r.weight for r in mb], device=device)
-        inputs = DGPOInputs(v, target, adv, group_weight, w, ref_velocity=v_ref)
+        inputs = DGPOInputs(v, target, adv, group_weight, w, ref_velocity=v_ref, ema_velocity=v_ema)
         return self.loss_fn(inputs, a, normaliser)
+
+    def measured(self, optimizer_steps: int) -> dict[str, float]:
+        out = super().measured(optimizer_steps)
+        if self.ema_on:
+            out["dgpo/ema_decay"] = self.ema_decay()  # the decay of the copy's next move
+        return out

@@ -1,0 +1,1 @@
+"""FLUX.2-klein; its README.md says what it trains and where its parts are."""
