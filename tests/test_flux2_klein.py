@@ -9,7 +9,7 @@ import torch
 from diffusers import Flux2KleinPipeline
 from safetensors.torch import load_file
 
-from omnirl.config import ConfigError
+from omnirl.errors import ConfigError
 from omnirl.models import get_adapter
 from omnirl.models.base import Request, SamplingParams
 from omnirl.models.flow_sde import flow_step

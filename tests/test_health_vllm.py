@@ -74,8 +74,8 @@ def test_the_fingerprint_follows_the_lora_vllm_holds(tmp_path, monkeypatch):
     """A dense Qwen3-VL whose LoRA vLLM serves as an adapter: the fingerprint (its LoRA slots) is steady
     while the LoRA is, moves with an update the push carries, and stays put when the push carries
     nothing (a push that swaps no adapter in)."""
-    from omnirl.models.qwen_vl import QwenVLAdapter
-    from omnirl.models.tiny_omni import make_tiny_qwen_vl
+    from omnirl.models.qwen_vl.adapter import QwenVLAdapter
+    from omnirl.models.qwen_vl.tiny import make_tiny_qwen_vl
     from omnirl.rollout.vllm_engine import VLLMEngine
 
     path = make_tiny_qwen_vl(tmp_path / "qwen3_vl", "qwen3_vl", head_dim=32)

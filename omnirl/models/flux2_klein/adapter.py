@@ -36,12 +36,12 @@ from torch import nn
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 
 from omnirl.config import Config
-from omnirl.config_checks import at_least
 from omnirl.errors import ConfigError
 from omnirl.fsdp import DTYPES, compute_dtype, load_pretrained
 from omnirl.models.base import Output, Request, StepHook, Trajectory
-from omnirl.models.diffusers_setup import DiffusionBase, guided_velocity, make_trainable, trajectories
+from omnirl.models.diffusers_setup import DiffusersBase, guided_velocity, make_trainable, trajectories
 from omnirl.models.flow_sde import WindowedSampler, phase, to_host
+from omnirl.ranges import at_least
 
 PIPE = Flux2KleinPipeline
 
@@ -55,7 +55,7 @@ class Flux2KleinSettings:
     RANGES: ClassVar[dict] = {"max_sequence_length": at_least(1)}  # checked when the recipe loads
 
 
-class Flux2KleinAdapter(DiffusionBase):
+class Flux2KleinAdapter(DiffusersBase):
     """The `DiffusionAdapter` for `Flux2KleinPipeline` checkpoints (black-forest-labs/FLUX.2-klein-*)."""
 
     kind = "diffusion"  # the trainer's ops for this adapter (omnirl.ops.OPS)
