@@ -78,6 +78,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import importlib.machinery
 import importlib.metadata
 import importlib.util
 import json
@@ -194,8 +195,11 @@ IMP_SHIM.load_source = _load_source  # type: ignore[attr-defined]
 
 
 def stub_wandb() -> None:
-    """A `wandb` whose init / log / Image do nothing (the script imports and calls it unconditionally)."""
+    """A `wandb` whose init / log / Image do nothing (the script imports and calls it unconditionally). It
+    has a spec but no distribution metadata: the libraries' availability checks (`find_spec`, then the
+    package's metadata) find it and still report wandb as not installed."""
     wandb = types.ModuleType("wandb")
+    wandb.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
     for name in ("init", "log", "Image", "finish"):
         setattr(wandb, name, lambda *a, **k: None)
     sys.modules["wandb"] = wandb

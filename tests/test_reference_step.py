@@ -82,25 +82,21 @@ def missing_runtime() -> str:
 
 
 @pytest.mark.skipif(bool(missing_runtime()), reason=missing_runtime() or "runs")
-def test_tiny_rehearsal_runs_the_reference(tmp_path):
+@pytest.mark.parametrize("weights", [True, False], ids=["saved", "config_only"])
+def test_tiny_rehearsal_runs_the_reference(tmp_path, weights):
     """The reference's train_sd3.py, unmodified, for 2 epochs on the tiny SD3 on the CPU: a row per
-    epoch with every phase timed, and the reference's commit recorded."""
+    epoch with every phase timed, and the reference's commit recorded; from the saved tiny checkpoint
+    (the real `from_pretrained`) and from a config-only copy of it (the random-init builder, which the
+    GPU runs take)."""
+    from omnirl.models import tiny_models
+
+    model = tiny_models()["sd3"](tmp_path / "sd3")
+    if not weights:
+        for f in model.rglob("*.safetensors"):
+            f.unlink()
     out = tmp_path / "ref.json"
-    ref = str(reference_checkout())
-    run(
-        [
-            "python",
-            "-m",
-            "benchmarks.reference_step",
-            "--ref-dir",
-            ref,
-            "--tiny",
-            "--epochs",
-            "2",
-            "--out",
-            str(out),
-        ]
-    )
+    args = ["--ref-dir", str(reference_checkout()), "--tiny", "--model", str(model), "--epochs", "2"]
+    run(["python", "-m", "benchmarks.reference_step", *args, "--out", str(out)])
     result = json.loads(out.read_text())
     assert [r["epoch"] for r in result["epochs"]] == [0, 1]
     assert all(r[k] > 0 for r in result["epochs"] for k in ("sampling_s", "training_s", "epoch_s"))
