@@ -46,10 +46,10 @@ PRECISIONS = {
         "bfloat16",
         "--rollout.precision",
         "fp8",
-        "--rollout.fp8_steps",
+        "--rollout.fp8.steps",
         "all",
     ],
-    "vllm": ["--rollout.backend", "vllm", "--rollout.vllm_max_model_len", "512"],
+    "vllm": ["--rollout.backend", "vllm", "--rollout.vllm.max_model_len", "512"],
 }
 SMALL = [
     "--run.steps", "1", "--checkpoint.every", "0", "--log.image_every", "0", "--log.no-tensorboard",
