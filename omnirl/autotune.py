@@ -1,4 +1,5 @@
-"""Memory-for-speed settings decided from measured memory, not by habit (docs/memory.md#auto-settings).
+"""Memory-for-speed settings decided from measured memory, not by habit
+(docs/update.md#gradient-checkpointing-modelgradient_checkpointing-auto).
 
 `model.gradient_checkpointing: auto` (the default) builds the policy without checkpointing and decides at
 the first update, from measured memory: the first one and two rows of the update's first micro-batch run

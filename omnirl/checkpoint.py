@@ -1,28 +1,12 @@
 """Checkpoints on torch.distributed.checkpoint (DCP): atomic save, resume, and export of what was trained.
 
-`output_dir/checkpoints/step_000010/` holds the state after 10 steps (the run continues at step 10):
+`save` writes `output_dir/checkpoints/step_NNNNNN/` (DCP's weights, optimizer and ops state, every
+rank's RNG states, the metrics so far, meta.json) into a `.tmp` directory and `commit`s it by a rename
+after its `manifest.json`; `find_resume` and `load` continue a run (checked first by `check_meta`,
+`check_tensors` and `omnirl.checkpoint_checks`); `adapter_from_checkpoint`, `load_weights` and
+`export_lora` serve the exports.
 
-  model_optim/        DCP: the trainable weights (for a LoRA only the adapter's tensors), the optimizer
-                      state and the ops object's own state (`KindOps.state`: DiffusionNFT's soft-updated
-                      old policy), each rank writing its own shards; DCP reshards on load, so a run may
-                      resume on another number of ranks
-  rng/rank_00000.pt   each rank's python / numpy / torch (and accelerator) RNG states
-  metrics.jsonl       the metrics rows of the steps before 10: a resumed run rewrites output_dir's file to
-                      them, so it reads as if the run had never stopped
-  meta.json           what must match to resume (adapter, model path, finetune mode, LoRA shape), the step,
-                      the world size
-  manifest.json       written last: the size and xxh3-128 hash of every other file
-
-Nothing else is state: the prompts of a step come from (seed, step), request seeds from (seed, step,
-index), the update's shuffle from (seed, step, -1), and the reward pool keeps nothing between steps.
-There is no LR schedule (the learning rate is constant).
-
-A checkpoint is written into `step_000010.tmp`, every file fsynced, then renamed by rank 0 after a
-barrier (and the rename made durable), so a directory without `.tmp` is always complete: a kill during
-a write leaves a `.tmp` that resume ignores and the next save removes.
-
-Loading trusts nothing in the directory: the manifest, meta.json, DCP's metadata pickle and the tensors
-read are checked as omnirl/checkpoint_checks.py describes, before anything reaches the model.
+How it works: docs/checkpoints.md#what-a-checkpoint-holds
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
 """Phases of a step and the device memory they use: sleep/wake between rollout and training.
 
-`phase("rollout" | "train", stats, sleeper, sleep=..., wake=...)` brackets one half of an RL step. On
-entry it puts to sleep what the phase does not need (its storage moves to host memory and is freed on
-the device) and wakes what it needs; on exit it frees the allocator's cached blocks. It reports the
-bytes moved and the time taken by each transition and the peak device memory of the phase.
-
-Why it is written this way (docs/memory.md, with the costs measured on a GPU): host<->device copies
-from pinned host memory run several times faster than from pageable memory, and pinning afresh is slow. So
-the host memory is pinned once, in fixed chunks (torch's pinned allocator rounds every allocation up to a
-power of two), and reused by every later sleep; thousands of small tensors (a LoRA's optimizer state)
-are packed flat on the device and cross the bus in a few large copies; copies are asynchronous and
-each transition synchronizes once.
-
-What sleeps is a tensor's storage, in place: its bytes go to the host, `untyped_storage().resize_(0)`
-frees them, and waking resizes the same storage and copies the bytes back. Every tensor and view on that
-storage (optimizer state, parameters, the local shard of an FSDP2 DTensor) is then bit-exactly what it
-was, and nothing that holds it (an optimizer, a module) needs to know. On CPU, device and host are the
-same memory: the bytes still move into (unpinned) host chunks and the storage is still freed, so the
-code path is the one the accelerator takes and tests can check it.
+`phase("rollout" | "train", stats, sleeper, sleep=..., wake=...)` brackets one half of an RL step: it
+puts to sleep what the phase does not need, wakes what it needs, frees the allocator's cache on exit and
+reports the bytes moved, the transition times and the phase's peak memory. `Sleeper` moves a tensor's
+storage, in place, to pinned host chunks reused by every later sleep, and back; `Phases` names what each
+phase sleeps. Also: free device memory, `peak_bytes` of a call, `cap_device_memory`.
 
 Only this module and `distributed.py` touch `torch.cuda` / `torch.npu`.
+
+How it works: docs/memory.md#sleep-and-wake
 """
 
 from __future__ import annotations

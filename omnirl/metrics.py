@@ -1,22 +1,12 @@
 """What users watch: metrics.jsonl, tensorboard scalars and samples (image grids, texts, videos, audio),
 and a tqdm progress bar.
 
-Only the enabled process (rank 0) writes anything; on other ranks every method returns at once, so
-the trainer calls them unconditionally. Layout under `output_dir`:
+`MetricsLogger` writes them under `output_dir` (`log`, `log_images`, `log_texts`, `log_videos`,
+`log_audios`, `progress` / `update`); only the enabled process (rank 0) writes, and on other ranks every
+method returns at once, so the trainer calls them unconditionally. Videos are encoded in-process with
+PyAV. `read_metrics` reads a metrics.jsonl back.
 
-  metrics.jsonl                one JSON object per step, {"step": s, **scalars}, appended and flushed
-  tb/                          tensorboard event files (scalars; image grids and captions; each video as
-                               an animated GIF; audio tracks, mono)
-  samples/step_{s:06d}.png     the image grid of step s (and .txt with its captions, one per line)
-  samples/step_{s:06d}.txt     an omni model's sample responses of step s, one per line
-  samples/step_{s:06d}_{i}.mp4 video i of step s (H.264, yuv420p; its own audio track as AAC when it has one)
-  samples/step_{s:06d}_{i}.wav audio sample i of step s (16-bit PCM)
-
-Videos are encoded with PyAV (`av`), whose manylinux wheel (about 36 MB) bundles the libav libraries
-with libx264 and AAC, so no system ffmpeg is needed; frames and audio go to the encoders in-process and
-are muxed in one pass, and the same library reads an mp4 back frame by frame. imageio-ffmpeg also
-bundles an encoder, but as a whole ffmpeg binary (a 68 MB wheel) fed through a pipe that carries one
-raw stream: a video's audio would first go to a temporary file for the binary to read.
+How it works: docs/recipes.md#outputs-and-metrics
 """
 
 from __future__ import annotations

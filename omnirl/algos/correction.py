@@ -1,29 +1,13 @@
-"""Rollout correction: the gap between the rollout engine's token log-probs and the trainer's.
+"""Rollout correction: the gap between the rollout engine's log-probs and the trainer's.
 
-The rollout samples from pi_rollout (the engine's kernels, batch shapes and precision) while the loss
-assumes the samples came from pi_old (the trainer's forward of the same weights). In bf16 the two differ
-a little per token, and over thousands of tokens that bias adds up. Three ways to handle it, chosen by
-`algo.old_logprob` and `algo.correction`:
+`correction_weights` gives each token (or trained denoising step) its truncated (tis) or masked (mis)
+importance weight pi_old / pi_rollout, per token or per sequence (`algo.correction_level`); with
+`algo.old_logprob rollout` (bypass) nothing is weighted. `consistency_metrics` measures the gap on every
+step over real tokens only, and `position_gaps` per span of response positions (`position_spans`), so a
+gap that only some positions have is not averaged away. Our own code: a few lines of tensor math over
+the masks and the global statistics we log.
 
-- bypass (`old_logprob: rollout`): the rollout log-probs are the old log-probs. No recompute forward;
-  the PPO ratio pi_theta / pi_rollout then carries the mismatch too, and its clip bounds it. There is
-  nothing left for this module to weight.
-- recompute + `correction: tis` (truncated importance sampling): the trainer recomputes pi_old and
-  multiplies each token's policy loss by min(pi_old / pi_rollout, C) (the losses' `is_weight`).
-- recompute + `correction: mis` (masked importance sampling): the weight is pi_old / pi_rollout where
-  that ratio lies in [1/C, C] and 0 outside, so tokens (or whole responses) the two engines disagree
-  about contribute nothing. Dropped tokens still count in the loss normaliser: the estimator stays a
-  mean over the mini-batch, not over the survivors.
-
-`correction_level` token uses each token's ratio; sequence uses the response's ratio, the product of its
-token ratios (exp of the summed log-ratio), for every token of the response.
-
-`consistency_metrics` measures the gap on every step, over real tokens only: with an unchanged policy
-it should be near zero (fp32 on CPU: max |diff| ~1e-6, Pearson 1). `position_gaps` measures it per
-span of response positions, so that a gap that only one position has (a rollout engine whose cache or
-positions go wrong from some token on) is not averaged away over the response.
-
-Our own code: a few lines of tensor math over the masks and the global statistics we log.
+How it works: docs/algorithms.md#rollout-correction
 """
 
 from __future__ import annotations

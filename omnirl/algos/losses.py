@@ -1,22 +1,14 @@
-"""RL losses: LOSSES maps a name to "module:function"; each loss returns (loss, metrics).
+"""RL losses: LOSSES maps a name to a `LossSpec` ("module:function" and what its callers need to know);
+each loss is called as `loss(inputs, algo, normaliser)` and returns (loss, metrics).
 
-Our own code: the clipped policy-gradient objectives of Flow-GRPO and its relatives are a few lines
-each, and the normalisation by the global pair count (docs/architecture.md, invariants) is ours to get right.
+Every loss divides by the GLOBAL (all-ranks) count of the mini-batch's rows or tokens (`normaliser`),
+rows of weight 0 padding short ranks, so the losses of all micro-batches on all ranks sum to the
+mini-batch mean that FSDP's summed gradients need. Metrics are detached sums and counts, never means,
+so the trainer can add them over micro-batches and ranks before dividing. Our own code: the clipped
+policy-gradient objectives are a few lines each, and the normalisation is ours to get right.
 
-Normalisation shared by every loss here: the trainer passes the GLOBAL (all-ranks) count of the
-mini-batch's rows as `normaliser`, and rows of weight 0 pad short ranks so that every rank runs the
-same number of micro-batches. The losses of all micro-batches on all ranks then sum to the mean over
-the mini-batch, which is what FSDP's summed (not averaged) gradients need.
-
-Metrics are detached floats and sums, never means, so the trainer can add them over micro-batches,
-all-reduce them over ranks, and divide: e.g. clip fraction = sum("loss/clip_count") / sum("loss/count").
-
-The token losses of text-output models (`grpo_loss`, `gspo_loss`) take [B, T] log-probs with a response
-mask and aggregate per `aggregation`; their `normaliser` is the global count of real response tokens
-(token_mean) or of real responses (seq_mean, dr_grpo) of the mini-batch, and their "loss/count" counts
-tokens. DAPO is `grpo` with clip-higher (eps_high > eps_low), token_mean, and the zero-spread filtering
-of advantages.py (its dynamic sampling); Dr.GRPO is `grpo` with aggregation dr_grpo and advantages
-without the std division (advantages.group_advantages(std_normalise=False)).
+How it works: docs/extending.md#how-to-add-a-loss (the token losses:
+docs/algorithms.md#the-token-losses-grpo-dapo-drgrpo-gspo)
 """
 
 from __future__ import annotations

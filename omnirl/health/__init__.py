@@ -1,21 +1,14 @@
-"""Training that cannot fool itself: the run's self-checks, on by default (`health:` section, docs/health.md).
+"""Training that cannot fool itself: the run's self-checks, on by default (`health:` section).
 
-`Health` is what the trainer calls, at five points of the loop:
+`Health` is what the trainer calls, at five points of the loop: built once the LoRA is attached (the
+LoRA proof, `omnirl.health.lora`); `resume(history)` (the diversity baseline and adapted KL weight from
+the rows logged before); `before_update(step)` (the fingerprint of the module the rollout runs);
+`after_step(...)` (the fingerprint check, the parity gate `omnirl.health.parity`, the sample statistics
+`omnirl.health.monitors`, the guard set, the alerts `omnirl.health.alerts`; returns the health/*
+metrics); `stop_if_needed(save)` and `finish()` (a fatal check or a stopping alert ends the run on every
+rank together; the run's alerts printed and written).
 
-- `Health(cfg, ops, rewards, dist)`, once the LoRA is attached: the LoRA proof (`omnirl.health.lora`): the
-  LoRA layers per expert, stream and copy are logged, and a target that binds nothing or an expert left
-  without LoRA is one `error:` line before the first step.
-- `resume(history)`: a resumed run takes its diversity baseline and its adapted KL weight from the rows
-  it logged before.
-- `before_update(step)`: at the run's first update, a fingerprint of the module the rollout runs.
-- `after_step(...)`: the fingerprint again after the first optimizer step (unchanged: the run stops; with
-  rollout.backend vllm also the fingerprint of the weights vLLM generated with, before and after it), the
-  parity gate (`omnirl.health.parity`), the sample statistics (`omnirl.health.monitors`), the guard set
-  every health.guard_every steps, the alerts and what health.on_alert does about them
-  (`omnirl.health.alerts`); returns the health/* metrics of the step.
-- `stop_if_needed(save)`: after the step is logged, a fatal check raises a HealthError, and an alert with
-  on_alert stop saves a checkpoint (`save`) and raises, on every rank together when any rank decides so;
-  `finish()` prints the run's alerts and writes them to output_dir/health_alerts.jsonl.
+How it works: docs/health.md
 """
 
 from __future__ import annotations

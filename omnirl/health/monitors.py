@@ -1,19 +1,12 @@
 """Sample statistics that show a policy gaming its reward, computed every step from the step's outputs.
 
-Each function returns sums and counts (`name_sum`, `name_count`) of this rank's samples, so that the
-means over all ranks are one all-reduce (`reduce_means`). What each measures and why its threshold is
-what it is: docs/health.md.
+`step_sums` returns sums and counts (`name_sum`, `name_count`) of this rank's samples, so that the means
+over all ranks are one all-reduce (`reduce_means`): a group's diversity (`distance`), the images' and
+videos' dark, clipped, colour-entropy and high-frequency statistics (`image_stats`), the audio's silence
+and loudness (`audio_stats`), the responses' length and repetition (`repetition`). What each measures and
+why its threshold is what it is: docs/health.md.
 
-- diversity: the mean pairwise distance of a group's samples (the same prompt): images and videos the
-  root-mean-square pixel difference (pixels in [0, 1]), audio the RMS of the waveforms' difference, omni
-  responses 1 - the Jaccard similarity of their token sets. A policy that collapses onto one output per
-  prompt drives it to 0 whatever the reward.
-- images: the dark fraction (luma < 0.05), the clipped fraction (some channel at 0 or 1 after 8-bit
-  rounding), the colour entropy (bits, of the 8x8x8 RGB histogram) and the high-frequency energy (the
-  fraction of the luma spectrum's energy, mean removed, beyond half the Nyquist radius).
-- video: the same per frame, and the temporal variation (mean |frame t+1 - frame t|).
-- audio: the silent fraction (10 ms frames below -60 dBFS) and the loudness (RMS in dBFS).
-- omni responses: the length in tokens and the repetition (the fraction of 3-grams already seen).
+How it works: docs/health.md#reward-hacking-monitors
 """
 
 from __future__ import annotations

@@ -1,18 +1,15 @@
 """What every diffusion adapter does the same way around its own classes.
 
-- `DiffusionBase`: the members of the `DiffusionAdapter` Protocol that do not depend on the family
-  (the trained module, its parameters and FSDP units, the LoRA off, the batch checks), so that a family's
-  module holds only what is its own; every diffusion adapter subclasses it. `DiffusersBase`: the same for
-  a family built on a diffusers pipeline, with the checkpoint check and the LoRA and merged exports.
-- `check_checkpoint`: model.path holds the family's pipeline.
-- `make_trainable`: a peft LoRA over a frozen base, or the whole model trainable.
-- `guided_velocity`: classifier-free guidance as the SD3 and Wan pipelines compute it (Qwen-Image's
-  True-CFG, which rescales, is its own: `qwen_image.true_cfg`).
-- `trajectories`: a packed batch's `Trajectory` records.
-- `save_lora`: a LoRA in the family's diffusers format, with a byte-stable header.
+- `DiffusionBase`: the members of the `DiffusionAdapter` Protocol that do not depend on the family;
+  every diffusion adapter subclasses it. `DiffusersBase`: the same for a family built on a diffusers
+  pipeline, with the checkpoint check and the LoRA and merged exports.
+- `check_checkpoint`, `make_trainable` (a peft LoRA over a frozen base, or the whole model trainable),
+  `guided_velocity` (classifier-free guidance as the SD3 and Wan pipelines compute it), `trajectories`
+  (a packed batch's `Trajectory` records), `save_lora` (a LoRA in the family's diffusers format).
 
-The module loading stays in each adapter: the measuring scripts replace each adapter module's own
-`load_pretrained`.
+The module loading stays in each adapter: the measuring scripts replace each adapter's `load_pretrained`.
+
+How it works: docs/extending.md#how-to-add-a-diffusion-family
 """
 
 from __future__ import annotations

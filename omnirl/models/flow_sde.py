@@ -1,29 +1,11 @@
-"""The flow-matching denoising step with its log-probability: ODE, SDE (Flow-GRPO) and CPS.
+"""The flow-matching denoising step with its log-probability: ODE, SDE (Flow-GRPO), CPS and DanceGRPO's.
 
-One place for this math; every adapter's denoising loop and the trainer call `flow_step`.
-Conventions (those of the public Flow-GRPO / DanceGRPO / Flow-CPS references), all in fp32, with
-sigma running from 1 (noise) to 0 (data) and the model predicting the velocity v = noise - x0:
+One place for this math: every adapter's denoising loop and the trainer call `flow_step`, in fp32, with
+the conventions of the public Flow-GRPO / DanceGRPO / Flow-CPS references. Noise level 0 gives the ODE
+step exactly; a latent of several streams pools its log-prob by `Pool`. Our own code: no library
+provides a flow-matching step with a log-density.
 
-- ODE:  x' = x + (sigma_next - sigma) * v.
-- SDE (Flow-GRPO): dt = sigma_next - sigma (negative);
-  std_dev_t = a * sqrt(sigma / (1 - sigma)), where at sigma == 1 the denominator uses the schedule's
-  second sigma (`sigma_max`) instead, so a window may start at the first step;
-  mean = x * (1 + std_dev_t^2 / (2 sigma) * dt) + v * (1 + std_dev_t^2 * (1 - sigma) / (2 sigma)) * dt;
-  x' = mean + std_dev_t * sqrt(-dt) * noise; the log-prob is the Gaussian log-density of x' under
-  N(mean, (std_dev_t * sqrt(-dt))^2), averaged (not summed) over all latent dims.
-- CPS (coefficient-preserving): std = sigma_next * sin(a * pi / 2); x0 = x - sigma * v;
-  x1 = x + (1 - sigma) * v; mean = (1 - sigma_next) * x0 + sqrt(sigma_next^2 - std^2) * x1;
-  x' = mean + std * noise; its "log-prob" is -mean((x' - mean)^2) over latent dims (no normaliser).
-- DanceGRPO (`dance_sde`): x0_hat = x - sigma * v; score = -(x - (1 - sigma) * x0_hat) / sigma^2;
-  dsigma = sigma_next - sigma; mean = x + dsigma * v - 0.5 * eta^2 * score * dsigma;
-  std = eta * sqrt(sigma - sigma_next); the log-prob is the Gaussian log-density averaged over latent dims
-  (as the SDE's). Its std has no 1 / (1 - sigma), so it is stable at sigma = 1. Its `std_dev_t` is that
-  whole std, as DanceGRPO's and VeRL-Omni's dance step name it (so their KL term is the Gaussian KL).
-- Noise level a = 0 gives the ODE step exactly, and a log-prob of 0.
-- A family whose latent joins several streams (LTX-2's video and audio tokens) pools the log-prob by
-  `Pool`: each stream's elements averaged alone, the log-prob the weighted sum of those means.
-
-This is our own code because no library provides a flow-matching step with a log-density.
+How it works: docs/algorithms.md#the-denoising-step-and-its-log-prob
 """
 
 from __future__ import annotations

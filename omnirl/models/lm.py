@@ -1,22 +1,15 @@
 """The causal-LM pieces the omni adapters (`qwen3_omni_thinker`, `qwen_vl`) and the generation engine share.
 
-- `HiddenStatesLM`: the trained module of an omni adapter and its FSDP root. Its forward returns the final
-  hidden states, never logits: callers apply `lm_head` only where they need it, in chunks. Full-vocabulary
-  float32 logits of a whole batch are what must never exist (152k vocab x 16k tokens is ~10 GB).
-- `collate_prompts`: left-padded prompt batches with the multimodal tensors concatenated in row order.
-- `pad_responses`: response tokens right-padded into the [B, T] batch `token_logprobs` takes.
+- `HiddenStatesLM`: the trained module of an omni adapter and its FSDP root; its forward returns the
+  final hidden states, never logits (callers apply `lm_head` in chunks).
 - `output_logprobs`: the one definition of the policy's distribution that rollout and trainer share,
-  log_softmax(logits / temperature) over the vocabulary, with the multimodal placeholder ids masked out.
+  log_softmax(logits / temperature) with the multimodal placeholder ids masked out.
 - `chunked_token_logprobs` / `sequence_logprobs`: the trainer's log-probs of given response tokens.
-- `checkpoint_decoder_layers`: activation checkpointing of the decoder layers in the trainer's backward.
+- `collate_prompts`, `pad_responses`, `checkpoint_decoder_layers`, `TransformersLMAdapter`: batches,
+  activation checkpointing and the members every omni adapter implements the same way.
 
-The placeholder ids (image / video / audio pads) are input-only slots that the model fills with encoder
-features. A random or young policy does sample them, and a response holding one cannot be re-scored: the
-model's forward takes every such id as a slot to fill and fails (or misaligns) on the trainer side. So
-the policy never emits them: 3 ids of ~152k, masked the same way in rollout and trainer.
-
-Written here rather than taken from a library: transformers computes logits for every position and
-offers no log-prob of given tokens; TRL / verl do this inside their trainers.
+Our own code: transformers offers no log-prob of given tokens; TRL / verl do this inside their trainers.
+How it works: docs/rollout.md#native-generation-for-omni-models
 """
 
 from __future__ import annotations

@@ -1,40 +1,15 @@
 """The DGPO update (arXiv 2510.08425, Luo-Yihong/DGPO): `DGPOOps`, for `DiffusionAdapter`s with algo.loss
 dgpo.
 
-Why a class of its own: DGPO learns a group preference directly, by flow matching on the forward process
-of the rollout's final samples, so its training rows are not the rollout's transitions and it reads no
-log-prob (the rollout may sample with an ODE). The rollout half is `DiffusionOps`'s, inherited unchanged;
-the update half (rows, the group weights, micro-batches, the loss) is here.
+DGPO learns a group preference by flow matching on the forward process of the rollout's final samples,
+so its rows are not the rollout's transitions and it reads no log-prob: the rollout half is
+`DiffusionOps`'s, inherited unchanged; the update half is here. A row (`DGPORow`) is (sample, time,
+noise), a group's samples sharing their times and noises. `update_rows` first sums every (group, time)'s
+margins over ranks in one no-grad pass and weights each row; the trust region's EMA copy of the trained
+weights (`algo.dgpo.trust_region`, `ema_ref`, `ema_rollout_after`) moves in an optimizer-step hook and is
+the run's `state()`.
 
-A row (`DGPORow`) is (sample, time, noise): the sample's clean latents x0 (`Trajectory.final_latents`), a
-time t = sigma_j of the rollout's schedule and a standard-normal noise. As in the reference
-(scripts/train_sd3_dgpo.py), each sample is trained at `algo.dgpo.timesteps` step indices j drawn
-without replacement from 0 .. `algo.dgpo.max_step`, and the samples of a group share their times and, at
-each time, their noise (its `use_shared_noise`), so the group's members are compared on the same x_t
-draw. The reference draws the times once for the whole batch on rank 0 and broadcasts them; here each
-group draws its own from its group seed, which every rank knows, so nothing is broadcast and the draw does
-not depend on the number of ranks. The policy's velocity at x_t = (1 - t) x0 + t eps is the conditional
-one (guidance 1), as the reference trains; the reference policy is the LoRA off (or, for a full
-fine-tune, a frozen copy of the initial weights).
-
-A (group, time)'s weight is the sigmoid of its rows' summed margins (`losses.dgpo_margin`), which needs
-all of the group's rows: they are spread over ranks and micro-batches. So `update_rows` runs one no-grad
-pass over every row first (the policy's and the reference's velocities), all-reduces the margins per
-(group, time) over ranks, and gives each row its weight. The reference computes the same sums from the
-forward that takes the gradient, with the weights not changing during an optimizer step's accumulation:
-with one mini-batch per update (the DGPO recipes) the weights are the same; with several, they are those
-of the update's start.
-
-The reference's trust region (scripts/train_sd3_dgpo.py with config/dgpo_wocfg_emaref.py) keeps an EMA
-copy of the trained weights (its `ema_ref`), made from the initial weights and moved after every optimizer
-step s (from 0) by ema <- ema + (1 - d) (theta - ema), d = min(0.3, 0.001 s): mostly the policy of the
-last steps. It serves three settings, any of which keeps the copy: `algo.dgpo.trust_region` (its
-`clip_dsm`: each micro-batch runs the copy's velocity, swapped into the trained parameters, and
-`losses.dgpo_loss` detaches the rows whose ratio left the clip range; `algo.dgpo.clip_kl` their KL term
-too), `algo.dgpo.ema_ref` (its `use_ema_ref`: the group margins compare with the copy instead of the LoRA
-off) and `algo.dgpo.ema_rollout_after` (its `switch_ema_ref`: rollouts sample with the copy's weights, the
-requests' `SamplingParams.lora` "ema"). The copy moves in an optimizer step post-hook, so a step skipped as
-non-finite does not move it; it is the run's state (`state()`), saved and resumed with the weights.
+How it works: docs/algorithms.md#dgpos-group-preference
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
 """The diffusion half of an RL step (Flow-GRPO, Flow-DPPO and relatives), for `DiffusionAdapter`s.
 
-- Rollout: the `DiffusionEngine` packs the step's requests into compatible batches and runs each through
-  the adapter's denoising loop on the actor's own module; each finished batch is scored while the next
-  denoises. The SDE window of a step's requests is drawn per request (`sampling.sde_window_schedule`
-  random) or slides along the schedule as training proceeds (sliding: MixGRPO).
-- Update: a training row is one (sample, trained denoising step) pair (`Pair`). The trainer recomputes
-  that step's Gaussian log-prob (`pair_logprob`: the adapter's `velocity` + `flow_sde.flow_step`, the
-  math the rollout ran) and the loss is the clipped ratio against the rollout's (or a recomputed) old
-  log-prob (flow_grpo), or the ratio masked where the step's mean left the trust region around the
-  rollout's mean (flow_dppo: the rollout records that mean, so no old-policy pass is needed), with an
-  optional KL term to the reference policy (the LoRA off, or a full fine-tune's frozen copy).
-- Every update measures the trainer-vs-rollout log-prob gap per trained timestep index (mean and max over
-  the first mini-batch, whose forwards run the policy the rollout sampled from: no extra forward).
-- rollout.precision fp8: the rollout runs the blocks' linear layers in FP8 (`omnirl.rollout.fp8`), the
-  trainer in the policy's precision. With rollout.fp8.steps untrained only the steps no row trains run FP8:
-  the trained transitions are the policy's own and nothing changes here. With fp8.steps all the behaviour
-  policy of the trained steps is the FP8 one: the trainer recomputes the
-  old log-probs in its own precision (algo.old_logprob recompute, enforced when the recipe loads) and the
-  loss weights each row by the truncated (tis) or masked (mis) ratio of the recomputed to the rollout's
-  probability (`omnirl.algos.correction`; correction_level token: per trained step, sequence: per sample,
-  the product over its trained steps). The logged per-timestep gap is then the FP8-vs-trainer gap. Sol-RL
-  (rollout.fp8.select) trains on bf16 regenerations instead (`regenerate_selected`): nothing to correct.
+`DiffusionOps` is the rollout (the `DiffusionEngine` packing the step's requests on the actor's own
+module, each finished batch scored while the next denoises) and the update: a training row is one
+(sample, trained denoising step) pair (`Pair`), whose log-prob the trainer recomputes with the math the
+rollout ran (`pair_logprob`: the adapter's `velocity` + `flow_sde.flow_step`), with an optional KL term
+to the reference policy (`build_reference`). An FP8 rollout of the trained steps is corrected by
+`omnirl.algos.correction`. DiffusionNFT and DGPO reuse this rollout half with update halves of their own
+(`omnirl.ops.nft`, `omnirl.ops.dgpo`).
 
-DiffusionNFT trains on other rows (a clean sample, a time, a noise: no transitions) and has its own update
-half, `omnirl.ops.nft.NFTOps`, which reuses this rollout half.
+How it works: docs/recipes.md#diffusion-algorithms
 """
 
 from __future__ import annotations

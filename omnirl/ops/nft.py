@@ -1,42 +1,13 @@
 """The DiffusionNFT update (arXiv 2509.16117): `NFTOps`, for `DiffusionAdapter`s with algo.loss diffusion_nft.
 
-Why a class of its own: DiffusionNFT trains on the forward process, by flow matching on the rollout's
-final samples, so its training rows are not the rollout's transitions and its loss needs no log-prob. The
-rollout half (requests, generation, validation, samples) is `DiffusionOps`'s, inherited unchanged; the
-update half (rows, micro-batches, the old policy's velocity, the loss) is here. `LossSpec.ops` of the loss
-names the class, so the loop still sees one interface, `KindOps`, and the Flow-GRPO path
-carries no NFT branches.
+DiffusionNFT trains by flow matching on the rollout's final samples, so its rows are not the rollout's
+transitions and its loss reads no log-prob: the rollout half is `DiffusionOps`'s, inherited unchanged;
+the update half is here. A row (`NFTRow`) is (sample, time, noise), int(0.99 T) per sample, drawn per
+pass from the request's seed. The old policy is the paper's soft-updated copy of the trainable
+parameters: `swapped` puts it in place for the rollout's "old" requests, `old_decay` gives its eta, and
+`state` checkpoints it with the step count.
 
-A row (`NFTRow`) is (sample, time, noise): the sample's clean latents x0 (`Trajectory.final_latents`), a
-time t among the T sigmas of the rollout's schedule before 0 (sigma_0 = 1 .. sigma_{T-1}) and a standard-
-normal noise. As in the reference (NVlabs/DiffusionNFT, train_nft_sd3.py), each sample has
-int(0.99 T) rows (its timestep_fraction 0.99), and in every pass over the rows (optim.epochs) they take a
-fresh random subset of that many of the T sigmas (a permutation's first ones: the last sigma can be
-among them) and fresh noise. Both are drawn from generators seeded by the request's seed and the pass
-(`NFTRow.time_index`, `NFTRow.noise`), so they are the same on any number of ranks. The forward-noised
-x_t = (1 - t) x0 + t noise goes through the policy at guidance 1 (the conditional velocity: DiffusionNFT is
-CFG-free; recipes sample at guidance 1 too), the target is noise - x0, and `losses.diffusion_nft_loss`
-mixes the old velocity in.
-
-The old policy is the paper's soft-updated one, as its implementation (NVlabs/DiffusionNFT,
-train_nft_sd3.py) keeps it: a copy of the trainable parameters (the LoRA, or every weight of a full
-fine-tune), made before the first optimizer step, that samples every rollout and gives v_old, and after
-every update moves towards the trained weights, theta_old <- eta theta_old + (1 - eta) theta, with eta
-growing with the optimizer steps taken so far (`old_decay`: the reference's `return_decay`, its
-decay_type 1 by default: eta = min(0.001 s, 0.5) after s steps). It stays fixed during an update, however
-many optimizer steps that takes. The rollout samples with it by swapping its values into the trained
-parameters (`swapped`, in place, so FSDP2's shards keep their storage; a full fine-tune's rollout then
-gathers the old weights) for the requests whose `SamplingParams.lora` is "old"; validation samples the
-current policy, as the reference evaluates it. The copy lives beside the parameters (DTensors sharded like
-them under FSDP2: one more copy of the trained weights per rank, small for a LoRA) and is part of the
-checkpoint (`state`), with the optimizer-step count that drives eta.
-
-Where the old policy equals the policy (before any update moved them apart: eta was 0 at every update so
-far), the first mini-batch of an update takes v_old = v.detach() and costs no forward; other mini-batches
-run one no-grad forward with the old parameters swapped in. With algo.diffusion_nft.old_decay_rate or _max 0
-no copy is kept at all: the old policy is the one that sampled the rollout (the reference's decay_type 0),
-and only with several optimizer steps per rollout (optim.mini_batches or optim.epochs > 1) are the
-trainable parameters copied before the update, for the later mini-batches, and dropped after it.
+How it works: docs/algorithms.md#diffusionnfts-old-policy
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """The omni half of an RL step: text-output models (`OmniAdapter` adapters) with token-level losses.
 
-- Rollout: the native `GenerationEngine` on the actor's own module, or (rollout.backend vllm) the
-  `VLLMEngine` with its own weights, pushed from the trainer's before every rollout; one request per
-  (prompt, sample);
-  each response is scored by the reward pool as soon as it finishes (its output is the decoded text: text
-  rewards read it), with the data row's metadata (answer, choices).
-- Update: a training row is one response (`TokenRow`). The trainer re-scores its tokens with the adapter's
-  `token_logprobs` on the exact prompt tensors the rollout prepared (`OmniTrajectory.prompt_inputs`), and
-  a token loss of `omnirl.algos.losses` (grpo, gspo) runs over the [B, T] response tokens of a
-  micro-batch. The old log-probs are the rollout's (old_logprob rollout, the bypass mode) or recomputed
-  before the first optimizer step (recompute), with the rollout correction of `omnirl.algos.correction`
-  then weighting each token. KL (kl_beta > 0) is to the same model with its LoRA off.
-- Every update logs the actor-vs-rollout consistency (`correction.consistency_metrics`), measured on the
-  first forward of the unchanged policy: the recompute pass, or in bypass mode the first mini-batch.
+`OmniOps` runs the rollout (the native `GenerationEngine` on the actor's own module, or the `VLLMEngine`
+with rollout.backend vllm; one request per (prompt, sample), each response scored as it finishes) and the
+update: a training row is one response (`TokenRow`), re-scored token by token on the exact prompt
+tensors the rollout prepared, with a token loss of `omnirl.algos.losses` and, with a recomputed old
+log-prob, the rollout correction of `omnirl.algos.correction`. Every update logs the actor-vs-rollout
+consistency. Micro-batches hold at most optim.micro_batch_size responses and optim.micro_batch_tokens
+padded tokens.
 
-Micro-batches hold at most optim.micro_batch_size responses and optim.micro_batch_tokens padded tokens;
-`omnirl.step.update` runs them, the same number on every rank.
+How it works: docs/mmk12.md#the-update-and-export
 """
 
 from __future__ import annotations

@@ -2,32 +2,12 @@
 a sample's clean latents with the first blocks of SD3.5-Medium's own MM-DiT under a LoRA of its own, and a
 small head, so no image is decoded and no second prompt encoding runs.
 
-The model: the transformer's `pos_embed`, `time_text_embed`, `context_embedder` and its first N blocks
-(N = 12 for the published checkpoint) run on the latent re-noised to the scheduler sigma nearest u = 0.4
-(x = (1 - s) x0 + s noise), conditioned on the prompt embeddings the rollout made (SD3's `encode_prompt`,
-CLIP 77 + T5 256 tokens). The visual and text tokens after the blocks named in the config (4, 8, 12)
-and the timestep embedding go into the head (`RewardHead`: FiLM-modulated projections per block, learned
-queries cross-attending to them, one output); reward = (raw + 10) / 10, the published normalisation.
+`DinaLRM` is the reward (`reward.paths.dina_lrm`: the published repository as downloaded); with a LoRA
+policy it runs the policy's own blocks under a second peft adapter, with full fine-tuning a frozen copy
+of them; `RewardHead` is the published head. It scores in the trainer's thread after the rollout, every
+rank at once.
 
-In process: with a LoRA policy the SD3.5 base is frozen, so the reward runs the policy's own blocks with
-the policy's LoRA off and the reward's LoRA on (a second peft adapter, `dina_lrm`, injected into the policy
-before FSDP wraps it; it never trains: no gradient, not in the optimizer, and the active adapters are
-switched without touching `requires_grad`). With full fine-tuning the blocks change, so it keeps a frozen
-copy of the embedders and the first N blocks, made from the initial policy. Its noise comes from a
-generator seeded from the request's seed, so the same sample always gets the same score (the reference
-draws fresh noise on every call).
-
-It runs in the trainer's thread after the rollout, every rank at once (omnirl.rewards.pool): the policy's
-weights are gathered for it as for the rollout (`fsdp.gathered_weights`); when the rollout gathers
-one unit per forward (a sharded or offloaded base), every rank runs as many chunks (the count
-all-reduced, short ranks padding), since each block's forward is then a collective.
-
-Local layout (`reward.paths.dina_lrm`), the model repository liuhuohuo/DiNa-LRM-SD35M-12layers as
-downloaded: `config.json` (the training config: `model.num_transformer_layers`, `visual_head_idx`,
-`text_head_idx`, `reward_head`), `checkpoint/backbone_lora/` (a peft adapter: adapter_config.json,
-adapter_model.safetensors) and `checkpoint/rm_head.pt` (the head's state dict, read with
-`torch.load(weights_only=True)`). Every key of both files must match the model: a missing or extra one is
-an error naming it.
+How it works: docs/rewards.md#dina-lrm
 """
 
 from __future__ import annotations

@@ -1,28 +1,15 @@
 """ImageBind alignment rewards (Girdhar et al. 2023): the cosine similarity of two embeddings in
 ImageBind's joint space, in [-1, 1].
 
-- `imagebind`: a sample's audio track against its video, as VeRL-Omni's LTX-2 recipe scores them.
-- `imagebind_text_audio`, `imagebind_text_video`: the prompt against the audio track / the video.
+- `imagebind` (`ImageBindAudioVideo`): a sample's audio track against its video.
+- `imagebind_text_audio`, `imagebind_text_video` (`ImageBindTextAudio`, `ImageBindTextVideo`): the prompt
+  against the audio track / the video.
 
-Weights: `reward.paths.<name>` is a directory holding the official `imagebind_huge.pth` and OpenAI CLIP's
-BPE tokenizer files (vocab.json and merges.txt, or tokenizer.json, e.g. those of
-openai/clip-vit-large-patch14: ImageBind's text tower reads the same BPE); nothing is downloaded. The
-towers are ours (`omnirl.rewards.imagebind_model`), loading the official file key by key. ImageBind's
-weights are licensed CC-BY-NC 4.0, for non-commercial use only: the reward says so once when it loads.
+Weights: `reward.paths.<name>` holds the official `imagebind_huge.pth` and CLIP's BPE tokenizer files;
+the towers are `omnirl.rewards.imagebind_model`. Inputs are prepared as the official loaders prepare
+files (`video_clips`, `AudioClips`). The weights are CC-BY-NC 4.0: the reward says so once when it loads.
 
-Inputs are prepared as the official loaders (`imagebind/data.py`) prepare files, on the tensors a rollout
-makes:
-- video [F, 3, H, W] in [0, 1] at its fps: 8-bit values (as decoded from a file); five 2-second windows
-  evenly spaced over the video (the frames at i / fps in [start, end)), two frames of each (its first and
-  last); the short side scaled to 224 (bilinear), CLIP's mean and std; three 224 px crops (left, centre,
-  right, or top, centre, bottom) of each window: 15 clips [3, 2, 224, 224].
-- audio [C, T] at its rate: mono, resampled to 16 kHz (scipy, the `audio` extra), three 2-second windows
-  evenly spaced over the track, each a Kaldi log-mel filterbank of 128 bins (25 ms Hann windows every
-  10 ms, transformers' `ASTFeatureExtractor`), zero-padded or cut to 204 frames, normalised by
-  ImageBind's mean -4.268 and std 9.138: 3 clips [1, 128, 204].
-- text: CLIP's BPE with start and end tokens, cut to 77, padded with 0.
-A sample's embedding is the mean over its clips of each clip's embedding (unit length, times the tower's
-logit scale), as the official forward pools them; the reward is the cosine of two such means.
+How it works: docs/rewards.md#imagebind
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """ImageBind's vision, audio and text towers (Girdhar et al. 2023), in torch alone, loading the official
 `imagebind_huge.pth`.
 
-No maintained ImageBind package installs cleanly beside this project's torch (the PyPI releases pin
-torchaudio, torchvision and pytorchvideo builds of older torch releases), so the three towers a reward
-needs are written here. Their module names are those of the official repository
-(facebookresearch/ImageBind, `models/imagebind_model.py`), so the official file's keys load as they are:
-`modality_{preprocessors,trunks,heads,postprocessors}.{vision,audio,text}.*`. `load_imagebind` matches
-every one of those keys and shapes, names the first that is missing, unknown or of another shape, and
-skips only the towers not built here (depth, thermal, IMU).
+No maintained ImageBind package installs cleanly beside this project's torch, so the three towers a
+reward needs are written here, with the official repository's module names so the official file's keys
+load as they are. `ImageBind` holds the towers (`vision`, `audio`, `text`); `load_imagebind` builds it
+and matches every key and shape of the file, names the first that is missing, unknown or of another
+shape, and skips only the towers not built here (depth, thermal, IMU).
 
-Each tower: a preprocessor makes tokens (a patch stem, a class token and learned positions; for text, token
-and position embeddings and a causal mask), a pre-norm transformer trunk runs them, a head pools (the
-class token; for text, the end-of-text token) and projects to the shared space, and a postprocessor
-normalises and scales by a logit scale (text: learned; audio: 20; vision: none). Inputs are always the
-sizes the checkpoint was trained at (2-frame 224 px clips, 128 x 204 log-mel spectrograms, 77 tokens), so
-the learned positions are never interpolated.
+How it works: docs/rewards.md#imagebind
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """RewardPool: score finished samples on worker threads with several weighted rewards.
 
-`submit` returns a handle at once, so the rewards of one rollout batch are computed while the next batch is
-denoising; `result` waits, checks every score and combines them. Each reward's call on a batch is one
-job; different rewards and batches run in parallel, but one reward instance is never called from two
-threads at once (so a reward need not be thread-safe).
+`submit` returns a handle at once, so one batch's rewards are computed while the next batch denoises;
+`result` waits, checks every score and combines them. A latent reward's batches are held and scored in
+the caller's thread by `score_held`. A reward that raises, returns the wrong number of scores or a
+non-finite score, or runs past `timeout_s` is a `RewardError` naming it: a sample is never silently
+scored 0.
 
-A latent reward (one that reads `Latent` records, omnirl.rewards) is not given to the threads: it may run
-the policy's own module, which the rollout is running. Its batches are held and scored in the caller's
-thread by `score_held`, which every rank calls once after its generation (`omnirl.step.collect_scores`).
-
-A reward that raises, returns the wrong number of scores or a non-finite score, or runs past `timeout_s`
-on one batch is a `RewardError` naming it: a sample is never silently scored 0. The workers are daemon
-threads, because a thread cannot be killed: a scorer that hangs must not also keep the process alive
-after its RewardError (concurrent.futures.ThreadPoolExecutor joins its threads at exit).
+How it works: docs/rewards.md#the-reward-pool
 """
 
 from __future__ import annotations

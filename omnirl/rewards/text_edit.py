@@ -3,19 +3,11 @@ source image left as it was?
 
     score = 0.5 * ocr + 0.5 * preserve, in [0, 1]
 
-The output image is first resized to the source image's size, so that the row's "region" (pixel box
-[x0, y0, x1, y1) of the source, omnirl.data.edit) addresses the same place in both.
+`TextEditReward` reads each row's `region` and `target_text` (`edit_target`; a row without them is a
+DataError naming it), scores the OCR of the output's region (`ocr_crop`) and the preservation of the rest
+(`preserve_score`).
 
-- ocr: the OCR reward's score (omnirl.rewards.ocr: whitespace-free lower case, 1 if the target occurs in
-  the recognised text, else 1 - edit distance / target length) of the region of the output against the
-  row's "target_text". OCR misreads text that touches the image edge or is under ~30 px high, so the crop
-  is scaled up to at least 96 px high and framed with a border of its corner colour.
-- preserve: 1 - the mean absolute difference (RGB in [0, 1]) between output and source outside the region
-  (1 when the region covers the whole image).
-
-Equal weights: a correct edit that also repaints the background scores below one that keeps it, and keeping
-the source unchanged (preserve 1) does not pay unless the new text is there too (the source's own word
-scores low OCR). Rows without "region" or "target_text" are a DataError naming the row.
+How it works: docs/rewards.md#text_edit
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """FP8 rollout (rollout.precision fp8): the transformer blocks' linear layers in float8 while it runs.
 
-While the rollout runs, every `nn.Linear` inside the transformer's repeated blocks (`fsdp_units`) is
-replaced by a `Float8Linear` that holds its weight in float8 e4m3 with one scale per output row, and
-multiplies it with the activations quantised on the fly, one scale per row (token), through torch's own
-scaled matmul (`torch._scaled_mm`: cuBLASLt's row-wise FP8 GEMM on Hopper, emulated on CPU). Everything
-else stays as it is: the embedders, the final norm and projection, attention itself, the norms, the VAE,
-and inside the blocks the layers the family names in `fp8_keep_bf16` (the AdaLN modulation, which
-quantising wrecks image quality for Qwen-Image and FLUX-like models), the LoRA branches (a LoRA layer's
-`base_layer` runs FP8, its A and B matrices stay bf16), and any layer whose input or output width is not a
-multiple of 16 (the GEMM's constraint on Hopper). Leaving the rollout puts the original layers back, so
-the trainer's forward and backward never see FP8.
+`Fp8Rollout` replaces, while the rollout runs, every `nn.Linear` inside the transformer's repeated blocks
+(`fp8_layers`: all but the family's `fp8_keep_bf16` and widths not a multiple of 16) by a
+`Float8Linear` (float8 e4m3 weight, one scale per output row; activations quantised per row; torch's
+`_scaled_mm`), and puts the originals back after, so the trainer never sees FP8. `use` switches a step
+between the two. Not torchao's float8 config: it refuses devices without CUDA FP8 and converts weights in
+place.
 
-Weights are quantised from the policy's current ones when the rollout starts (inside the gathered weights
-of an FSDP run), a trainable weight at every rollout phase, a frozen one (a LoRA run's base) once per run:
-its FP8 copy is kept, and sleeps with the other rollout-only tensors during training (a trainable
-weight's copy is dropped when the rollout ends).
-
-The quantisation is a few tensor operations that `generation.compile`'s inductor fuses into the kernels
-around the GEMM (FP8 pays only compiled). All blocks of a class share one compiled code: the FP8 weights
-are buffers of the replacing modules, which dynamo lifts to graph inputs as it does parameters.
-
-Why not torchao's float8 config: it refuses devices without CUDA FP8 (0.18 asserts compute capability
-8.9, MI300 or XPU), so the tests could not run the code the GPU runs, and it converts the weights in
-place, where the trainer needs its bf16 weights untouched.
+How it works: docs/fp8_rollout.md#what-runs-in-fp8
 """
 
 from __future__ import annotations

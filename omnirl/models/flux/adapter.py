@@ -1,18 +1,12 @@
 """FLUX.1 (dev): the diffusion adapter (packed denoising loop, per-row SDE windows, log-probs).
 
-The components, the prompt encoding (`FluxPipeline.encode_prompt`: CLIP's pooled embedding and T5's
-sequence), the 2x2 latent packing, the image and text position ids and the sigma schedule (shifted by
-`mu`, which grows with the image token count: `calculate_shift`) are diffusers' own. FLUX.1-dev is
-guidance-distilled: its guidance scale is an input of the transformer (`family.guidance_scale`, the
-pipeline's `guidance_scale`), not a second forward. True classifier-free guidance with a negative prompt
-(the pipeline's `true_cfg_scale`) is `sampling.guidance_scale` > 1, as the other families' CFG.
+`FluxAdapter` (with its `FluxSettings`, `family.*`) takes the components, the prompt encoding, the 2x2
+latent packing, the position ids and the shifted sigma schedule from diffusers; the embedded guidance is
+`family.guidance_scale`, true CFG `sampling.guidance_scale` > 1. The denoising loop is written out, as in
+every family, for one generator per request, a per-row SDE window and the log-prob of every trained
+step; with noise level 0 it is the pipeline's sampler.
 
-The denoising loop is written out here, as in sd3.py, because RL needs what the pipeline does not do: one
-generator per request (so a packed batch draws the same noise as a serial run), a per-row SDE window and
-the log-prob of every trained step (`flow_sde.flow_step`). The sampler's latents are [C, h, w], as the
-pipeline draws them; they are packed into 2x2 patches only for the transformer (a permutation, so the
-step and its log-prob are the same on either layout). With noise level 0 it is the pipeline's sampler:
-same initial latents, same image.
+How it works: omnirl/models/flux/README.md
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """FLUX.2-klein: the diffusion adapter for `Flux2KleinPipeline` checkpoints (packed denoising loop, per-row
 SDE windows, log-probs).
 
-The components and every input the transformer sees are diffusers' own: the prompt encoding
-(`Flux2KleinPipeline._get_qwen3_prompt_embeds`: the chat-templated prompt through Qwen3, the hidden
-states of layers 9, 18 and 27 side by side, padded to `family.max_sequence_length`), the four-axis
-position ids of text and image tokens (`_prepare_text_ids`, `_prepare_latent_ids`), the sigma schedule
-shifted by `compute_empirical_mu` of the image token count and the step count, the timestep / 1000, and
-the VAE's batch-norm statistics and 2x2 patches around the decode. FLUX.2-klein has no embedded guidance:
-the base checkpoints take classifier-free guidance (`sampling.guidance_scale` > 1, the pipeline's
-`guidance_scale`, its rows fused into one forward); a step-distilled checkpoint (`is_distilled` in its
-model_index.json) takes none, and a recipe that asks it for CFG is refused.
+`Flux2KleinAdapter` (with its `Flux2KleinSettings`, `family.*`) takes the components and every input the
+transformer sees from diffusers (the Qwen3 prompt encoding, the position ids, the shifted sigma schedule,
+the VAE's batch-norm statistics and patches) and writes out the loop for what the pipeline does not do:
+one generator per request, a per-row SDE window and the log-prob of every trained step. A step-distilled
+checkpoint takes no CFG.
 
-The loop is written out here for what the pipeline does not do: one generator per request, a per-row SDE
-window and the log-prob of every trained step (`flow_sde.flow_step`). The sampler's latents are the
-pipeline's before packing, [4C, h/2, w/2] (patchified, normalised); they are flattened to tokens only for
-the transformer (a permutation, so the step and its log-prob are the same on either layout). With noise
-level 0 it is the pipeline's sampler: same initial latents, same image.
+How it works: omnirl/models/flux2_klein/README.md
 """
 
 from __future__ import annotations
