@@ -245,3 +245,35 @@ def test_training_gives_the_same_lora_with_sleep_on_and_off(tiny_sd3, tmp_path):
     assert a.keys() == b.keys() and a
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_what_a_compile_left_is_frozen_and_later_garbage_still_collected():
+    """After dynamo compiled a graph, `freeze_compiled` moves the survivors out of the full collections
+    (what the compile made is not walked again); without a new graph it does nothing; a reference cycle
+    made afterwards is still collected by `empty_cache`."""
+    import gc
+    import weakref
+
+    from omnirl import memory
+
+    gc.unfreeze()
+    try:
+        memory.freeze_compiled()  # whatever earlier tests compiled
+        assert not memory.freeze_compiled()  # nothing new: no freeze
+        f = torch.compile(lambda x: x * 2 + 1, backend="eager")
+        f(torch.ones(3))
+        before = gc.get_freeze_count()
+        assert memory.freeze_compiled() and gc.get_freeze_count() > before
+        assert not memory.freeze_compiled()
+
+        class Node:
+            pass
+
+        a, b = Node(), Node()
+        a.other, b.other = b, a  # a cycle: only the collector frees it
+        dead = weakref.ref(a)
+        del a, b
+        memory.empty_cache()
+        assert dead() is None
+    finally:
+        gc.unfreeze()
