@@ -272,7 +272,7 @@ def test_group_shared_initial_noise_and_random_step_subsets(ti2v):
     the first SDE step; trained steps a random subset; packed still equals serial."""
     params = SamplingParams(
         HEIGHT, WIDTH, STEPS, GUIDANCE, 1.2, "dance_sde", 3, (0, 5), shared_initial_noise=True,
-        sde_window_random=True,
+        sde_window_schedule="dance",
     )  # fmt: skip
     # Two groups of two; the group seed is the group's, the sample seed the sample's.
     requests = [
