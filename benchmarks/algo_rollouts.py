@@ -7,8 +7,9 @@ DiffusionEngine on full-size models (`--random-init`: the public configs, omnirl
   random 5 of steps 0-8 trained).
 - `sd3` (the `sd35_mixgrpo_flash_ocr` recipe's rollout: 512 px, 25 steps, CFG 4.5, DPM-Solver++ 2M after
   the window): for windows of 4 at the given starts, `full`, the ODE on the whole schedule (before), against
-  `compressed`, MixGRPO-Flash's compressed schedule (`sampling.ode_compress_ratio` 0.4); and over a whole
-  period of the recipe's windows, the mean number of denoising forwards of each.
+  `compressed`, MixGRPO-Flash's compressed schedule (`sampling.sde_window_schedule sliding_compressed`,
+  `ode_compress_ratio` 0.4); and over a whole period of the recipe's windows, the mean number of denoising
+  forwards of each.
 
 Each cell: the engine's memory probes for its batch first (untimed), then `--repeats` timed generations of
 the same requests (median reported). Prints a table and writes JSON (`--out`).
@@ -93,7 +94,7 @@ def cell(engine: DiffusionEngine, params, n: int, repeats: int) -> dict:
 def wan_cells(cfg, adapter, a) -> list[dict]:
     dance = sampling_params(cfg)
     window = dataclasses.replace(
-        dance, noise_level=1.2, sde_window_size=2, sde_window_range=(0, 5), sde_window_random=False
+        dance, noise_level=1.2, sde_window_size=2, sde_window_range=(0, 5), sde_window_schedule="contiguous"
     )
     engine = DiffusionEngine(adapter, RolloutConfig(max_num_seqs=a.videos))
     engine.generate(make_requests(PROMPTS[:1], window, ""))  # kernels warmed, untimed
@@ -106,7 +107,7 @@ def wan_cells(cfg, adapter, a) -> list[dict]:
 def sd35_cells(cfg, adapter, a) -> list[dict]:
     s = cfg.sampling
     flash = sampling_params(cfg)
-    full = dataclasses.replace(flash, ode_compress_ratio=0.0)
+    full = dataclasses.replace(flash, sde_window_schedule="sliding", ode_compress_ratio=0.0)
     engine = DiffusionEngine(adapter, RolloutConfig(max_num_seqs=a.images))
     engine.generate(make_requests(PROMPTS[:1], full, ""))  # kernels warmed, untimed
     rows = []

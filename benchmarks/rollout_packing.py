@@ -369,7 +369,8 @@ def main() -> None:
     size = min(s.sde_window_size, hi - lo)
     params = SamplingParams(
         s.height, s.width, a.steps, s.guidance_scale, s.noise_level, s.sde_type, size, (lo, hi),
-        sde_window_subset=s.sde_window_schedule == "subset",
+        # a subset recipe's subsets, else a window at a random start (one rollout's cost, not a schedule's)
+        sde_window_schedule="subset" if s.sde_window_schedule == "subset" else "contiguous",
     )  # fmt: skip
     # This rank's share of one prompt list (all of it in a single process); seeds from the global index.
     mine = slice(dist.rank * a.images, (dist.rank + 1) * a.images)

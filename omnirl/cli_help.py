@@ -44,9 +44,10 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def type_name(tp: Any) -> str:
-    """A field's type as --help shows it: `{a,b}` for a Literal, else its name (`list[str]`, `float`)."""
+    """A field's type as --help shows it: `{a, b}` for a Literal (a long list wraps between its words, not
+    away from its flag), else its name (`list[str]`, `float`)."""
     if typing.get_origin(tp) is typing.Literal:
-        return "{" + ",".join(str(a) for a in typing.get_args(tp)) + "}"
+        return "{" + ", ".join(str(a) for a in typing.get_args(tp)) + "}"
     if typing.get_origin(tp) is None and isinstance(tp, type):
         return tp.__name__
     return str(tp).replace("typing.", "")

@@ -84,18 +84,25 @@ class SamplingConfig:
     """Trained SDE steps per sample W (ODE outside the window); 0 trains every step but the last (as
     flow_grpo's timestep_fraction 0.99: the last step, to sigma 0, is a very sharply peaked Gaussian)."""
     sde_window_range: tuple[int, int] = (0, 1)
-    """[lo, hi): the steps a window of W > 0 may cover. Its start is drawn per request, uniformly from
-    lo .. hi - W, so the window stays inside the range (flow_grpo's and VeRL-Omni's draw): [0, 5) with
-    W = 2 trains two consecutive steps among 0-4. Needs lo + W <= hi <= num_steps."""
-    sde_window_schedule: Literal["random", "sliding", "subset"] = "random"
-    """Where a step's windows lie: 'random' draws each request's start in sde_window_range; 'subset' draws
-    each request's sde_window_size trained steps without replacement from sde_window_range, not contiguous,
-    and takes the ODE step elsewhere (VeRL-Omni's LTX-2 Flow-GRPO: 3 of the first 10 steps); 'sliding'
-    (MixGRPO's progressive strategy) places one window for every request of a step, at lo first, moving it
-    by sde_window_stride steps every sde_window_shift_interval RL steps; at the end of the range it shrinks
-    to the steps left (W, ..., 2, 1), and once its start would reach hi it goes back to lo (the reference
-    first spends one period on an empty window, which trains nothing: skipped here). MixGRPO's range is
-    [0, num_steps - 2): it never trains the last two steps."""
+    """[lo, hi): the steps a window (or subset) of W > 0 may cover. A window's start is drawn per request,
+    uniformly from lo .. hi - W, so the window stays inside the range (flow_grpo's and VeRL-Omni's draw):
+    [0, 5) with W = 2 trains two consecutive steps among 0-4. Needs lo + W <= hi <= num_steps."""
+    sde_window_schedule: Literal["contiguous", "dance", "subset", "sliding", "sliding_compressed"] = (
+        "contiguous"
+    )
+    """Which steps of each sample train and which take the SDE step (the ODE step elsewhere). 'contiguous'
+    (flow_grpo, VeRL-Omni): each request's window of sde_window_size steps from a start drawn in
+    sde_window_range, the SDE on it alone. 'dance' (DanceGRPO): every step but the last takes the SDE step,
+    and sde_window_size of them, drawn per request without replacement from sde_window_range, train (its
+    timestep_fraction f over T steps is a size of int(f (T - 1)) in [0, T - 1); the last step is the ODE
+    step to sigma 0, whose result is the x0 prediction DanceGRPO decodes).
+    'subset' (VeRL-Omni's LTX-2 Flow-GRPO: 3 of the first 10 steps): that draw, the SDE on the trained steps
+    alone. 'sliding' (MixGRPO's progressive strategy): one window for every request of a step, at lo first,
+    moving by sde_window_stride steps every sde_window_shift_interval RL steps; at the end of the range it
+    shrinks to the steps left (W, ..., 2, 1), and once its start would reach hi it goes back to lo (the
+    reference first spends one period on an empty window, which trains nothing: skipped here); MixGRPO's
+    range is [0, num_steps - 2): it never trains the last two steps. 'sliding_compressed' (MixGRPO-Flash):
+    the sliding window, and the ODE after it on a compressed schedule (ode_compress_ratio)."""
     sde_window_shift_interval: int = 25
     """sliding: RL steps between two moves of the window (MixGRPO's iters_per_group)."""
     sde_window_stride: int = 1
@@ -106,17 +113,11 @@ class SamplingConfig:
     after the window: second order from the previous step's x0; its first-order steps, the one to sigma 0
     included, are exactly Euler). Steps before and inside the window are unchanged, except in a noise-free
     rollout (noise_level 0 or sde_type ode, validation's included), which takes dpm2 at every step."""
-    sde_window_random: bool = False
-    """DanceGRPO's sampling (XueZeyue/DanceGRPO): every step but the last takes the SDE step, and the
-    trained steps are sde_window_size of them drawn per request without replacement from sde_window_range
-    instead of a contiguous window. DanceGRPO's timestep_fraction f over T steps is a size of
-    int(f (T - 1)) in [0, T - 1): it trains among the first T - 1 transitions. The last step is the ODE
-    step to sigma 0, whose result is the x0 prediction DanceGRPO decodes."""
     ode_compress_ratio: float = 0.0
     """MixGRPO-Flash: after the window, the ODE runs on a compressed schedule: int(max(ratio (T - L), 1))
     points (L the window's last step; at least the step to sigma 0) evenly spaced in unshifted time from
     sigma_{L+1} to 0 and shifted as the schedule is, instead of the T - L - 1 steps left (0 = off; the
-    reference's 0.4). Needs sde_window_schedule sliding (one window per batch)."""
+    reference's 0.4). A setting of sde_window_schedule sliding_compressed alone, which needs it > 0."""
     shared_initial_noise: bool = False
     """All samples of a prompt start from the same initial latents, drawn from the group's own seed
     (DanceGRPO); the SDE noise stays per sample."""

@@ -343,19 +343,24 @@ def _check_sampling(s: SamplingConfig, adapter: type, name: str, logprobs: bool)
         window(s.num_steps, s.sde_window_size, (lo, hi))
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if s.sde_window_schedule in ("sliding", "subset") and s.sde_window_size == 0:
+    schedule = s.sde_window_schedule
+    if schedule in ("sliding", "sliding_compressed", "subset") and s.sde_window_size == 0:
+        raise ConfigError(f"sampling.sde_window_schedule {schedule} needs sampling.sde_window_size > 0")
+    if schedule == "dance" and s.sde_window_size and hi > s.num_steps - 1:
         raise ConfigError(
-            f"sampling.sde_window_schedule {s.sde_window_schedule} needs sampling.sde_window_size > 0"
+            f"sampling.sde_window_range {[lo, hi]} with sde_window_schedule dance: the last step "
+            f"({s.num_steps - 1}) is the ODE step to sigma 0 and is never trained; hi must be at most "
+            "sampling.num_steps - 1"
         )
-    if s.sde_window_random and s.sde_window_size and hi > s.num_steps - 1:
+    if s.ode_compress_ratio and schedule != "sliding_compressed":
         raise ConfigError(
-            f"sampling.sde_window_range {[lo, hi]} with sde_window_random: the last step ({s.num_steps - 1}) "
-            "is the ODE step to sigma 0 and is never trained; hi must be at most sampling.num_steps - 1"
+            "sampling.ode_compress_ratio needs sampling.sde_window_schedule sliding_compressed (MixGRPO-"
+            f"Flash: the compressed schedule follows one window shared by the whole batch), got {schedule}"
         )
-    if s.ode_compress_ratio and (s.sde_window_schedule != "sliding" or s.sde_window_random):
+    if schedule == "sliding_compressed" and not s.ode_compress_ratio:
         raise ConfigError(
-            "sampling.ode_compress_ratio needs sampling.sde_window_schedule sliding without "
-            "sde_window_random: the compressed schedule follows one window shared by the whole batch"
+            "sampling.sde_window_schedule sliding_compressed needs sampling.ode_compress_ratio > 0 (the "
+            "reference's: 0.4)"
         )
 
 

@@ -49,6 +49,13 @@ RENAMED = {
     "rollout.fp8_select": "rollout.fp8.select",
 }
 
+# Settings that became a value of another (whatever their value), and old values renamed ("name value"):
+# refused as the moved settings are, with one line naming the new value.
+RENAMED_VALUES = {
+    "sampling.sde_window_random": "sampling.sde_window_schedule dance",
+    "sampling.sde_window_schedule random": "sampling.sde_window_schedule contiguous",
+}
+
 
 @functools.cache
 def config_class(adapter: str) -> type[Config]:
@@ -118,6 +125,8 @@ def _convert(tp: Any, value: Any, key: str, src: str) -> Any:
         (inner,) = [a for a in args if a is not type(None)]
         return _convert(inner, value, key, src)
     if origin is Literal:
+        if f"{key} {value}" in RENAMED_VALUES:
+            raise ConfigError(f"{src}: {key} {value} is now {RENAMED_VALUES[f'{key} {value}']}")
         if value not in args:
             raise bad("one of " + ", ".join(repr(a) for a in args))
         return value
@@ -164,8 +173,9 @@ def _build(cls: type, data: dict, prefix: str, src: str) -> Any:
     for k in data:
         if k not in names:
             where = f"{prefix}.{k}" if prefix else k
-            if where in RENAMED:
-                raise ConfigError(f"{src}: {where} is now {RENAMED[where]}")
+            new = RENAMED.get(where) or RENAMED_VALUES.get(where)
+            if new:
+                raise ConfigError(f"{src}: {where} is now {new}")
             raise ConfigError(f"{src}: unknown key {where!r} (known keys here: {', '.join(names)})")
     kwargs = {}
     for k, v in data.items():
@@ -302,7 +312,8 @@ def check_flags(config_cls: type[Config], overrides: list[str]) -> None:
     """Every `--section.field` (or `--section.field=value`, `--section.no-flag`; `--section.sub.field` for a
     section inside a section) names a field of `config_cls` (a dict field's entries are
     `--section.field.KEY`): an unknown one is a ConfigError naming that flag alone, with the new name of a
-    renamed setting (`RENAMED`) or the closest field's flag when one is close (difflib)."""
+    renamed setting (`RENAMED`), the new value of one that became a value (`RENAMED_VALUES`, as an old
+    value is) or the closest field's flag when one is close (difflib)."""
     import difflib
 
     fields, flags, dicts = set(), set(), []
@@ -315,16 +326,23 @@ def check_flags(config_cls: type[Config], overrides: list[str]) -> None:
                 flags.add(f"{section}.no_{f.name}")
             if typing.get_origin(tp) is dict:
                 dicts.append(f"{section}.{f.name}.")
-    for arg in overrides:
+    for i, arg in enumerate(overrides):
         if not arg.startswith("--") or arg in ("--help", "--help-all"):
             continue
         name = arg[2:].split("=", 1)[0]
+        flag = arg.split("=", 1)[0]
+        if name.replace("-", "_") in fields:
+            value = arg.split("=", 1)[1] if "=" in arg else (overrides[i + 1 : i + 2] or [""])[0]
+            old = f"{name.replace('-', '_')} {value}"
+            if old in RENAMED_VALUES:
+                raise ConfigError(f"{flag} {value} is now --{RENAMED_VALUES[old]}")
         if name.replace("-", "_") in fields | flags or name.startswith(tuple(dicts)):
             continue
         name = name.replace("-", "_")
-        flag = arg.split("=", 1)[0]
         section, _, leaf = name.rpartition(".")
         old = f"{section}.{leaf.removeprefix('no_')}"
+        if old in RENAMED_VALUES:
+            raise ConfigError(f"{flag} is now --{RENAMED_VALUES[old]}")
         if old in RENAMED:
             new_section, _, new_leaf = RENAMED[old].rpartition(".")
             new = f"{new_section}.no_{new_leaf}" if leaf.startswith("no_") else RENAMED[old]

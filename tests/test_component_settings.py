@@ -116,3 +116,65 @@ def test_an_old_recipe_key_is_one_line_naming_the_new_one(tmp_path, capsys, monk
 )
 def test_a_component_value_out_of_range_is_one_line(overrides, expected, tmp_path, capsys, monkeypatch):
     run_main(["--recipe", "sd3_tiny_flowgrpo", *overrides], tmp_path, capsys, monkeypatch, expected)
+
+
+@pytest.mark.parametrize(
+    ("flag", "expected"),
+    [
+        (
+            ["--sampling.sde_window_random"],
+            "--sampling.sde_window_random is now --sampling.sde_window_schedule dance",
+        ),
+        (
+            ["--sampling.no-sde-window-random"],
+            "--sampling.no-sde-window-random is now --sampling.sde_window_schedule dance",
+        ),
+        (
+            ["--sampling.sde_window_random=false"],
+            "--sampling.sde_window_random is now --sampling.sde_window_schedule dance",
+        ),
+        (
+            ["--sampling.sde_window_schedule", "random"],
+            "--sampling.sde_window_schedule random is now --sampling.sde_window_schedule contiguous",
+        ),
+        (
+            ["--sampling.ode_compress_ratio", "0.4"],
+            "sampling.ode_compress_ratio needs sampling.sde_window_schedule sliding_compressed",
+        ),
+        (
+            ["--sampling.sde_window_schedule", "sliding_compressed", "--sampling.sde_window_size", "1"],
+            "sampling.sde_window_schedule sliding_compressed needs sampling.ode_compress_ratio > 0",
+        ),
+    ],
+)
+def test_an_old_schedule_flag_is_one_line_naming_the_new_value(flag, expected, tmp_path, capsys, monkeypatch):
+    """A setting that became a value of sampling.sde_window_schedule, an old value, and MixGRPO-Flash's
+    ratio with another schedule (or that schedule without it)."""
+    run_main(["--recipe", "sd3_tiny_flowgrpo", *flag], tmp_path, capsys, monkeypatch, f"error: {expected}")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("sde_window_random", True, "sampling.sde_window_random is now sampling.sde_window_schedule dance"),
+        ("sde_window_random", False, "sampling.sde_window_random is now sampling.sde_window_schedule dance"),
+        (
+            "sde_window_schedule",
+            "random",
+            "sampling.sde_window_schedule random is now sampling.sde_window_schedule contiguous",
+        ),
+    ],
+)
+def test_an_old_schedule_key_is_one_line_naming_the_new_value(
+    key, value, expected, tmp_path, capsys, monkeypatch
+):
+    recipe = yaml.safe_load((ROOT / "yaml/flux_tiny_dancegrpo.yaml").read_text())
+    del recipe["sampling"]["sde_window_schedule"]
+    recipe["sampling"][key] = value
+    path = tmp_path / "old" / "recipe.yaml"
+    path.parent.mkdir()
+    path.write_text(yaml.safe_dump(recipe))
+    monkeypatch.chdir(tmp_path)
+    status = load_train_script().main(["--recipe", str(path), "--run.output_dir", str(tmp_path / "out")])
+    assert_one_error_line(status, capsys, f"error: {path}: {expected}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]

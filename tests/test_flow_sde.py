@@ -283,12 +283,12 @@ def test_dance_sde_logprob_is_independent_gaussian_density():
 
 
 def test_dance_grpo_samples_every_step_and_trains_a_random_subset_by_hand():
-    """DanceGRPO (sde_window_random): every step but the last takes the SDE step, and the trained steps
-    are a random subset of the range. Written out by hand for 6 steps, a subset of 3 in [0, 5): each
+    """DanceGRPO (sde_window_schedule dance): every step but the last takes the SDE step, and the trained
+    steps are a random subset of the range. Written out by hand for 6 steps, a subset of 3 in [0, 5): each
     request's generator draws its initial latents, the subset (randperm(5)[:3], sorted), then one noise
     per step 0..4; the last step is the Euler step to sigma 0 (DanceGRPO decodes that x0 prediction)."""
     steps = 6
-    requests = window_requests(6, 3, (0, 5), steps=steps, sde_window_random=True)
+    requests = window_requests(6, 3, (0, 5), steps=steps, sde_window_schedule="dance")
     _, records, _, final, sigmas = run_sampler(requests, steps=steps)
     subsets = []
     for req, rec, fin in zip(requests, records, final):
@@ -316,8 +316,8 @@ def test_dance_grpo_samples_every_step_and_trains_a_random_subset_by_hand():
         torch.testing.assert_close(final[b], final_alone[0])
     cfg = config_for("sd3")
     s = cfg.sampling
-    s.num_steps, s.sde_window_size, s.sde_window_range, s.sde_window_random = 6, 3, (0, 6), True
-    with pytest.raises(ConfigError, match=r"sde_window_random: the last step \(5\) is the ODE step"):
+    s.num_steps, s.sde_window_size, s.sde_window_range, s.sde_window_schedule = 6, 3, (0, 6), "dance"
+    with pytest.raises(ConfigError, match=r"sde_window_schedule dance: the last step \(5\) is the ODE step"):
         check_values(cfg)
 
 
@@ -338,7 +338,10 @@ def test_mixgrpo_flash_compressed_schedule_by_hand():
         compressed_schedule(sigmas, 21, 0.4, 3.0), torch.cat([sigmas[:23], torch.zeros(1)])
     )
     # The sampler runs it: 11 steps, the window's records unchanged (its sigmas are the schedule's).
-    p = SamplingParams(8, 8, 25, 1.0, 0.7, "sde", 4, (0, 4), ode_solver="dpm2", ode_compress_ratio=0.4)
+    p = SamplingParams(
+        8, 8, 25, 1.0, 0.7, "sde", 4, (0, 4), ode_solver="dpm2",
+        sde_window_schedule="sliding_compressed", ode_compress_ratio=0.4,
+    )  # fmt: skip
     requests = [Request("p", i, i, derive_seed(5, 0, i), p) for i in range(2)]
     sampler = WindowedSampler(requests, (2, 3), sigmas, "cpu", shift=3.0)
     assert sampler.num_steps == 11
@@ -355,10 +358,10 @@ def test_mixgrpo_flash_compressed_schedule_by_hand():
 
 
 def test_subset_schedule_trains_random_steps_and_takes_the_ode_step_elsewhere():
-    """sde_window_subset (LTX-2's reference: 3 of the first 10 steps): each request's trained steps are a
-    draw without replacement from the range, not contiguous for every request, and only they take the SDE
-    step: the other steps are the ODE step (noise-free), as with a window."""
-    requests = window_requests(8, 3, (0, 10), steps=12, sde_window_subset=True)
+    """sde_window_schedule subset (LTX-2's reference: 3 of the first 10 steps): each request's trained steps
+    are a draw without replacement from the range, not contiguous for every request, and only they take
+    the SDE step: the other steps are the ODE step (noise-free), as with a window."""
+    requests = window_requests(8, 3, (0, 10), steps=12, sde_window_schedule="subset")
     sampler, records, _, _, sigmas = run_sampler(requests, 12)
     subsets = [r["step_indices"].tolist() for r in records]
     assert all(len(set(s)) == 3 and all(0 <= i < 10 for i in s) for s in subsets)

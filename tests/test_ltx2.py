@@ -114,7 +114,9 @@ def test_packed_rollout_equals_serial_and_recomputed_logprobs_per_stream(adapter
     log-prob is the pooled sum of the streams' with the stated weights."""
     from omnirl.ops.diffusion import Pair, pair_logprob
 
-    params = SamplingParams(HEIGHT, WIDTH, STEPS + 2, GUIDANCE, 0.8, "cps", 3, (0, 5), sde_window_subset=True)
+    params = SamplingParams(
+        HEIGHT, WIDTH, STEPS + 2, GUIDANCE, 0.8, "cps", 3, (0, 5), sde_window_schedule="subset"
+    )
     requests = make_requests(params)
     packed = adapter.rollout(requests)
     serial = [adapter.rollout([r])[0] for r in requests]

@@ -151,8 +151,9 @@ def test_mixgrpo_flash_rollout_on_the_compressed_schedule(adapter):
     n = int(0.4 * (10 - 1)) = 3 points from sigma_2 to 0, evenly spaced in the unshifted time t = sigma /
     (3 - 2 sigma): 2 steps after the window, 4 in all. The trainer recomputes the window's log-probs."""
     params = SamplingParams(
-        SIZE, SIZE, 10, GUIDANCE, 0.7, "sde", 2, (0, 2), ode_solver="dpm2", ode_compress_ratio=0.4
-    )
+        SIZE, SIZE, 10, GUIDANCE, 0.7, "sde", 2, (0, 2), ode_solver="dpm2",
+        sde_window_schedule="sliding_compressed", ode_compress_ratio=0.4,
+    )  # fmt: skip
     trajs = adapter.rollout(make_requests(params, n=2))
     full = adapter.sigmas(10)
     s2 = float(full[2])

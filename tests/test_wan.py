@@ -229,7 +229,7 @@ def test_memory_probe_starts_where_the_decode_chunk_is_full(ti2v, monkeypatch):
 
     probes = []
     rollout = ti2v.rollout
-    monkeypatch.setattr(ti2v, "rollout", lambda batch: probes.append(len(batch)) or rollout(batch))
+    monkeypatch.setattr(ti2v, "rollout", lambda batch, *a: probes.append(len(batch)) or rollout(batch, *a))
 
     budget = 1.01 * peak[8]  # 8 requests fit
     engine = DiffusionEngine(ti2v, RolloutConfig(max_num_seqs=8, memory_budget_gib=budget / GIB))
@@ -272,7 +272,7 @@ def test_group_shared_initial_noise_and_random_step_subsets(ti2v):
     the first SDE step; trained steps a random subset; packed still equals serial."""
     params = SamplingParams(
         HEIGHT, WIDTH, STEPS, GUIDANCE, 1.2, "dance_sde", 3, (0, 5), shared_initial_noise=True,
-        sde_window_random=True,
+        sde_window_schedule="dance",
     )  # fmt: skip
     # Two groups of two; the group seed is the group's, the sample seed the sample's.
     requests = [

@@ -48,7 +48,7 @@ class SamplingParams:
     noise_level: float
     sde_type: str  # "sde" | "cps" | "dance_sde" | "ode"
     sde_window_size: int  # trained steps per sample; 0 = every step
-    sde_window_range: tuple[int, int]  # the window start is drawn per request from lo .. hi - size
+    sde_window_range: tuple[int, int]  # [lo, hi): the steps a row's trained ones lie in
     record_logprobs: bool = True  # False (validation): nothing is trained from it, so no window
     record_mean: bool = False  # also record each trained step's mean (losses that compare means: flow_dppo)
     ode_solver: str = (
@@ -59,9 +59,11 @@ class SamplingParams:
     # generate call
     lora: str = "policy"
     shared_initial_noise: bool = False  # a group's samples start from one draw (its group_seed)
-    sde_window_random: bool = False  # DanceGRPO: SDE at every step but the last, a random subset trained
-    sde_window_subset: bool = False  # the trained (and only SDE) steps: a random subset of the range
-    ode_compress_ratio: float = 0.0  # MixGRPO-Flash: the ODE after the window on a compressed schedule
+    # Which steps each row trains and samples with the SDE: a name of flow_sde.PLANNERS
+    sde_window_schedule: str = "contiguous"
+    ode_compress_ratio: float = (
+        0.0  # sliding_compressed (MixGRPO-Flash): the ODE after the window, compressed
+    )
     # CFG's conditional and unconditional rows share one forward (rollout.fused_cfg), or run as two
     fused_cfg: bool = True
     # False: the outputs hold the final latents only, no VAE decode (every reward of the recipe reads

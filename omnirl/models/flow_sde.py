@@ -182,6 +182,85 @@ def compressed_schedule(sigmas: torch.Tensor, last: int, ratio: float, shift: fl
     return torch.cat([sigmas[: last + 2], post[1:]])  # post[0] is sigma_{last+1} itself
 
 
+@dataclass
+class Plan:
+    """What a rollout's rows do at each step (`PLANNERS`): which steps each row trains (records) and which
+    it samples with the SDE step (the ODE step elsewhere), and the sigmas the rollout runs."""
+
+    trained: list[list[int]]  # per row, its trained steps in ascending order (as many for every row)
+    noisy: list[list[int]]  # per row, the steps it takes the SDE step at (its trained ones among them)
+    sigmas: torch.Tensor  # [T' + 1] the schedule (T' = T unless the planner compresses it)
+
+
+# A planner: (the batch's SamplingParams, untyped here as models.base imports this module; one generator
+# per row; the schedule's sigmas; its static shift or None) -> the rows' `Plan`. It draws from each row's
+# generator after its initial latents and before its step noise; it only runs for a rollout that records
+# log-probs (`WindowedSampler`: no window otherwise).
+Planner = Callable[[Any, list[torch.Generator], torch.Tensor, float | None], Plan]
+
+
+def _contiguous(p, generators: list[torch.Generator], sigmas: torch.Tensor, shift: float | None) -> Plan:
+    """flow_grpo's and VeRL-Omni's window: each row's W steps in a row, from a start drawn uniformly in
+    lo .. hi - W of `sde_window_range`; the SDE on them alone. Size 0 trains every step but the last, with
+    no draw. MixGRPO's sliding window is this draw on a range of exactly W steps (`sliding_window`), the
+    same for every row."""
+    size, lo, last = window(p.num_steps, p.sde_window_size, p.sde_window_range)
+    starts = [0] * len(generators)
+    if p.sde_window_size:
+        starts = [int(torch.randint(lo, last + 1, (1,), generator=g)) for g in generators]
+    trained = [list(range(s, s + size)) for s in starts]
+    return Plan(trained, trained, sigmas)
+
+
+def _random_steps(p, generators: list[torch.Generator]) -> list[list[int]]:
+    """Each row's W trained steps drawn without replacement from `sde_window_range` (the first W of a
+    permutation, sorted)."""
+    size, lo, last = window(p.num_steps, p.sde_window_size, p.sde_window_range)
+    return [
+        sorted(lo + int(j) for j in torch.randperm(last + size - lo, generator=g)[:size]) for g in generators
+    ]
+
+
+def _dance(p, generators: list[torch.Generator], sigmas: torch.Tensor, shift: float | None) -> Plan:
+    """DanceGRPO's: every step but the last takes the SDE step (DanceGRPO samples them all and decodes the
+    last one's x0 prediction, which is the ODE step to sigma 0), W of them trained (`_random_steps`)."""
+    trained = _random_steps(p, generators)
+    return Plan(trained, [list(range(p.num_steps - 1)) for _ in trained], sigmas)
+
+
+def _subset(p, generators: list[torch.Generator], sigmas: torch.Tensor, shift: float | None) -> Plan:
+    """VeRL-Omni's LTX-2 Flow-GRPO: W trained steps drawn per row (`_random_steps`), the SDE on them alone."""
+    trained = _random_steps(p, generators)
+    return Plan(trained, trained, sigmas)
+
+
+def _sliding_compressed(
+    p, generators: list[torch.Generator], sigmas: torch.Tensor, shift: float | None
+) -> Plan:
+    """MixGRPO-Flash's: MixGRPO's window (`_contiguous`), then the ODE on the compressed schedule after it
+    (`compressed_schedule`, `ode_compress_ratio`), which needs one window for the whole batch."""
+    plan = _contiguous(p, generators, sigmas, shift)
+    ends = {t[-1] for t in plan.trained}
+    if len(ends) != 1 or shift is None:
+        raise ValueError(
+            "sampling.sde_window_schedule sliding_compressed needs one window for the whole batch and a "
+            "schedule of static shift"
+        )
+    plan.sigmas = compressed_schedule(sigmas, ends.pop(), p.ode_compress_ratio, shift)
+    return plan
+
+
+# sampling.sde_window_schedule -> its planner. Its docs/recipes.md table says what each trains and samples
+# with the SDE, and the reference it follows.
+PLANNERS: dict[str, Planner] = {
+    "contiguous": _contiguous,
+    "dance": _dance,
+    "subset": _subset,
+    "sliding": _contiguous,
+    "sliding_compressed": _sliding_compressed,
+}
+
+
 def dpm2_coefficients(sigma_prev: float, sigma: float, sigma_next: float) -> tuple[float, float, float]:
     """(c_x, c_0, c_1): DPM-Solver++ 2M's step from sigma to sigma_next for flow matching (alpha = 1 -
     sigma, lambda = log(alpha / sigma)) as x' = c_x x + c_0 x0 + c_1 x0_prev, with x0 = x - sigma v the
@@ -197,24 +276,21 @@ def dpm2_coefficients(sigma_prev: float, sigma: float, sigma_next: float) -> tup
 class WindowedSampler:
     """The per-request randomness of a packed denoising loop, and the SDE window of each row.
 
-    Every adapter's loop uses it, so the rules live in one place. The window (`window`): size W > 0 starts
-    at a step drawn uniformly from lo .. hi - W of `sde_window_range` [lo, hi), so it stays inside the range
-    (flow_grpo's and VeRL-Omni's draw); size 0 trains every step but the last (flow_grpo's
-    `timestep_fraction` 0.99: the last step, to sigma 0, is a very sharply peaked Gaussian), starting at 0
-    with no draw. With `sde_window_random` (DanceGRPO's sampling) every step but the last takes the SDE
-    step, and the trained steps are W of them drawn without replacement from [lo, hi) instead of a
-    contiguous window; with `sde_window_subset` the same draw, but only the trained steps take the SDE step
-    (ODE elsewhere). Each request's own generator (seeded from `request.seed`) draws, in this order: its
-    initial latents, its window start or subset (only for W > 0), then the noise of each SDE step. With
-    `shared_initial_noise` the initial latents come from a generator seeded by `request.group_seed`
-    instead (every sample of a group starts from the same latents, DanceGRPO's rule), and the request's own
-    generator draws the rest. So a request's sample does not depend on the batch it runs in (packed ==
-    serial). Rows at an SDE step take `flow_step` with the request's SDE type and noise level; at a trained
-    step they record (latents in, latents out, step, log-prob and, with `record_mean`, the step's mean);
-    elsewhere they take the ODE step and record nothing: the Euler step, or after the SDE steps with
-    `ode_solver` dpm2 DPM-Solver++ 2M (`dpm2_coefficients`). With `ode_compress_ratio` (MixGRPO-Flash) the
-    ODE after a window shared by the whole batch runs on the compressed schedule (`compressed_schedule`,
-    with the schedule's `shift`): `num_steps` and `sigmas` are then the sampler's, not the request's.
+    Every adapter's loop uses it, so the rules live in one place. Which steps each row trains and samples
+    with the SDE is the plan of the batch's `sde_window_schedule` (`PLANNERS`: one function per schedule).
+    The window (`window`): size W > 0 lies in `sde_window_range` [lo, hi); size 0 trains every step but the
+    last (flow_grpo's `timestep_fraction` 0.99: the last step, to sigma 0, is a very sharply peaked
+    Gaussian). Each request's own generator (seeded from `request.seed`) draws, in this order: its initial
+    latents, what its schedule's planner draws (a window start, a subset of steps), then the noise of each
+    SDE step. With `shared_initial_noise` the initial latents come from a generator seeded by
+    `request.group_seed` instead (every sample of a group starts from the same latents, DanceGRPO's rule),
+    and the request's own generator draws the rest. So a request's sample does not depend on the batch it
+    runs in (packed == serial). Rows at an SDE step take `flow_step` with the request's SDE type and noise
+    level; at a trained step they record (latents in, latents out, step, log-prob and, with `record_mean`,
+    the step's mean); elsewhere they take the ODE step and record nothing: the Euler step, or after the SDE
+    steps with `ode_solver` dpm2 DPM-Solver++ 2M (`dpm2_coefficients`). A planner that compresses the
+    schedule (MixGRPO-Flash's, with the schedule's `shift`) sets `num_steps` and `sigmas`: they are then the
+    sampler's, not the request's.
     `on_step(trained)` runs before each step (`steps`): the rollout engine's per-step precision (rollout.
     fp8.steps untrained: the policy's own layers for a step that trains a row, FP8 for the others).
     A rollout that records no log-probs (validation) has no window: the ODE step everywhere. Noise is drawn
@@ -240,10 +316,6 @@ class WindowedSampler:
     ):
         p = requests[0].params
         self.pool, self.on_step = pool, on_step
-        # A rollout nothing is trained from (validation) has no window: no noise, no records.
-        self.size, lo, last = (
-            window(p.num_steps, p.sde_window_size, p.sde_window_range) if p.record_logprobs else (0, 0, 0)
-        )
         self.params, self.shape, self.device = p, latent_shape, torch.device(device)
         pin = self.device.type != "cpu"  # pinned host memory: copies that do not block the host
         self.generators = [torch.Generator("cpu").manual_seed(r.seed) for r in requests]
@@ -253,30 +325,12 @@ class WindowedSampler:
                 first = [torch.Generator("cpu").manual_seed(r.group_seed) for r in requests]
             initial = torch.stack([torch.randn(latent_shape, generator=g) for g in first])
             self.initial_latents = _to_device(initial, self.device, pin)  # [B, *latent]
-        if (p.sde_window_random or p.sde_window_subset) and self.size:
-            hi = last + self.size
-            self.trained = [
-                sorted(lo + int(j) for j in torch.randperm(hi - lo, generator=g)[: self.size])
-                for g in self.generators
-            ]
-        else:
-            starts = [0] * len(requests)
-            if p.sde_window_size and self.size:
-                starts = [int(torch.randint(lo, last + 1, (1,), generator=g)) for g in self.generators]
-            self.trained = [list(range(s, s + self.size)) for s in starts]
-        # The steps each row samples with the SDE: its trained ones; with sde_window_random every step
-        # but the last (DanceGRPO samples all of them and decodes the last one's x0 prediction, which is
-        # the ODE step to sigma 0).
-        last_sde = p.num_steps - 1
-        self.noisy = [list(range(last_sde)) if p.sde_window_random and t else t for t in self.trained]
-        if p.ode_compress_ratio and self.size:
-            ends = {t[-1] for t in self.trained}
-            if len(ends) != 1 or shift is None:
-                raise ValueError(
-                    "sampling.ode_compress_ratio needs one window for the whole batch (sde_window_schedule "
-                    "sliding) and a schedule of static shift"
-                )
-            sigmas = compressed_schedule(sigmas, ends.pop(), p.ode_compress_ratio, shift)
+        if p.record_logprobs:
+            plan = PLANNERS[p.sde_window_schedule](p, self.generators, sigmas, shift)
+        else:  # nothing is trained from it (validation): no window, no draw
+            plan = Plan([[] for _ in requests], [[] for _ in requests], sigmas)
+        self.trained, self.noisy, sigmas = plan.trained, plan.noisy, plan.sigmas
+        self.size = len(self.trained[0])
         self.num_steps = num_steps = len(sigmas) - 1
         self.host_sigmas = sigmas  # [T' + 1] the rollout's schedule on the host (T' = T but compressed)
         self.sigmas = sigmas.to(device)

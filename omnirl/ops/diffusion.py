@@ -59,8 +59,7 @@ def sampling_params(cfg: Config, num_steps: int | None = None, ode: bool = False
         record_mean=not ode and loss_spec(a.loss).divergence and a.old_logprob == "rollout",
         ode_solver=s.ode_solver,
         shared_initial_noise=s.shared_initial_noise and not ode,  # validation draws per sample
-        sde_window_random=s.sde_window_random,
-        sde_window_subset=s.sde_window_schedule == "subset" and not ode,
+        sde_window_schedule="contiguous" if ode else s.sde_window_schedule,  # validation trains nothing
         ode_compress_ratio=0.0 if ode else s.ode_compress_ratio,
         fused_cfg=cfg.rollout.fused_cfg,
         decode=not all(get_reward(name).modality == "latent" for name in cfg.reward.weights),
@@ -171,7 +170,7 @@ class DiffusionOps:
         """The sampling parameters of RL step `step`: with the sliding schedule the window is the step's
         (`sliding_window`: its size shrinks at the end of the range), the same for every request."""
         s = self.cfg.sampling
-        if s.sde_window_schedule != "sliding":
+        if s.sde_window_schedule not in ("sliding", "sliding_compressed"):
             return self.params
         lo, hi = s.sde_window_range  # a recipe's list: the pair `sliding_window` takes
         span, interval, stride = (lo, hi), s.sde_window_shift_interval, s.sde_window_stride

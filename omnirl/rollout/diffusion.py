@@ -211,10 +211,11 @@ class DiffusionEngine:
         else:
             size = p.sde_window_size
             steps, span = min(p.num_steps, size + 2), (0, size)
+        # A window from step 0 holds the K records of any schedule's K trained steps (a compressed one's too).
+        schedule = "contiguous" if p.sde_window_schedule in ("dance", "subset") else p.sde_window_schedule
         params = dataclasses.replace(
-            p, num_steps=steps, sde_window_size=size, sde_window_range=span, sde_window_random=False,
-            sde_window_subset=False,
-        )  # fmt: skip
+            p, num_steps=steps, sde_window_size=size, sde_window_range=span, sde_window_schedule=schedule
+        )
         return dataclasses.replace(cls._dummy(request), params=params)
 
     def _templates(self, batches: list[list[Request]]) -> list[tuple[int, list[tuple[Request, int]]]]:
