@@ -639,9 +639,9 @@ def trace_phases(record: dict, path: Path) -> None:
     which step it was in, and since when."""
     import contextlib
 
-    from omnirl import trainer
+    from omnirl import memory
 
-    inner, t0, record["phases"] = trainer.phase, time.perf_counter(), []
+    inner, t0, record["phases"] = memory.phase, time.perf_counter(), []
 
     @contextlib.contextmanager
     def traced(name, *args, **kwargs):
@@ -653,7 +653,7 @@ def trace_phases(record: dict, path: Path) -> None:
         entry["end_s"] = round(time.perf_counter() - t0, 2)
         path.write_text(json.dumps(record, indent=1) + "\n")
 
-    trainer.phase = traced
+    memory.phase = traced  # what `memory.Phases` opens each phase with
 
 
 def last_phase(device: dict, run_s: float) -> str | None:
