@@ -38,9 +38,16 @@ if RANK == 1:
 after_step = Health.after_step
 
 
+def say(line: str) -> None:
+    """One line in one write: both ranks share the pipe, and print's separate write of its newline lets
+    the other rank's line land between the two."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def printed(self, step, logs, *args):
     out = after_step(self, step, logs, *args)
-    print(f"rank {RANK} step {step} health {json.dumps(out, sort_keys=True)}", flush=True)
+    say(f"rank {RANK} step {step} health {json.dumps(out, sort_keys=True)}")
     return out
 
 
@@ -51,7 +58,7 @@ def stopped(self, save):
     try:
         stop_if_needed(self, save)
     except HealthError as e:
-        print(f"rank {RANK} stopped: {e}", flush=True)
+        say(f"rank {RANK} stopped: {e}")
         raise
 
 

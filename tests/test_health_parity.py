@@ -112,13 +112,13 @@ def test_the_gate_names_the_perturbed_ltx2_stream(tiny_ltx2, tmp_path, capsys, m
 
 
 @pytest.mark.slow
-def test_the_gate_names_the_perturbed_omni_position(tiny_qwen3_omni_k12, tmp_path):
+def test_the_gate_names_the_perturbed_omni_position(tiny_qwen3_omni_thinker_k12, tmp_path):
     """The omni rollout's log-prob of every response's token 5 off by 0.02: the gate names positions 4-7
     and position 5 in them; the mean over all tokens (under the tolerance) would have passed."""
     from omnirl.step import update
     from tests.test_omni_train import omni_cfg, signed_rollout
 
-    cfg = omni_cfg(tiny_qwen3_omni_k12, tmp_path, "--optim.mini_batches", "1", "--algo.kl_beta", "0")
+    cfg = omni_cfg(tiny_qwen3_omni_thinker_k12, tmp_path, "--optim.mini_batches", "1", "--algo.kl_beta", "0")
     adapter, ops, trajs, keep, _ = signed_rollout(cfg)
     recorded = [t.logprobs.clone() for t in trajs]
     opt = torch.optim.SGD(adapter.trainable_parameters(), lr=0.0)  # the policy stays the rollout's
