@@ -258,7 +258,7 @@ def second_call_raises(monkeypatch, module, name: str, exc: BaseException) -> No
 def test_ctrl_c_is_one_line_and_keeps_the_checkpoints(tiny_sd3, tmp_path, capsys, monkeypatch):
     import omnirl.trainer
 
-    second_call_raises(monkeypatch, omnirl.trainer, "rollout_and_score", KeyboardInterrupt())
+    second_call_raises(monkeypatch, omnirl.trainer, "rollout_step", KeyboardInterrupt())
     status, line, out = stopped_run(tiny_sd3, tmp_path, capsys, monkeypatch)
     assert status == 130
     assert line.startswith(

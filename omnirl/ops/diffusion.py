@@ -309,6 +309,8 @@ class DiffusionOps:
         """Accumulate the trainer-vs-rollout log-prob gap ([M, 1 + S]: the step's, then each stream's) of a
         micro-batch of the unchanged policy."""
         real = w > 0
+        if not real.any():  # a micro-batch of padding rows only (a rank whose groups had no spread)
+            return
         diff = (logprob.double() - rollout.double()).abs()[real].cpu()  # [M', 1 + S]
         diff = diff.reshape(len(diff), -1)
         steps = steps[real].cpu()
