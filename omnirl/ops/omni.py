@@ -33,7 +33,7 @@ from omnirl.errors import ConfigError
 from omnirl.metrics import MetricsLogger
 from omnirl.models.base import GenerationParams, OmniAdapter, OmniTrajectory, Request
 from omnirl.models.lm import pad_responses
-from omnirl.rollout.generate import WINDOW_COLUMNS, GenerationEngine
+from omnirl.rollout.generate import WINDOW_COLUMNS, native_engine
 
 
 def generation_params(cfg: Config, tokenizer) -> GenerationParams:
@@ -130,23 +130,8 @@ class OmniOps:
 
             self.engine = self.sleepable = vllm_engine(adapter, cfg)
         else:
-            g, r = cfg.generation, cfg.rollout
             _check_kv_windows(cfg, adapter.context_tokens)  # check_config's, where it read no config
-            self.engine = GenerationEngine(
-                adapter,
-                r.max_num_seqs,
-                g.kv_cache_gib,
-                g.cuda_graph,
-                kv_fraction=g.kv_cache_fraction,
-                memory_budget=r.memory_budget_gib * 2**30,
-                per_unit=cfg.distributed.rollout_gather == "unit",
-                compile=g.compile,
-                max_prefill_tokens=g.max_prefill_tokens,
-                kv_windows=g.kv_windows,
-                row_buckets=g.row_buckets,
-                merge_lora=g.merge_lora,
-                compile_modules=tuple(g.compile_modules),
-            )
+            self.engine = native_engine(adapter, cfg)
             self.sleepable = None  # the native engine runs on the actor's own module: nothing of its own
         self.correct = cfg.algo.old_logprob == "recompute" and cfg.algo.correction != "none"
         self._measured: dict[str, float] | None = None  # consistency of this update, once measured

@@ -20,7 +20,7 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import DynamicCache
@@ -35,6 +35,9 @@ from omnirl.rollout.compiled import compile_forwards, modules_named, swapped
 from omnirl.rollout.experts import narrowed_expert_forwards
 from omnirl.rollout.slots import SlotLayer, Slots
 
+if TYPE_CHECKING:
+    from omnirl.config import Config
+
 # Decode steps between two looks at which rows finished. Each look is a device->host sync that stalls the
 # launch queue; a row that finished meanwhile computes a few throw-away tokens, which are never recorded.
 SYNC_EVERY = 8
@@ -42,6 +45,27 @@ SYNC_EVERY = 8
 CDF_BLOCK = 1024
 # KV windows (`GenerationEngine._windows`) are multiples of this many columns, the attention kernels' tiles.
 WINDOW_COLUMNS = 64
+
+
+def native_engine(adapter: OmniAdapter, cfg: Config) -> GenerationEngine:
+    """The run's native engine: its section (`generation`) and the few settings of other sections it needs
+    (the requests per batch and the memory budget of `rollout`, the weight gathering of `distributed`)."""
+    g, r = cfg.generation, cfg.rollout
+    return GenerationEngine(
+        adapter,
+        r.max_num_seqs,
+        g.kv_cache_gib,
+        g.cuda_graph,
+        kv_fraction=g.kv_cache_fraction,
+        memory_budget=r.memory_budget_gib * 2**30,
+        per_unit=cfg.distributed.rollout_gather == "unit",
+        compile=g.compile,
+        max_prefill_tokens=g.max_prefill_tokens,
+        kv_windows=g.kv_windows,
+        row_buckets=g.row_buckets,
+        merge_lora=g.merge_lora,
+        compile_modules=tuple(g.compile_modules),
+    )
 
 
 class GenerationEngine:
