@@ -18,12 +18,12 @@ def run_vllm(
     rollout.vllm.logprobs off (no log-prob asked for)."""
     cfg.rollout.vllm.request_seeds = seeds
     cfg.rollout.vllm.logprobs = logprobs
-    from omnirl.rollout.vllm_engine import VLLMEngine
+    from omnirl.rollout.vllm_engine import vllm_engine
 
     if not engines:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # our engine's KV cache, freed: vLLM starts from what is free
-        engines.append(VLLMEngine(adapter, cfg))
+        engines.append(vllm_engine(adapter, cfg))
     trajs = engines[0].generate(requests)
     keep[:] = trajs
     stats.clear()

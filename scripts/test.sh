@@ -33,6 +33,6 @@ if [ "$VLLM_TESTS" = 1 ]; then
   [ "$status" = 0 ] || { echo "scripts/vllm_cpu_env.sh failed (exit status $status)" >&2; exit "$status"; }
   for venv in .venv-vllm .venv-vllm026; do
     echo "vLLM tests in $venv"
-    PYTHONPATH="$PWD" "$venv/bin/python" -m pytest -q -m vllm tests/test_vllm.py
+    PYTHONPATH="$PWD" "$venv/bin/python" -m pytest -q -m vllm tests/test_vllm.py tests/test_health_vllm.py
   done
 fi

