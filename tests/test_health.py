@@ -194,6 +194,17 @@ def test_alerts_need_patience_and_adapt_moves_the_kl_weight():
     )
 
 
+def test_adapt_acts_on_a_fall_before_it_crosses_the_target():
+    """The KL weight set at a step shapes the next update: a ratio falling fast toward the threshold starts
+    the KL while still above the controller's target (0.55); one resting there does not."""
+    cfg = config_for("sd3")
+    cfg.health.on_alert = "adapt"
+    falling, resting = Alerts(cfg), Alerts(cfg)
+    betas = [falling.adapt({"health/diversity_ratio": r}) for r in (0.9, 0.75, 0.62)]
+    assert betas == [0.0, 0.0, cfg.health.adapt_kl_init]  # 0.62 falling by 0.13 a step: 0.49 next
+    assert [resting.adapt({"health/diversity_ratio": r}) for r in (0.62, 0.62, 0.6)] == [0.0, 0.0, 0.0]
+
+
 def test_bad_health_values_are_refused(tmp_path):
     from omnirl.recipe import load_config
 

@@ -8,9 +8,10 @@ writes them to output_dir/health_alerts.jsonl (`scripts/summarize_run.py` lists 
 `adapt` follows the adaptive KL controller of Ziegler et al., "Fine-Tuning Language Models from Human
 Preferences" (2019, section 2.2), beta <- beta (1 + K e), with the error e taken from the monitored
 statistic instead of the measured KL: e is the relative distance of the worst adapting statistic from its
-threshold, clipped to [-1, 1], positive while it is on the wrong side. So the KL weight grows
-geometrically while diversity (or the guard reward) falls and relaxes the same way once it recovers,
-never below the recipe's algo.kl_beta.
+threshold, clipped to [-1, 1], positive while it is on the wrong side. The statistic is taken one step
+ahead (its last step's move toward the threshold carried on): the weight set now shapes the next update,
+whose samples show it a step later. So the KL weight grows geometrically while diversity (or the guard
+reward) falls and relaxes the same way once it recovers, never below the recipe's algo.kl_beta.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class Alerts:
         self.active: set[str] = set()
         self.history: list[Alert] = []
         self.base_beta = cfg.algo.kl_beta
+        self.last: dict[str, float] = {}  # each adapting statistic's previous value (adapt's projection)
 
     def observe(self, step: int, logs: dict[str, float]) -> list[Alert]:
         """The alerts this step raises (each metric once per episode past its threshold)."""
@@ -97,6 +99,10 @@ class Alerts:
             if r.metric not in ADAPTING or math.isnan(value):
                 continue
             limit = getattr(h, r.field)
+            # One step ahead: a move toward the wrong side goes on for the step the new weight takes to
+            # reach the samples.
+            last, self.last[r.metric] = self.last.get(r.metric, value), value
+            value = value - max(0.0, last - value) if r.below else value + max(0.0, value - last)
             # Relative distance from the threshold, positive on the wrong side (a margin of 10% above a
             # lower bound counts as reached: the controller acts before the alert, not after).
             target = limit * 1.1 if r.below else limit
