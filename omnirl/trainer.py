@@ -77,7 +77,7 @@ def _train(cfg: Config, dist: D.DistInfo) -> dict[str, float]:
                 trajs, per_reward = rollout_step(cfg, ops, rewards, ops.requests(rows, step, dist), stats)
             keep, adv_metrics = assign_advantages(cfg, trajs)
             with phases.train(stats):
-                health.before_update(step)
+                health.before_update(step, trajs)
                 update_metrics = update(cfg, ops, optimizer, trajs, keep, step, tuning)
             logs = {**reward_stats(per_reward), **adv_metrics, **update_metrics, **stats, **frozen}
             logs |= {"time/step_s": time.perf_counter() - began, **skipped_rows(step, skipped)}

@@ -205,6 +205,38 @@ def test_adapt_acts_on_a_fall_before_it_crosses_the_target():
     assert [resting.adapt({"health/diversity_ratio": r}) for r in (0.62, 0.62, 0.6)] == [0.0, 0.0, 0.0]
 
 
+def test_adapt_sets_the_weight_of_the_update_after_the_samples_that_fall():
+    """Health.before_update reads the step's samples and sets the KL weight that step's update uses: a
+    group whose spread halves after the baseline steps gets the KL in the same step, logged as such."""
+    from omnirl.health import Health
+    from omnirl.models.base import Output
+
+    class T:
+        def __init__(self, spread):
+            self.request = type("R", (), {"group_id": 0})()
+            self.output = Output(image=torch.full((3, 4, 4), 0.5 + spread))
+
+    class Ops:
+        def __init__(self):
+            policy = nn.Module()
+            policy.to_q = nn.Linear(4, 4)
+            self.policy = inject_adapter_in_model(LoraConfig(r=2, target_modules=["to_q"]), policy)
+            self.adapter = object()
+
+    cfg = config_for("qwen3_omni_thinker")
+    cfg.lora.target_modules, cfg.health.on_alert = ["to_q"], "adapt"
+    health = Health(cfg, Ops(), None, None)
+    used, logged = [], []
+    for step, spread in enumerate([0.4, 0.4, 0.4, 0.4, 0.2]):
+        trajs = [T(-spread), T(spread)]
+        health.before_update(step, trajs)
+        used.append(cfg.algo.kl_beta)  # what this step's update reads
+        out = health.after_step(step, {"train/updates": 1.0, "reward/mean": 0.0}, trajs, None, lambda: None)
+        logged.append(out["health/kl_beta"])
+    assert out["health/diversity_ratio"] == pytest.approx(0.5)
+    assert used == [0.0, 0.0, 0.0, 0.0, cfg.health.adapt_kl_init] and logged == used
+
+
 def test_bad_health_values_are_refused(tmp_path):
     from omnirl.recipe import load_config
 

@@ -2,11 +2,11 @@
 
 `Health` is what the trainer calls, at five points of the loop: built once the LoRA is attached (the
 LoRA proof, `omnirl.health.lora`); `resume(history)` (the diversity baseline and adapted KL weight from
-the rows logged before); `before_update(step)` (the fingerprint of the module the rollout runs);
-`after_step(...)` (the fingerprint check, the parity gate `omnirl.health.parity`, the sample statistics
-`omnirl.health.monitors`, the guard set, the alerts `omnirl.health.alerts`; returns the health/*
-metrics); `stop_if_needed(save)` and `finish()` (a fatal check or a stopping alert ends the run on every
-rank together; the run's alerts printed and written).
+the rows logged before); `before_update(step, trajs)` (the fingerprint of the module the rollout runs,
+the sample statistics `omnirl.health.monitors`, adapt's KL weight); `after_step(...)` (the fingerprint
+check, the parity gate `omnirl.health.parity`, the guard set, the alerts `omnirl.health.alerts`; returns
+the health/* metrics); `stop_if_needed(save)` and `finish()` (a fatal check or a stopping alert ends the
+run on every rank together; the run's alerts printed and written).
 
 How it works: docs/health.md
 """
@@ -27,7 +27,7 @@ from omnirl.config import Config
 from omnirl.health import lora as L
 from omnirl.health import monitors as M
 from omnirl.health import parity as P
-from omnirl.health.alerts import Alert, Alerts
+from omnirl.health.alerts import ADAPTING, Alert, Alerts
 from omnirl.health.parity import ParityError
 
 ALERTS_FILE = "health_alerts.jsonl"
@@ -60,6 +60,8 @@ class Health:
         self.guard_first: float | None = None
         self.reward_first: list[float] = []
         self.guard_pool = None
+        self.sample_stats: dict[str, float] | None = None  # this step's, from before_update
+        self.last_guard: dict[str, float] = {}  # the last guard's drop, for adapt
         # rollout.backend vllm: the weights vLLM holds (its fingerprint after each rollout) must change after
         # the first optimizer step, which the next rollout's push carries to it
         self.vllm_watch = cfg.rollout.backend == "vllm" and cfg.health.lora_proof
@@ -81,15 +83,24 @@ class Health:
                 self.reward_first.append(row["reward/mean"])
         if history and "health/kl_beta" in history[-1]:
             self.cfg.algo.kl_beta = history[-1]["health/kl_beta"]
+        if history:  # adapt's one-step projection goes on from the last logged statistics
+            self.alerts.last = {k: v for k, v in history[-1].items() if k in ADAPTING}
         if history:
             self.first_update = False
             self.reached = True
             self._stop_watching_vllm()
 
-    def before_update(self, step: int) -> None:
-        """At the run's first update: the fingerprint of the module the rollout runs (collective)."""
+    def before_update(self, step: int, trajs: list) -> None:
+        """Before the step's update (collective): at the run's first, the fingerprint of the module the
+        rollout runs; the step's sample statistics, and with health.on_alert adapt the KL weight this
+        update uses, set from them (and the last guard's drop): the update right after the samples that
+        show a fall already counters it."""
         if not self.reached and self.before is None:
             self.before = L.fingerprint(self.trained, self.full)
+        h = self.cfg.health
+        self.sample_stats = self._monitors(step, trajs) if h.monitors else {}
+        if h.monitors and h.on_alert == "adapt":
+            self.cfg.algo.kl_beta = self.alerts.adapt({**self.last_guard, **self.sample_stats})
 
     def after_step(
         self,
@@ -125,19 +136,23 @@ class Health:
                 out["health/parity_gap"] = e.gap
         if updated:
             self.first_update = False
-        if self.cfg.health.monitors:
-            out.update(self._monitors(step, logs, trajs))
         h = self.cfg.health
+        if h.monitors:
+            stats = self.sample_stats if self.sample_stats is not None else self._monitors(step, trajs)
+            out.update(stats)
+            if step < h.baseline_steps and math.isfinite(logs.get("reward/mean", math.nan)):
+                self.reward_first.append(logs["reward/mean"])
+        self.sample_stats = None
         if h.guard_every and (step + 1) % h.guard_every == 0:
             with wake():
                 out.update(self._guard(step, logs, logger))
-        if self.cfg.health.monitors:
+            self.last_guard = {k: v for k, v in out.items() if k == "health/guard_drop"}
+        if h.monitors:
             for alert in self.alerts.observe(step, {**logs, **out}):
                 D.print0(("warning: " if h.on_alert != "stop" else "") + alert.line())
                 if h.on_alert == "stop" and self.stop_alert is None:
                     self.stop_alert = alert
-            if h.on_alert == "adapt":
-                self.cfg.algo.kl_beta = self.alerts.adapt({**logs, **out})
+        # the weight this step's update used (adapt sets it in before_update)
         out["health/kl_beta"] = self.cfg.algo.kl_beta
         out["health/alerts"] = float(len(self.alerts.history))
         return out
@@ -161,7 +176,8 @@ class Health:
             self.ops.engine.fingerprints = False
         self.vllm_watch = False
 
-    def _monitors(self, step: int, logs: dict[str, float], trajs: list) -> dict[str, float]:
+    def _monitors(self, step: int, trajs: list) -> dict[str, float]:
+        """The step's sample statistics (collective), the ratios to the first steps' baseline among them."""
         means = M.reduce_means(M.step_sums(trajs), M.STATISTICS)
         out = {f"health/{k}": v for k, v in means.items() if not math.isnan(v)}
         h = self.cfg.health
@@ -174,8 +190,6 @@ class Health:
             base = float(np.mean(self.baseline[k])) if self.baseline[k] else math.nan
             if base > 0 and step >= h.baseline_steps:
                 out[f"health/{ratio}"] = v / base
-        if step < h.baseline_steps and math.isfinite(logs.get("reward/mean", math.nan)):
-            self.reward_first.append(logs["reward/mean"])
         return out
 
     def _guard(self, step: int, logs: dict[str, float], logger: Any) -> dict[str, float]:
