@@ -155,7 +155,7 @@ def test_a_short_run_compares_its_halves():
 def test_the_health_docs_example_is_the_records_alert():
     """docs/health.md's example alert line is the warn run's alert in the quickstart's record (the page's
     own table is checked against the record below)."""
-    runs = json.loads((RESULTS / "health_quickstart_cpu_2026-12-05.json").read_text())["runs"]
+    runs = json.loads((RESULTS / "health_quickstart_cpu_2026-12-06.json").read_text())["runs"]
     (alert,) = runs["warn"]["alerts"]
     example = " ".join((ROOT / "docs/health.md").read_text().split())
     assert f"step {alert['step']}: health/diversity_ratio {alert['value']:.4f} below its threshold" in example
@@ -163,7 +163,7 @@ def test_the_health_docs_example_is_the_records_alert():
 
 # (page, benchmark module, record): the page holds the table the module renders from its record.
 TABLES = [
-    ("benchmarks/results/health_quickstart.md", "health_quickstart", "health_quickstart_cpu_2026-12-05.json"),
+    ("benchmarks/results/health_quickstart.md", "health_quickstart", "health_quickstart_cpu_2026-12-06.json"),
     ("benchmarks/results/parity_gaps_cpu.md", "parity_gaps", "parity_gaps_cpu_2026-12-05.json"),
     ("docs/health.md", "parity_gaps", "parity_gaps_cpu_2026-12-05.json"),
 ]
@@ -177,7 +177,7 @@ def test_a_result_table_is_its_records(page, module, name):
 
 
 def test_the_guard_record_holds_several_prompts():
-    r = json.loads((RESULTS / "health_quickstart_cpu_2026-12-05.json").read_text())
+    r = json.loads((RESULTS / "health_quickstart_cpu_2026-12-06.json").read_text())
     assert len(r["guard_prompts"]) > 1 and len(r["commit"]) == 40
     for run in r["runs"].values():
         assert run["summary"]["steps"] == len(run["curves"]["reward/mean"])

@@ -8,10 +8,11 @@ writes them to output_dir/health_alerts.jsonl (`scripts/summarize_run.py` lists 
 `adapt` follows the adaptive KL controller of Ziegler et al., "Fine-Tuning Language Models from Human
 Preferences" (2019, section 2.2), beta <- beta (1 + K e), with the error e taken from the monitored
 statistic instead of the measured KL: e is the relative distance of the worst adapting statistic from its
-threshold, clipped to [-1, 1], positive while it is on the wrong side. The statistic is taken one step
-ahead (its last step's move toward the threshold carried on): the weight set now shapes the next update,
-whose samples show it a step later. So the KL weight grows geometrically while diversity (or the guard
-reward) falls and relaxes the same way once it recovers, never below the recipe's algo.kl_beta.
+threshold, clipped to [-1, 1], positive while it is on the wrong side. The weight is set before each
+update from that step's samples (`Health.before_update`), the statistic taken one step ahead (its last
+move toward the threshold carried on): what the update does shows in the next step's samples. So the KL
+weight grows geometrically while diversity (or the guard reward) falls and relaxes the same way once it
+recovers, never below the recipe's algo.kl_beta.
 """
 
 from __future__ import annotations
