@@ -5,14 +5,11 @@ for `health.patience` consecutive steps, and clears once it has stayed back for 
 recorded (step, metric, value, threshold) and printed as one line; the run's end prints them all and
 writes them to output_dir/health_alerts.jsonl (`scripts/summarize_run.py` lists them).
 
-`adapt` follows the adaptive KL controller of Ziegler et al., "Fine-Tuning Language Models from Human
-Preferences" (2019, section 2.2), beta <- beta (1 + K e), with the error e taken from the monitored
-statistic instead of the measured KL: e is the relative distance of the worst adapting statistic from its
-threshold, clipped to [-1, 1], positive while it is on the wrong side. The weight is set before each
-update from that step's samples (`Health.before_update`), the statistic taken one step ahead (its last
-move toward the threshold carried on): what the update does shows in the next step's samples. So the KL
-weight grows geometrically while diversity (or the guard reward) falls and relaxes the same way once it
-recovers, never below the recipe's algo.kl_beta.
+`adapt` follows the adaptive KL controller of Ziegler et al. (2019, section 2.2), beta <- beta (1 + K e),
+with e the relative distance of the worst adapting statistic from its threshold, clipped to [-1, 1],
+positive on the wrong side; set before each update from that step's samples (`Health.before_update`),
+the statistic taken one step ahead. The weight grows geometrically while diversity (or the guard reward)
+falls and relaxes once it recovers, never below the recipe's algo.kl_beta. Details: docs/health.md.
 """
 
 from __future__ import annotations
