@@ -93,6 +93,13 @@ QUOTES = [
              f"| `{name}` | " + " | ".join(f"{{b[{i}]:.4f}}" for i in range(6)) + " |"),
         ]
     ),
+    ("benchmarks/RESULTS.md", "flux2_klein_tiny_flowgrpo_cpu_2026-12-06.json", "{change:+.4f} (FLUX.2-klein"),
+    (FLUX, "flux2_klein_tiny_flowgrpo_cpu_2026-12-06.json",
+     "| `flux2_klein_tiny_flowgrpo` | {steps} | {first:.4f} | {last:.4f} | **{change:+.4f}** (the first 10"),
+    (FLUX, "flux2_klein_tiny_flowgrpo_std_cpu_2026-12-06.json",
+     "within-step std: {first:.4f}) | {step_s:.0f} s |"),
+    (FLUX, "flux2_klein_tiny_flowgrpo_cpu_2026-12-06.json",
+     "| `flux2_klein_tiny_flowgrpo` | " + " | ".join(f"{{b[{i}]:.4f}}" for i in range(6)) + " |"),
     (FLUX, "sd3_tiny_dgpo_lr1e-2_t4_cpu_2026-12-05.json",
      "moved its reward by {change:+.4f} in {steps} steps (first 10 {first:.4f}, last 10 {last:.4f}; "
      "{step_s:.0f} s of steps;"),
