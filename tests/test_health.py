@@ -167,6 +167,8 @@ def test_group_diversity_repetition_and_audio():
     apart = [T(1, torch.zeros(3, 4, 4)), T(1, torch.ones(3, 4, 4))]
     sums = M.step_sums(same + apart)
     assert sums["diversity_count"] == 2 and sums["diversity_sum"] == pytest.approx(0 + 1)
+    nan = [T(2, torch.full((3, 4, 4), float("nan"))), T(2, torch.zeros(3, 4, 4))]
+    assert M.step_sums(same + apart + nan) == M.step_sums(same + apart + nan[1:])  # a NaN sample: none
     text = M.step_sums([T(0, ids=[1, 2, 3, 1, 2, 3, 1, 2, 3]), T(0, ids=[4, 5])])
     assert text["repetition_sum"] == pytest.approx(4 / 7)  # 7 3-grams, 3 distinct
     assert text["diversity_sum"] == pytest.approx(1.0)  # no token in common

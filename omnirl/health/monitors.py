@@ -98,9 +98,21 @@ def sample_of(traj):
     return None
 
 
+def finite(traj) -> bool:
+    """Whether a decoded sample holds only finite values (a NaN sample has no statistics: the update
+    stops the run on it, `omnirl.step`)."""
+    if hasattr(traj, "response_ids"):
+        return True
+    out = traj.output
+    values = [getattr(out, f) for f in ("video", "image", "audio")]
+    return all(bool(torch.isfinite(v).all()) for v in values if isinstance(v, torch.Tensor))
+
+
 def step_sums(trajs: list) -> dict[str, float]:
-    """This rank's sums and counts of every statistic over the step's samples (the module docstring)."""
+    """This rank's sums and counts of every statistic over the step's finite samples (the module
+    docstring)."""
     sums: dict[str, float] = defaultdict(float)
+    trajs = [t for t in trajs if finite(t)]
 
     def add(name: str, value: float) -> None:
         sums[f"{name}_sum"] += value
