@@ -207,6 +207,16 @@ def test_adapt_acts_on_a_fall_before_it_crosses_the_target():
     assert [resting.adapt({"health/diversity_ratio": r}) for r in (0.62, 0.62, 0.6)] == [0.0, 0.0, 0.0]
 
 
+class Ops:
+    """What Health reads of the trainer's ops: a policy holding a LoRA on `to_q`."""
+
+    def __init__(self):
+        policy = nn.Module()
+        policy.to_q = nn.Linear(4, 4)
+        self.policy = inject_adapter_in_model(LoraConfig(r=2, target_modules=["to_q"]), policy)
+        self.adapter = object()
+
+
 def test_adapt_sets_the_weight_of_the_update_after_the_samples_that_fall():
     """Health.before_update reads the step's samples and sets the KL weight that step's update uses: a
     group whose spread halves after the baseline steps gets the KL in the same step, logged as such."""
@@ -217,13 +227,6 @@ def test_adapt_sets_the_weight_of_the_update_after_the_samples_that_fall():
         def __init__(self, spread):
             self.request = type("R", (), {"group_id": 0})()
             self.output = Output(image=torch.full((3, 4, 4), 0.5 + spread))
-
-    class Ops:
-        def __init__(self):
-            policy = nn.Module()
-            policy.to_q = nn.Linear(4, 4)
-            self.policy = inject_adapter_in_model(LoraConfig(r=2, target_modules=["to_q"]), policy)
-            self.adapter = object()
 
     cfg = config_for("qwen3_omni_thinker")
     cfg.lora.target_modules, cfg.health.on_alert = ["to_q"], "adapt"

@@ -83,9 +83,9 @@ class Health:
                 self.reward_first.append(row["reward/mean"])
         if history and "health/kl_beta" in history[-1]:
             self.cfg.algo.kl_beta = history[-1]["health/kl_beta"]
-        if history:  # adapt's one-step projection goes on from the last logged statistics
-            self.alerts.last = {k: v for k, v in history[-1].items() if k in ADAPTING}
         if history:
+            # adapt's one-step projection goes on from the last logged statistics
+            self.alerts.last = {k: v for k, v in history[-1].items() if k in ADAPTING}
             self.first_update = False
             self.reached = True
             self._stop_watching_vllm()
