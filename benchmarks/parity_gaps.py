@@ -7,7 +7,7 @@ tolerance the gate applies (health.parity_tolerance).
         --out benchmarks/results/parity_gaps_cpu_DATE.json
     PYTHONPATH=. .venv-vllm/bin/python -m benchmarks.parity_gaps --precisions fp32 vllm --recipes mmk12_tiny \
         --model mmk12_tiny=PATH --out benchmarks/results/parity_gaps_vllm_cpu_DATE.json
-    python -m benchmarks.parity_gaps --precisions fp8 bf16 --models tiny_models \
+    python -m benchmarks.parity_gaps --precisions bf16 fp8 fp8_train --models tiny_models \
         --recipes sd3_tiny_flowgrpo qwen_image_tiny_flowgrpo wan22_ti2v_tiny_dancegrpo \
         --out benchmarks/results/parity_gaps_fp8_GPU_DATE.json      (a GPU: FP8 GEMMs need one)
 
@@ -15,8 +15,11 @@ Each run is `scripts/train.py --recipe R` for one step in this process (the reci
 checkpoint, no images) with health.parity off, so that a gap past the tolerance is measured instead of
 stopping the run. Precisions: fp32 the recipe as it is (float32); bf16 model.dtype and
 distributed.param_dtype bfloat16; fp8 bf16 with rollout.precision fp8 on every step (the diffusion
-families with an FP8 rollout); vllm rollout.backend vllm (omni; the model needs heads of 32 for vLLM's
-CPU attention: tiny_k12's head_dim=32 build). A run that fails records its `error:` line. `--dry-run`
+families with an FP8 rollout) and the bf16 trainer recomputing the old log-probs (algo.old_logprob
+recompute: the gap the rollout correction weighs); fp8_train that with the update's GEMMs in FP8 too
+(train.precision fp8: rollout and trainer one function, the rollout's log-probs kept); vllm
+rollout.backend vllm (omni; the model needs heads of 32 for vLLM's CPU attention: tiny_k12's head_dim=32
+build). A run that fails records its `error:` line. `--dry-run`
 prints each run's command line and runs nothing. `--page` renders the JSON's table (the page and
 docs/health.md quote it; tests/test_results.py holds them to it).
 """
@@ -36,19 +39,18 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+BF16 = ["--model.dtype", "bfloat16", "--distributed.param_dtype", "bfloat16"]
+FP8_ROLLOUT = ["--rollout.precision", "fp8", "--rollout.fp8.steps", "all"]
 PRECISIONS = {
     "fp32": [],
-    "bf16": ["--model.dtype", "bfloat16", "--distributed.param_dtype", "bfloat16"],
+    "bf16": BF16,
     "fp8": [
-        "--model.dtype",
-        "bfloat16",
-        "--distributed.param_dtype",
-        "bfloat16",
-        "--rollout.precision",
-        "fp8",
-        "--rollout.fp8.steps",
-        "all",
+        *BF16,
+        *FP8_ROLLOUT,
+        "--algo.old_logprob",
+        "recompute",
     ],
+    "fp8_train": [*BF16, *FP8_ROLLOUT, "--train.precision", "fp8"],
     "vllm": ["--rollout.backend", "vllm", "--rollout.vllm.max_model_len", "512"],
 }
 SMALL = [

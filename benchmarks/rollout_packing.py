@@ -164,6 +164,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", choices=sorted(MODELS), default="qwen_image")
     p.add_argument("--path", help="a local checkpoint (else --random-init)")
     p.add_argument("--random-init", action="store_true")
+    p.add_argument(
+        "--finetune",
+        choices=["lora", "full"],
+        help="model.finetune (default: the recipe's); lora keeps the base in bf16 where a full fine-tune's "
+        "float32 weights would not leave room for the stock pipeline's batches (FLUX.1-dev on 80 GB)",
+    )
     p.add_argument("--dry-run", action="store_true", help="build every model on meta, count, exit")
     add_qwen_bpe(p)  # with --random-init
     p.add_argument("--images", type=int, default=128, help="images per GPU (the reference: 128)")
@@ -293,7 +299,8 @@ def build(a, device: torch.device):
     random = ["--model.weights", "random"] if a.random_init or device.type == "meta" else []
     size = ["--sampling.height", str(a.size[0]), "--sampling.width", str(a.size[1])] if a.size else []
     frames = ["--family.num_frames", str(a.frames)] if a.frames else []
-    cfg = load_config(recipe, ["--model.path", path, *random, *size, *frames])
+    finetune = ["--model.finetune", a.finetune] if a.finetune else []
+    cfg = load_config(recipe, ["--model.path", path, *random, *size, *frames, *finetune])
     return cfg, build_adapter(cfg, device)
 
 

@@ -2,6 +2,8 @@
 positions. A rollout perturbed in one stream (one position) stops with one line naming that stream
 (position); the unperturbed rollout passes."""
 
+import json
+
 import pytest
 import torch
 
@@ -150,3 +152,17 @@ def test_the_gap_benchmark_dry_run_names_each_runs_settings(capsys):
     assert "--model.path tiny_models/sd3 " in lines[0] and "--rollout.precision fp8" in lines[0]
     assert "--health.no-parity" in lines[0] and "--rollout.backend vllm" in lines[3]
     assert main(["--dry-run", "--recipes", "no_such_recipe"]) == 2
+
+
+def test_the_gap_benchmark_measures_both_fp8_settings(tiny_sd3, tmp_path):
+    """FP8 runs (the CPU emulates the GEMMs): the FP8 rollout against the bf16 trainer's recompute, gated at
+    the fp8 tolerance, and FP8 in both halves (one function), gated at bf16's with a smaller gap."""
+    from benchmarks.parity_gaps import main
+
+    out = tmp_path / "gaps.json"
+    args = ["--precisions", "fp8", "fp8_train", "--recipes", "sd3_tiny_flowgrpo", "--out", str(out)]
+    assert main([*args, "--model", f"sd3_tiny_flowgrpo={tiny_sd3}"]) == 0
+    runs = {r["precision"]: r for r in json.loads(out.read_text())["runs"]}
+    assert [runs[p]["status"] for p in ("fp8", "fp8_train")] == [0, 0], runs
+    assert runs["fp8"]["gate_precision"] == "fp8" and runs["fp8_train"]["gate_precision"] == "bf16"
+    assert 0 < runs["fp8_train"]["worst_gap"] < runs["fp8"]["worst_gap"] < runs["fp8"]["tolerance"]

@@ -13,7 +13,8 @@
 #   sd3:    SD3.5-Medium at its recipe's 48 images per GPU, the same four
 #   wan:     Wan2.2 TI2V-5B, 16 videos, the same four
 #   flux:    FLUX.1-dev at flux_dancegrpo_hpsv3's settings (720 px, 16 steps, no true CFG), 24 images in
-#            batches of 12 (a group), the same four
+#            batches of 12 (a group), the same four, the base in bf16 under a LoRA (the recipe's full
+#            fine-tune keeps float32 weights: with the stock pipeline's batches beside them, more than 80 GB)
 #   fluxstep: one whole step (then a second) of flux_dancegrpo_hpsv3 compiled, bf16 then FP8 on the
 #            untrained steps, with a LoRA (the recipe's full fine-tune of 12 B weights with Adam does not
 #            fit one GPU)
@@ -45,7 +46,7 @@ run_job() {  # JOB GPU
     qwen128) read -r -a args <<<"--images 128 $(four 32 :split)" ;;
     sd3) read -r -a args <<<"--model sd3 --images 48 $(four 32 '')" ;;
     wan) read -r -a args <<<"--model wan_ti2v --images 16 $(four 16 :split)" ;;
-    flux) read -r -a args <<<"--model flux --images 24 --steps 16 $(four 12 '')" ;;
+    flux) read -r -a args <<<"--model flux --finetune lora --images 24 --steps 16 $(four 12 '')" ;;
     fluxstep)
         for mode in bf16 untrained; do
             local extra=()
