@@ -173,6 +173,8 @@ TABLES = [
     ("benchmarks/results/health_quickstart.md", "health_quickstart", "health_quickstart_cpu_2026-12-06.json"),
     ("benchmarks/results/parity_gaps_cpu.md", "parity_gaps", "parity_gaps_cpu_2026-12-05.json"),
     ("docs/health.md", "parity_gaps", "parity_gaps_cpu_2026-12-05.json"),
+    ("benchmarks/results/parity_gaps_cpu.md", "parity_gaps", "parity_gaps_fp8_h100_2026-12-06.json"),
+    ("docs/health.md", "parity_gaps", "parity_gaps_fp8_h100_2026-12-06.json"),
 ]
 
 
