@@ -17,6 +17,7 @@ import contextlib
 import functools
 import gc
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -174,6 +175,16 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
+def _device_bytes(tensors: Iterable[torch.Tensor], device: torch.device) -> int:
+    """The bytes of the distinct storages of `tensors` (a DTensor's local shard) on `device`'s type."""
+    storages: dict[int, int] = {}
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if local.device.type == device.type:
+            storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
 def module_tensors(modules: Iterable[nn.Module]) -> list[torch.Tensor]:
     """The parameters and buffers of `modules` (tied ones once)."""
     return [t for m in modules for t in [*m.parameters(), *m.buffers()]]
@@ -255,7 +266,8 @@ class Sleeper:
     """Puts named groups of tensors to sleep in reusable host chunks and wakes them bit-exact.
 
     `chunks` are allocated (pinned when there is an accelerator) the first time they are needed and kept;
-    a group that wakes hands its chunks back for the next sleep to reuse.
+    a group that wakes hands its chunks back for the next sleep to reuse. `reserve` allocates them ahead,
+    in a background thread, so that the first sleep does not wait while gigabytes are page-locked.
     """
 
     def __init__(self, device: torch.device, chunk_bytes: int = CHUNK_BYTES):
@@ -266,6 +278,40 @@ class Sleeper:
         self._free: list[int] = []  # indices of chunks no group holds
         self._plans: dict[str, _Plan] = {}
         self._asleep: dict[str, tuple[_Plan, list[int]]] = {}  # name -> (plan, indices of its chunks)
+        self._reserving: threading.Thread | None = None
+        self._reserved: list[torch.Tensor] = []  # chunks the reserving thread made, not yet in `chunks`
+
+    def reserve(self, nbytes: int) -> int:
+        """Start allocating, in a background thread, the chunks that `nbytes` asleep at once will need beyond
+        those already held; returns how many it allocates. Pinning a fresh buffer takes about a second a
+        few GiB (the page-locking of every page), which a run's first sleeps otherwise wait for; allocated
+        while the first rollout runs, it costs the step nothing. The next sleep takes the chunks (waiting
+        for the thread if it has not finished); a sleep that needs more allocates the rest as before."""
+        self._collect()
+        n = -(-nbytes // self.chunk_bytes) - len(self.chunks)
+        if n <= 0:
+            return 0
+        accel, device = _accel(), self.device
+
+        def allocate() -> None:
+            if accel is not None and device.index is not None:
+                accel.set_device(device)  # this thread's current device: the one the copies run on
+            for _ in range(n):
+                self._reserved.append(torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self.pin))
+
+        self._reserving = threading.Thread(target=allocate, name="omnirl-host-chunks", daemon=True)
+        self._reserving.start()
+        return n
+
+    def _collect(self) -> None:
+        """Wait for a reservation under way and add its chunks to the free ones."""
+        if self._reserving is None:
+            return
+        self._reserving.join()
+        self._reserving = None
+        self._free += range(len(self.chunks), len(self.chunks) + len(self._reserved))
+        self.chunks += self._reserved
+        self._reserved = []
 
     def is_asleep(self, name: str) -> bool:
         return name in self._asleep
@@ -275,6 +321,7 @@ class Sleeper:
         return len(self.chunks) * self.chunk_bytes
 
     def _take_chunks(self, n: int) -> list[int]:
+        self._collect()
         self._free.sort()  # lowest first: the same chunks serve the same group step after step
         while len(self._free) < n:
             self._free.append(len(self.chunks))
@@ -451,6 +498,26 @@ class Phases:
         self.sleeper, self.optimizer, self.ops, self.rewards = sleeper, optimizer, ops, rewards
         self.engine = ops.sleepable
         self.train_only: dict[str, list[torch.Tensor]] = {}
+        if sleeper is not None:
+            sleeper.reserve(self.host_bytes())
+
+    def host_bytes(self) -> int:
+        """The host bytes the sleeps of a step hold at once, counted before the first step: the rollout-only
+        modules, asleep through the update, and the optimizer state and a reference copy, asleep through
+        the rollout (both for a moment, as a rollout puts the one to sleep before it wakes the other).
+        AdamW's state is two tensors the size of each trained parameter (its scalar steps stay on the
+        host); a device's local shard counts, as that is what sleeps. Each group rounds up to whole
+        chunks, as each group's layout starts a chunk of its own."""
+        device = self.sleeper.device if self.sleeper is not None else torch.device("cpu")
+        chunk = self.sleeper.chunk_bytes if self.sleeper is not None else CHUNK_BYTES
+        trained = [p for g in self.optimizer.param_groups for p in g["params"]]
+        reference = [self.ops.ref_model] if self.ops.ref_model is not None else []
+        groups = [
+            _device_bytes(module_tensors(self.ops.offload_modules() + self.rewards.modules()), device),
+            2 * _device_bytes(trained, device),
+            _device_bytes(module_tensors(reference), device),
+        ]
+        return sum(-(-n // chunk) * chunk for n in groups)
 
     @contextlib.contextmanager
     def rollout(self):

@@ -98,6 +98,24 @@ def test_host_chunks_are_allocated_once_and_reused():
     sleeper.wake("b")
 
 
+def test_reserved_chunks_serve_the_first_sleeps():
+    """`reserve` allocates the chunks in a thread; the sleeps that follow take them and allocate none."""
+    tensors = some_tensors()
+    before = [storage_bits(t) for t in tensors]
+    sleeper = Sleeper(CPU, chunk_bytes=4096)
+    assert sleeper.reserve(7 * 4096 - 100) == 7
+    assert sleeper.reserve(3 * 4096) == 0  # held (or being made) already
+    sleeper.sleep("a", tensors)  # five chunks
+    sleeper.sleep("b", [torch.randn(500)])  # one more
+    assert len(sleeper.chunks) == 7 and sleeper.host_bytes == 7 * 4096
+    sleeper.sleep("c", [torch.randn(2000)])  # two: one reserved, one allocated now
+    assert len(sleeper.chunks) == 8
+    for name in "abc":
+        sleeper.wake(name)
+    for t, b in zip(tensors, before):
+        assert torch.equal(storage_bits(t), b)
+
+
 class CountOps(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -240,6 +258,8 @@ def test_training_gives_the_same_lora_with_sleep_on_and_off(tiny_sd3, tmp_path):
     assert on[1]["mem/train_wake_gib"] == on[1]["mem/rollout_sleep_gib"]
     assert all(m["mem/train_sleep_gib"] > 0 for m in on)
     assert on[1]["mem/rollout_wake_gib"] == on[0]["mem/train_sleep_gib"]
+    # The host chunks both groups need were reserved before step 0: step 1's sleep allocated none.
+    assert on[0]["mem/host_gib"] == on[1]["mem/host_gib"] == 2
     assert not any(k.endswith("_sleep_gib") for m in off for k in m)
     a, b = weights["--memory.sleep"], weights["--memory.no-sleep"]
     assert a.keys() == b.keys() and a
