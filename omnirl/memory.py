@@ -321,7 +321,8 @@ class Sleeper:
         return len(self.chunks) * self.chunk_bytes
 
     def _take_chunks(self, n: int) -> list[int]:
-        self._collect()
+        if len(self._free) < n:  # a sleep of nothing (step 0's rollout) leaves the reservation running
+            self._collect()
         self._free.sort()  # lowest first: the same chunks serve the same group step after step
         while len(self._free) < n:
             self._free.append(len(self.chunks))

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -114,6 +115,21 @@ def test_reserved_chunks_serve_the_first_sleeps():
         sleeper.wake(name)
     for t, b in zip(tensors, before):
         assert torch.equal(storage_bits(t), b)
+
+
+def test_a_sleep_of_nothing_leaves_the_reservation_running():
+    """Step 0's rollout sleeps no optimizer state: it must not wait while the reserved chunks are pinned
+    (the train phase's sleep, a rollout later, takes them)."""
+    sleeper = Sleeper(CPU, chunk_bytes=4096)
+    release = threading.Event()
+    sleeper._reserving = threading.Thread(target=release.wait, args=(30,), daemon=True)
+    sleeper._reserving.start()
+    assert sleeper.sleep("optimizer", []) == 0
+    assert sleeper._reserving is not None and sleeper._reserving.is_alive()
+    release.set()
+    sleeper.sleep("a", [torch.randn(100)])  # needs a chunk: waits for the reservation, then allocates
+    assert sleeper._reserving is None and len(sleeper.chunks) == 1
+    sleeper.wake("a")
 
 
 class CountOps(TorchDispatchMode):
