@@ -1,15 +1,8 @@
-"""Memory-for-speed settings decided from measured memory, not by habit
-(docs/update.md#gradient-checkpointing-modelgradient_checkpointing-auto).
-
-`model.gradient_checkpointing: auto` (the default) builds the policy without checkpointing and decides at
-the first update, from measured memory: the first one and two rows of the update's first micro-batch run
-their forward, loss and backward without checkpointing under `memory.peak_bytes` (the gradients they leave
-are discarded), the line through the two peaks predicts the whole micro-batch's, and checkpointing stays
-off when that peak, plus the optimizer state the first optimizer step will allocate, plus a margin, fits
-the device memory free in the update; otherwise (or when a probe itself runs out of memory) it is turned
-on. Every rank decides the same (the "on" votes are all-reduced), since
-checkpointing changes which collectives a sharded backward runs. The decision and its reason are printed
-once and logged as `train/gradient_checkpointing`.
+"""Memory-for-speed settings decided from measured memory, not by habit: `model.gradient_checkpointing:
+auto` at the first update, from the measured peaks of one and two rows of its first micro-batch
+(docs/update.md#gradient-checkpointing-modelgradient_checkpointing-auto), and `memory.sleep: auto` after
+step 0, from the phases' measured peaks (docs/memory.md#sleep-and-wake). Every rank decides the same, and
+each decision is printed once with its numbers.
 """
 
 from __future__ import annotations
@@ -179,3 +172,55 @@ class AutoCheckpointing:
         self.pending, self.on = False, decision.on
         D.print0(f"model.gradient_checkpointing auto: {'on' if decision.on else 'off'} ({decision.reason})")
         return {"train/gradient_checkpointing": float(self.on)}
+
+
+def sleep_decision(
+    rollout_peak: int, train_peak: int, groups: dict[str, int], total: int
+) -> tuple[set[str], str]:
+    """The groups that stay on the device, and why, from step 0's measured phase peaks (each from after the
+    phase's sleep, so without the groups that slept through it), the groups' bytes and the device's size."""
+    margin = max(MARGIN_MIN_BYTES, int(MARGIN_FRACTION * total))
+    train_only = groups["optimizer"] + groups["reference"]
+    awake: set[str] = set()
+    if train_peak + groups["offload"] + margin <= total:
+        awake.add("offload")
+    if rollout_peak + train_only + margin <= total:
+        awake.update(("optimizer", "reference"))
+    offload = groups["offload"]
+    reason = (
+        f"update peak {train_peak / GIB:.2f} GiB + text encoders, VAE and rewards {offload / GIB:.2f} GiB; "
+        f"rollout peak {rollout_peak / GIB:.2f} GiB + optimizer state and reference "
+        f"{train_only / GIB:.2f} GiB; "
+        f"margin {margin / GIB:.2f} GiB of {total / GIB:.2f} GiB"
+    )
+    return awake, reason
+
+
+class AutoSleep:
+    """The pending `memory.sleep: auto` decision of a run: made after its first step's update, from the
+    phase peaks that step measured (`mem/rollout_peak_gib`, `mem/train_peak_gib`)."""
+
+    def __init__(self, value: bool | str, phases: memory.Phases, device: torch.device):
+        # No decision without device memory to measure (CPU) or with an engine of its own (vLLM's pool is
+        # outside the peaks torch's allocator reports): there, auto sleeps as true.
+        self.pending = value == "auto" and phases.sleeper is not None and phases.engine is None
+        self.pending = self.pending and memory.device_bytes(device) > 0
+        self.phases, self.device = phases, device
+        if self.pending:
+            phases.after_train = self.maybe_decide
+
+    def maybe_decide(self, stats: dict[str, float]) -> None:
+        if not self.pending or "mem/train_peak_gib" not in stats:
+            return
+        self.pending, self.phases.after_train = False, None
+        peaks = (int(stats["mem/rollout_peak_gib"] * GIB), int(stats["mem/train_peak_gib"] * GIB))
+        groups = self.phases.group_bytes()
+        awake, reason = sleep_decision(*peaks, groups, memory.device_bytes(self.device))
+        # A group stays awake only where it does on every rank: a sleep vote of 1 from any rank wins.
+        names = sorted(groups)
+        sleeps = torch.tensor([float(n not in awake) for n in names])
+        votes = D.all_reduce(sleeps, op=torch.distributed.ReduceOp.MAX)
+        awake = {n for n, v in zip(names, votes.tolist()) if v == 0}
+        self.phases.awake = awake
+        kept = ", ".join(n for n in names if n in awake and groups[n]) or "nothing"
+        D.print0(f"memory.sleep auto: from step 1 on the device: {kept} ({reason})")

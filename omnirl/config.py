@@ -551,10 +551,13 @@ class DistributedConfig:
 
 @dataclass
 class MemoryConfig:
-    sleep: bool = True
+    sleep: bool | Literal["auto"] = "auto"
     """Between phases, move what a phase does not use to pinned host memory and back (rollout: optimizer
-    state and a full fine-tune's reference copy; training: text encoders and VAE). Off keeps everything on
-    the device: faster where it all fits, the same results either way."""
+    state and a full fine-tune's reference copy; training: text encoders, VAE and reward models). Off keeps
+    everything on the device: faster where it all fits, the same results either way. 'auto': step 0 sleeps
+    as true; from then on each group stays on the device where step 0's measured peak of the phase it
+    sleeps through, plus the group, fits the device with a margin (omnirl.autotune; printed with its
+    numbers). On CPU, and with a rollout engine holding weights of its own (vLLM), as true."""
 
 
 @dataclass

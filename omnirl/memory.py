@@ -102,6 +102,16 @@ def cap_device_memory(gib: float, device: torch.device) -> None:
     _cap[str(device)] = int(gib * GIB)
 
 
+def device_bytes(device: torch.device) -> int:
+    """The accelerator memory this process may use: the device's, or the cap of `cap_device_memory`; 0 on
+    CPU."""
+    accel = _accel()
+    if accel is None or device.type == "cpu":
+        return 0
+    cap = _cap.get(str(device))
+    return cap if cap is not None else accel.get_device_properties(device).total_memory
+
+
 def free_bytes(device: torch.device) -> int:
     """The memory a phase could still allocate on `device`: the accelerator's free memory plus the blocks
     torch's allocator caches but no tensor uses (at most the cap less what is allocated, under
@@ -493,14 +503,30 @@ class Phases:
       stays as it is (awake: a checkpoint saved after validation reads it).
 
     With `sleeper` None (memory.sleep false) nothing moves: the phases are timed and their peaks measured.
+    Groups named in `awake` (memory.sleep auto, `omnirl.autotune.AutoSleep`) stay on the device.
     `ops` is the kind's ops object (`omnirl.ops.KindOps`), `rewards` the reward pool."""
 
     def __init__(self, sleeper: Sleeper | None, optimizer: torch.optim.Optimizer, ops, rewards):
         self.sleeper, self.optimizer, self.ops, self.rewards = sleeper, optimizer, ops, rewards
         self.engine = ops.sleepable
         self.train_only: dict[str, list[torch.Tensor]] = {}
+        self.awake: set[str] = set()  # groups kept on the device through every phase (memory.sleep auto)
+        self.after_train: Callable[[dict[str, float]], None] | None = None
         if sleeper is not None:
             sleeper.reserve(self.host_bytes())
+
+    def group_bytes(self) -> dict[str, int]:
+        """The device bytes of each group that sleeps: "offload" through the update, "optimizer" (AdamW's
+        two tensors per trained parameter, counted before they exist) and "reference" through the rollout."""
+        device = self.sleeper.device if self.sleeper is not None else torch.device("cpu")
+        trained = [p for g in self.optimizer.param_groups for p in g["params"]]
+        reference = [self.ops.ref_model] if self.ops.ref_model is not None else []
+        offload = module_tensors(self.ops.offload_modules() + self.rewards.modules())
+        return {
+            "offload": _device_bytes(offload, device),
+            "optimizer": 2 * _device_bytes(trained, device),
+            "reference": _device_bytes(module_tensors(reference), device),
+        }
 
     def host_bytes(self) -> int:
         """The host bytes the sleeps of a step hold at once, counted before the first step: the rollout-only
@@ -509,16 +535,8 @@ class Phases:
         AdamW's state is two tensors the size of each trained parameter (its scalar steps stay on the
         host); a device's local shard counts, as that is what sleeps. Each group rounds up to whole
         chunks, as each group's layout starts a chunk of its own."""
-        device = self.sleeper.device if self.sleeper is not None else torch.device("cpu")
         chunk = self.sleeper.chunk_bytes if self.sleeper is not None else CHUNK_BYTES
-        trained = [p for g in self.optimizer.param_groups for p in g["params"]]
-        reference = [self.ops.ref_model] if self.ops.ref_model is not None else []
-        groups = [
-            _device_bytes(module_tensors(self.ops.offload_modules() + self.rewards.modules()), device),
-            2 * _device_bytes(trained, device),
-            _device_bytes(module_tensors(reference), device),
-        ]
-        return sum(-(-n // chunk) * chunk for n in groups)
+        return sum(-(-n // chunk) * chunk for n in self.group_bytes().values())
 
     @contextlib.contextmanager
     def rollout(self):
@@ -531,16 +549,22 @@ class Phases:
             "optimizer": optimizer_state(self.optimizer),
             "reference": module_tensors(reference),
         }
-        with phase(
-            "rollout", stats, self.sleeper, sleep=self.train_only, wake=["offload"], engine=self.engine
-        ):
+        sleep = {k: v for k, v in self.train_only.items() if k not in self.awake}
+        with phase("rollout", stats, self.sleeper, sleep=sleep, wake=["offload"], engine=self.engine):
             yield stats
 
+    @contextlib.contextmanager
     def train(self, stats: dict[str, float]):
-        """The update's phase, after a rollout phase; writes its measurements into `stats`."""
-        rollout_only = {"offload": module_tensors(self.ops.offload_modules() + self.rewards.modules())}
+        """The update's phase, after a rollout phase; writes its measurements into `stats`, then calls
+        `after_train` with them (memory.sleep auto's decision)."""
+        rollout_only = {}
+        if "offload" not in self.awake:
+            rollout_only["offload"] = module_tensors(self.ops.offload_modules() + self.rewards.modules())
         wake = list(self.train_only)
-        return phase("train", stats, self.sleeper, rollout_only, wake, self.engine, engine_awake=False)
+        with phase("train", stats, self.sleeper, rollout_only, wake, self.engine, engine_awake=False):
+            yield
+        if self.after_train is not None:
+            self.after_train(stats)
 
     def validate(self, logs: dict[str, float]):
         """Validation's phase; writes its measurements into `logs`."""

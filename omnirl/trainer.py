@@ -15,6 +15,7 @@ import torch
 
 from omnirl import checkpoint
 from omnirl import distributed as D
+from omnirl.autotune import AutoSleep
 from omnirl.config import Config
 from omnirl.data import check_prompts, load_data
 from omnirl.fsdp import shard
@@ -68,6 +69,7 @@ def _train(cfg: Config, dist: D.DistInfo) -> dict[str, float]:
     logger = MetricsLogger(cfg.run.output_dir, dist.is_main, cfg.log.tensorboard, start, history)
     logger.progress(cfg.run.steps, initial=start)
     phases = Phases(Sleeper(dist.device) if cfg.memory.sleep else None, optimizer, ops, rewards)
+    AutoSleep(cfg.memory.sleep, phases, dist.device)  # what sleeps from step 1, from step 0's peaks
     tuning = UpdateTuning(cfg, ops)  # auto checkpointing, train.compile, the update's clock and counts
     logs: dict[str, float] = {}
     try:

@@ -39,7 +39,7 @@ def test_tiny_run_reports_rollout_and_train_phases(tmp_path):
     assert summary["source_recipe"] == "yaml/sd3_tiny_flowgrpo.yaml"
     s = summary["settings"]
     assert (s["prompts_per_step"], s["group_size"], s["max_num_seqs"]) == (2, 16, 32)
-    assert (s["micro_batch_size"], s["sleep"], s["lora_rank"]) == (64, True, 8)  # the recipe's
+    assert (s["micro_batch_size"], s["sleep"], s["lora_rank"]) == (64, "auto", 8)  # the recipe's
     assert s["reward_weights"] == {"jpeg_compressibility": 1.0, "uniform_noise": 0.001}
     assert [x["subfolder"] for x in summary["device"]["loads"]][:2] == ["transformer", "vae"]
 

@@ -37,6 +37,75 @@ def test_decide_keeps_checkpointing_off_only_where_the_update_fits():
     assert autotune.predicted_peak({1: 5 * GIB}, 1) == 5 * GIB
 
 
+def test_sleep_decision_keeps_on_the_device_only_what_fits():
+    groups = {"offload": 10 * GIB, "optimizer": 1 * GIB, "reference": 0}
+    # 80 GiB device, 4 GiB margin: update 30 + 10 fits, rollout 76 + 1 does not.
+    awake, reason = autotune.sleep_decision(76 * GIB, 30 * GIB, groups, 80 * GIB)
+    assert awake == {"offload"}
+    assert "update peak 30.00 GiB" in reason and "10.00 GiB" in reason and "margin 4.00 GiB" in reason
+    assert autotune.sleep_decision(30 * GIB, 30 * GIB, groups, 80 * GIB)[0] == {
+        "offload",
+        "optimizer",
+        "reference",
+    }
+    assert autotune.sleep_decision(30 * GIB, 70 * GIB, groups, 80 * GIB)[0] == {"optimizer", "reference"}
+
+
+class _Ops:
+    """What `memory.Phases` reads of a kind's ops: a rollout-only module, no engine, no reference copy."""
+
+    sleepable = None
+    ref_model = None
+
+    def __init__(self):
+        self.encoder = nn.Linear(256, 256)
+
+    def offload_modules(self):
+        return [self.encoder]
+
+
+class _Rewards:
+    def modules(self):
+        return []
+
+
+def _step(phases: memory.Phases, policy: nn.Module, optimizer) -> dict[str, float]:
+    with phases.rollout() as stats:
+        pass
+    with phases.train(stats):
+        policy(torch.randn(2, 64)).sum().backward()
+        optimizer.step()
+    return stats
+
+
+@pytest.mark.parametrize("device_gib, kept", [(80, True), (1e-6, False)])
+def test_auto_sleep_keeps_groups_on_the_device_from_step_1_where_they_fit(monkeypatch, device_gib, kept):
+    monkeypatch.setattr(memory, "device_bytes", lambda device: int(device_gib * GIB))
+    cpu = torch.device("cpu")
+    policy = nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(policy.parameters())
+    ops = _Ops()
+    phases = memory.Phases(memory.Sleeper(cpu, chunk_bytes=4096), optimizer, ops, _Rewards())
+    auto = autotune.AutoSleep("auto", phases, cpu)
+    weight = ops.encoder.weight.detach().clone()
+    assert phases.after_train == auto.maybe_decide
+    with phases.rollout() as stats:  # step 0 sleeps as true
+        stats |= {"mem/rollout_peak_gib": 1.0, "mem/train_peak_gib": 1.0}  # what a GPU's allocator reports
+    with phases.train(stats):
+        policy(torch.randn(2, 64)).sum().backward()
+        optimizer.step()
+        assert stats["mem/train_sleep_gib"] > 0 and phases.sleeper.is_asleep("offload")
+    assert phases.after_train is None  # decided at the end of step 0's train phase
+    assert phases.awake == ({"offload", "optimizer", "reference"} if kept else set())
+    for _ in range(2):
+        stats = _step(phases, policy, optimizer)
+        assert (stats["mem/rollout_sleep_gib"] == 0) == kept  # AdamW's state
+        assert (stats["mem/train_sleep_gib"] == 0) == kept  # the encoder
+        assert phases.sleeper.is_asleep("offload") != kept
+    with phases.rollout():
+        assert torch.equal(ops.encoder.weight, weight)  # awake and bit-exact either way
+
+
 def test_checkpointing_values_parse_from_recipe_and_command_line(tmp_path):
     assert load_config("sd3_tiny_flowgrpo", []).model.gradient_checkpointing == "auto"
     for args, want in (

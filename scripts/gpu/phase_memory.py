@@ -570,7 +570,7 @@ def header(tag: str, cfg, device: dict, built: str) -> str:
         f"{r.prompts_per_step} prompts x {r.group_size} images per step, max_num_seqs {r.max_num_seqs}, "
         f"CFG {'fused' if r.fused_cfg else 'as two forwards'}, {'compiled' if r.compile else 'eager'}, "
         f"micro-batch {o.micro_batch_size}, {lora}, gradient checkpointing "
-        f"{ckpt_word(cfg.model.gradient_checkpointing)}, sleep {'on' if cfg.memory.sleep else 'off'}, "
+        f"{ckpt_word(cfg.model.gradient_checkpointing)}, sleep {ckpt_word(cfg.memory.sleep)}, "
         f"update {'compiled' if cfg.train.compile else 'eager'}, rollout {cfg.rollout.precision}"
         f", frozen base {d.frozen_base} (rollout gathers per {d.rollout_gather})"
         + (f"; {built}" if built else "")
