@@ -80,7 +80,8 @@ def test_check_plans_the_edit_recipe_on_full_size_models(tmp_path):
 
 def test_table_of_a_gpu_row():
     """Per-rank peaks, sleep/wake traffic and a phase beyond rollout and train, in the order logged."""
-    pm = phase_memory()
+    from scripts.gpu import step_report as pm
+
     row = {
         "step": 1, "time/step_s": 61.25, "time/generate_s": 30.5, "time/score_wait_s": 0.25,
         "mem/host_gib": 21.0, "train/updates": 2.0,
