@@ -12,6 +12,8 @@
 #                  recipe's shipped defaults otherwise (gradient checkpointing auto)
 #   sd35_compiled: the same with train.compile and rollout.compile
 #   sd35_gc:       the same as sd35 with gradient checkpointing forced on (the recipes' former value)
+#   sd35_sleep:    the same as sd35 with every sleep forced on (memory.sleep true; the default auto keeps on
+#                  the device, from step 1, what step 0's peaks say fits)
 #   sd35_mb16, sd35_mb32: the same as sd35 with micro-batches of 16 / 32 rows (optim.micro_batch_size; the
 #                  loss is normalised by the mini-batch, so the update is the same whatever the size)
 #   sd35_fp8:      sd35_compiled with FP8 in both halves: rollout.precision fp8 at every step and
@@ -49,6 +51,7 @@ for job in "${jobs[@]}"; do
     sd35) model=sd3 args=("${sd35[@]}") ;;
     sd35_compiled) model=sd3 args=("${sd35[@]}" "${compiled[@]}") ;;
     sd35_gc) model=sd3 args=("${sd35[@]}" --model.gradient_checkpointing true) ;;
+    sd35_sleep) model=sd3 args=("${sd35[@]}" --memory.sleep true) ;;
     sd35_mb16) model=sd3 args=("${sd35[@]}" --optim.micro_batch_size 16) ;;
     sd35_mb32) model=sd3 args=("${sd35[@]}" --optim.micro_batch_size 32) ;;
     sd35_fp8) model=sd3 args=("${sd35[@]}" "${compiled[@]}" "${fp8[@]}") ;;
