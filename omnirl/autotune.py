@@ -198,7 +198,8 @@ def sleep_decision(
 
 class AutoSleep:
     """The pending `memory.sleep: auto` decision of a run: made after its first step's update, from the
-    phase peaks that step measured (`mem/rollout_peak_gib`, `mem/train_peak_gib`)."""
+    phase peaks that step measured (`mem/{rollout,train}_reserved_gib`, the allocator's reservation, or the
+    allocated `mem/{rollout,train}_peak_gib` where that is larger)."""
 
     def __init__(self, value: bool | str, phases: memory.Phases, device: torch.device):
         # No decision without device memory to measure (CPU) or with an engine of its own (vLLM's pool is
@@ -213,9 +214,13 @@ class AutoSleep:
         if not self.pending or "mem/train_peak_gib" not in stats:
             return
         self.pending, self.phases.after_train = False, None
-        peaks = (int(stats["mem/rollout_peak_gib"] * GIB), int(stats["mem/train_peak_gib"] * GIB))
+        # The allocator's peak reservation where it is reported: it holds the fragmentation too.
+        peaks = tuple(
+            int(max(stats[f"mem/{n}_peak_gib"], stats.get(f"mem/{n}_reserved_gib", 0.0)) * GIB)
+            for n in ("rollout", "train")
+        )
         groups = self.phases.group_bytes()
-        awake, reason = sleep_decision(*peaks, groups, memory.device_bytes(self.device))
+        awake, reason = sleep_decision(peaks[0], peaks[1], groups, memory.device_bytes(self.device))
         # A group stays awake only where it does on every rank: a sleep vote of 1 from any rank wins.
         names = sorted(groups)
         sleeps = torch.tensor([float(n not in awake) for n in names])

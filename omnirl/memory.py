@@ -448,7 +448,9 @@ def phase(
     `mem/{name}_sleep_gib`, `time/{name}_sleep_s`, `mem/{name}_wake_gib`, `time/{name}_wake_s` and
     `mem/host_gib` (the host chunks) when a sleeper is given, and `time/{name}_engine_sleep_s` or
     `time/{name}_engine_wake_s` when an engine is; always `time/{name}_s` (the phase's work)
-    and, on an accelerator, `mem/{name}_peak_gib` (peak allocated from after the sleep to the end).
+    and, on an accelerator, `mem/{name}_peak_gib` (peak allocated from after the sleep to the end) and
+    `mem/{name}_reserved_gib` (the allocator's peak reservation over the same span: the peak with the
+    fragmentation the phase caused).
     An engine asleep through the phase reports `asleep_bytes`: memory it released to the driver behind
     torch's back (vLLM's sleep unmaps the blocks of its memory pool, which torch's allocator still counts
     as allocated), subtracted from the peak and logged as `mem/{name}_engine_asleep_gib`.
@@ -485,6 +487,7 @@ def phase(
         if accel is not None:
             asleep = getattr(engine, "asleep_bytes", 0) if engine is not None and not engine_awake else 0
             stats[f"mem/{name}_peak_gib"] = (accel.max_memory_allocated() - asleep) / GIB
+            stats[f"mem/{name}_reserved_gib"] = (accel.max_memory_reserved() - asleep) / GIB
             if engine is not None:
                 stats[f"mem/{name}_engine_asleep_gib"] = asleep / GIB
         empty_cache()

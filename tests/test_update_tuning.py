@@ -78,7 +78,9 @@ def _step(phases: memory.Phases, policy: nn.Module, optimizer) -> dict[str, floa
     return stats
 
 
-@pytest.mark.parametrize("device_gib, kept", [(80, True), (1e-6, False)])
+# With a 2 GiB margin: 1.5 GiB reserved + the margin fits 3.6 GiB, not 3.2; the 1.0 GiB allocated would fit
+# 3.2 too, so the 3.2 case shows that the decision reads the reservation.
+@pytest.mark.parametrize("device_gib, kept", [(80, True), (3.6, True), (3.2, False), (1e-6, False)])
 def test_auto_sleep_keeps_groups_on_the_device_from_step_1_where_they_fit(monkeypatch, device_gib, kept):
     monkeypatch.setattr(memory, "device_bytes", lambda device: int(device_gib * GIB))
     cpu = torch.device("cpu")
@@ -90,7 +92,9 @@ def test_auto_sleep_keeps_groups_on_the_device_from_step_1_where_they_fit(monkey
     weight = ops.encoder.weight.detach().clone()
     assert phases.after_train == auto.maybe_decide
     with phases.rollout() as stats:  # step 0 sleeps as true
-        stats |= {"mem/rollout_peak_gib": 1.0, "mem/train_peak_gib": 1.0}  # what a GPU's allocator reports
+        # What a GPU's allocator reports; the reservation (fragmentation included) is what counts.
+        stats |= {"mem/rollout_peak_gib": 1.0, "mem/train_peak_gib": 1.0}
+        stats |= {"mem/rollout_reserved_gib": 1.5, "mem/train_reserved_gib": 1.5}
     with phases.train(stats):
         policy(torch.randn(2, 64)).sum().backward()
         optimizer.step()
