@@ -220,6 +220,9 @@ def test_a_sleeping_engines_released_memory_is_not_in_the_phase_peak(monkeypatch
         def max_memory_allocated(self):
             return 50 * 2**30
 
+        def max_memory_reserved(self):
+            return 52 * 2**30
+
     class Engine:
         asleep_bytes = 0
 
@@ -236,6 +239,7 @@ def test_a_sleeping_engines_released_memory_is_not_in_the_phase_peak(monkeypatch
     with phase("train", stats, Sleeper(CPU), engine=engine, engine_awake=False):
         pass
     assert stats["mem/train_peak_gib"] == 10 and stats["mem/train_engine_asleep_gib"] == 40
+    assert stats["mem/train_reserved_gib"] == 12  # the reservation less the engine's released pool too
     with phase("rollout", stats, Sleeper(CPU), engine=engine, engine_awake=True):
         pass
     assert stats["mem/rollout_peak_gib"] == 50 and stats["mem/rollout_engine_asleep_gib"] == 0
