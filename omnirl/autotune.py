@@ -180,47 +180,38 @@ def sleep_decision(
     """The groups that stay on the device, and why, from step 0's measured phase peaks (each from after the
     phase's sleep, so without the groups that slept through it), the groups' bytes and the device's size."""
     margin = max(MARGIN_MIN_BYTES, int(MARGIN_FRACTION * total))
-    train_only = groups["optimizer"] + groups["reference"]
+    offload, train_only = groups["offload"], groups["optimizer"] + groups["reference"]
     awake: set[str] = set()
-    if train_peak + groups["offload"] + margin <= total:
+    if train_peak + offload + margin <= total:
         awake.add("offload")
     if rollout_peak + train_only + margin <= total:
         awake.update(("optimizer", "reference"))
-    offload = groups["offload"]
     reason = (
         f"update peak {train_peak / GIB:.2f} GiB + text encoders, VAE and rewards {offload / GIB:.2f} GiB; "
         f"rollout peak {rollout_peak / GIB:.2f} GiB + optimizer state and reference "
-        f"{train_only / GIB:.2f} GiB; "
-        f"margin {margin / GIB:.2f} GiB of {total / GIB:.2f} GiB"
+        f"{train_only / GIB:.2f} GiB; margin {margin / GIB:.2f} GiB of {total / GIB:.2f} GiB"
     )
     return awake, reason
 
 
 class AutoSleep:
-    """The pending `memory.sleep: auto` decision of a run: made after its first step's update, from the
-    phase peaks that step measured (`mem/{rollout,train}_reserved_gib`, the allocator's reservation, or the
-    allocated `mem/{rollout,train}_peak_gib` where that is larger)."""
+    """The `memory.sleep: auto` decision of a run, made when its first train phase ends
+    (`Phases.after_train`), from the allocator's peak reservation of that step's phases
+    (`mem/{rollout,train}_reserved_gib`: the tensors and the fragmentation they caused)."""
 
     def __init__(self, value: bool | str, phases: memory.Phases, device: torch.device):
+        self.phases, self.device = phases, device
         # No decision without device memory to measure (CPU) or with an engine of its own (vLLM's pool is
         # outside the peaks torch's allocator reports): there, auto sleeps as true.
-        self.pending = value == "auto" and phases.sleeper is not None and phases.engine is None
-        self.pending = self.pending and memory.device_bytes(device) > 0
-        self.phases, self.device = phases, device
-        if self.pending:
-            phases.after_train = self.maybe_decide
+        sleeps = phases.sleeper is not None and phases.engine is None
+        if value == "auto" and sleeps and memory.device_bytes(device):
+            phases.after_train = self.decide
 
-    def maybe_decide(self, stats: dict[str, float]) -> None:
-        if not self.pending or "mem/train_peak_gib" not in stats:
-            return
-        self.pending, self.phases.after_train = False, None
-        # The allocator's peak reservation where it is reported: it holds the fragmentation too.
-        peaks = tuple(
-            int(max(stats[f"mem/{n}_peak_gib"], stats.get(f"mem/{n}_reserved_gib", 0.0)) * GIB)
-            for n in ("rollout", "train")
-        )
+    def decide(self, stats: dict[str, float]) -> None:
+        self.phases.after_train = None
+        rollout, train = (int(stats[f"mem/{n}_reserved_gib"] * GIB) for n in ("rollout", "train"))
         groups = self.phases.group_bytes()
-        awake, reason = sleep_decision(peaks[0], peaks[1], groups, memory.device_bytes(self.device))
+        awake, reason = sleep_decision(rollout, train, groups, memory.device_bytes(self.device))
         # A group stays awake only where it does on every rank: a sleep vote of 1 from any rank wins.
         names = sorted(groups)
         sleeps = torch.tensor([float(n not in awake) for n in names])

@@ -90,7 +90,7 @@ def test_auto_sleep_keeps_groups_on_the_device_from_step_1_where_they_fit(monkey
     phases = memory.Phases(memory.Sleeper(cpu, chunk_bytes=4096), optimizer, ops, _Rewards())
     auto = autotune.AutoSleep("auto", phases, cpu)
     weight = ops.encoder.weight.detach().clone()
-    assert phases.after_train == auto.maybe_decide
+    assert phases.after_train == auto.decide
     with phases.rollout() as stats:  # step 0 sleeps as true
         # What a GPU's allocator reports; the reservation (fragmentation included) is what counts.
         stats |= {"mem/rollout_peak_gib": 1.0, "mem/train_peak_gib": 1.0}
