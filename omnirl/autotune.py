@@ -18,7 +18,9 @@ from omnirl import distributed as D
 from omnirl import memory
 
 GIB = 2**30
-MARGIN_FRACTION = 0.05  # of the device's memory, kept free beyond the measured peak (fragmentation)
+# Kept free beyond a measured peak (fragmentation): a share of the memory the process may use
+# (memory.device_bytes: the device's, or the cap of memory.cap_device_memory), at least MARGIN_MIN_BYTES.
+MARGIN_FRACTION = 0.05
 MARGIN_MIN_BYTES = 2 * GIB
 
 
@@ -90,16 +92,10 @@ def optimizer_state_bytes(policy: nn.Module, optimizer: torch.optim.Optimizer) -
     return total
 
 
-def total_bytes(device: torch.device) -> int:
-    if device.type == "cpu":
-        return 0
-    accel = getattr(torch, device.type)
-    return accel.get_device_properties(device).total_memory
-
-
 def decide(peak: int | None, free: int, state: int, total: int, micro_batch: int) -> Decision:
     """Checkpointing on or off from the predicted peak of a micro-batch without it (None: the probe ran
-    out of memory), the free bytes before it, the optimizer state still to come and the device's size."""
+    out of memory), the free bytes before it, the optimizer state still to come and the memory the process
+    may use (the device's, or its cap)."""
     if peak is None:
         return Decision(True, f"a probe of a micro-batch of {micro_batch} rows ran out of device memory")
     margin = max(MARGIN_MIN_BYTES, int(MARGIN_FRACTION * total)) if total else 0
@@ -150,7 +146,9 @@ def probe_checkpointing(ops, optimizer: torch.optim.Optimizer, mb: list, normali
                 optimizer.zero_grad(set_to_none=True)
     if oom:
         memory.empty_cache()
-    mine = decide(None if oom else predicted_peak(peaks, len(mb)), free, state, total_bytes(device), len(mb))
+    mine = decide(
+        None if oom else predicted_peak(peaks, len(mb)), free, state, memory.device_bytes(device), len(mb)
+    )
     votes = D.all_reduce(torch.tensor([float(mine.on)]), op=torch.distributed.ReduceOp.MAX)
     on = bool(votes.item())
     reason = mine.reason if on == mine.on else f"another rank needs it ({mine.reason} on this one)"

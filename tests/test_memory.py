@@ -245,6 +245,46 @@ def test_a_sleeping_engines_released_memory_is_not_in_the_phase_peak(monkeypatch
     assert stats["mem/rollout_peak_gib"] == 50 and stats["mem/rollout_engine_asleep_gib"] == 0
 
 
+def test_a_cap_is_the_memory_every_decision_counts_from(monkeypatch):
+    """Under `cap_device_memory` the process sees a smaller device: the free memory, the checkpointing
+    margin and the sleep decision all count from the cap, not from the card's size."""
+    from omnirl import autotune, memory
+
+    gib = 2**30
+
+    class Accel:  # an 80 GiB card, 10 GiB allocated, 12 reserved, 60 free to the driver
+        fraction = None
+
+        def get_device_properties(self, device):
+            return type("Props", (), {"total_memory": 80 * gib})()
+
+        def set_per_process_memory_fraction(self, fraction, device):
+            Accel.fraction = fraction
+
+        def mem_get_info(self, device):
+            return 60 * gib, 80 * gib
+
+        def memory_allocated(self, device):
+            return 10 * gib
+
+        def memory_reserved(self, device):
+            return 12 * gib
+
+    monkeypatch.setattr(memory, "_accel", Accel)
+    monkeypatch.setattr(memory, "_cap", {})
+    card = torch.device("cuda", 0)
+    assert memory.device_bytes(card) == 80 * gib and memory.free_bytes(card) == 62 * gib
+    memory.cap_device_memory(40, card)
+    assert Accel.fraction == 0.5 and memory.device_bytes(card) == 40 * gib
+    assert memory.free_bytes(card) == 30 * gib  # the cap less what is allocated
+    # 28 GiB of peak + 2 GiB of margin (5% of the cap) fits the 30 GiB the cap leaves; 5% of the card (4 GiB)
+    # would not.
+    assert not autotune.decide(28 * gib, memory.free_bytes(card), 0, memory.device_bytes(card), 8).on
+    assert autotune.decide(28 * gib, memory.free_bytes(card), 0, 80 * gib, 8).on
+    with pytest.raises(ValueError, match="more than the device"):
+        memory.cap_device_memory(100, card)
+
+
 @pytest.mark.slow
 def test_fsdp2_optimizer_state_sleeps_and_wakes_bit_exact():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
