@@ -190,6 +190,33 @@ def test_a_max_num_seqs_that_cannot_fit_fails_before_the_rollout(tiny_sd3, tmp_p
 
 
 @pytest.mark.slow
+def test_a_compiled_rollout_probes_its_memory_eagerly(tiny_sd3, tmp_path, monkeypatch):
+    """The memory probes of a compiled rollout (1 and 2 rows for SD3) run the blocks' eager forwards: only
+    the real batch's size compiles (dynamo's counters; its 'eager' backend, which traces as inductor
+    would), and the probes measure what an eager engine's measure."""
+    from torch._dynamo.utils import counters
+
+    from omnirl.rollout import compiled as rollout_compiled
+
+    monkeypatch.setattr(rollout_compiled, "COMPILE_BACKEND", "eager")
+    cfg = tiny_cfg(tiny_sd3, tmp_path, "--rollout.prompts_per_step", "1", "--rollout.group_size", "4",
+                   "--sampling.num_steps", "3")  # fmt: skip
+    dist = D.init_distributed()
+    adapter = get_adapter("sd3")(cfg, dist.device)
+    requests, _ = make_requests(cfg, load_prompts(cfg.data.train_path), 0, dist, sampling_params(cfg))
+    plain = DiffusionEngine(adapter, RolloutConfig(max_num_seqs=8, memory_budget_gib=1.0))
+    reference = plain.generate(requests)
+    start = counters["stats"]["unique_graphs"]
+    engine = DiffusionEngine(adapter, RolloutConfig(max_num_seqs=8, memory_budget_gib=1.0, compile=True))
+    out = engine.generate(requests)
+    assert counters["stats"]["unique_graphs"] - start == 2  # the two block variants at 4 rows, nothing else
+    assert engine.row_cost == plain.row_cost and engine.row_cost  # probed, and as the eager engine probes
+    assert all("forward" not in vars(m) for m in adapter.fsdp_units())  # the compiled forwards swapped out
+    for a, b in zip(out, reference, strict=True):
+        assert torch.allclose(a.output.image, b.output.image, atol=1e-5)
+
+
+@pytest.mark.slow
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "window, extra, probe_steps",

@@ -65,3 +65,15 @@ def swapped(compiled: Compiled):
     finally:
         for module, _ in compiled:
             del module.forward
+
+
+@contextlib.contextmanager
+def eager(compiled: Compiled):
+    """Inside `swapped`, run the modules' own forwards again until the block ends: for work at sizes the
+    compiled code will never see again (a memory probe), whose compile would cost more than it saves."""
+    saved = [(m, vars(m).pop("forward")) for m, _ in compiled if "forward" in vars(m)]
+    try:
+        yield
+    finally:
+        for module, fn in saved:
+            module.forward = fn

@@ -27,7 +27,7 @@ from omnirl import fsdp
 from omnirl.config import RolloutConfig
 from omnirl.memory import GIB, empty_cache, free_bytes, peak_bytes
 from omnirl.models.base import DiffusionAdapter, Request, Trajectory
-from omnirl.rollout.compiled import Compiled, compile_forwards, swapped
+from omnirl.rollout.compiled import Compiled, compile_forwards, eager, swapped
 from omnirl.rollout.fp8 import Fp8Rollout
 from omnirl.rollout.packer import RequestPacker
 
@@ -273,7 +273,11 @@ class DiffusionEngine:
         dummy = self._probe(request)
         peaks = {0: 0}
         for rows in sorted({low, top} - {0}):
-            peak = self._peak([dummy] * rows)
+            # Eager: compiled, each probe size is a graph per block variant, traced (and on an empty cache
+            # compiled) at step 0 and never run again. Without fused kernels the probe holds intermediates
+            # a compiled forward fuses away, so its line errs high, as the slope's rounding does.
+            with eager(self.compiled):
+                peak = self._peak([dummy] * rows)
             if peak is None:
                 empty_cache()  # the failed rollout's tensors went with its traceback; hand back their blocks
                 raise ValueError(
