@@ -1,11 +1,15 @@
 """Where an update's time goes, without stalling it: device events recorded at the boundaries of its parts
 (forward, KL reference forward, backward, optimizer) and read once, after the update's last kernel. On the
 CPU the host clock is the device's. Logged as `time/train_<part>_s` (docs/memory.md lists the phases).
+A rollout's clock times the parts its code marks with `part` while `recording` it (the VAE decode:
+`time/vae_decode_s`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -14,8 +18,8 @@ import torch
 class PhaseClock:
     """`mark(part)` ends the running part and starts `part`; `totals()` syncs once and sums each part."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, prefix: str = "time/train_"):
+        self.device, self.prefix = device, prefix
         self.events = device.type == "cuda"
         self.marks: list[tuple[str, Any]] = []  # (part, a CUDA event or a host time)
 
@@ -41,5 +45,34 @@ class PhaseClock:
             if part == "idle":
                 continue
             s = a.elapsed_time(b) / 1e3 if self.events else b - a
-            out[f"time/train_{part}_s"] = out.get(f"time/train_{part}_s", 0.0) + s
+            key = f"{self.prefix}{part}_s"
+            out[key] = out.get(key, 0.0) + s
         return out
+
+
+# The clock a rollout is recorded on (`recording`), for the parts deep inside the adapters' code (`part`).
+_RECORDING: ContextVar[PhaseClock | None] = ContextVar("omnirl_phase_clock", default=None)
+
+
+@contextlib.contextmanager
+def recording(clock: PhaseClock):
+    """Let `part` mark `clock` until the block ends."""
+    token = _RECORDING.set(clock)
+    try:
+        yield clock
+    finally:
+        _RECORDING.reset(token)
+
+
+@contextlib.contextmanager
+def part(name: str):
+    """Time the block as `name` on the clock being recorded, if any (nothing otherwise)."""
+    clock = _RECORDING.get()
+    if clock is None:
+        yield
+        return
+    clock.mark(name)
+    try:
+        yield
+    finally:
+        clock.mark("idle")

@@ -25,6 +25,7 @@ from omnirl.data.prompts import PromptRow
 from omnirl.distributed import derive_seed
 from omnirl.models.base import Request
 from omnirl.ops import KindOps
+from omnirl.phase_clock import PhaseClock, recording
 from omnirl.rewards.pool import RewardPool
 
 
@@ -49,8 +50,9 @@ def rollout_and_score(
     (in finishing order, which is all the logged means need). A sample holding NaN or infinity
     (`nonfinite_parts`) is never scored: a NaN image would be scored as a black one. Its reward stays NaN,
     and `omnirl.step.update` handles it as train.on_nonfinite says. Writes into `stats`, when given,
-    `time/generate_s` (the generation, scoring overlapped) and `time/score_wait_s` (the scoring still left
-    after it)."""
+    `time/generate_s` (the generation, scoring overlapped), `time/score_wait_s` (the scoring still left
+    after it) and `time/vae_decode_s` (the VAE decode's part of the generation, device time; 0 for a family
+    without one)."""
     scored = []
     start = time.perf_counter()
 
@@ -62,8 +64,14 @@ def rollout_and_score(
         prompts, metadata = [t.request.prompt for t in trajs], [t.request.metadata for t in trajs]
         scored.append((trajs, rewards.submit(outputs, prompts, metadata)))
 
-    trajs = ops.generate(requests, submit)
-    return trajs, collect_scores(rewards, scored, start, time.perf_counter(), stats)
+    clock = PhaseClock(ops.adapter.device, prefix="time/")
+    with recording(clock):
+        trajs = ops.generate(requests, submit)
+    generated = time.perf_counter()
+    per_reward = collect_scores(rewards, scored, start, generated, stats)
+    if stats is not None:  # the VAE decode's part of the generation (every rank logs the key: per_rank)
+        stats["time/vae_decode_s"] = clock.totals().get("time/vae_decode_s", 0.0)
+    return trajs, per_reward
 
 
 def collect_scores(

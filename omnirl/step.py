@@ -318,15 +318,15 @@ def reward_stats(per: dict[str, np.ndarray]) -> dict[str, float]:
 
 def per_rank(logs: dict[str, float]) -> dict[str, float]:
     """The rank-local measurements of a step (the peak device memory of each phase, the frozen weights
-    held, generation and scoring wait) from every rank: `KEY/rankR` for each rank R, and KEY itself
-    becomes the maximum over ranks (the GPU closest to its limit; the rank the others wait for).
+    held, generation, its VAE decode and scoring wait) from every rank: `KEY/rankR` for each rank R, and
+    KEY itself becomes the maximum over ranks (the GPU closest to its limit; the rank the others wait for).
     Collective: every rank holds the same keys."""
     keys = sorted(
         k
         for k in logs
         if k.endswith("_peak_gib")
         or k.startswith("mem/frozen_")
-        or k in ("time/generate_s", "time/score_wait_s")
+        or k in ("time/generate_s", "time/score_wait_s", "time/vae_decode_s")
     )
     rank, world = D.rank_and_world()
     table = torch.zeros(world, len(keys), dtype=torch.float64)  # [ranks, keys]: a sum of one row each

@@ -118,6 +118,9 @@ def test_table_of_a_gpu_row():
     sol = {**one, "time/regenerate_s": 7.25}
     assert "scoring wait 0.25 s; bf16 regeneration 7.2 s; host" in pm.step_table(sol).splitlines()[0]
     assert pm.summarise_steps([sol])[0]["regenerate_s"] == 7.25
+    decoded = {**one, "time/vae_decode_s": 4.5}
+    assert "generation 30.5 s (VAE decode 4.50 s), scoring" in pm.step_table(decoded).splitlines()[0]
+    assert pm.summarise_steps([decoded])[0]["vae_decode_s"] == 4.5
     cpu = {"step": 0, "time/rollout_s": 1.0, "time/train_s": 2.0}
     assert pm.step_table(cpu).splitlines()[4:] == [
         "| rollout | 1.0 | - | - | - | - | - |",
@@ -166,3 +169,26 @@ def test_rewards_without_their_weights_are_left_out(tmp_path):
     kept = {"video_brightness": 1.0, "hpsv3": 0.5}
     weights, dropped = pm.reward_weights(kept, 1e-3, {"hpsv3": str(tmp_path)})  # an existing folder
     assert (weights, dropped) == ({**kept, "uniform_noise": 1e-3}, [])
+
+
+def test_the_step_split_takes_the_vae_decode_out_of_the_generation():
+    """The split's parts add up to the step: the VAE decode, timed inside the generation, is its own part,
+    the generation keeps the rest, and what no part names is "other"."""
+    from scripts.gpu import step_report as pm
+
+    def row(step: int, scale: float) -> dict:
+        return {
+            "step": step, "time/step_s": 20.0 * scale, "time/generate_s": 6.0 * scale,
+            "time/vae_decode_s": 1.5 * scale, "time/score_wait_s": 0.5 * scale, "time/train_forward_s": 4.0,
+            "time/train_backward_s": 5.0, "time/train_optimizer_s": 0.25, "time/rollout_sleep_s": 0.25,
+            "time/train_wake_s": 0.25, "time/rollout_s": 6.5 * scale, "time/train_s": 9.5,
+        }  # fmt: skip
+
+    split = pm.step_split([row(0, 3.0), row(1, 1.0), row(2, 1.0)], None)
+    parts = {name: v["median"] for name, v in split["parts"].items()}
+    assert parts["generation"] == 4.5 and parts["vae decode"] == 1.5 and parts["scoring wait"] == 0.5
+    assert parts["sleep/wake"] == 0.5 and parts["update forward"] == 4.0
+    named = sum(v for k, v in parts.items() if k not in ("other", "step", "rollout", "update"))
+    assert parts["other"] == pytest.approx(20.0 - named) and parts["step"] == 20.0
+    assert split["step0"]["vae decode"] == 4.5 and split["steady_steps"] == [1, 2]
+    assert "| vae decode | 1.50 (1.50-1.50) | 4.50 |" in pm.split_table(split, None)

@@ -353,6 +353,10 @@ def test_tiny_recipe_under_torchrun_fsdp(tiny_sd3, tmp_path):
     metrics = read_jsonl(out / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1, 2]
     assert all(m["train/updates"] == 1 for m in metrics)
+    # The VAE decode is timed inside the generation, on every rank (step 2 also decodes the shown samples).
+    for m in metrics:
+        for rank in (0, 1):
+            assert 0 < m[f"time/vae_decode_s/rank{rank}"] < m[f"time/generate_s/rank{rank}"]
     assert (out / "lora/pytorch_lora_weights.safetensors").is_file()
     assert (out / "samples/step_000002.png").is_file()
     assert list((out / "tb").glob("events.*"))

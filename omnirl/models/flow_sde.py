@@ -10,6 +10,7 @@ How it works: docs/algorithms.md#the-denoising-step-and-its-log-prob
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from omnirl import phase_clock
 
 SDE_TYPES = ("ode", "sde", "cps", "dance_sde")
 
@@ -123,8 +126,17 @@ def flow_step(
 def phase(name: str):
     """A labelled range of a rollout (`omnirl/<name>`) for the torch profiler: the rollout benchmark's time
     breakdown (benchmarks/breakdown.py) sums the host and device time of each label. Free when no profiler
-    runs. Labels: encode, noise, transformer, sde_step, vae_decode, to_host."""
+    runs. Labels: encode, noise, transformer, sde_step, vae_decode, to_host. The VAE decode is also timed on
+    the clock the step records its rollout on (`phase_clock.recording`): the step's `time/vae_decode_s`."""
+    if name == "vae_decode":
+        return _timed(name)
     return torch.profiler.record_function(f"omnirl/{name}")
+
+
+@contextlib.contextmanager
+def _timed(name: str):
+    with torch.profiler.record_function(f"omnirl/{name}"), phase_clock.part(name):
+        yield
 
 
 # One worker thread draws every sampler's step noise ahead of its denoising loop (`WindowedSampler`). Torch's

@@ -57,7 +57,8 @@ def step_table(row: dict, title: str = "") -> str:
     parts = [f"step {fmt(step_s)} s"] if step_s is not None else []
     if "time/generate_s" in row:
         wait = fmt(row.get("time/score_wait_s"), 2)
-        parts.append(f"generation {fmt(row['time/generate_s'])} s, scoring wait {wait} s")
+        decode = f" (VAE decode {fmt(row['time/vae_decode_s'], 2)} s)" if row.get("time/vae_decode_s") else ""
+        parts.append(f"generation {fmt(row['time/generate_s'])} s{decode}, scoring wait {wait} s")
     if "time/regenerate_s" in row:  # Sol-RL (rollout.fp8.select): the bf16 regeneration of the chosen
         parts.append(f"bf16 regeneration {fmt(row['time/regenerate_s'])} s")
     if "mem/host_gib" in row:
@@ -100,6 +101,7 @@ def summarise_steps(rows: list[dict]) -> list[dict]:
             "step": r["step"],
             "step_s": r.get("time/step_s"),
             "generate_s": r.get("time/generate_s"),
+            "vae_decode_s": r.get("time/vae_decode_s"),
             "score_wait_s": r.get("time/score_wait_s"),
             "regenerate_s": r.get("time/regenerate_s"),
             "host_gib": r.get("mem/host_gib"),
@@ -115,15 +117,17 @@ UPDATE_PARTS = ("recompute", "forward", "kl_reference", "backward", "optimizer")
 
 
 def step_split(rows: list[dict], flops: dict | None) -> dict:
-    """The whole step, split: per steady-state step (every step after step 0) generation, scoring wait,
-    the update's parts (`time/train_<part>_s`), sleep/wake and the rest, with median, min and max over those
-    steps; step 0 apart (compiling and first-touch costs); images per second; and, given the counted
-    transformer FLOPs of the rollout and the update (`flops`), each phase's MFU: the FLOPs' time at the
-    measured bf16 matmul ceiling over the measured time."""
+    """The whole step, split: per steady-state step (every step after step 0) generation (text encoding and
+    denoising), its VAE decode, scoring wait, the update's parts (`time/train_<part>_s`), sleep/wake and the
+    rest, with median, min and max over those steps; step 0 apart (compiling and first-touch costs); images
+    per second; and, given the counted transformer FLOPs of the rollout and the update (`flops`), each
+    phase's MFU: the FLOPs' time at the measured bf16 matmul ceiling over the measured time."""
 
     def parts(r: dict) -> dict[str, float]:
+        decode = r.get("time/vae_decode_s") or 0.0  # inside the generation
         out = {
-            "generation": r.get("time/generate_s") or 0.0,
+            "generation": (r.get("time/generate_s") or 0.0) - decode,
+            "vae decode": decode,
             "scoring wait": r.get("time/score_wait_s") or 0.0,
         }
         for part in UPDATE_PARTS:
