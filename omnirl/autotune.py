@@ -217,4 +217,6 @@ class AutoSleep:
         awake = {n for n, v in zip(names, votes.tolist()) if v == 0}
         self.phases.awake = awake
         kept = ", ".join(n for n in names if n in awake and groups[n]) or "nothing"
+        if all(n in awake for n in names if groups[n]):
+            kept += "; nothing sleeps, so the host buffers go back once the rollout-only modules wake"
         D.print0(f"memory.sleep auto: from step 1 on the device: {kept} ({reason})")

@@ -327,6 +327,20 @@ class Sleeper:
         return name in self._asleep
 
     @property
+    def reserving(self) -> bool:
+        return self._reserving is not None
+
+    def release(self) -> int:
+        """Hand the host chunks back, while nothing is asleep (a reservation under way is waited for); a
+        later sleep allocates afresh. Returns the bytes freed (0 while a group sleeps)."""
+        self._collect()
+        if self._asleep:
+            return 0
+        freed = self.host_bytes
+        self.chunks, self._free = [], []
+        return freed
+
+    @property
     def host_bytes(self) -> int:
         return len(self.chunks) * self.chunk_bytes
 
@@ -555,6 +569,15 @@ class Phases:
         sleep = {k: v for k, v in self.train_only.items() if k not in self.awake}
         with phase("rollout", stats, self.sleeper, sleep=sleep, wake=["offload"], engine=self.engine):
             yield stats
+        self._release_unused(stats)
+
+    def _release_unused(self, stats: dict[str, float]) -> None:
+        """Once every group that has bytes stays on the device (memory.sleep auto) and the last one asleep
+        has woken, the pinned host chunks serve no sleep again: hand them back (`mem/host_gib` 0)."""
+        if self.sleeper is None or not (self.sleeper.chunks or self.sleeper.reserving):
+            return
+        if {n for n, b in self.group_bytes().items() if b} <= self.awake and self.sleeper.release():
+            stats["mem/host_gib"] = self.sleeper.host_bytes / GIB
 
     @contextlib.contextmanager
     def train(self, stats: dict[str, float]):

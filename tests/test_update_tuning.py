@@ -106,6 +106,8 @@ def test_auto_sleep_keeps_groups_on_the_device_from_step_1_where_they_fit(monkey
         assert (stats["mem/rollout_sleep_gib"] == 0) == kept  # AdamW's state
         assert (stats["mem/train_sleep_gib"] == 0) == kept  # the encoder
         assert phases.sleeper.is_asleep("offload") != kept
+    # Where every group stays, no sleep will need the pinned host chunks again: they go back.
+    assert (phases.sleeper.host_bytes == 0) == kept and (stats["mem/host_gib"] == 0) == kept
     with phases.rollout():
         assert torch.equal(ops.encoder.weight, weight)  # awake and bit-exact either way
 
