@@ -326,10 +326,6 @@ class Sleeper:
     def is_asleep(self, name: str) -> bool:
         return name in self._asleep
 
-    @property
-    def reserving(self) -> bool:
-        return self._reserving is not None
-
     def release(self) -> int:
         """Hand the host chunks back, while nothing is asleep (a reservation under way is waited for); a
         later sleep allocates afresh. Returns the bytes freed (0 while a group sleeps)."""
@@ -574,7 +570,7 @@ class Phases:
     def _release_unused(self, stats: dict[str, float]) -> None:
         """Once every group that has bytes stays on the device (memory.sleep auto) and the last one asleep
         has woken, the pinned host chunks serve no sleep again: hand them back (`mem/host_gib` 0)."""
-        if self.sleeper is None or not (self.sleeper.chunks or self.sleeper.reserving):
+        if self.sleeper is None or not self.awake:
             return
         if {n for n, b in self.group_bytes().items() if b} <= self.awake and self.sleeper.release():
             stats["mem/host_gib"] = self.sleeper.host_bytes / GIB
