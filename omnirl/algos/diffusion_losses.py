@@ -35,14 +35,22 @@ def flow_grpo_loss(
     policy = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_range, 1 + clip_range))  # [M]
     if is_weight is not None:
         policy = policy * is_weight.detach().to(policy.dtype)
-    sums = {
+    sums = _ratio_sums(w, policy, ratio, log_ratio, (ratio - 1).abs() > clip_range)
+    return _row_loss(sums, w, kl, algo.kl_beta, normaliser)
+
+
+def _ratio_sums(
+    w: torch.Tensor, policy: torch.Tensor, ratio: torch.Tensor, log_ratio: torch.Tensor, clipped: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """The metric sums every ratio-based loss reports over its weighted rows: the policy term, the ratio,
+    the rows its clip (or mask) takes out, the approximate KL 0.5 (logprob - old_logprob)^2, the count."""
+    return {
         "loss/policy_sum": (w * policy).sum(),
         "loss/ratio_sum": (w * ratio).sum(),
-        "loss/clip_count": (w * ((ratio - 1).abs() > clip_range)).sum(),
+        "loss/clip_count": (w * clipped).sum(),
         "loss/approx_kl_sum": (w * 0.5 * log_ratio**2).sum(),
         "loss/count": w.sum(),
     }
-    return _row_loss(sums, w, kl, algo.kl_beta, normaliser)
 
 
 def grpo_guard_loss(
@@ -78,14 +86,9 @@ def grpo_guard_loss(
     policy = policy / torch.where(dt > 0, dt, 1.0)
     if is_weight is not None:
         policy = policy * is_weight.detach().to(policy.dtype)
-    sums = {
-        "loss/policy_sum": (w * policy).sum(),
-        "loss/ratio_sum": (w * ratio).sum(),
-        "loss/clip_count": (w * ((ratio - 1).abs() > clip_range)).sum(),
-        "loss/approx_kl_sum": (w * 0.5 * (logprob - inputs.old_logprob.detach()) ** 2).sum(),
-        "loss/ratio_bias_sum": (w * bias.detach()).sum(),
-        "loss/count": w.sum(),
-    }
+    clipped = (ratio - 1).abs() > clip_range
+    sums = _ratio_sums(w, policy, ratio, logprob - inputs.old_logprob.detach(), clipped)
+    sums["loss/ratio_bias_sum"] = (w * bias.detach()).sum()
     return _row_loss(sums, w, kl, algo.kl_beta, normaliser)
 
 
@@ -153,11 +156,7 @@ def flow_dppo_loss(
         policy = policy * is_weight.detach().to(policy.dtype)
     real = w > 0
     sums = {
-        "loss/policy_sum": (w * policy).sum(),
-        "loss/ratio_sum": (w * ratio).sum(),
-        "loss/clip_count": (w * mask).sum(),
-        "loss/approx_kl_sum": (w * 0.5 * log_ratio**2).sum(),
-        "loss/count": w.sum(),
+        **_ratio_sums(w, policy, ratio, log_ratio, mask),
         "dppo/kl_new_old_sum": (w * d).sum(),
         "dppo/kl_new_old_max": torch.where(real, d, 0.0).max(),
         "dppo/mask_count": (w * mask).sum(),
