@@ -24,6 +24,11 @@ MARGIN_FRACTION = 0.05
 MARGIN_MIN_BYTES = 2 * GIB
 
 
+def margin_bytes(total: int) -> int:
+    """The memory kept free beyond a measured peak on a process that may use `total` bytes (0: none)."""
+    return max(MARGIN_MIN_BYTES, int(MARGIN_FRACTION * total)) if total else 0
+
+
 @dataclass
 class Decision:
     on: bool
@@ -98,7 +103,7 @@ def decide(peak: int | None, free: int, state: int, total: int, micro_batch: int
     may use (the device's, or its cap)."""
     if peak is None:
         return Decision(True, f"a probe of a micro-batch of {micro_batch} rows ran out of device memory")
-    margin = max(MARGIN_MIN_BYTES, int(MARGIN_FRACTION * total)) if total else 0
+    margin = margin_bytes(total)
     need = peak + state + margin
     what = (
         f"a micro-batch of {micro_batch} rows needs {peak / GIB:.2f} GiB without it, the optimizer state "
@@ -177,7 +182,7 @@ def sleep_decision(
 ) -> tuple[set[str], str]:
     """The groups that stay on the device, and why, from step 0's measured phase peaks (each from after the
     phase's sleep, so without the groups that slept through it), the groups' bytes and the device's size."""
-    margin = max(MARGIN_MIN_BYTES, int(MARGIN_FRACTION * total))
+    margin = margin_bytes(total)
     offload, train_only = groups["offload"], groups["optimizer"] + groups["reference"]
     awake: set[str] = set()
     if train_peak + offload + margin <= total:
