@@ -23,6 +23,7 @@ from omnirl.ranges import FRACTION, NON_NEGATIVE, POSITIVE, at_least
 # of their dataclass, checked here in the same way.
 RANGES = {
     "run.steps": at_least(1),
+    "run.compile_cache": ((lambda v: bool(v.strip())), "'auto' or a directory"),
     "lora.rank": at_least(1),
     "lora.alpha": POSITIVE,
     "lora.dropout": ((lambda v: math.isfinite(v) and 0 <= v < 1), "a number in [0, 1)"),

@@ -25,6 +25,7 @@ from omnirl.metrics import MetricsLogger
 from omnirl.models import build_adapter
 from omnirl.ops import check_before_loading
 from omnirl.rewards.pool import RewardPool
+from omnirl.rollout.compiled import cached_graphs, use_cache_dir
 from omnirl.scoring import rollout_step, validate
 from omnirl.step import UpdateTuning, assign_advantages, check_learned, per_rank, reward_stats, update
 
@@ -36,6 +37,7 @@ def train(cfg: Config) -> dict[str, float]:
     D.seed_everything(cfg.run.seed)
     # First: a run already there, or an output_dir that cannot be written, fails before anything loads.
     D.lock_output_dir(cfg.run.output_dir)
+    compile_cache(cfg)
     try:
         if cfg.distributed.mode == "async":  # rollout and update on disjoint ranks: a loop of its own
             from omnirl.async_mode import train_async
@@ -104,6 +106,18 @@ def _train(cfg: Config, dist: D.DistInfo) -> dict[str, float]:
         health.finish()  # the run's alerts, also when it stops
     rewards.close()
     return logs
+
+
+def compile_cache(cfg: Config) -> None:
+    """Where a run that compiles keeps its compiled graphs (`run.compile_cache`), said once at start with
+    what it holds: an empty cache means a step 0 that compiles every graph."""
+    g = cfg.generation
+    if not (cfg.train.compile or cfg.rollout.compile or g.compile or g.compile_modules):
+        return
+    path = use_cache_dir(cfg.run.compile_cache)
+    held = cached_graphs(path)
+    what = f"{held} compiled graphs of earlier runs" if held else "empty: step 0 compiles every graph"
+    D.print0(f"compile cache: {path} ({what})")
 
 
 def skipped_rows(step: int, skipped: list | None) -> dict[str, float]:

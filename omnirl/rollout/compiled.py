@@ -11,7 +11,9 @@ once more with those sizes symbolic.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -31,6 +33,32 @@ RECOMPILE_LIMIT = 128
 ELEMENTWISE_MODULES = ("RMSNorm", "TopKRouter")
 
 Compiled = list[tuple[nn.Module, Callable]]
+
+# Inductor's on-disk cache (its FX graphs, AOTAutograd's compiled forwards and backwards, and beneath it
+# triton's kernels): a process that finds a graph there loads it instead of compiling it.
+CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+CACHE_PARTS = ("fxgraph", "aotautograd")
+
+
+def use_cache_dir(setting: str) -> Path:
+    """Point inductor's on-disk cache at `setting` (`run.compile_cache`) before anything compiles: 'auto'
+    keeps TORCHINDUCTOR_CACHE_DIR where it is set, else takes `$XDG_CACHE_HOME/omnirl/torchinductor`
+    (`~/.cache/omnirl/torchinductor`), which outlives /tmp, inductor's own default, and, on a shared home,
+    the node; a path is taken as it is. Returns the directory in use."""
+    if setting == "auto":
+        if os.environ.get(CACHE_ENV):
+            return Path(os.environ[CACHE_ENV])
+        path = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "omnirl" / "torchinductor"
+    else:
+        path = Path(setting).expanduser()
+    os.environ[CACHE_ENV] = str(path.absolute())
+    return path.absolute()
+
+
+def cached_graphs(path: Path) -> int:
+    """How many compiled graphs the cache at `path` holds (FX graphs and AOTAutograd entries): 0 means step
+    0 compiles every graph; more, that graphs of earlier runs may be loaded instead."""
+    return sum(1 for part in CACHE_PARTS if (path / part).is_dir() for _ in (path / part).iterdir())
 
 
 def modules_named(layers: Iterable[nn.Module], suffixes: tuple[str, ...]) -> list[nn.Module]:

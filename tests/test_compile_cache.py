@@ -1,0 +1,92 @@
+"""run.compile_cache: where inductor keeps compiled graphs for later processes, and the line the trainer
+says about it at start."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from omnirl import trainer
+from omnirl.errors import ConfigError
+from omnirl.recipe import config_for, load_config
+from omnirl.rollout import compiled
+
+# One process: point the cache at argv[1], compile a function with inductor, report the FX graph cache's
+# hits and misses.
+COMPILE_ONCE = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from torch._dynamo.utils import counters
+    from omnirl.rollout.compiled import use_cache_dir
+
+    use_cache_dir(sys.argv[1])
+    f = torch.compile(lambda x: (x.sin() * 2 + 1).relu(), backend="inductor")
+    f(torch.arange(16.0))
+    print(json.dumps({k: counters["inductor"][k] for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}))
+    """
+)
+
+
+def test_auto_keeps_the_variable_else_takes_the_user_cache(tmp_path, monkeypatch):
+    monkeypatch.delenv(compiled.CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    want = tmp_path / "xdg" / "omnirl" / "torchinductor"
+    assert compiled.use_cache_dir("auto") == want
+    assert compiled.os.environ[compiled.CACHE_ENV] == str(want)
+    monkeypatch.setenv(compiled.CACHE_ENV, str(tmp_path / "mine"))
+    assert compiled.use_cache_dir("auto") == tmp_path / "mine"  # the user's variable stands
+    assert compiled.use_cache_dir(str(tmp_path / "given")) == tmp_path / "given"  # a path wins over it
+    assert compiled.os.environ[compiled.CACHE_ENV] == str(tmp_path / "given")
+
+
+def test_a_later_process_loads_the_graphs_an_earlier_one_compiled(tmp_path):
+    """The directory is where inductor writes and reads: the first process compiles (a miss) and leaves
+    graphs there, the second loads them (a hit) instead of compiling."""
+    cache = tmp_path / "cache"
+
+    def run() -> dict:
+        out = subprocess.run(
+            [sys.executable, "-c", COMPILE_ONCE, str(cache)],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={k: v for k, v in compiled.os.environ.items() if k != compiled.CACHE_ENV},
+        )
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    assert compiled.cached_graphs(cache) == 0
+    first = run()
+    assert first["fxgraph_cache_miss"] >= 1 and first["fxgraph_cache_hit"] == 0
+    held = compiled.cached_graphs(cache)
+    assert held >= 1
+    second = run()
+    assert second["fxgraph_cache_hit"] >= 1 and second["fxgraph_cache_miss"] == 0
+    assert compiled.cached_graphs(cache) == held  # nothing compiled anew
+
+
+def test_the_trainer_says_where_the_cache_is_and_what_it_holds(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv(compiled.CACHE_ENV, raising=False)
+    cfg = config_for("sd3")
+    cfg.run.compile_cache = str(tmp_path / "c")
+    trainer.compile_cache(cfg)  # nothing compiles: nothing said, nothing set
+    assert capsys.readouterr().out == "" and compiled.CACHE_ENV not in compiled.os.environ
+    cfg.rollout.compile = True
+    trainer.compile_cache(cfg)
+    assert capsys.readouterr().out.strip() == (
+        f"compile cache: {tmp_path / 'c'} (empty: step 0 compiles every graph)"
+    )
+    for part in compiled.CACHE_PARTS:
+        (tmp_path / "c" / part / "entry").mkdir(parents=True)
+    trainer.compile_cache(cfg)
+    assert "(2 compiled graphs of earlier runs)" in capsys.readouterr().out
+
+
+def test_an_empty_cache_path_is_refused_naming_the_field():
+    assert config_for("sd3").run.compile_cache == "auto"  # the default
+    with pytest.raises(ConfigError, match=r"run\.compile_cache must be 'auto' or a directory"):
+        load_config("sd3_tiny_flowgrpo", ["--run.compile_cache", " "])
