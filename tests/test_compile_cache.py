@@ -44,6 +44,7 @@ def test_auto_keeps_the_variable_else_takes_the_user_cache(tmp_path, monkeypatch
     assert compiled.os.environ[compiled.CACHE_ENV] == str(tmp_path / "given")
 
 
+@pytest.mark.slow
 def test_a_later_process_loads_the_graphs_an_earlier_one_compiled(tmp_path):
     """The directory is where inductor writes and reads: the first process compiles (a miss) and leaves
     graphs there, the second loads them (a hit) instead of compiling."""
