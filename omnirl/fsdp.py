@@ -94,8 +94,9 @@ def apply_fsdp(
         own = ignored & set(unit.parameters())
         fully_shard(unit, mesh=mesh, mp_policy=mp, offload_policy=placed, ignored_params=own)
         unit.register_forward_pre_hook(functools.partial(cast_inputs, DTYPES[param_dtype]), with_kwargs=True)
+        # Ahead of FSDP2's post-forward hook, which hooks the pre-backward (the all-gather) onto the outputs.
+        unit.register_forward_hook(own_outputs, prepend=True)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=placed, ignored_params=ignored)
-    # Ahead of FSDP2's post-forward hook, which hooks the pre-backward (the all-gather) onto the outputs.
     model.register_forward_hook(own_outputs, prepend=True)
     # Read by `compute_dtype`. (torch types Module.__setattr__ for tensors and modules; any value is kept.)
     model._omnirl_compute_dtype = DTYPES[param_dtype]  # pyright: ignore[reportArgumentType]
@@ -111,11 +112,13 @@ def apply_fsdp(
 
 
 def own_outputs(module: nn.Module, args: tuple, output: Any) -> Any:
-    """The root's forward hook: a trained output that is a view, a copy instead. A root whose last layer is
-    an nn.Linear on a 3-D input returns a view (torch views the 2-D matmul's result back to 3-D):
-    Qwen-Image-Edit's and LTX-2's proj_out. FSDP2 hooks its pre-backward onto the output, and an in-place
-    op on a view would drop that hook (its all-gather, hence the gradient), which it warns of on every
-    forward; a copy of the output (latent-sized) has its own hook that nothing can drop."""
+    """Each unit's and the root's forward hook: a trained output that is a view, a copy instead. A root
+    whose last layer is an nn.Linear on a 3-D input returns a view (torch views the 2-D matmul's result back
+    to 3-D): Qwen-Image-Edit's and LTX-2's proj_out; FLUX's single-stream blocks return their text and image
+    rows as two slices of one tensor. FSDP2 hooks its pre-backward onto the outputs, and an in-place op on a
+    view would drop that hook (its all-gather, hence the gradient), which it warns of on every forward; a
+    copy (activation-sized, one per trained forward of such a module) has its own hook that nothing can
+    drop. Without gradients nothing is copied."""
     if not torch.is_grad_enabled():
         return output
 

@@ -25,7 +25,7 @@ if [ "$VLLM_TESTS" = 1 ]; then
   VLLM_PID=$!
   trap 'kill "$VLLM_PID" 2>/dev/null || true; rm -f "$VLLM_LOG"' EXIT
 fi
-python -m pytest -q "$@"
+python -m pytest -q --durations=20 "$@"
 if [ "$VLLM_TESTS" = 1 ]; then
   status=0
   wait "$VLLM_PID" || status=$?
