@@ -39,7 +39,7 @@ class RunConfig:
     """Number of RL steps (rollout -> reward -> advantage -> update)."""
     compile_cache: str = "auto"
     """Where inductor keeps what it compiles (rollout.compile, train.compile, generation.compile) for later
-    processes: 'auto' is TORCHINDUCTOR_CACHE_DIR where that is set, else ~/.cache/omnirl/torchinductor
+    processes: 'auto' is TORCHINDUCTOR_CACHE_DIR where the user set it, else ~/.cache/omnirl/torchinductor
     (under XDG_CACHE_HOME where that is set), which outlives /tmp, inductor's own default; a path takes that
     directory. A run of shapes compiled before loads its graphs from there in step 0 instead of compiling
     them (docs/update.md#compiled-update-traincompile)."""

@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from omnirl import trainer
 from omnirl.errors import ConfigError
@@ -20,11 +21,12 @@ from omnirl.rollout import compiled
 COMPILE_ONCE = textwrap.dedent(
     """
     import json, sys
+    import diffusers  # as the trainer does: inductor's default directory is in the variable from here on
     import torch
     from torch._dynamo.utils import counters
     from omnirl.rollout.compiled import use_cache_dir
 
-    use_cache_dir(sys.argv[1])
+    use_cache_dir("auto")
     f = torch.compile(lambda x: (x.sin() * 2 + 1).relu(), backend="inductor")
     f(torch.arange(16.0))
     print(json.dumps({k: counters["inductor"][k] for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}))
@@ -38,6 +40,9 @@ def test_auto_keeps_the_variable_else_takes_the_user_cache(tmp_path, monkeypatch
     want = tmp_path / "xdg" / "omnirl" / "torchinductor"
     assert compiled.use_cache_dir("auto") == want
     assert compiled.os.environ[compiled.CACHE_ENV] == str(want)
+    # What inductor writes into the variable itself (on importing diffusers) is its /tmp default: not kept.
+    monkeypatch.setenv(compiled.CACHE_ENV, default_cache_dir())
+    assert compiled.use_cache_dir("auto") == want
     monkeypatch.setenv(compiled.CACHE_ENV, str(tmp_path / "mine"))
     assert compiled.use_cache_dir("auto") == tmp_path / "mine"  # the user's variable stands
     assert compiled.use_cache_dir(str(tmp_path / "given")) == tmp_path / "given"  # a path wins over it
@@ -46,17 +51,16 @@ def test_auto_keeps_the_variable_else_takes_the_user_cache(tmp_path, monkeypatch
 
 @pytest.mark.slow
 def test_a_later_process_loads_the_graphs_an_earlier_one_compiled(tmp_path):
-    """The directory is where inductor writes and reads: the first process compiles (a miss) and leaves
-    graphs there, the second loads them (a hit) instead of compiling."""
-    cache = tmp_path / "cache"
+    """The directory 'auto' takes, in a process that imported diffusers first as the trainer does, is where
+    inductor writes and reads: the first process compiles (a miss) and leaves graphs there, the second loads
+    them (a hit) instead of compiling."""
+    cache = tmp_path / "xdg" / "omnirl" / "torchinductor"
+    env = {k: v for k, v in compiled.os.environ.items() if k != compiled.CACHE_ENV}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
 
     def run() -> dict:
         out = subprocess.run(
-            [sys.executable, "-c", COMPILE_ONCE, str(cache)],
-            capture_output=True,
-            text=True,
-            check=True,
-            env={k: v for k, v in compiled.os.environ.items() if k != compiled.CACHE_ENV},
+            [sys.executable, "-c", COMPILE_ONCE], capture_output=True, text=True, check=True, env=env
         )
         return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -42,12 +42,17 @@ CACHE_PARTS = ("fxgraph", "aotautograd")
 
 def use_cache_dir(setting: str) -> Path:
     """Point inductor's on-disk cache at `setting` (`run.compile_cache`) before anything compiles: 'auto'
-    keeps TORCHINDUCTOR_CACHE_DIR where it is set, else takes `$XDG_CACHE_HOME/omnirl/torchinductor`
+    keeps TORCHINDUCTOR_CACHE_DIR where the user set it, else takes `$XDG_CACHE_HOME/omnirl/torchinductor`
     (`~/.cache/omnirl/torchinductor`), which outlives /tmp, inductor's own default, and, on a shared home,
-    the node; a path is taken as it is. Returns the directory in use."""
+    the node; a path is taken as it is. Returns the directory in use. Inductor writes its default into the
+    variable the first time it is asked for its directory (importing diffusers does), so a variable that
+    names that default is taken as unset."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     if setting == "auto":
-        if os.environ.get(CACHE_ENV):
-            return Path(os.environ[CACHE_ENV])
+        given = os.environ.get(CACHE_ENV)
+        if given and Path(given).absolute() != Path(default_cache_dir()).absolute():
+            return Path(given)
         path = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "omnirl" / "torchinductor"
     else:
         path = Path(setting).expanduser()
