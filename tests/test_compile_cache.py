@@ -16,8 +16,8 @@ from omnirl.errors import ConfigError
 from omnirl.recipe import config_for, load_config
 from omnirl.rollout import compiled
 
-# One process: point the cache at argv[1], compile a function with inductor, report the FX graph cache's
-# hits and misses.
+# One process: import diffusers, take the cache directory 'auto' gives, compile a function with inductor,
+# report the FX graph cache's hits and misses.
 COMPILE_ONCE = textwrap.dedent(
     """
     import json, sys

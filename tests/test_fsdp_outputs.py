@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from omnirl import fsdp
 from omnirl.autotune import set_checkpointing
 from tests import test_flux
-from tests.support_compare import max_diff
+from tests.support_compare import max_diff, perturb_lora
 from tests.test_ltx2 import GUIDANCE, HEIGHT, NEGATIVES, PROMPTS, WIDTH, make_adapter
 
 VIEW_WARNING = r".*returned a view tensor"
@@ -109,9 +109,7 @@ def test_flux_single_blocks_return_no_view_under_fsdp(tiny_flux, one_rank, check
     def grads(sharded: bool) -> dict[str, torch.Tensor]:
         torch.manual_seed(0)  # the same LoRA init
         adapter = test_flux.make_adapter(tiny_flux)
-        for name, p in adapter.policy.named_parameters():  # B of a fresh LoRA is 0
-            if "lora_B" in name:
-                nn.init.normal_(p.data, std=0.1, generator=torch.Generator().manual_seed(len(name)))
+        perturb_lora(adapter, 0.1)  # B of a fresh LoRA is 0
         set_checkpointing(adapter.policy, checkpointing)
         if sharded:
             fsdp.apply_fsdp(adapter.policy, adapter.fsdp_units(), one_rank, "float32", "float32")
