@@ -8,8 +8,10 @@ from safetensors.torch import load_file
 
 from omnirl.models import get_adapter
 from omnirl.models.base import Request, SamplingParams
+from omnirl.models.diffusers_setup import attention_kernels
 from omnirl.models.flow_sde import flow_step
 from omnirl.models.flux.adapter import FluxAdapter
+from omnirl.models.sd3.adapter import SD3Adapter
 from tests.support_compare import (
     export_lora_twice,
     initial_latents,
@@ -174,6 +176,23 @@ def test_registered_with_both_block_kinds_as_units(adapter):
     names = [n for n, _ in adapter.policy.named_parameters() if "lora_" in n]
     lora = {n.split(".lora_")[0].split(".", 2)[-1] for n in names}
     assert {"attn.to_q", "ff.net.2", "ff_context.net.2", "proj_mlp", "proj_out"} <= lora
+
+
+def test_cudnn_attention_is_off_on_a_gpu_only(adapter):
+    """FLUX turns PyTorch's cuDNN attention off on a CUDA device (its trained backward failed there),
+    not on the CPU; the other families keep it."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        attention_kernels(adapter, torch.device("cpu"))
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        sd3 = SD3Adapter.__new__(SD3Adapter)  # the class's choice only: no checkpoint needed
+        attention_kernels(sd3, torch.device("cuda"))
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        attention_kernels(adapter, torch.device("cuda"))
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
 
 
 def test_full_finetune_trains_every_weight_in_float32(tiny_flux):

@@ -3,7 +3,8 @@
 - `DiffusionBase`: the members of the `DiffusionAdapter` Protocol that do not depend on the family;
   every diffusion adapter subclasses it. `DiffusersBase`: the same for a family built on a diffusers
   pipeline, with the checkpoint check and the LoRA and merged exports.
-- `check_checkpoint`, `make_trainable` (a peft LoRA over a frozen base, or the whole model trainable),
+- `attention_kernels` (the family's choice of PyTorch attention kernels on a GPU), `check_checkpoint`,
+  `make_trainable` (a peft LoRA over a frozen base, or the whole model trainable),
   `guided_velocity` (classifier-free guidance as the SD3 and Wan pipelines compute it), `trajectories`
   (a packed batch's `Trajectory` records), `save_lora` (a LoRA in the family's diffusers format).
 
@@ -54,11 +55,16 @@ class DiffusionBase:
     lora: bool  # model.finetune lora: the base frozen under a LoRA
     transformer_dtype: torch.dtype  # the trained module's dtype: model.dtype under a LoRA, else float32
     compat_key: Callable[[Request], tuple]  # the subclass's: what requests of one packed batch share
+    # False: PyTorch's cuDNN attention kernel is turned off for the process on a CUDA device, so that
+    # scaled_dot_product_attention takes flash or memory-efficient attention. A family sets it where the
+    # cuDNN kernel failed on a GPU (FLUX.1: the trained backward, omnirl/models/flux/README.md).
+    cudnn_attention: bool = True
 
     def __init__(self, cfg: Config, device: torch.device):
         self.check_path(cfg.model.path)
         self.model_path = cfg.model.path
         self.device = device
+        attention_kernels(self, device)
         # A fully fine-tuned transformer is trained, hence kept, in float32; a LoRA base stays in model.dtype.
         self.lora = cfg.model.finetune == "lora"
         self.transformer_dtype = DTYPES[cfg.model.dtype] if self.lora else torch.float32
@@ -170,6 +176,14 @@ class DiffusersBase(DiffusionBase):
         pipe.fuse_lora(components=list(files))
         pipe.unload_lora_weights()
         pipe.to(dtype).save_pretrained(out_dir, safe_serialization=True)
+
+
+def attention_kernels(adapter: DiffusionBase, device: torch.device) -> None:
+    """On a CUDA device, turn PyTorch's cuDNN attention off for the process where the family says so
+    (`cudnn_attention`); scaled_dot_product_attention then picks among the other kernels. Process-wide,
+    as one process trains one family."""
+    if device.type == "cuda" and not adapter.cudnn_attention:
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def check_checkpoint(path: str, pipeline_cls) -> None:

@@ -59,6 +59,9 @@ class FluxAdapter(DiffusersBase):
     # rollout.precision fp8 keeps these block layers in bf16: the AdaLN modulation of the double blocks'
     # image and text streams (AdaLayerNormZero) and of the single blocks (AdaLayerNormZeroSingle).
     fp8_keep_bf16 = ("norm1.linear", "norm1_context.linear", "norm.linear")
+    # cuDNN's attention backward failed on an H100 at the DanceGRPO recipe's shapes (torch 2.11: an illegal
+    # memory access, or silently non-finite gradients); flash attention trains (README.md).
+    cudnn_attention = False
     memory_probe_rows = 1  # nothing runs in chunks: the whole batch decodes at once
     Settings = FluxSettings
     # sampling.height / width must be multiples of this (checked when the recipe loads): the VAE's 8x
