@@ -3,9 +3,11 @@ memory and changes nothing but memory, `train.compile` computes what the eager u
 recompile from one step to the next, and micro-batches are bucketed for it."""
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from torch import nn
 
 from omnirl import autotune, memory
@@ -110,6 +112,23 @@ def test_auto_sleep_keeps_groups_on_the_device_from_step_1_where_they_fit(monkey
     assert (phases.sleeper.host_bytes == 0) == kept and (stats["mem/host_gib"] == 0) == kept
     with phases.rollout():
         assert torch.equal(ops.encoder.weight, weight)  # awake and bit-exact either way
+
+
+ROOT = Path(__file__).resolve().parent.parent
+# The recipes that force gradient checkpointing, each for a measurement (docs/update.md): the thinker's
+# update does not fit without it.
+FORCED_CHECKPOINTING = {"mmk12": True, "mmk12_tiny": True}
+
+
+def test_recipes_force_checkpointing_only_where_measured():
+    """Every other shipped recipe leaves model.gradient_checkpointing at auto, which decides from the
+    update's measured memory; a recipe that forces it by habit slows its update where memory would allow."""
+    forced = {}
+    for path in sorted((ROOT / "yaml").glob("*.yaml")):
+        value = (yaml.safe_load(path.read_text()).get("model") or {}).get("gradient_checkpointing", "auto")
+        if value != "auto":
+            forced[path.stem] = value
+    assert forced == FORCED_CHECKPOINTING
 
 
 def test_checkpointing_values_parse_from_recipe_and_command_line(tmp_path):
