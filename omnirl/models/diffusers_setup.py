@@ -56,8 +56,8 @@ class DiffusionBase:
     transformer_dtype: torch.dtype  # the trained module's dtype: model.dtype under a LoRA, else float32
     compat_key: Callable[[Request], tuple]  # the subclass's: what requests of one packed batch share
     # False: PyTorch's cuDNN attention kernel is turned off for the process on a CUDA device, so that
-    # scaled_dot_product_attention takes flash or memory-efficient attention. A family sets it where the
-    # cuDNN kernel failed on a GPU (FLUX.1: the trained backward, omnirl/models/flux/README.md).
+    # scaled_dot_product_attention takes one of its other kernels. A family sets it where the cuDNN
+    # kernel failed on a GPU (FLUX.1: the trained backward, omnirl/models/flux/README.md).
     cudnn_attention: bool = True
 
     def __init__(self, cfg: Config, device: torch.device):

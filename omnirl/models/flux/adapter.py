@@ -60,7 +60,7 @@ class FluxAdapter(DiffusersBase):
     # image and text streams (AdaLayerNormZero) and of the single blocks (AdaLayerNormZeroSingle).
     fp8_keep_bf16 = ("norm1.linear", "norm1_context.linear", "norm.linear")
     # cuDNN's attention backward failed on an H100 at the DanceGRPO recipe's shapes (torch 2.11: an illegal
-    # memory access, or silently non-finite gradients); flash attention trains (README.md).
+    # memory access, or silently non-finite gradients); with it off the step trains (README.md).
     cudnn_attention = False
     memory_probe_rows = 1  # nothing runs in chunks: the whole batch decodes at once
     Settings = FluxSettings
