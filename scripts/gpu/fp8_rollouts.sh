@@ -15,9 +15,9 @@
 #   flux:    FLUX.1-dev at flux_dancegrpo_hpsv3's settings (720 px, 16 steps, no true CFG), 24 images in
 #            batches of 12 (a group), the same four, the base in bf16 under a LoRA (the recipe's full
 #            fine-tune keeps float32 weights: with the stock pipeline's batches beside them, more than 80 GB)
-#   fluxstep: one whole step (then a second) of flux_dancegrpo_hpsv3 compiled, bf16 then FP8 on the
-#            untrained steps, with a LoRA (the recipe's full fine-tune of 12 B weights with Adam does not
-#            fit one GPU)
+#   fluxstep: three whole steps (step 0, then two steady ones) of flux_dancegrpo_hpsv3 compiled, bf16 then
+#            FP8 on the untrained steps, with a LoRA (the recipe's full fine-tune of 12 B weights with Adam
+#            does not fit one GPU)
 #   solrl:   one whole step (then a second) of qwen_image_flowgrpo_ocr compiled: bf16, FP8 on the untrained
 #            steps, and Sol-RL (FP8 on every step, 2 best + 2 worst of each group regenerated in bf16)
 # Full-size random-init models (benchmarks.rollout_packing, scripts.gpu.phase_memory); QWEN_BPE=path to
@@ -52,7 +52,7 @@ run_job() {  # JOB GPU
             local extra=()
             [[ $mode != bf16 ]] && extra=(--rollout.precision fp8)
             CUDA_VISIBLE_DEVICES=$gpu MASTER_PORT=$((29555 + gpu)) timeout -k 10 "$cap" \
-                python -m scripts.gpu.phase_memory --recipe flux_dancegrpo_hpsv3 --steps 2 --rollout.compile \
+                python -m scripts.gpu.phase_memory --recipe flux_dancegrpo_hpsv3 --steps 3 --rollout.compile \
                 --model.finetune lora "${extra[@]}" --out "$out/fp8_fluxstep_$mode" \
                 >"$out/fp8_fluxstep_$mode.log" 2>&1
         done
