@@ -3,21 +3,20 @@ memory and changes nothing but memory, `train.compile` computes what the eager u
 recompile from one step to the next, and micro-batches are bucketed for it."""
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from torch import nn
 
 from omnirl import autotune, memory
 from omnirl import distributed as D
 from omnirl.algos.advantages import group_advantages
 from omnirl.batching import make_requests
+from omnirl.config import RECIPE_DIR
 from omnirl.data.prompts import load_prompts
 from omnirl.models import get_adapter
 from omnirl.ops.diffusion import DiffusionOps, Pair, micro_batches, sampling_params
-from omnirl.recipe import load_config
+from omnirl.recipe import load_config, load_recipe
 from omnirl.rewards.pool import RewardPool
 from omnirl.rollout import compiled
 from omnirl.scoring import rollout_and_score
@@ -114,7 +113,6 @@ def test_auto_sleep_keeps_groups_on_the_device_from_step_1_where_they_fit(monkey
         assert torch.equal(ops.encoder.weight, weight)  # awake and bit-exact either way
 
 
-ROOT = Path(__file__).resolve().parent.parent
 # The recipes that force gradient checkpointing, each for a measurement (docs/update.md): the thinker's
 # update does not fit without it.
 FORCED_CHECKPOINTING = {"mmk12": True, "mmk12_tiny": True}
@@ -124,8 +122,8 @@ def test_recipes_force_checkpointing_only_where_measured():
     """Every other shipped recipe leaves model.gradient_checkpointing at auto, which decides from the
     update's measured memory; a recipe that forces it by habit slows its update where memory would allow."""
     forced = {}
-    for path in sorted((ROOT / "yaml").glob("*.yaml")):
-        value = (yaml.safe_load(path.read_text()).get("model") or {}).get("gradient_checkpointing", "auto")
+    for path in sorted(RECIPE_DIR.glob("*.yaml")):
+        value = load_recipe(path.stem)[0].model.gradient_checkpointing
         if value != "auto":
             forced[path.stem] = value
     assert forced == FORCED_CHECKPOINTING
