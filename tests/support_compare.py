@@ -1,7 +1,7 @@
 """What the diffusion adapter tests share: their tiny adapters' configs and requests, the initial latents
 the reference pipelines start from, the LoRA they perturb and export, and the comparisons."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -83,6 +83,40 @@ def export_lora_twice(adapter, out_dir: Path, files: tuple[str, ...] = (LORA_FIL
         assert exported.keys() == again.keys() and all(torch.equal(v, again[k]) for k, v in exported.items())
         total += len(exported)
     assert total == len(adapter.trainable_parameters())
+
+
+def rollout_outputs(adapter, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The final latents [B, ...] and images [B, 3, H, W] of the adapter's rollout of `requests`."""
+    trajs = adapter.rollout(requests)
+    return torch.stack([t.final_latents for t in trajs]), torch.stack([t.output.image for t in trajs])
+
+
+def check_lora_in_pipeline(
+    pipe,
+    lora_dir: Path,
+    pipeline_outputs: Callable[[], Sequence[torch.Tensor]],
+    rollout_outputs: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+) -> None:
+    """Loads the LoRA exported into `lora_dir` into the stock pipeline `pipe` and checks that every exported
+    weight lands in a module of the stock transformer (none unmatched), that it moves the pipeline's output,
+    and that the pipeline with it gives the rollout's final latents and images. `pipeline_outputs()` runs
+    the pipeline and `rollout_outputs()` the adapter's rollout on the same requests, each returning
+    (final latents, images) in one layout."""
+    exported = load_file(lora_dir / LORA_FILE)
+    base, _ = pipeline_outputs()
+    pipe.load_lora_weights(lora_dir)
+    loaded = {k for k in pipe.transformer.state_dict() if "lora_" in k}
+    assert len(loaded) == len(exported)
+    ref_latents, ref_images = pipeline_outputs()
+    latents, images = rollout_outputs()
+    change, d_latents, d_images = (
+        max_diff(ref_latents, base),
+        max_diff(latents, ref_latents),
+        max_diff(images, ref_images),
+    )
+    print(f"LoRA moves the pipeline {change:.2e}; vs rollout: latents {d_latents:.2e}, images {d_images:.2e}")
+    assert change > 1e-2
+    assert d_latents < 1e-5 and d_images < 1e-5
 
 
 def packed_serial_diffs(packed, serial, shape: tuple[int, ...] = (4, 16, 16)) -> tuple[float, float]:

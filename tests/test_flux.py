@@ -8,11 +8,12 @@ from safetensors.torch import load_file
 
 from omnirl.models import get_adapter
 from omnirl.models.base import Request, SamplingParams
-from omnirl.models.diffusers_setup import attention_kernels
+from omnirl.models.diffusers_setup import LORA_FILE, attention_kernels
 from omnirl.models.flow_sde import flow_step
 from omnirl.models.flux.adapter import FluxAdapter
 from omnirl.models.sd3.adapter import SD3Adapter
 from tests.support_compare import (
+    check_lora_in_pipeline,
     export_lora_twice,
     initial_latents,
     load_pipeline,
@@ -20,6 +21,7 @@ from tests.support_compare import (
     packed_serial_diffs,
     perturb_lora,
     prompt_requests,
+    rollout_outputs,
     tiny_config,
 )
 
@@ -144,28 +146,18 @@ def test_exported_lora_loads_into_the_pipeline(tiny_flux, tmp_path):
     adapter = make_adapter(tiny_flux, rank=4, alpha=8.0)  # alpha != rank: the export must carry the scale
     perturb_lora(adapter, 0.05)
     export_lora_twice(adapter, tmp_path)  # also from the state dict, as an FSDP run: the same file
-    exported = load_file(tmp_path / "pytorch_lora_weights.safetensors")
+    exported = load_file(tmp_path / LORA_FILE)
     for block in ("transformer_blocks.0.", "single_transformer_blocks.0."):  # both block kinds
         assert any(block in k for k in exported), block
 
     pipe = load_pipeline(FluxPipeline, tiny_flux)
     requests = make_requests(noise_free(), n=2)
-    base = run_pipeline(pipe, adapter, requests, "latent")
-    pipe.load_lora_weights(tmp_path)
-    # Every exported LoRA weight landed in a module of the stock transformer (none unmatched).
-    loaded = {k for k in pipe.transformer.state_dict() if "lora_" in k}
-    assert len(loaded) == len(exported)
-    ref_latents = run_pipeline(pipe, adapter, requests, "latent")
-    ref_images = run_pipeline(pipe, adapter, requests, "pt")
-    trajs = adapter.rollout(requests)
-    d_latents = max_diff(torch.stack([t.final_latents for t in trajs]), ref_latents)
-    d_images = max_diff(torch.stack([t.output.image for t in trajs]), ref_images)
-    change = max_diff(ref_latents, base)
-    print(
-        f"LoRA changes pipeline by {change:.2e}; vs rollout: latents {d_latents:.2e}, images {d_images:.2e}"
+    check_lora_in_pipeline(
+        pipe,
+        tmp_path,
+        lambda: [run_pipeline(pipe, adapter, requests, kind) for kind in ("latent", "pt")],
+        lambda: rollout_outputs(adapter, requests),
     )
-    assert change > 1e-2
-    assert d_latents < 1e-5 and d_images < 1e-5
 
 
 def test_registered_with_both_block_kinds_as_units(adapter):

@@ -12,9 +12,11 @@ from safetensors.torch import load_file
 from omnirl.errors import ConfigError
 from omnirl.models import get_adapter
 from omnirl.models.base import Request, SamplingParams
+from omnirl.models.diffusers_setup import LORA_FILE
 from omnirl.models.flow_sde import flow_step
 from omnirl.models.flux2_klein.adapter import Flux2KleinAdapter
 from tests.support_compare import (
+    check_lora_in_pipeline,
     export_lora_twice,
     initial_latents,
     load_pipeline,
@@ -145,25 +147,18 @@ def test_exported_lora_loads_into_the_pipeline(tiny_flux2_klein, tmp_path):
     adapter = make_adapter(tiny_flux2_klein, rank=4, alpha=8.0)  # alpha != rank: the scale must travel
     perturb_lora(adapter, 0.2)
     export_lora_twice(adapter, tmp_path)  # also from the state dict, as an FSDP run: the same file
-    exported = load_file(tmp_path / "pytorch_lora_weights.safetensors")
+    exported = load_file(tmp_path / LORA_FILE)
     for block in ("transformer_blocks.0.", "single_transformer_blocks.0."):  # both block kinds
         assert any(block in k for k in exported), block
 
     pipe = load_pipeline(Flux2KleinPipeline, tiny_flux2_klein)
     requests = make_requests(noise_free(), n=2)
-    base = run_pipeline(pipe, adapter, requests, "latent")
-    pipe.load_lora_weights(tmp_path)
-    # Every exported LoRA weight landed in a module of the stock transformer (none unmatched).
-    loaded = {k for k in pipe.transformer.state_dict() if "lora_" in k}
-    assert len(loaded) == len(exported)
-    ref_latents = run_pipeline(pipe, adapter, requests, "latent")
-    ref_images = run_pipeline(pipe, adapter, requests, "pt")
-    _, latents, images = rollout_outputs(adapter, requests)
-    d_latents, d_images = max_diff(latents, ref_latents), max_diff(images, ref_images)
-    change = max_diff(ref_latents, base)
-    print(f"LoRA moves the pipeline {change:.2e}; vs rollout: latents {d_latents:.2e}, images {d_images:.2e}")
-    assert change > 1e-2
-    assert d_latents < 1e-5 and d_images < 1e-5
+    check_lora_in_pipeline(
+        pipe,
+        tmp_path,
+        lambda: [run_pipeline(pipe, adapter, requests, kind) for kind in ("latent", "pt")],
+        lambda: rollout_outputs(adapter, requests)[1:],
+    )
 
 
 def test_registered_with_both_block_kinds_as_units(adapter):

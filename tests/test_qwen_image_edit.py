@@ -17,6 +17,7 @@ from omnirl.models.base import Request, SamplingParams
 from omnirl.models.qwen_image_edit.adapter import QwenImageEditAdapter, QwenImageEditSettings
 from omnirl.ops.diffusion import Pair, pair_logprob
 from tests.support_compare import (
+    check_lora_in_pipeline,
     export_lora_twice,
     initial_latents,
     load_pipeline,
@@ -24,6 +25,7 @@ from tests.support_compare import (
     packed_serial_diffs,
     perturb_lora,
     prompt_requests,
+    rollout_outputs,
     tiny_config,
 )
 
@@ -164,18 +166,12 @@ def test_exported_lora_loads_into_the_pipeline(tiny_qwen_image_edit, pipeline, t
     export_lora_twice(adapter, tmp_path)  # also from the state dict, as an FSDP run: the same file
 
     requests = make_requests(noise_free(), [source_image(0)], n=1)
-    base, _ = pipeline_outputs(pipeline, adapter, requests)
-    pipeline.load_lora_weights(tmp_path)
-    ref_latents, ref_images = pipeline_outputs(pipeline, adapter, requests)
-    trajs = adapter.rollout(requests)
-    d_latents = max_diff(torch.stack([t.final_latents for t in trajs]), ref_latents)
-    d_images = max_diff(torch.stack([t.output.image for t in trajs]), ref_images)
-    change = max_diff(ref_latents, base)
-    print(
-        f"LoRA changes pipeline by {change:.2e}; vs rollout: latents {d_latents:.2e}, images {d_images:.2e}"
+    check_lora_in_pipeline(
+        pipeline,
+        tmp_path,
+        lambda: pipeline_outputs(pipeline, adapter, requests),
+        lambda: rollout_outputs(adapter, requests),
     )
-    assert change > 1e-2
-    assert d_latents < 1e-5 and d_images < 1e-5
 
 
 def test_bad_requests_and_paths(adapter, tiny_qwen_image_edit, tmp_path):
