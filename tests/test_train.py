@@ -75,6 +75,62 @@ def test_update_moves_lora_only_and_recomputed_logprobs_match(tiny_sd3, tmp_path
 
 
 @pytest.mark.slow
+def test_reused_rollout_logprobs_give_the_recomputed_update(tiny_sd3, tmp_path):
+    """algo.old_logprob rollout (the default) reuses the rollout's log-probs as the old policy's instead of
+    a recompute pass: from the same samples and LoRA the update gives the same gradients and moves the
+    LoRA the same (fp32), over two mini-batches, so the second one's clipped ratios, taken against a
+    policy one optimizer step newer, read the same old log-probs too."""
+    args = ("--rollout.prompts_per_step", "2", "--rollout.group_size", "4", "--optim.mini_batches", "2")
+    cfg = tiny_cfg(tiny_sd3, tmp_path, *args)
+    dist = D.init_distributed()
+    D.seed_everything(0)
+    adapter = get_adapter("sd3")(cfg, dist.device)
+    ops = DiffusionOps(cfg, adapter)
+    model = adapter.policy
+    with torch.no_grad():  # a LoRA whose B is not zero, so every LoRA parameter has a gradient
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
+    start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    pool = RewardPool(cfg.reward.weights, 1, 60)
+    trajs, _ = rollout_and_score(ops, pool, ops.requests(load_prompts(cfg.data.train_path), 0, dist))
+    pool.close()
+    for i, t in enumerate(trajs):
+        t.advantage = [1.0, -1.0][i % 2] * (1 + i / 8)
+
+    moved, grads, logs = {}, {}, {}
+    for mode in ("rollout", "recompute"):
+        ops.cfg = tiny_cfg(tiny_sd3, tmp_path, *args, "--algo.old_logprob", mode)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if p.requires_grad:
+                    p.copy_(start[n])
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+        first: dict[str, torch.Tensor] = {}
+        step_once = opt.step
+
+        def step_and_keep_the_first_gradients(*a, first=first, step_once=step_once, **k):
+            if not first:
+                first.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+            return step_once(*a, **k)
+
+        opt.step = step_and_keep_the_first_gradients
+        logs[mode] = update(ops.cfg, ops, opt, trajs, torch.ones(len(trajs), dtype=torch.bool), 0)
+        grads[mode] = first
+        moved[mode] = {n: p.detach() - start[n] for n, p in model.named_parameters() if p.requires_grad}
+    assert logs["rollout"]["train/updates"] == logs["recompute"]["train/updates"] == 2
+    assert "time/train_recompute_s" not in logs["rollout"] or logs["rollout"]["time/train_recompute_s"] == 0
+    assert grads["rollout"].keys() == grads["recompute"].keys() and len(grads["rollout"]) == len(start)
+    for n, g in grads["rollout"].items():
+        torch.testing.assert_close(g, grads["recompute"][n], rtol=1e-5, atol=1e-7)
+    scale = max(d.abs().max().item() for d in moved["recompute"].values())
+    assert scale > 1e-4  # the first optimizer step moved the LoRA: the second mini-batch's ratios are not 1
+    for n, d in moved["rollout"].items():
+        torch.testing.assert_close(d, moved["recompute"][n], rtol=1e-5, atol=1e-5 * scale)
+    assert logs["rollout"]["loss/clip_frac"] == pytest.approx(logs["recompute"]["loss/clip_frac"])
+
+
+@pytest.mark.slow
 def test_dppo_records_the_rollout_mean_and_logs_per_timestep_consistency(tiny_sd3, tmp_path):
     """flow_dppo: the rollout records each trained step's mean (mu_old) and it equals the trainer's
     recomputation for the unchanged policy (fp32, 1e-5), so DPPO needs no old-policy pass; the update logs
