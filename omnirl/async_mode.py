@@ -257,6 +257,9 @@ class _Trainer:
         self.logs: dict[str, float] = {}
         self.last = time.perf_counter()
         self.waited = 0.0
+        from omnirl.rollout.compiled import CompileMeter
+
+        self.compiled = CompileMeter()  # what each update spent compiling
 
     def run(self, resume: Path | None, done: int, events: list[tuple[str, int]]) -> dict[str, float]:
         from omnirl.metrics import MetricsLogger
@@ -354,6 +357,7 @@ class _Trainer:
                 "async/wait_s": self.waited,
                 "time/update_s": now - start,
                 "time/step_s": now - self.last,
+                **self.compiled.take(),
             }
         )
         self.last, self.waited = now, 0.0

@@ -25,7 +25,7 @@ from omnirl.metrics import MetricsLogger
 from omnirl.models import build_adapter
 from omnirl.ops import check_before_loading
 from omnirl.rewards.pool import RewardPool
-from omnirl.rollout.compiled import cached_graphs, use_cache_dir
+from omnirl.rollout.compiled import CompileMeter, cached_graphs, use_cache_dir
 from omnirl.scoring import rollout_step, validate
 from omnirl.step import UpdateTuning, assign_advantages, check_learned, per_rank, reward_stats, update
 
@@ -73,6 +73,7 @@ def _train(cfg: Config, dist: D.DistInfo) -> dict[str, float]:
     phases = Phases(Sleeper(dist.device) if cfg.memory.sleep else None, optimizer, ops, rewards)
     AutoSleep(cfg.memory.sleep, phases, dist.device)  # what sleeps from step 1, from step 0's peaks
     tuning = UpdateTuning(cfg, ops)  # auto checkpointing, train.compile, the update's clock and counts
+    compiled = CompileMeter()  # what each step spent compiling, and whether it compiled anything
     logs: dict[str, float] = {}
     try:
         for step in range(start, cfg.run.steps):
@@ -84,7 +85,8 @@ def _train(cfg: Config, dist: D.DistInfo) -> dict[str, float]:
                 health.before_update(step, trajs)
                 update_metrics = update(cfg, ops, optimizer, trajs, keep, step, tuning)
             logs = {**reward_stats(per_reward), **adv_metrics, **update_metrics, **stats, **frozen}
-            logs |= {"time/step_s": time.perf_counter() - began, **skipped_rows(step, skipped)}
+            logs |= {"time/step_s": time.perf_counter() - began, **compiled.take()}
+            logs |= skipped_rows(step, skipped)
             if cfg.validation.every and val_rows and (step + 1) % cfg.validation.every == 0:
                 with phases.validate(logs):
                     logs.update(validate(cfg, ops, rewards, val_rows, dist))

@@ -7,8 +7,10 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
+import torch
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from omnirl import trainer
@@ -95,3 +97,22 @@ def test_an_empty_cache_path_is_refused_naming_the_field():
     assert config_for("sd3").run.compile_cache == "auto"  # the default
     with pytest.raises(ConfigError, match=r"run\.compile_cache must be 'auto' or a directory"):
         load_config("sd3_tiny_flowgrpo", ["--run.compile_cache", " "])
+
+
+def test_the_compile_meter_counts_a_steps_compiling_and_nothing_once_compiled():
+    """time/compile_s and compile/graphs, as the trainer logs them each step: the first call's compile with
+    its backward's (compiled at the first backward), nothing for a call that meets its graph again, one
+    graph for a call whose shape recompiles."""
+    meter = compiled.CompileMeter()
+    f = torch.compile(lambda x: (x.sin() * 2).relu().sum(), backend="aot_eager")
+    x = torch.randn(8, requires_grad=True)
+    began = time.perf_counter()
+    f(x).backward()
+    wall = time.perf_counter() - began
+    first = meter.take()
+    assert first["compile/graphs"] == 1 and 0 < first["time/compile_s"] <= wall
+    f(x).backward()
+    assert meter.take() == {"time/compile_s": 0.0, "compile/graphs": 0.0}
+    f(torch.randn(3, requires_grad=True)).backward()
+    again = meter.take()
+    assert again["compile/graphs"] == 1 and again["time/compile_s"] > 0

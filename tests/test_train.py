@@ -518,6 +518,7 @@ def test_tiny_nft_recipe_under_torchrun_fsdp(tiny_sd3, tmp_path):
     assert [m["step"] for m in metrics] == [0, 1, 2]
     for m in metrics:
         assert m["train/updates"] == 2 and math.isfinite(m["loss/policy"]) and m["train/grad_norm"] > 0
+        assert m["compile/graphs"] == 0 and m["time/compile_s"] == 0  # the tiny recipe compiles nothing
         assert m["nft/positive"] > 0 and m["nft/negative"] > 0 and m["nft/old_deviate"] > 0
         assert not any(k.startswith(("consistency/", "dppo/")) for k in m)  # no log-probs, no ratio
         # The old policy's soft update (the defaults): eta = 0.001 per optimizer step so far.

@@ -66,6 +66,32 @@ def cached_graphs(path: Path) -> int:
     return sum(1 for part in CACHE_PARTS if (path / part).is_dir() for _ in (path / part).iterdir())
 
 
+# Dynamo's timers of compiling: a frame's compile (tracing, AOTAutograd and inductor's forward, or their
+# loading from the on-disk cache) and a backward graph's compile at its first backward, which runs apart.
+COMPILE_TIMERS = ("_compile.compile_inner", "backward._backward_impl")
+
+
+class CompileMeter:
+    """What torch.compile cost since the last `take`: `time/compile_s`, the seconds spent compiling (inside
+    the phases that ran the compiled code: part of their time, not added to it), and `compile/graphs`, the
+    graphs compiled, which a steady step keeps at 0 (a graph compiled after step 0 is a recompile)."""
+
+    def __init__(self):
+        self.last = self._read()
+
+    @staticmethod
+    def _read() -> tuple[float, int]:
+        from torch._dynamo.utils import compilation_time_metrics, counters
+
+        secs = sum(sum(compilation_time_metrics.get(k, ())) for k in COMPILE_TIMERS)
+        return secs, counters["stats"]["unique_graphs"]
+
+    def take(self) -> dict[str, float]:
+        (secs, graphs), (secs0, graphs0) = self._read(), self.last
+        self.last = (secs, graphs)
+        return {"time/compile_s": secs - secs0, "compile/graphs": float(graphs - graphs0)}
+
+
 def modules_named(layers: Iterable[nn.Module], suffixes: tuple[str, ...]) -> list[nn.Module]:
     """The modules of `layers` whose class names end with one of `suffixes`, outermost first: a module
     inside one already taken is left to its parent's compile."""

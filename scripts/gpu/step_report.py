@@ -155,6 +155,13 @@ def step_split(rows: list[dict], flops: dict | None) -> dict:
         "step0": parts(rows[0]),
         "gradient_checkpointing": rows[-1].get("train/gradient_checkpointing"),
     }
+    if "compile/graphs" in rows[0]:  # inside the parts above: what compiling (or loading from the cache) took
+        out["compile"] = {
+            "step0_s": rows[0].get("time/compile_s") or 0.0,
+            "step0_graphs": rows[0]["compile/graphs"],
+            "steady_s": sum(r.get("time/compile_s") or 0.0 for r in rows[1:]),
+            "steady_graphs": sum(r.get("compile/graphs") or 0.0 for r in rows[1:]),
+        }
     step = out["parts"]["step"]["median"]
     if flops:
         out["images_per_s"] = flops["images"] / step if step else None
@@ -191,6 +198,11 @@ def split_table(split: dict, flops: dict | None) -> str:
             f"update {flops['update_flop'] / 1e15:.2f} "
             f"PFLOP ({flops['update_passes']:g} transformer passes a row), measured matmul ceiling "
             f"{flops['ceiling_tflops']:.0f} TFLOP/s"
+        )
+    if c := split.get("compile"):
+        notes.append(
+            f"compiling: step 0 {c['step0_s']:.1f} s for {c['step0_graphs']:g} graphs, the steady steps "
+            f"{c['steady_s']:.1f} s for {c['steady_graphs']:g} (inside the parts above)"
         )
     if split.get("gradient_checkpointing") is not None:
         notes.append(f"gradient checkpointing {'on' if split['gradient_checkpointing'] else 'off'}")
