@@ -192,3 +192,16 @@ def test_the_step_split_takes_the_vae_decode_out_of_the_generation():
     assert parts["other"] == pytest.approx(20.0 - named) and parts["step"] == 20.0
     assert split["step0"]["vae decode"] == 4.5 and split["steady_steps"] == [1, 2]
     assert "| vae decode | 1.50 (1.50-1.50) | 4.50 |" in pm.split_table(split, None)
+    assert "images_per_s" not in split and "compile" not in split
+    # Images per second per GPU with no FLOP count (a family whose prompts have their own lengths); the
+    # compile time and graphs each step logs, inside the parts.
+    rows = [
+        {**row(s, k), "time/compile_s": c, "compile/graphs": g}
+        for s, k, c, g in ((0, 3.0, 30.0, 4), (1, 1, 0, 0))
+    ]
+    split = pm.step_split(rows, None, 32 / 2)
+    assert split["images_per_s"] == 16 / 20.0
+    assert split["compile"] == {"step0_s": 30.0, "step0_graphs": 4, "steady_s": 0.0, "steady_graphs": 0.0}
+    assert "compiling: step 0 30.0 s for 4 graphs, the steady steps 0.0 s for 0" in pm.split_table(
+        split, None
+    )

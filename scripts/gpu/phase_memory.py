@@ -297,7 +297,7 @@ def drive(
     except Exception as e:  # a count that cannot run on the meta device leaves the MFU out, not the run
         print(f"phase_memory: no FLOP count ({type(e).__name__}: {e})", file=sys.stderr)
         flops = None
-    split = step_split(rows, flops)
+    split = step_split(rows, flops, cfg.rollout.prompts_per_step * cfg.rollout.group_size / max(a.gpus, 1))
     table = head + "\n\n" + (report(rows, title=f"{tag}, ") if rows else "no step finished\n")
     table += ("\n" + split_table(split, flops)) if split else ""
     problems = []

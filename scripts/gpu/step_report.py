@@ -116,12 +116,13 @@ def summarise_steps(rows: list[dict]) -> list[dict]:
 UPDATE_PARTS = ("recompute", "forward", "kl_reference", "backward", "optimizer")
 
 
-def step_split(rows: list[dict], flops: dict | None) -> dict:
+def step_split(rows: list[dict], flops: dict | None, images: float | None = None) -> dict:
     """The whole step, split: per steady-state step (every step after step 0) generation (text encoding and
     denoising), its VAE decode, scoring wait, the update's parts (`time/train_<part>_s`), sleep/wake and the
     rest, with median, min and max over those steps; step 0 apart (compiling and first-touch costs); images
-    per second; and, given the counted transformer FLOPs of the rollout and the update (`flops`), each
-    phase's MFU: the FLOPs' time at the measured bf16 matmul ceiling over the measured time."""
+    per second per GPU (`images`: a step's images over the run's GPUs, else the count `flops` holds); and,
+    given the counted transformer FLOPs of the rollout and the update (`flops`), each phase's MFU: the
+    FLOPs' time at the measured bf16 matmul ceiling over the measured time."""
 
     def parts(r: dict) -> dict[str, float]:
         decode = r.get("time/vae_decode_s") or 0.0  # inside the generation
@@ -163,8 +164,9 @@ def step_split(rows: list[dict], flops: dict | None) -> dict:
             "steady_graphs": sum(r.get("compile/graphs") or 0.0 for r in rows[1:]),
         }
     step = out["parts"]["step"]["median"]
+    if images or flops:
+        out["images_per_s"] = (images or flops["images"]) / step if step else None
     if flops:
-        out["images_per_s"] = flops["images"] / step if step else None
         ceiling = flops["ceiling_tflops"] * 1e12
         for phase, key in (("rollout", "rollout_flop"), ("update", "update_flop")):
             t = out["parts"][phase]["median"]
