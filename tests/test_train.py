@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -72,6 +73,40 @@ def test_update_moves_lora_only_and_recomputed_logprobs_match(tiny_sd3, tmp_path
     lora = {n for n, _ in model.named_parameters() if "lora_" in n}
     assert moved and moved <= lora, f"moved non-LoRA parameters: {moved - lora}"
     assert len(moved) >= len(lora) // 2
+
+
+@pytest.mark.slow
+def test_overlapped_scoring_equals_scoring_after_the_rollout(tiny_sd3, tmp_path):
+    """rollout_and_score hands each finished batch to the reward pool while later batches still denoise:
+    the rewards it sets are those of scoring every sample once the whole rollout is done."""
+    cfg = tiny_cfg(
+        tiny_sd3, tmp_path, "--rollout.prompts_per_step", "2", "--rollout.group_size", "4",
+        "--rollout.max_num_seqs", "2",
+    )  # fmt: skip
+    dist = D.init_distributed()
+    ops = DiffusionOps(cfg, get_adapter("sd3")(cfg, dist.device))
+    pool = RewardPool(cfg.reward.weights, 2, 60)
+    submitted: list[int] = []
+    submit = pool.submit
+
+    def submit_and_count(outputs, *a, **k):
+        submitted.append(len(outputs))
+        return submit(outputs, *a, **k)
+
+    pool.submit = submit_and_count
+    stats: dict[str, float] = {}
+    trajs, per_reward = rollout_and_score(
+        ops, pool, ops.requests(load_prompts(cfg.data.train_path), 0, dist), stats
+    )
+    assert submitted == [2, 2, 2, 2]  # one batch at a time, the first while three more were to denoise
+    serial = pool.score(
+        [t.output for t in trajs], [t.request.prompt for t in trajs], [t.request.metadata for t in trajs]
+    )
+    pool.close()
+    np.testing.assert_array_equal(np.array([t.reward for t in trajs]), serial.total)
+    for name, scores in per_reward.items():
+        np.testing.assert_array_equal(np.sort(scores), np.sort(serial.per_reward[name]))
+    assert stats["time/generate_s"] > 0 and stats["time/score_wait_s"] >= 0
 
 
 @pytest.mark.slow
