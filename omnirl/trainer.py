@@ -85,8 +85,11 @@ def _train(cfg: Config, dist: D.DistInfo) -> dict[str, float]:
                 health.before_update(step, trajs)
                 update_metrics = update(cfg, ops, optimizer, trajs, keep, step, tuning)
             logs = {**reward_stats(per_reward), **adv_metrics, **update_metrics, **stats, **frozen}
-            logs |= {"time/step_s": time.perf_counter() - began, **compiled.take()}
-            logs |= skipped_rows(step, skipped)
+            logs |= {
+                "time/step_s": time.perf_counter() - began,
+                **compiled.take(),
+                **skipped_rows(step, skipped),
+            }
             if cfg.validation.every and val_rows and (step + 1) % cfg.validation.every == 0:
                 with phases.validate(logs):
                     logs.update(validate(cfg, ops, rewards, val_rows, dist))
