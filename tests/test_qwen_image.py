@@ -21,6 +21,8 @@ from omnirl.models.base import Request, SamplingParams
 from omnirl.models.flow_sde import flow_step
 from omnirl.models.qwen_image.adapter import QwenImageAdapter, QwenImageSettings, padded_lengths
 from omnirl.ops.diffusion import Pair, pair_logprob
+from omnirl.rollout import compiled as rollout_compiled
+from omnirl.rollout.compiled import compile_forwards, swapped
 from omnirl.rollout.diffusion import DiffusionEngine
 from tests.support_compare import (
     check_lora_in_pipeline,
@@ -224,6 +226,44 @@ def test_recomputed_logprob_equals_rollout(adapter, sde_type):
         print(f"{sde_type} {name} vs rollout log-prob: max {diffs[name]:.2e}")
     assert diffs["two CFG forwards"] < 1e-5
     assert diffs["unmasked padding"] > 1e-4
+
+
+@pytest.mark.slow
+def test_compiled_update_meets_one_text_length_per_bucket(adapter, monkeypatch):
+    """train.compile pads a micro-batch's texts to their bucket, as the rollout pads its batches: two
+    micro-batches whose longest prompts differ (23 and 18 tokens, both bucket 32) meet one compiled shape
+    and give the log-probs of the unbucketed padding (masked, so the same math). Unbucketed, the second
+    compiles again. The 'eager' backend: dynamo decides recompiles from its guards before a backend runs."""
+    monkeypatch.setattr(rollout_compiled, "COMPILE_BACKEND", "eager")
+    params = sde()
+    trajs = adapter.rollout(make_requests(params)[:3])  # prompts 19, 23, 18; negatives 11, 6, 13 tokens
+    first = [Pair(trajs[0], 0, 1.0), Pair(trajs[1], 0, 1.0)]
+    second = [Pair(trajs[2], 0, 1.0), Pair(trajs[2], 1, 1.0)]
+    for mb, longest in ((first, 23), (second, 18)):
+        texts = [p.traj.embeds for p in mb]
+        assert adapter.batch_embeds(texts)["prompt_embeds"].shape[1] == longest
+        assert adapter.batch_embeds(texts, bucketed=True)["prompt_embeds"].shape[1] == 32
+        assert adapter.batch_embeds(texts, bucketed=True)["negative_prompt_embeds"].shape[1] == 16
+    compiled = compile_forwards(adapter.fsdp_units())
+    counters = torch._dynamo.utils.counters
+
+    def logprobs(bucketed: bool, recompile_is_error: bool) -> tuple[list[torch.Tensor], int]:
+        torch._dynamo.reset()
+        out = []
+        with torch.no_grad(), swapped(compiled):
+            out.append(pair_logprob(adapter, first, params, bucketed=bucketed).logprob)
+            start = counters["stats"]["unique_graphs"]
+            with torch._dynamo.config.patch(error_on_recompile=recompile_is_error):
+                out.append(pair_logprob(adapter, second, params, bucketed=bucketed).logprob)
+        return out, counters["stats"]["unique_graphs"] - start
+
+    bucketed, new_graphs = logprobs(bucketed=True, recompile_is_error=True)
+    assert new_graphs == 0
+    plain, new_graphs = logprobs(bucketed=False, recompile_is_error=False)
+    assert new_graphs > 0, "the unbucketed second micro-batch should compile again"
+    for a, b, mb in zip(bucketed, plain, (first, second)):
+        recorded = torch.stack([p.traj.logprobs[p.k] for p in mb])
+        assert max_diff(a, b) < 1e-5 and max_diff(a, recorded) < 1e-5
 
 
 @pytest.mark.slow

@@ -365,8 +365,12 @@ class DiffusionAdapter(Protocol):
         """Transformer tokens of one request per forward row (image + text), for max_num_batched_tokens."""
         ...
 
-    def batch_embeds(self, embeds: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Collate per-sample `Trajectory.embeds` into a batch for `velocity` (padding where lengths vary)."""
+    def batch_embeds(
+        self, embeds: list[dict[str, torch.Tensor]], bucketed: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Collate per-sample `Trajectory.embeds` into a batch for `velocity` (padding where lengths vary).
+        `bucketed` (a compiled update): where lengths vary, pad to the family's length buckets, so that a
+        compiled update meets few shapes."""
         ...
 
     def fsdp_units(self) -> list[nn.Module]:

@@ -93,8 +93,11 @@ class DiffusionBase:
         """None: one latent stream, its log-prob the mean over all latent dims."""
         return None
 
-    def batch_embeds(self, embeds: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Stacked: every sample's embeddings have one length per key (the text encoder pads them)."""
+    def batch_embeds(
+        self, embeds: list[dict[str, torch.Tensor]], bucketed: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Stacked: every sample's embeddings have one length per key (the text encoder pads them), so
+        `bucketed` changes nothing."""
         return {k: torch.stack([e[k] for e in embeds]) for k in embeds[0]}
 
     def check_batch(self, requests: list[Request], multiple: int) -> tuple:

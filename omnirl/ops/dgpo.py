@@ -143,7 +143,8 @@ class DGPOOps(DiffusionOps):
         noise = torch.stack([r.noise() for r in mb]).to(device)  # [M, *latent]
         t = torch.stack([r.traj.sigmas[r.time_index(max_step)] for r in mb]).to(device).float()  # [M]
         tt = t.reshape(-1, *([1] * (x0.dim() - 1)))
-        embeds = {k: e.to(device) for k, e in self.adapter.batch_embeds([r.traj.embeds for r in mb]).items()}
+        texts = self.adapter.batch_embeds([r.traj.embeds for r in mb], self.cfg.train.compile)
+        embeds = {k: e.to(device) for k, e in texts.items()}
         return (1 - tt) * x0 + tt * noise, t, noise - x0, embeds
 
     # The update's rows are DGPORow, not DiffusionOps's Pair (it reuses DiffusionOps's rollout only): the

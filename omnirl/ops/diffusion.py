@@ -80,11 +80,15 @@ class Pair:
 
 
 def pair_logprob(
-    adapter: DiffusionAdapter, pairs: list[Pair], params: SamplingParams, policy: nn.Module | None = None
+    adapter: DiffusionAdapter,
+    pairs: list[Pair],
+    params: SamplingParams,
+    policy: nn.Module | None = None,
+    bucketed: bool = False,
 ) -> StepOut:
     """Recompute stored transitions: the step's `StepOut` ([M] logprob, [M, *latent] mean, [M] std and
     std_dev_t). Each row's sigma is its stored step's, so a family of several experts runs it on the expert
-    that sampled it."""
+    that sampled it. `bucketed` (train.compile): texts padded to the family's length buckets."""
     device = adapter.device
     trajs = [p.traj for p in pairs]
     x = torch.stack([t.latents[p.k] for t, p in zip(trajs, pairs)]).to(device)  # [M, *latent]
@@ -92,7 +96,7 @@ def pair_logprob(
     steps = torch.stack([t.step_indices[p.k] for t, p in zip(trajs, pairs)])
     sig = trajs[0].sigmas
     sigma, sigma_next = sig[steps].to(device), sig[steps + 1].to(device)  # [M]
-    embeds = {k: e.to(device) for k, e in adapter.batch_embeds([t.embeds for t in trajs]).items()}
+    embeds = {k: e.to(device) for k, e in adapter.batch_embeds([t.embeds for t in trajs], bucketed).items()}
     v = adapter.velocity(x, sigma, embeds, params.guidance_scale, policy=policy)
     return flow_step(
         v, x, sigma, sigma_next, float(sig[1]), params.noise_level, params.sde_type, prev_sample=nxt,
@@ -202,7 +206,7 @@ class DiffusionOps:
 
     def recompute_old(self, pairs: list[Pair], pad_traj: Trajectory) -> dict[str, float]:
         for mb in self.micro_batches(pairs, pad_traj):
-            out = pair_logprob(self.adapter, mb, self.params)
+            out = pair_logprob(self.adapter, mb, self.params, bucketed=self.cfg.train.compile)
             means = out.mean.cpu() if self.spec.divergence else [None] * len(mb)  # [M, *latent]: one copy
             for p, v, mean in zip(mb, out.logprob.tolist(), means):
                 p.old, p.old_mean = v, mean
@@ -238,7 +242,7 @@ class DiffusionOps:
 
     def loss(self, mb: list[Pair], normaliser: float, measure: bool) -> tuple[torch.Tensor, dict]:
         a = self.cfg.algo
-        out = pair_logprob(self.adapter, mb, self.params)
+        out = pair_logprob(self.adapter, mb, self.params, bucketed=self.cfg.train.compile)
         device = out.logprob.device
         rollout = torch.tensor([float(p.traj.logprobs[p.k]) for p in mb], device=device)
         old = torch.tensor(
@@ -268,7 +272,7 @@ class DiffusionOps:
             if self.clock is not None:
                 self.clock.mark("kl_reference")
             with torch.no_grad(), reference(self.adapter, self.ref_model) as ref:
-                mean_ref = pair_logprob(self.adapter, mb, self.params, policy=ref).mean
+                mean_ref = pair_logprob(self.adapter, mb, self.params, ref, self.cfg.train.compile).mean
             if self.clock is not None:
                 self.clock.mark("forward")
             kl = flow_kl(out.mean, mean_ref, out.std_dev_t if a.kl_form == "flow_grpo" else out.std)

@@ -162,7 +162,8 @@ class NFTOps(DiffusionOps):
             r.passes += 1  # its next pass draws a new time and noise
         tt = t.reshape(-1, *([1] * (x0.dim() - 1)))
         x_t = (1 - tt) * x0 + tt * noise
-        embeds = {k: e.to(device) for k, e in adapter.batch_embeds([r.traj.embeds for r in mb]).items()}
+        texts = adapter.batch_embeds([r.traj.embeds for r in mb], self.cfg.train.compile)
+        embeds = {k: e.to(device) for k, e in texts.items()}
         # No optimizer step yet, and the old policy is the policy itself: its velocity is v. Otherwise the
         # old velocity comes first: swapping the old values into the parameters in place after v's forward
         # would change tensors v's graph saved (unsharded parameters, without FSDP2's gathered copies).

@@ -21,7 +21,8 @@
 #   qwen:          Qwen-Image Flow-GRPO OCR LoRA at its recipe's settings, 32 images, the JPEG reward
 #   qwen_compiled: the same with train.compile and rollout.compile
 # Writes OUT_DIR/step_JOB.{json,md,log}; CAP_S (default 280) stops a job (its JSON is still written).
-# QWEN_BPE=path to qwen.tiktoken gives Qwen-Image the real Qwen2 tokenizer. TINY=1: the tiny recipes on the
+# QWEN_BPE=path to qwen.tiktoken gives Qwen-Image the real Qwen2 tokenizer. STEP_ARGS="--steps 8" appends
+# arguments to every job's (the last of a repeated argument counts). TINY=1: the tiny recipes on the
 # CPU, 2 steps (a rehearsal of the plumbing).
 set -uo pipefail
 out=${1:?usage: bash scripts/gpu/step_time.sh OUT_DIR [JOBS] [CAP_S]}
@@ -65,6 +66,8 @@ for job in "${jobs[@]}"; do
         write "$model" || exit 1
         args+=(--model.path "$ckpt/$model")
     fi
+    read -r -a more <<<"${STEP_ARGS:-}"
+    args+=("${more[@]}")
     mkdir -p "$out/$job"
     python -m scripts.gpu.phase_memory "${args[@]}" --budget-s "$cap" --out "$out/$job" 2>&1 |
         tee "$out/step_$job.log"

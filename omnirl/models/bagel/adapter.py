@@ -278,8 +278,11 @@ class BagelAdapter(DiffusionBase):
             images = (torch.cat(chunks).float() * 0.5 + 0.5).clamp(0, 1)  # [B, 3, H, W]
         return list(to_host([images])[0])
 
-    def batch_embeds(self, embeds: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Pad each context to the longest of the micro-batch, with its mask."""
+    def batch_embeds(
+        self, embeds: list[dict[str, torch.Tensor]], bucketed: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Pad each context to the longest of the micro-batch, with its mask (`bucketed` as well: the
+        context lengths have no buckets, so a compiled update meets each new longest context)."""
         context, mask = collate_context([e["context"] for e in embeds])
         return {"context": context, "context_mask": mask}
 

@@ -96,6 +96,23 @@ def padded_lengths(
     return bucket(buckets, max(cond)), bucket(buckets, neg) if fused_cfg and negative else neg
 
 
+def collate_texts(
+    embeds: list[dict[str, torch.Tensor]], keys, buckets: list[int] | None
+) -> dict[str, torch.Tensor]:
+    """The micro-batch's texts of each of `keys` present, with masks (`<key>_mask`): padded to the longest
+    row's bucket of `buckets`, or to the longest row when None. Bucketed, a compiled update meets the
+    rollout's few text lengths instead of a new one whenever a micro-batch's longest prompt changes."""
+    out = {}
+    for key in keys:
+        if key in embeds[0]:
+            rows = [e[key] for e in embeds]
+            longest = max(len(r) for r in rows)
+            out[key], out[f"{key}_mask"] = collate(
+                rows, longest if buckets is None else bucket(buckets, longest)
+            )
+    return out
+
+
 def row_texts(request: Request, fused_cfg: bool) -> list[str]:
     """The texts of a request's conditional row: its prompt and, with a fused CFG, its negative prompt
     (both rows share one forward, hence one padded length)."""
@@ -367,10 +384,8 @@ class QwenImageAdapter(DiffusersBase):
         outputs = [Output(image=im) for im in images]
         return trajectories(requests, sampler, sampler.host_sigmas, samples, outputs, latents)
 
-    def batch_embeds(self, embeds: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Pad each text to the longest of the micro-batch, with its mask (`<key>_mask`)."""
-        out = {}
-        for key in embeds[0]:
-            rows = [e[key] for e in embeds]
-            out[key], out[f"{key}_mask"] = collate(rows, max(len(r) for r in rows))
-        return out
+    def batch_embeds(
+        self, embeds: list[dict[str, torch.Tensor]], bucketed: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Pad each text to the longest of the micro-batch (`bucketed`: to its bucket), with its mask."""
+        return collate_texts(embeds, embeds[0], self.buckets if bucketed else None)

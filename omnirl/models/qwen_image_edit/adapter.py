@@ -41,7 +41,7 @@ from omnirl.models.qwen_image.adapter import (
     DECODE_ROWS,
     bucket,
     bucket_range,
-    collate,
+    collate_texts,
     decode,
     packed_velocity,
     pad_to,
@@ -321,14 +321,14 @@ class QwenImageEditAdapter(DiffusersBase):
         outputs = [Output(image=im) for im in images]
         return trajectories(requests, sampler, sampler.host_sigmas, samples, outputs, latents)
 
-    def batch_embeds(self, embeds: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Pad each text to the longest of the micro-batch, with its mask (`<key>_mask`); zero-pad the
-        condition latents to the largest condition size, recorded per row in `condition_size`."""
-        out = {}
-        for key in ("prompt_embeds", "negative_prompt_embeds"):
-            if key in embeds[0]:
-                rows = [e[key] for e in embeds]
-                out[key], out[f"{key}_mask"] = collate(rows, max(len(r) for r in rows))
+    def batch_embeds(
+        self, embeds: list[dict[str, torch.Tensor]], bucketed: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Pad each text to the longest of the micro-batch (`bucketed`: to its bucket), with its mask
+        (`<key>_mask`); zero-pad the condition latents to the largest condition size, recorded per row in
+        `condition_size`."""
+        keys = ("prompt_embeds", "negative_prompt_embeds")
+        out = collate_texts(embeds, keys, self.buckets if bucketed else None)
         images = [e["image_latents"] for e in embeds]  # [C, h'_i, w'_i]
         out["condition_size"] = torch.tensor([im.shape[1:] for im in images])  # [B, 2]
         cond_h, cond_w = out["condition_size"].max(dim=0).values.tolist()
