@@ -18,8 +18,10 @@
 #                  loss is normalised by the mini-batch, so the update is the same whatever the size)
 #   sd35_fp8:      sd35_compiled with FP8 in both halves: rollout.precision fp8 at every step and
 #                  train.precision fp8 (one function: no bf16 recompute of the old log-probs)
-#   qwen:          Qwen-Image Flow-GRPO OCR LoRA at its recipe's settings, 32 images, the JPEG reward
-#   qwen_compiled: the same with train.compile and rollout.compile
+#   qwen:          Qwen-Image Flow-GRPO OCR LoRA at its recipe's settings, 32 images, the JPEG reward (the
+#                  recipe compiles its rollout and its update)
+#   qwen_compiled: the same with train.compile and rollout.compile named (what the recipe now sets)
+#   qwen_eager:    the same as qwen with the update eager (train.compile false)
 # Writes OUT_DIR/step_JOB.{json,md,log}; CAP_S (default 280) stops a job (its JSON is still written).
 # QWEN_BPE=path to qwen.tiktoken gives Qwen-Image the real Qwen2 tokenizer. STEP_ARGS="--steps 8" appends
 # arguments to every job's (the last of a repeated argument counts). TINY=1: the tiny recipes on the
@@ -58,6 +60,7 @@ for job in "${jobs[@]}"; do
     sd35_fp8) model=sd3 args=("${sd35[@]}" "${compiled[@]}" "${fp8[@]}") ;;
     qwen) model=qwen_image args=("${qwen[@]}") ;;
     qwen_compiled) model=qwen_image args=("${qwen[@]}" "${compiled[@]}") ;;
+    qwen_eager) model=qwen_image args=("${qwen[@]}" --train.compile false) ;;
     *) echo "step_time.sh: unknown job $job" >&2; exit 2 ;;
     esac
     if [[ ${TINY:-0} == 1 ]]; then
