@@ -310,7 +310,7 @@ def test_nft_times_and_noises_per_pass_by_hand(tmp_path):
         seen.append((x_t.clone(), t.clone()))
         return torch.zeros_like(x_t, requires_grad=True)
 
-    adapter = SimpleNamespace(device="cpu", batch_embeds=lambda embeds: {}, velocity=velocity)
+    adapter = SimpleNamespace(device="cpu", batch_embeds=lambda embeds, bucketed=False: {}, velocity=velocity)
     ops = SimpleNamespace(
         cfg=cfg, params=SimpleNamespace(num_steps=10), soft=False, _old=None, adapter=adapter,
         ref_model=None, loss_fn=diffusion_nft_loss,
