@@ -157,6 +157,13 @@ def test_recomputed_logprob_equals_rollout(adapter):
     diff = (recomputed - recorded).abs()
     print(f"recomputed vs rollout log-prob: mean |diff| {diff.mean():.2e}, max {diff.max():.2e}")
     assert diff.max() < 1e-5
+    # train.compile pads the texts to their buckets, as the rollout does (masked: the same log-probs).
+    texts = adapter.batch_embeds([p.traj.embeds for p in pairs], bucketed=True)
+    assert (texts["prompt_embeds"].shape[1], texts["negative_prompt_embeds"].shape[1]) == (320, 288)
+    assert adapter.batch_embeds([p.traj.embeds for p in pairs])["prompt_embeds"].shape[1] < 320
+    with torch.no_grad():
+        bucketed = pair_logprob(adapter, pairs, params, bucketed=True).logprob
+    assert (bucketed - recorded).abs().max() < 1e-5
 
 
 @pytest.mark.slow
