@@ -30,7 +30,7 @@ from omnirl.config import Config
 from omnirl.distributed import derive_seed
 from omnirl.errors import ConfigError
 from omnirl.models.base import DiffusionAdapter, Request, SamplingParams, Trajectory
-from omnirl.ops.diffusion import DiffusionOps, reference
+from omnirl.ops.diffusion import DiffusionOps, micro_batch_embeds, reference
 from omnirl.ops.nft import swapped
 
 
@@ -143,8 +143,7 @@ class DGPOOps(DiffusionOps):
         noise = torch.stack([r.noise() for r in mb]).to(device)  # [M, *latent]
         t = torch.stack([r.traj.sigmas[r.time_index(max_step)] for r in mb]).to(device).float()  # [M]
         tt = t.reshape(-1, *([1] * (x0.dim() - 1)))
-        texts = self.adapter.batch_embeds([r.traj.embeds for r in mb], self.cfg.train.compile)
-        embeds = {k: e.to(device) for k, e in texts.items()}
+        embeds = micro_batch_embeds(self.adapter, [r.traj.embeds for r in mb], self.cfg.train.compile)
         return (1 - tt) * x0 + tt * noise, t, noise - x0, embeds
 
     # The update's rows are DGPORow, not DiffusionOps's Pair (it reuses DiffusionOps's rollout only): the

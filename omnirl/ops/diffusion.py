@@ -79,6 +79,14 @@ class Pair:
     is_weight: float = 1.0  # the rollout correction's weight (rollout.precision fp8 with algo.correction)
 
 
+def micro_batch_embeds(
+    adapter: DiffusionAdapter, embeds: list[dict[str, torch.Tensor]], bucketed: bool
+) -> dict[str, torch.Tensor]:
+    """A micro-batch's per-sample `Trajectory.embeds` collated (`adapter.batch_embeds`; `bucketed`:
+    train.compile, texts padded to the family's length buckets) on the adapter's device."""
+    return {k: e.to(adapter.device) for k, e in adapter.batch_embeds(embeds, bucketed).items()}
+
+
 def pair_logprob(
     adapter: DiffusionAdapter,
     pairs: list[Pair],
@@ -96,7 +104,7 @@ def pair_logprob(
     steps = torch.stack([t.step_indices[p.k] for t, p in zip(trajs, pairs)])
     sig = trajs[0].sigmas
     sigma, sigma_next = sig[steps].to(device), sig[steps + 1].to(device)  # [M]
-    embeds = {k: e.to(device) for k, e in adapter.batch_embeds([t.embeds for t in trajs], bucketed).items()}
+    embeds = micro_batch_embeds(adapter, [t.embeds for t in trajs], bucketed)
     v = adapter.velocity(x, sigma, embeds, params.guidance_scale, policy=policy)
     return flow_step(
         v, x, sigma, sigma_next, float(sig[1]), params.noise_level, params.sde_type, prev_sample=nxt,
@@ -272,7 +280,9 @@ class DiffusionOps:
             if self.clock is not None:
                 self.clock.mark("kl_reference")
             with torch.no_grad(), reference(self.adapter, self.ref_model) as ref:
-                mean_ref = pair_logprob(self.adapter, mb, self.params, ref, self.cfg.train.compile).mean
+                mean_ref = pair_logprob(
+                    self.adapter, mb, self.params, ref, bucketed=self.cfg.train.compile
+                ).mean
             if self.clock is not None:
                 self.clock.mark("forward")
             kl = flow_kl(out.mean, mean_ref, out.std_dev_t if a.kl_form == "flow_grpo" else out.std)

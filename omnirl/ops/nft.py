@@ -24,7 +24,7 @@ from omnirl.batching import equalise, shuffled_rows
 from omnirl.config import Config, DiffusionNFTConfig
 from omnirl.distributed import derive_seed
 from omnirl.models.base import DiffusionAdapter, Request, SamplingParams, Trajectory
-from omnirl.ops.diffusion import DiffusionOps, reference
+from omnirl.ops.diffusion import DiffusionOps, micro_batch_embeds, reference
 
 TIMESTEP_FRACTION = 0.99  # the reference's train.timestep_fraction: rows per sample int(0.99 T)
 
@@ -162,8 +162,7 @@ class NFTOps(DiffusionOps):
             r.passes += 1  # its next pass draws a new time and noise
         tt = t.reshape(-1, *([1] * (x0.dim() - 1)))
         x_t = (1 - tt) * x0 + tt * noise
-        texts = adapter.batch_embeds([r.traj.embeds for r in mb], self.cfg.train.compile)
-        embeds = {k: e.to(device) for k, e in texts.items()}
+        embeds = micro_batch_embeds(adapter, [r.traj.embeds for r in mb], self.cfg.train.compile)
         # No optimizer step yet, and the old policy is the policy itself: its velocity is v. Otherwise the
         # old velocity comes first: swapping the old values into the parameters in place after v's forward
         # would change tensors v's graph saved (unsharded parameters, without FSDP2's gathered copies).
