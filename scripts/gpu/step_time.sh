@@ -22,6 +22,11 @@
 #                  recipe compiles its rollout and its update)
 #   qwen_compiled: the same with train.compile and rollout.compile named (what the recipe now sets)
 #   qwen_eager:    the same as qwen with the update eager (train.compile false)
+#   wan:           Wan2.2 TI2V-5B DanceGRPO at its recipe's settings (704x1280, 9 frames, 10 steps, True-CFG
+#                  5.0 as two forwards, 5 trained steps a video, micro-batches of 4, 4 optimizer steps) as a
+#                  one-GPU LoRA run (r32 on the attention projections; the recipe is a full fine-tune on 8
+#                  GPUs), 2 prompts x 8 videos, the frames' brightness as reward; eager as the recipe ships
+#   wan_compiled:  the same with train.compile and rollout.compile
 # Writes OUT_DIR/step_JOB.{json,md,log}; CAP_S (default 280) stops a job (its JSON is still written).
 # QWEN_BPE=path to qwen.tiktoken gives Qwen-Image the real Qwen2 tokenizer. STEP_ARGS="--steps 8" appends
 # arguments to every job's (the last of a repeated argument counts). TINY=1: the tiny recipes on the
@@ -46,6 +51,8 @@ sd35=(--recipe sd35_flowgrpo_ocr --rollout.prompts_per_step 4 --rollout.group_si
     --family.max_sequence_length 128 --reward jpeg_compressibility=1 --steps 4)
 qwen=(--recipe qwen_image_flowgrpo_ocr --rollout.prompts_per_step 4 --rollout.group_size 8
     --reward jpeg_compressibility=1 --steps 3)
+wan=(--recipe wan22_ti2v_dancegrpo --model.finetune lora --lora.rank 32 --lora.alpha 64
+    --rollout.prompts_per_step 2 --rollout.group_size 8 --reward video_brightness=1 --steps 3)
 [[ -n $bpe ]] && qwen+=(--qwen-bpe "$bpe")
 compiled=(--train.compile true --rollout.compile true)
 fp8=(--rollout.precision fp8 --rollout.fp8.steps all --train.precision fp8)
@@ -61,6 +68,8 @@ for job in "${jobs[@]}"; do
     qwen) model=qwen_image args=("${qwen[@]}") ;;
     qwen_compiled) model=qwen_image args=("${qwen[@]}" "${compiled[@]}") ;;
     qwen_eager) model=qwen_image args=("${qwen[@]}" --train.compile false) ;;
+    wan) model=wan_ti2v args=("${wan[@]}") ;;
+    wan_compiled) model=wan_ti2v args=("${wan[@]}" "${compiled[@]}") ;;
     *) echo "step_time.sh: unknown job $job" >&2; exit 2 ;;
     esac
     if [[ ${TINY:-0} == 1 ]]; then
