@@ -78,6 +78,23 @@ def test_check_plans_the_edit_recipe_on_full_size_models(tmp_path):
         assert (step["train_rows"], step["micro_batches"]) == (64, 32)  # SDE window 2, micro-batch 2
 
 
+@pytest.mark.slow
+def test_check_plans_a_wan_recipe_with_its_reward_replaced(tmp_path):
+    """--reward replaces the recipe's rewards and drops their reward.paths (the Wan recipe's HPSv3): the
+    worker's reward check runs before torchrun, so the derived recipe must pass it. Wan2.2 TI2V-5B at
+    704x1280 and 9 frames packs 16 videos of 3 x 22 x 40 = 2,640 tokens; 5 trained steps a video in
+    micro-batches of 4."""
+    r = run(
+        *("--recipe", "wan22_ti2v_dancegrpo", "--check", "--out", str(tmp_path), "--model.finetune", "lora"),
+        *("--rollout.prompts_per_step", "2", "--rollout.group_size", "8", "--reward", "video_brightness=1"),
+    )
+    plan = json.loads(r.stdout[r.stdout.index("{") :])
+    for step in plan["steps"]:
+        (batch,) = step["batches"]
+        assert batch["requests"] == 16 and batch["tokens_per_request"] == 2640
+        assert (step["train_rows"], step["micro_batches"]) == (80, 20)
+
+
 def test_table_of_a_gpu_row():
     """Per-rank peaks, sleep/wake traffic and a phase beyond rollout and train, in the order logged."""
     from scripts.gpu import step_report as pm

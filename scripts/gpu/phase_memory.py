@@ -236,9 +236,11 @@ def drive(
     ckpt_s = time.perf_counter() - t0
     prompts = PROMPTS_PER_RANK * a.gpus
     make_data(spec.data, work / "data", a.tiny, rows=max(16, prompts * a.steps))
-    if a.reward:
-        recipe["reward"]["weights"] = {n: float(w) for n, w in (x.split("=", 1) for x in a.reward)}
     paths = recipe["reward"].get("paths", {})
+    if a.reward:  # the recipe's rewards replaced: their checkpoint paths go with them
+        recipe["reward"]["weights"] = {n: float(w) for n, w in (x.split("=", 1) for x in a.reward)}
+        paths = {n: v for n, v in paths.items() if n in recipe["reward"]["weights"]}
+        recipe["reward"]["paths"] = paths
     weights, dropped = reward_weights(recipe["reward"]["weights"], a.noise_weight, paths)
     if dropped:
         print(f"phase_memory: reward {dropped} left out: its packages or weights are missing (device memory "
@@ -258,6 +260,9 @@ def drive(
     derived = work / f"{tag}.yaml"
     derived.write_text(yaml.safe_dump(recipe, sort_keys=False))
     cfg = parse(str(derived), overrides)  # what the worker will run
+    from omnirl.rewards import check_reward_paths
+
+    check_reward_paths(cfg.reward.weights, cfg.reward.paths)  # the worker's check, before torchrun starts
     if a.check:
         print(json.dumps(check_plan(cfg, a.gpus), indent=1))
         return 0
