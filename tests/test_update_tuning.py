@@ -261,6 +261,28 @@ def test_compiled_update_equals_eager_and_compiles_once(tiny_sd3, tmp_path, monk
     assert all("forward" not in vars(m) for m, _ in tuning.compiled)
 
 
+@pytest.mark.slow
+def test_kl_reference_pass_collates_no_embeddings_of_its_own(tiny_sd3, tmp_path, monkeypatch):
+    """The KL reference pass (LoRA off) reads the micro-batch's inputs the policy's forward built: an
+    update with algo.kl_beta > 0 collates each micro-batch's text embeddings as often as one without."""
+    cfg, ops, trajs, keep = rollout(
+        tiny_sd3, tmp_path, "--model.gradient_checkpointing", "false", "--algo.kl_beta", "0.04"
+    )
+    calls = []
+    collate = ops.adapter.batch_embeds
+    monkeypatch.setattr(ops.adapter, "batch_embeds", lambda *a, **k: calls.append(1) or collate(*a, **k))
+    _, logs = updated(cfg, ops, trajs, keep)
+    with_kl = len(calls)
+    assert with_kl > 0 and logs["time/train_kl_reference_s"] > 0  # the reference pass ran
+    cfg0 = copy.deepcopy(cfg)
+    cfg0.algo.kl_beta = 0.0
+    ops.cfg = cfg0
+    calls.clear()
+    _, logs0 = updated(cfg0, ops, trajs, keep)
+    assert "time/train_kl_reference_s" not in logs0 or logs0["time/train_kl_reference_s"] == 0
+    assert len(calls) == with_kl
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 

@@ -87,27 +87,52 @@ def micro_batch_embeds(
     return {k: e.to(adapter.device) for k, e in adapter.batch_embeds(embeds, bucketed).items()}
 
 
+@dataclass
+class PairInputs:
+    """A micro-batch's stored transitions on the device: what `pair_logprob` feeds the forward, built once
+    where the policy's and the KL reference's forwards read the same rows."""
+
+    x: torch.Tensor  # [M, *latent]
+    nxt: torch.Tensor  # [M, *latent]
+    sigma: torch.Tensor  # [M]
+    sigma_next: torch.Tensor  # [M]
+    sigma1: float  # the schedule's second sigma (flow_step's SDE scale)
+    embeds: dict[str, torch.Tensor]
+
+
+def pair_inputs(adapter: DiffusionAdapter, pairs: list[Pair], bucketed: bool = False) -> PairInputs:
+    """The inputs of `pair_logprob` for `pairs` (`bucketed`: train.compile, texts padded to the family's
+    length buckets)."""
+    device = adapter.device
+    trajs = [p.traj for p in pairs]
+    steps = torch.stack([t.step_indices[p.k] for t, p in zip(trajs, pairs)])
+    sig = trajs[0].sigmas
+    return PairInputs(
+        x=torch.stack([t.latents[p.k] for t, p in zip(trajs, pairs)]).to(device),
+        nxt=torch.stack([t.next_latents[p.k] for t, p in zip(trajs, pairs)]).to(device),
+        sigma=sig[steps].to(device),
+        sigma_next=sig[steps + 1].to(device),
+        sigma1=float(sig[1]),
+        embeds=micro_batch_embeds(adapter, [t.embeds for t in trajs], bucketed),
+    )
+
+
 def pair_logprob(
     adapter: DiffusionAdapter,
     pairs: list[Pair],
     params: SamplingParams,
     policy: nn.Module | None = None,
     bucketed: bool = False,
+    inputs: PairInputs | None = None,
 ) -> StepOut:
     """Recompute stored transitions: the step's `StepOut` ([M] logprob, [M, *latent] mean, [M] std and
     std_dev_t). Each row's sigma is its stored step's, so a family of several experts runs it on the expert
-    that sampled it. `bucketed` (train.compile): texts padded to the family's length buckets."""
-    device = adapter.device
-    trajs = [p.traj for p in pairs]
-    x = torch.stack([t.latents[p.k] for t, p in zip(trajs, pairs)]).to(device)  # [M, *latent]
-    nxt = torch.stack([t.next_latents[p.k] for t, p in zip(trajs, pairs)]).to(device)
-    steps = torch.stack([t.step_indices[p.k] for t, p in zip(trajs, pairs)])
-    sig = trajs[0].sigmas
-    sigma, sigma_next = sig[steps].to(device), sig[steps + 1].to(device)  # [M]
-    embeds = micro_batch_embeds(adapter, [t.embeds for t in trajs], bucketed)
-    v = adapter.velocity(x, sigma, embeds, params.guidance_scale, policy=policy)
+    that sampled it. `bucketed` (train.compile): texts padded to the family's length buckets. `inputs`:
+    `pair_inputs(adapter, pairs, bucketed)` built before (the KL reference pass reuses the policy's)."""
+    i = inputs if inputs is not None else pair_inputs(adapter, pairs, bucketed)
+    v = adapter.velocity(i.x, i.sigma, i.embeds, params.guidance_scale, policy=policy)
     return flow_step(
-        v, x, sigma, sigma_next, float(sig[1]), params.noise_level, params.sde_type, prev_sample=nxt,
+        v, i.x, i.sigma, i.sigma_next, i.sigma1, params.noise_level, params.sde_type, prev_sample=i.nxt,
         pool=adapter.logprob_pool(params),
     )  # fmt: skip
 
@@ -250,7 +275,8 @@ class DiffusionOps:
 
     def loss(self, mb: list[Pair], normaliser: float, measure: bool) -> tuple[torch.Tensor, dict]:
         a = self.cfg.algo
-        out = pair_logprob(self.adapter, mb, self.params, bucketed=self.cfg.train.compile)
+        inputs = pair_inputs(self.adapter, mb, self.cfg.train.compile)  # the KL pass reads them too
+        out = pair_logprob(self.adapter, mb, self.params, inputs=inputs)
         device = out.logprob.device
         rollout = torch.tensor([float(p.traj.logprobs[p.k]) for p in mb], device=device)
         old = torch.tensor(
@@ -280,9 +306,7 @@ class DiffusionOps:
             if self.clock is not None:
                 self.clock.mark("kl_reference")
             with torch.no_grad(), reference(self.adapter, self.ref_model) as ref:
-                mean_ref = pair_logprob(
-                    self.adapter, mb, self.params, ref, bucketed=self.cfg.train.compile
-                ).mean
+                mean_ref = pair_logprob(self.adapter, mb, self.params, ref, inputs=inputs).mean
             if self.clock is not None:
                 self.clock.mark("forward")
             kl = flow_kl(out.mean, mean_ref, out.std_dev_t if a.kl_form == "flow_grpo" else out.std)
