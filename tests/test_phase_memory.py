@@ -153,6 +153,7 @@ def test_tiny_run_of_a_wan_recipe(tmp_path):
     summary = json.loads((tmp_path / "wan22_a14b_flowgrpo_lora_tiny.json").read_text())
     assert summary["rc"] == 0 and summary["problems"] == []
     assert summary["source_recipe"] == "yaml/wan22_a14b_tiny_flowgrpo_lora.yaml"
+    assert " videos per step" in summary["table"] and " videos/s per GPU" in summary["table"]
     loads = [x["subfolder"] for x in summary["device"]["loads"]]
     assert loads == ["transformer", "transformer_2", "vae", "text_encoder"]
     (step,) = summary["per_step"]

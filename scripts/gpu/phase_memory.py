@@ -276,9 +276,9 @@ def drive(
     cmd = [*torchrun, "-m", "scripts.gpu.phase_memory", "--worker", str(derived), str(info), str(a.cap_gib)]
     cmd += overrides
     r = cfg.rollout
-    print(f"phase_memory: {tag}: {a.steps} steps, {r.prompts_per_step} prompts x {r.group_size} images per "
-          f"step on {a.gpus} rank(s), max_num_seqs {cfg.rollout.max_num_seqs}, micro-batch "
-          f"{cfg.optim.micro_batch_size}, sleep {cfg.memory.sleep}", flush=True)  # fmt: skip
+    print(f"phase_memory: {tag}: {a.steps} steps, {r.prompts_per_step} prompts x {r.group_size} "
+          f"{sample_word(cfg)} per step on {a.gpus} rank(s), max_num_seqs {cfg.rollout.max_num_seqs}, "
+          f"micro-batch {cfg.optim.micro_batch_size}, sleep {cfg.memory.sleep}", flush=True)  # fmt: skip
     run_start = time.perf_counter()
     budget = max(1.0, a.budget_s - (run_start - start) - REPORT_S) if a.budget_s else 0
     rc, timed_out = run_worker(cmd, env, budget)
@@ -303,6 +303,8 @@ def drive(
         print(f"phase_memory: no FLOP count ({type(e).__name__}: {e})", file=sys.stderr)
         flops = None
     split = step_split(rows, flops, cfg.rollout.prompts_per_step * cfg.rollout.group_size / max(a.gpus, 1))
+    if split:
+        split["samples"] = sample_word(cfg)  # images_per_s counts them
     table = head + "\n\n" + (report(rows, title=f"{tag}, ") if rows else "no step finished\n")
     table += ("\n" + split_table(split, flops)) if split else ""
     problems = []
@@ -343,6 +345,13 @@ def drive(
     return rc or (1 if problems else 0)
 
 
+def sample_word(cfg) -> str:
+    """What a rollout sample of the recipe's model is called: "videos" for a video family, else "images"."""
+    from omnirl.models import get_adapter
+
+    return "videos" if "video" in get_adapter(cfg.model.adapter).modalities else "images"
+
+
 def header(tag: str, cfg, device: dict, built: str) -> str:
     """One line: the run's device, versions and the settings that decide its peaks."""
     versions = ", ".join(f"{k} {v}" for k, v in device.get("versions", {}).items())
@@ -353,7 +362,8 @@ def header(tag: str, cfg, device: dict, built: str) -> str:
     return (
         f"{tag} on {device.get('device', '?')}{cap} ({versions}): "
         f"{cfg.sampling.height}x{cfg.sampling.width}, "
-        f"{r.prompts_per_step} prompts x {r.group_size} images per step, max_num_seqs {r.max_num_seqs}, "
+        f"{r.prompts_per_step} prompts x {r.group_size} {sample_word(cfg)} per step, "
+        f"max_num_seqs {r.max_num_seqs}, "
         f"CFG {'fused' if r.fused_cfg else 'as two forwards'}, {'compiled' if r.compile else 'eager'}, "
         f"micro-batch {o.micro_batch_size}, {lora}, gradient checkpointing "
         f"{ckpt_word(cfg.model.gradient_checkpointing)}, sleep {ckpt_word(cfg.memory.sleep)}, "

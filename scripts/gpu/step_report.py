@@ -190,7 +190,7 @@ def split_table(split: dict, flops: dict | None) -> str:
         )
     notes = []
     if split.get("images_per_s"):
-        notes.append(f"{split['images_per_s']:.3f} images/s per GPU")
+        notes.append(f"{split['images_per_s']:.3f} {split.get('samples', 'images')}/s per GPU")
     for phase in ("rollout", "update"):
         if split.get(f"{phase}_mfu"):
             notes.append(f"{phase} at {100 * split[f'{phase}_mfu']:.0f}% of the bf16 rate")
