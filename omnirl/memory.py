@@ -290,6 +290,7 @@ class Sleeper:
         self._asleep: dict[str, tuple[_Plan, list[int]]] = {}  # name -> (plan, indices of its chunks)
         self._reserving: threading.Thread | None = None
         self._reserved: list[torch.Tensor] = []  # chunks the reserving thread made, not yet in `chunks`
+        self.reserve_s: float | None = None  # how long the last reservation took, until `take_reserve_s`
 
     def reserve(self, nbytes: int) -> int:
         """Start allocating, in a background thread, the chunks that `nbytes` asleep at once will need beyond
@@ -304,10 +305,12 @@ class Sleeper:
         accel, device = _accel(), self.device
 
         def allocate() -> None:
+            start = time.perf_counter()
             if accel is not None and device.index is not None:
                 accel.set_device(device)  # this thread's current device: the one the copies run on
             for _ in range(n):
                 self._reserved.append(torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self.pin))
+            self.reserve_s = time.perf_counter() - start
 
         self._reserving = threading.Thread(target=allocate, name="omnirl-host-chunks", daemon=True)
         self._reserving.start()
@@ -322,6 +325,11 @@ class Sleeper:
         self._free += range(len(self.chunks), len(self.chunks) + len(self._reserved))
         self.chunks += self._reserved
         self._reserved = []
+
+    def take_reserve_s(self) -> float | None:
+        """The seconds the last finished reservation's thread took (beside the phases), once."""
+        took, self.reserve_s = (self.reserve_s, None) if self._reserving is None else (None, self.reserve_s)
+        return took
 
     def is_asleep(self, name: str) -> bool:
         return name in self._asleep
@@ -475,6 +483,8 @@ def phase(
         moved = sum(sleeper.sleep(group, tensors) for group, tensors in (sleep or {}).items())
         stats[f"time/{name}_sleep_s"] = time.perf_counter() - start
         stats[f"mem/{name}_sleep_gib"] = moved / GIB
+        if (took := sleeper.take_reserve_s()) is not None:  # the host chunks pinned ahead, in a thread
+            stats["time/host_pin_s"] = took
         empty_cache()
     if accel is not None:
         accel.reset_peak_memory_stats()

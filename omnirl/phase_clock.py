@@ -2,7 +2,7 @@
 (forward, KL reference forward, backward, optimizer) and read once, after the update's last kernel. On the
 CPU the host clock is the device's. Logged as `time/train_<part>_s` (docs/memory.md lists the phases).
 A rollout's clock times the parts its code marks with `part` while `recording` it (the VAE decode:
-`time/vae_decode_s`).
+`time/vae_decode_s`; the memory probes of a rollout's first batches, `alone`: `time/memory_probe_s`).
 """
 
 from __future__ import annotations
@@ -75,4 +75,21 @@ def part(name: str):
     try:
         yield
     finally:
+        clock.mark("idle")
+
+
+@contextlib.contextmanager
+def alone(name: str):
+    """Time the block as `name` on the clock being recorded, if any, with the parts inside it unmarked (a
+    memory probe's rollout holds a VAE decode that is not the step's)."""
+    clock = _RECORDING.get()
+    if clock is None:
+        yield
+        return
+    clock.mark(name)
+    token = _RECORDING.set(None)
+    try:
+        yield
+    finally:
+        _RECORDING.reset(token)
         clock.mark("idle")

@@ -116,3 +116,10 @@ def test_the_compile_meter_counts_a_steps_compiling_and_nothing_once_compiled():
     f(torch.randn(3, requires_grad=True)).backward()
     again = meter.take()
     assert again["compile/graphs"] == 1 and again["time/compile_s"] > 0
+    # A step's two takes (the rollout's, then the rest): summed, the rollout's seconds named apart.
+    f(torch.randn(5, 2, requires_grad=True)).backward()  # another rank: another graph
+    rollout = meter.take()
+    f(torch.randn(6, 2, 2, requires_grad=True)).backward()
+    step = meter.take(rollout)
+    assert step["compile/graphs"] == 2 and step["time/rollout_compile_s"] == rollout["time/compile_s"] > 0
+    assert step["time/compile_s"] > rollout["time/compile_s"]

@@ -20,6 +20,7 @@ from omnirl.errors import ConfigError
 from omnirl.memory import GIB, peak_bytes
 from omnirl.models import get_adapter
 from omnirl.ops.diffusion import DiffusionOps, sampling_params
+from omnirl.phase_clock import PhaseClock, recording
 from omnirl.recipe import config_for, load_config
 from omnirl.rollout.diffusion import DiffusionEngine
 from tests.test_train import ROOT, read_jsonl, tiny_cfg, torchrun
@@ -161,7 +162,14 @@ def test_a_max_num_seqs_that_cannot_fit_fails_before_the_rollout(tiny_sd3, tmp_p
     requests, _ = make_requests(cfg, load_prompts(cfg.data.train_path), 0, dist, sampling_params(cfg))
     assert len(requests) == 8
     roomy = DiffusionEngine(adapter, RolloutConfig(max_num_seqs=8, memory_budget_gib=1.0))
-    reference = roomy.generate(requests)
+    clock = PhaseClock(dist.device, prefix="time/")
+    with recording(clock):
+        reference = roomy.generate(requests)
+    first = clock.totals()  # the probes timed whole, their decodes not counted as the step's
+    assert first["time/memory_probe_s"] > 0 and first["time/vae_decode_s"] > 0
+    with recording(clock):
+        roomy.generate(requests[:2])
+    assert "time/memory_probe_s" not in clock.totals()  # measured once per key
     (fixed, per_row, top), = roomy.row_cost.values()  # fmt: skip
     assert per_row > 0 and fixed >= 0 and top == 2  # SD3 decodes in one piece: probed at 1 and 2 rows
     # What 8 rows really take, against the estimate extrapolated from 1 and 2 rows.

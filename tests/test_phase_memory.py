@@ -219,7 +219,35 @@ def test_the_step_split_takes_the_vae_decode_out_of_the_generation():
     ]
     split = pm.step_split(rows, None, 32 / 2)
     assert split["images_per_s"] == 16 / 20.0
-    assert split["compile"] == {"step0_s": 30.0, "step0_graphs": 4, "steady_s": 0.0, "steady_graphs": 0.0}
+    assert split["compile"] == {
+        "step0_s": 30.0, "step0_rollout_s": None, "step0_graphs": 4, "steady_s": 0.0, "steady_graphs": 0.0
+    }  # fmt: skip
     assert "compiling: step 0 30.0 s for 4 graphs, the steady steps 0.0 s for 0" in pm.split_table(
         split, None
     )
+
+
+def test_step_0s_memory_probes_compiling_and_pinning_are_split_out():
+    """Step 0's first-touch costs apart: the rollout's memory probes (timed inside the generation) and
+    the update's checkpointing probe are parts of their own, the compile time says the rollout's share,
+    and the host chunks pinned beside the rollout are named, not counted in the step's parts."""
+    from scripts.gpu import step_report as pm
+
+    first = {
+        "step": 0, "time/step_s": 40.0, "time/generate_s": 15.0, "time/vae_decode_s": 0.5,
+        "time/memory_probe_s": 2.5, "time/train_memory_probe_s": 1.5, "time/train_forward_s": 8.0,
+        "time/compile_s": 9.0, "time/rollout_compile_s": 5.0, "compile/graphs": 10.0,
+        "time/host_pin_s": 3.25,
+    }  # fmt: skip
+    steady = {"step": 1, "time/step_s": 17.0, "time/generate_s": 4.0, "time/train_forward_s": 4.0}
+    split = pm.step_split([first, steady], None)
+    zero = split["step0"]
+    assert zero["generation"] == 12.0 and zero["rollout memory probe"] == 2.5
+    assert zero["update memory probe"] == 1.5 and zero["other"] == pytest.approx(
+        40.0 - 12.0 - 0.5 - 2.5 - 9.5
+    )
+    assert split["parts"]["rollout memory probe"]["median"] == 0.0
+    table = pm.split_table(split, None)
+    assert "| rollout memory probe | 0.00 (0.00-0.00) | 2.50 |" in table
+    assert "step 0 9.0 s for 10 graphs, 5.0 s of it in the rollout" in table
+    assert "step 0 pinned the host chunks in 3.25 s beside its rollout" in table

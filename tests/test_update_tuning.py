@@ -214,6 +214,7 @@ def test_auto_checkpointing_decides_by_measured_memory_and_changes_no_result(tin
     monkeypatch.setattr(memory, "free_bytes", lambda device: 1 << 50)  # everything fits: off
     off, logs_off = updated(cfg, ops, trajs, keep)
     assert logs_off["train/gradient_checkpointing"] == 0.0 and not policy.is_gradient_checkpointing
+    assert logs_off["time/train_memory_probe_s"] > 0  # the probe, timed apart from the update's forward
 
     monkeypatch.setattr(memory, "free_bytes", lambda device: 1 << 10)  # nothing fits: on
     on, logs_on = updated(cfg, ops, trajs, keep)

@@ -86,10 +86,16 @@ class CompileMeter:
         secs = sum(sum(compilation_time_metrics.get(k, ())) for k in COMPILE_TIMERS)
         return secs, counters["stats"]["unique_graphs"]
 
-    def take(self) -> dict[str, float]:
+    def take(self, earlier: dict[str, float] | None = None) -> dict[str, float]:
+        """The cost since the last `take`; given an `earlier` take's (the rollout's, in a step), the sum of
+        both, with the earlier one's seconds apart as `time/rollout_compile_s`."""
         (secs, graphs), (secs0, graphs0) = self._read(), self.last
         self.last = (secs, graphs)
-        return {"time/compile_s": secs - secs0, "compile/graphs": float(graphs - graphs0)}
+        out = {"time/compile_s": secs - secs0, "compile/graphs": float(graphs - graphs0)}
+        if earlier is not None:
+            out = {k: v + earlier[k] for k, v in out.items()}
+            out["time/rollout_compile_s"] = earlier["time/compile_s"]
+        return out
 
 
 def modules_named(layers: Iterable[nn.Module], suffixes: tuple[str, ...]) -> list[nn.Module]:

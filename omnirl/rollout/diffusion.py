@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from omnirl import distributed as D
-from omnirl import fsdp
+from omnirl import fsdp, phase_clock
 from omnirl.config import RolloutConfig
 from omnirl.memory import GIB, empty_cache, free_bytes, peak_bytes
 from omnirl.models.base import DiffusionAdapter, Request, Trajectory
@@ -248,7 +248,8 @@ class DiffusionEngine:
         for key, (request, rows) in largest.items():
             top = min(rows, 2 * self.adapter.memory_probe_rows)
             if key not in self.row_cost or self.row_cost[key][2] < top:
-                self.row_cost[key] = self._measure(request, top, budget)
+                with phase_clock.alone("memory_probe"):  # the step's `time/memory_probe_s`
+                    self.row_cost[key] = self._measure(request, top, budget)
             fixed, per_row, _ = self.row_cost[key]
             fits = int((budget - fixed) // per_row)
             if rows > fits:

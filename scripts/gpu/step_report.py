@@ -113,7 +113,7 @@ def summarise_steps(rows: list[dict]) -> list[dict]:
     ]
 
 
-UPDATE_PARTS = ("recompute", "forward", "kl_reference", "backward", "optimizer")
+UPDATE_PARTS = ("recompute", "memory_probe", "forward", "kl_reference", "backward", "optimizer")
 
 
 def step_split(rows: list[dict], flops: dict | None, images: float | None = None) -> dict:
@@ -126,9 +126,11 @@ def step_split(rows: list[dict], flops: dict | None, images: float | None = None
 
     def parts(r: dict) -> dict[str, float]:
         decode = r.get("time/vae_decode_s") or 0.0  # inside the generation
+        probe = r.get("time/memory_probe_s") or 0.0  # likewise: the rollout's memory probes (step 0)
         out = {
-            "generation": (r.get("time/generate_s") or 0.0) - decode,
+            "generation": (r.get("time/generate_s") or 0.0) - decode - probe,
             "vae decode": decode,
+            "rollout memory probe": probe,
             "scoring wait": r.get("time/score_wait_s") or 0.0,
         }
         for part in UPDATE_PARTS:
@@ -155,10 +157,12 @@ def step_split(rows: list[dict], flops: dict | None, images: float | None = None
         "parts": {n: stat(n) for n in names},
         "step0": parts(rows[0]),
         "gradient_checkpointing": rows[-1].get("train/gradient_checkpointing"),
+        "host_pin_s": rows[0].get("time/host_pin_s"),
     }
     if "compile/graphs" in rows[0]:  # inside the parts above: what compiling (or loading from the cache) took
         out["compile"] = {
             "step0_s": rows[0].get("time/compile_s") or 0.0,
+            "step0_rollout_s": rows[0].get("time/rollout_compile_s"),
             "step0_graphs": rows[0]["compile/graphs"],
             "steady_s": sum(r.get("time/compile_s") or 0.0 for r in rows[1:]),
             "steady_graphs": sum(r.get("compile/graphs") or 0.0 for r in rows[1:]),
@@ -202,10 +206,17 @@ def split_table(split: dict, flops: dict | None) -> str:
             f"{flops['ceiling_tflops']:.0f} TFLOP/s"
         )
     if c := split.get("compile"):
-        notes.append(
-            f"compiling: step 0 {c['step0_s']:.1f} s for {c['step0_graphs']:g} graphs, the steady steps "
-            f"{c['steady_s']:.1f} s for {c['steady_graphs']:g} (inside the parts above)"
+        where = (
+            f", {c['step0_rollout_s']:.1f} s of it in the rollout"
+            if c.get("step0_rollout_s") is not None
+            else ""
         )
+        notes.append(
+            f"compiling: step 0 {c['step0_s']:.1f} s for {c['step0_graphs']:g} graphs{where}, the steady "
+            f"steps {c['steady_s']:.1f} s for {c['steady_graphs']:g} (inside the parts above)"
+        )
+    if split.get("host_pin_s") is not None:
+        notes.append(f"step 0 pinned the host chunks in {split['host_pin_s']:.2f} s beside its rollout")
     if split.get("gradient_checkpointing") is not None:
         notes.append(f"gradient checkpointing {'on' if split['gradient_checkpointing'] else 'off'}")
     return "\n".join(lines) + ("\n\n" + "; ".join(notes) + "." if notes else "") + "\n"
