@@ -51,8 +51,8 @@ def rollout_and_score(
     (`nonfinite_parts`) is never scored: a NaN image would be scored as a black one. Its reward stays NaN,
     and `omnirl.step.update` handles it as train.on_nonfinite says. Writes into `stats`, when given,
     `time/generate_s` (the generation, scoring overlapped), `time/score_wait_s` (the scoring still left
-    after it) and `time/vae_decode_s` (the VAE decode's part of the generation, device time; 0 for a family
-    without one)."""
+    after it), `time/vae_decode_s` (the VAE decode's part of the generation, device time; 0 for a family
+    without one) and `time/memory_probe_s` (the memory probes' part: 0 but where a batch shape is new)."""
     scored = []
     start = time.perf_counter()
 
@@ -69,8 +69,12 @@ def rollout_and_score(
         trajs = ops.generate(requests, submit)
     generated = time.perf_counter()
     per_reward = collect_scores(rewards, scored, start, generated, stats)
-    if stats is not None:  # the VAE decode's part of the generation (every rank logs the key: per_rank)
-        stats["time/vae_decode_s"] = clock.totals().get("time/vae_decode_s", 0.0)
+    if (
+        stats is not None
+    ):  # the VAE decode's and the memory probes' parts (every rank logs the keys: per_rank)
+        parts = clock.totals()
+        for key in ("time/vae_decode_s", "time/memory_probe_s"):
+            stats[key] = parts.get(key, 0.0)
     return trajs, per_reward
 
 

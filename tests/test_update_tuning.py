@@ -166,7 +166,7 @@ def test_micro_batches_are_bucketed_for_a_compiled_update():
     assert [p.weight for p in bucketed[-1]] == [1.0, 1.0, 1.0, 0.0]  # the padding row weighs nothing
 
 
-def rollout(tiny_sd3, tmp_path, *overrides):
+def rollout(tiny_sd3, tmp_path, *overrides, stats=None):
     cfg = load_config(
         "sd3_tiny_flowgrpo",
         ["--model.path", str(tiny_sd3), "--run.output_dir", str(tmp_path / "out"),
@@ -179,7 +179,7 @@ def rollout(tiny_sd3, tmp_path, *overrides):
     requests, _ = make_requests(cfg, load_prompts(cfg.data.train_path), 0, dist, sampling_params(cfg))
     pool = RewardPool(cfg.reward.weights, 1, 60)
     ops = DiffusionOps(cfg, adapter)
-    trajs, _ = rollout_and_score(ops, pool, requests)
+    trajs, _ = rollout_and_score(ops, pool, requests, stats)
     pool.close()
     adv, keep, _ = group_advantages(
         torch.tensor([t.reward for t in trajs]), torch.tensor([t.request.group_id for t in trajs]), 5.0, False
@@ -206,7 +206,11 @@ def updated(cfg, ops, trajs, keep, steps=1, tuning=None):
 
 @pytest.mark.slow
 def test_auto_checkpointing_decides_by_measured_memory_and_changes_no_result(tiny_sd3, tmp_path, monkeypatch):
-    cfg, ops, trajs, keep = rollout(tiny_sd3, tmp_path, "--algo.kl_beta", "0.04")
+    stats = {}  # the rollout's memory check, measured on CPU within a budget, logged as its own part
+    cfg, ops, trajs, keep = rollout(
+        tiny_sd3, tmp_path, "--algo.kl_beta", "0.04", "--rollout.memory_budget_gib", "1", stats=stats
+    )
+    assert 0 < stats["time/memory_probe_s"] < stats["time/generate_s"] and stats["time/vae_decode_s"] > 0
     assert cfg.model.gradient_checkpointing == "auto"
     policy = ops.policy
     assert not policy.is_gradient_checkpointing  # built without it: the first update decides
