@@ -172,6 +172,7 @@ class AutoCheckpointing:
         if not self.pending or mb is None:
             return {"train/gradient_checkpointing": float(self.on)}
         decision = probe_checkpointing(ops, optimizer, mb, normaliser)
+        memory.restart_peak()  # the update's peak without the probe's: what memory.sleep auto reads
         self.pending, self.on = False, decision.on
         D.print0(f"model.gradient_checkpointing auto: {'on' if decision.on else 'off'} ({decision.reason})")
         return {"train/gradient_checkpointing": float(self.on)}

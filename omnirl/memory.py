@@ -49,6 +49,18 @@ def _accel():
     return None
 
 
+def restart_peak() -> None:
+    """From here on a phase's peak and reservation (`phase`: `mem/{name}_peak_gib`, `_reserved_gib`) count
+    its own work: what ran before inside it (the checkpointing probe of step 0's update, sized for a layout
+    the update may not use) is handed back and forgotten. The steady steps, which run no probe, have the
+    peaks a sleep decision should read."""
+    accel = _accel()
+    if accel is None:
+        return
+    empty_cache()
+    accel.reset_peak_memory_stats()
+
+
 def empty_cache() -> None:
     gc.collect()
     accel = _accel()

@@ -357,3 +357,49 @@ def test_what_a_compile_left_is_frozen_and_later_garbage_still_collected():
         assert dead() is None
     finally:
         gc.unfreeze()
+
+
+def test_the_update_peak_a_sleep_decision_reads_leaves_the_checkpointing_probe_out(monkeypatch):
+    """Step 0's update runs `auto`'s probe without checkpointing first (on Wan2.2 TI2V-5B: 76.5 GiB, which
+    turned checkpointing on; the update then peaked at 20.4 GiB). The phase's peak and reservation, which
+    memory.sleep auto reads, are the update's own: what the probe held is handed back and forgotten."""
+    from omnirl import autotune, memory
+
+    gib = 2**30
+
+    class Accel:  # torch.cuda's peak counters over a simulated allocation level
+        now = peak = 2 * gib
+
+        @classmethod
+        def reset_peak_memory_stats(cls, *device):
+            cls.peak = cls.now
+
+        @classmethod
+        def max_memory_allocated(cls, *device):
+            return cls.peak
+
+        @classmethod
+        def max_memory_reserved(cls, *device):
+            return cls.peak
+
+        @classmethod
+        def empty_cache(cls):
+            pass
+
+    def touch(level: int) -> None:
+        Accel.peak = max(Accel.peak, Accel.now + level)
+
+    def probe(ops, optimizer, mb, normaliser):
+        touch(76 * gib)
+        return autotune.Decision(True, "a micro-batch does not fit without it")
+
+    monkeypatch.setattr(memory, "_accel", Accel)
+    monkeypatch.setattr(memory, "synchronize", lambda: None)
+    monkeypatch.setattr(autotune, "probe_checkpointing", probe)
+    monkeypatch.setattr(autotune, "set_checkpointing", lambda policy, on: None)
+    auto, stats = autotune.AutoCheckpointing("auto"), {}
+    with phase("train", stats, None):
+        auto.maybe_decide(None, None, [object()], 1.0)  # step 0's update: the probe, then its micro-batches
+        touch(18 * gib)
+    assert auto.on
+    assert stats["mem/train_peak_gib"] == 20 and stats["mem/train_reserved_gib"] == 20
