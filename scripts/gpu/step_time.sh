@@ -25,8 +25,10 @@
 #   wan:           Wan2.2 TI2V-5B DanceGRPO at its recipe's settings (704x1280, 9 frames, 10 steps, True-CFG
 #                  5.0 as two forwards, 5 trained steps a video, micro-batches of 4, 4 optimizer steps) as a
 #                  one-GPU LoRA run (r32 on the attention projections; the recipe is a full fine-tune on 8
-#                  GPUs), 2 prompts x 8 videos, the frames' brightness as reward; eager as the recipe ships
-#   wan_compiled:  the same with train.compile and rollout.compile
+#                  GPUs), 2 prompts x 8 videos, the frames' brightness as reward; as the recipe ships (the
+#                  rollout compiled, the update eager)
+#   wan_compiled:  the same with train.compile too
+#   wan_eager:     the same with rollout.compile false (both halves eager)
 # Writes OUT_DIR/step_JOB.{json,md,log}; CAP_S (default 280) stops a job (its JSON is still written).
 # QWEN_BPE=path to qwen.tiktoken gives Qwen-Image the real Qwen2 tokenizer. STEP_ARGS="--steps 8" appends
 # arguments to every job's (the last of a repeated argument counts). TINY=1: the tiny recipes on the
@@ -70,6 +72,7 @@ for job in "${jobs[@]}"; do
     qwen_eager) model=qwen_image args=("${qwen[@]}" --train.compile false) ;;
     wan) model=wan_ti2v args=("${wan[@]}") ;;
     wan_compiled) model=wan_ti2v args=("${wan[@]}" "${compiled[@]}") ;;
+    wan_eager) model=wan_ti2v args=("${wan[@]}" --rollout.compile false) ;;
     *) echo "step_time.sh: unknown job $job" >&2; exit 2 ;;
     esac
     if [[ ${TINY:-0} == 1 ]]; then
