@@ -41,6 +41,7 @@ RECIPES = {
     "wan22_a14b_flowgrpo_lora": Recipe("wan_a14b", "wan22_a14b_tiny_flowgrpo_lora", "wan_a14b", "ocr"),
     "ltx23_t2av_flowgrpo_lora": Recipe("ltx2", "ltx23_tiny_t2av_flowgrpo", "ltx2", "ocr"),
     "flux_dancegrpo_hpsv3": Recipe("flux", "flux_tiny_dancegrpo", "flux", "ocr"),
+    "bagel_flowgrpo_ocr_lora": Recipe("bagel", "bagel_tiny_flowgrpo", "bagel", "ocr"),
 }
 # Packages a reward needs beyond the trainer's; a reward whose packages are missing is left out.
 REWARD_NEEDS = {

@@ -29,6 +29,15 @@
 #                  rollout compiled, the update eager)
 #   wan_compiled:  the same with train.compile too
 #   wan_eager:     the same with rollout.compile false (both halves eager)
+#   ltx:           LTX-2.3 text to video + audio Flow-GRPO LoRA at its recipe's settings (256x384, 81 frames
+#                  with audio, 24 steps, CFG fused, 3 trained steps a video, LoRA r64, micro-batches of 4),
+#                  1 prompt x 8 videos (the rollout's max_num_seqs), the audio's loudness as reward; eager
+#                  as the recipe ships (its models take ~68 GiB: an H200)
+#   ltx_compiled:  the same with train.compile and rollout.compile
+#   bagel:         BAGEL-7B-MoT Flow-GRPO OCR LoRA at its recipe's settings (512 px, 15 steps, three-branch
+#                  CFG, 2 trained steps an image, LoRA r64, micro-batches of 8, 2 optimizer steps), 2 prompts
+#                  x 16 images, the JPEG reward; eager as the recipe ships
+#   bagel_compiled: the same with train.compile and rollout.compile
 # Writes OUT_DIR/step_JOB.{json,md,log}; CAP_S (default 280) stops a job (its JSON is still written).
 # QWEN_BPE=path to qwen.tiktoken gives Qwen-Image the real Qwen2 tokenizer. STEP_ARGS="--steps 8" appends
 # arguments to every job's (the last of a repeated argument counts). TINY=1: the tiny recipes on the
@@ -55,6 +64,10 @@ qwen=(--recipe qwen_image_flowgrpo_ocr --rollout.prompts_per_step 4 --rollout.gr
     --reward jpeg_compressibility=1 --steps 3)
 wan=(--recipe wan22_ti2v_dancegrpo --model.finetune lora --lora.rank 32 --lora.alpha 64
     --rollout.prompts_per_step 2 --rollout.group_size 8 --reward video_brightness=1 --steps 3)
+ltx=(--recipe ltx23_t2av_flowgrpo_lora --rollout.prompts_per_step 1 --rollout.group_size 8
+    --reward audio_loudness=1 --steps 3)
+bagel=(--recipe bagel_flowgrpo_ocr_lora --rollout.prompts_per_step 2 --rollout.group_size 16
+    --reward jpeg_compressibility=1 --steps 3)
 [[ -n $bpe ]] && qwen+=(--qwen-bpe "$bpe")
 compiled=(--train.compile true --rollout.compile true)
 fp8=(--rollout.precision fp8 --rollout.fp8.steps all --train.precision fp8)
@@ -73,6 +86,10 @@ for job in "${jobs[@]}"; do
     wan) model=wan_ti2v args=("${wan[@]}") ;;
     wan_compiled) model=wan_ti2v args=("${wan[@]}" "${compiled[@]}") ;;
     wan_eager) model=wan_ti2v args=("${wan[@]}" --rollout.compile false) ;;
+    ltx) model=ltx2 args=("${ltx[@]}") ;;
+    ltx_compiled) model=ltx2 args=("${ltx[@]}" "${compiled[@]}") ;;
+    bagel) model=bagel args=("${bagel[@]}") ;;
+    bagel_compiled) model=bagel args=("${bagel[@]}" "${compiled[@]}") ;;
     *) echo "step_time.sh: unknown job $job" >&2; exit 2 ;;
     esac
     if [[ ${TINY:-0} == 1 ]]; then
