@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from omnirl import distributed as D
-from omnirl import memory
+from omnirl import memory, probe_cache
 
 GIB = 2**30
 # Kept free beyond a measured peak (fragmentation): a share of the memory the process may use
@@ -125,11 +125,35 @@ def probe_checkpointing(ops, optimizer: torch.optim.Optimizer, mb: list, normali
     """Measure the forward, loss and backward of the first one and two rows of a micro-batch without
     checkpointing, predict the whole micro-batch's peak and decide (collective: every rank calls it with
     its first micro-batch). Two small rows cannot run out of memory where the whole micro-batch would, on
-    one rank while another waits in a collective. The random state and the gradients are as before."""
+    one rank while another waits in a collective. The random state and the gradients are as before. An
+    earlier run of the same key's peaks (`omnirl.probe_cache`) stand in for the measurement where every
+    rank has them."""
     device = ops.adapter.device
     set_checkpointing(ops.policy, False)
     free = memory.free_bytes(device)
     state = optimizer_state_bytes(ops.policy, optimizer)
+    item = f"{len(mb)} rows, {probe_cache.shapes((mb * 2)[:2])}"
+    kept = probe_cache.get("checkpointing", item)
+    everyone = D.all_reduce(torch.tensor([float(kept is not None)]), op=torch.distributed.ReduceOp.MIN)
+    if everyone.item() == 1:
+        peaks, oom = {int(k): int(v) for k, v in kept["peaks"].items()}, bool(kept["oom"])
+    else:
+        peaks, oom = measure_peaks(ops, optimizer, mb, normaliser)
+        probe_cache.put("checkpointing", item, {"peaks": peaks, "oom": oom})
+    mine = decide(
+        None if oom else predicted_peak(peaks, len(mb)), free, state, memory.device_bytes(device), len(mb)
+    )
+    votes = D.all_reduce(torch.tensor([float(mine.on)]), op=torch.distributed.ReduceOp.MAX)
+    on = bool(votes.item())
+    reason = mine.reason if on == mine.on else f"another rank needs it ({mine.reason} on this one)"
+    set_checkpointing(ops.policy, on)
+    return Decision(on, reason)
+
+
+def measure_peaks(ops, optimizer: torch.optim.Optimizer, mb: list, normaliser: float) -> tuple[dict, bool]:
+    """The peak bytes of the forward, loss and backward of one and of two rows of `mb` (as the policy is
+    set now), and whether one ran out of device memory (then its size and those after are missing)."""
+    device = ops.adapter.device
     devices = [device] if device.type != "cpu" else []
     peaks: dict[int, int] = {}
     oom = False
@@ -151,14 +175,7 @@ def probe_checkpointing(ops, optimizer: torch.optim.Optimizer, mb: list, normali
                 optimizer.zero_grad(set_to_none=True)
     if oom:
         memory.empty_cache()
-    mine = decide(
-        None if oom else predicted_peak(peaks, len(mb)), free, state, memory.device_bytes(device), len(mb)
-    )
-    votes = D.all_reduce(torch.tensor([float(mine.on)]), op=torch.distributed.ReduceOp.MAX)
-    on = bool(votes.item())
-    reason = mine.reason if on == mine.on else f"another rank needs it ({mine.reason} on this one)"
-    set_checkpointing(ops.policy, on)
-    return Decision(on, reason)
+    return peaks, oom
 
 
 class AutoCheckpointing:

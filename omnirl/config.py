@@ -42,7 +42,8 @@ class RunConfig:
     processes: 'auto' is TORCHINDUCTOR_CACHE_DIR where the user set it, else ~/.cache/omnirl/torchinductor
     (under XDG_CACHE_HOME where that is set), which outlives /tmp, inductor's own default; a path takes that
     directory. A run of shapes compiled before loads its graphs from there in step 0 instead of compiling
-    them (docs/update.md#compiled-update-traincompile)."""
+    them (docs/update.md#compiled-update-traincompile). Step 0's memory probes are kept there too, in its
+    omnirl-memory-probes folder, for the next run of the same shapes (omnirl.probe_cache)."""
 
 
 @dataclass

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from omnirl import checkpoint
+from omnirl import checkpoint, probe_cache
 from omnirl import distributed as D
 from omnirl.autotune import AutoSleep
 from omnirl.config import Config
@@ -50,6 +50,7 @@ def train(cfg: Config) -> dict[str, float]:
 
 def _train(cfg: Config, dist: D.DistInfo) -> dict[str, float]:
     resume = checkpoint.find_resume(cfg)  # a checkpoint of another model fails here, before any loading
+    keep_probes(cfg, dist)
     rows, val_rows, skipped = load_data(cfg)
     _, ops_cls = check_before_loading(cfg)  # a typo should not cost minutes of loading
     adapter = build_adapter(cfg, dist.device)
@@ -124,6 +125,22 @@ def compile_cache(cfg: Config) -> None:
     held = cached_graphs(path)
     what = f"{held} compiled graphs of earlier runs" if held else "empty: step 0 compiles every graph"
     D.print0(f"compile cache: {path} ({what})")
+
+
+def keep_probes(cfg: Config, dist: D.DistInfo) -> None:
+    """On an accelerator, step 0's memory probes are read from and kept in `omnirl.probe_cache`, beside the
+    compile cache; on CPU, where they cost little and tests run the same shapes again and again, they are
+    always measured."""
+    if dist.device.type == "cpu":
+        probe_cache.use(None)
+        return
+    rank, world = D.rank_and_world()
+    cache = probe_cache.for_run(cfg, dist.device, rank, world, use_cache_dir(cfg.run.compile_cache))
+    kept = sum(len(v) for v in cache.entries.values())
+    D.print0(
+        f"memory probes: {cache.path.parent} ({f'{kept} kept for these shapes' if kept else 'none kept'})"
+    )
+    probe_cache.use(cache)
 
 
 def skipped_rows(step: int, skipped: list | None) -> dict[str, float]:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from omnirl import distributed as D
-from omnirl import fsdp, phase_clock
+from omnirl import fsdp, phase_clock, probe_cache
 from omnirl.config import RolloutConfig
 from omnirl.memory import GIB, empty_cache, free_bytes, peak_bytes
 from omnirl.models.base import DiffusionAdapter, Request, Trajectory
@@ -248,8 +248,7 @@ class DiffusionEngine:
         for key, (request, rows) in largest.items():
             top = min(rows, 2 * self.adapter.memory_probe_rows)
             if key not in self.row_cost or self.row_cost[key][2] < top:
-                with phase_clock.alone("memory_probe"):  # the step's `time/memory_probe_s`
-                    self.row_cost[key] = self._measure(request, top, budget)
+                self.row_cost[key] = self._kept_or_measured(key, request, top, budget)
             fixed, per_row, _ = self.row_cost[key]
             fits = int((budget - fixed) // per_row)
             if rows > fits:
@@ -262,6 +261,22 @@ class DiffusionEngine:
                 )
         if largest:  # what one more request costs (from k rows up), for the dearest key
             self.stats["row_gib"] = max(self.row_cost[key][1] for key in largest) / GIB
+
+    def _kept_or_measured(self, key, request: Request, top: int, budget: float) -> tuple[int, int, int]:
+        """The key's cost as an earlier run of the same run key measured it (`omnirl.probe_cache`; under
+        unit gathering only where every rank has it: the probes are collectives there), else measured and
+        kept."""
+        item = f"{key!r} up to {top} rows"
+        kept = probe_cache.get("rollout", item)
+        if self.per_unit:
+            have = torch.tensor([float(kept is not None)])
+            kept = kept if D.all_reduce(have, op=torch.distributed.ReduceOp.MIN).item() == 1 else None
+        if kept is not None:
+            return int(kept[0]), int(kept[1]), int(kept[2])
+        with phase_clock.alone("memory_probe"):  # the step's `time/memory_probe_s`
+            cost = self._measure(request, top, budget)
+        probe_cache.put("rollout", item, list(cost))
+        return cost
 
     def _measure(self, request: Request, top: int, budget: float) -> tuple[int, int, int]:
         """(fixed bytes, bytes per request, top): the line through the peaks of rollouts of `top` rows and
