@@ -79,9 +79,9 @@ def _train(cfg: Config, dist: D.DistInfo) -> dict[str, float]:
     try:
         for step in range(start, cfg.run.steps):
             began = time.perf_counter()
-            with phases.rollout() as stats:  # each phase sleeps what only the other one uses
+            # Each phase sleeps what only the other one uses; the rollout's compiling is logged apart.
+            with phases.rollout() as stats, compiled.part("rollout"):
                 trajs, per_reward = rollout_step(cfg, ops, rewards, ops.requests(rows, step, dist), stats)
-            in_rollout = compiled.take()
             keep, adv_metrics = assign_advantages(cfg, trajs)
             with phases.train(stats):
                 health.before_update(step, trajs)
@@ -89,7 +89,7 @@ def _train(cfg: Config, dist: D.DistInfo) -> dict[str, float]:
             logs = {**reward_stats(per_reward), **adv_metrics, **update_metrics, **stats, **frozen}
             logs |= {
                 "time/step_s": time.perf_counter() - began,
-                **compiled.take(in_rollout),
+                **compiled.take(),
                 **skipped_rows(step, skipped),
             }
             if cfg.validation.every and val_rows and (step + 1) % cfg.validation.every == 0:

@@ -78,6 +78,7 @@ class CompileMeter:
 
     def __init__(self):
         self.last = self._read()
+        self.parts: dict[str, float] = {}  # seconds compiled inside each `part` since the last `take`
 
     @staticmethod
     def _read() -> tuple[float, int]:
@@ -86,15 +87,22 @@ class CompileMeter:
         secs = sum(sum(compilation_time_metrics.get(k, ())) for k in COMPILE_TIMERS)
         return secs, counters["stats"]["unique_graphs"]
 
-    def take(self, earlier: dict[str, float] | None = None) -> dict[str, float]:
-        """The cost since the last `take`; given an `earlier` take's (the rollout's, in a step), the sum of
-        both, with the earlier one's seconds apart as `time/rollout_compile_s`."""
+    @contextlib.contextmanager
+    def part(self, name: str):
+        """Count what the block compiles as `time/{name}_compile_s` too (the rollout's share of a step's)."""
+        began = self._read()[0]
+        try:
+            yield
+        finally:
+            self.parts[name] = self.parts.get(name, 0.0) + self._read()[0] - began
+
+    def take(self) -> dict[str, float]:
+        """The cost since the last `take`, with each `part`'s seconds apart."""
         (secs, graphs), (secs0, graphs0) = self._read(), self.last
         self.last = (secs, graphs)
         out = {"time/compile_s": secs - secs0, "compile/graphs": float(graphs - graphs0)}
-        if earlier is not None:
-            out = {k: v + earlier[k] for k, v in out.items()}
-            out["time/rollout_compile_s"] = earlier["time/compile_s"]
+        out |= {f"time/{name}_compile_s": s for name, s in self.parts.items()}
+        self.parts = {}
         return out
 
 
