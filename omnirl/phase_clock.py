@@ -22,6 +22,7 @@ class PhaseClock:
         self.device, self.prefix = device, prefix
         self.events = device.type == "cuda"
         self.marks: list[tuple[str, Any]] = []  # (part, a CUDA event or a host time)
+        self.muted = False  # inside `alone`: the marks of the code it times are ignored
 
     def _now(self):
         if self.events:
@@ -31,7 +32,19 @@ class PhaseClock:
         return time.perf_counter()
 
     def mark(self, part: str) -> None:
-        self.marks.append((part, self._now()))
+        if not self.muted:
+            self.marks.append((part, self._now()))
+
+    @contextlib.contextmanager
+    def alone(self, name: str):
+        """Time the block as `name`, whole: what it runs marks no part of its own."""
+        self.mark(name)
+        self.muted = True
+        try:
+            yield
+        finally:
+            self.muted = False
+            self.mark("idle")
 
     def totals(self) -> dict[str, float]:
         """Seconds per part (the span from a part's mark to the next mark), then forgets the marks."""
@@ -83,13 +96,5 @@ def alone(name: str):
     """Time the block as `name` on the clock being recorded, if any, with the parts inside it unmarked (a
     memory probe's rollout holds a VAE decode that is not the step's)."""
     clock = _RECORDING.get()
-    if clock is None:
+    with clock.alone(name) if clock is not None else contextlib.nullcontext():
         yield
-        return
-    clock.mark(name)
-    token = _RECORDING.set(None)
-    try:
-        yield
-    finally:
-        _RECORDING.reset(token)
-        clock.mark("idle")

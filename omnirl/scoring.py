@@ -69,10 +69,8 @@ def rollout_and_score(
         trajs = ops.generate(requests, submit)
     generated = time.perf_counter()
     per_reward = collect_scores(rewards, scored, start, generated, stats)
-    if (
-        stats is not None
-    ):  # the VAE decode's and the memory probes' parts (every rank logs the keys: per_rank)
-        parts = clock.totals()
+    if stats is not None:
+        parts = clock.totals()  # the VAE decode's and the memory probes' (every rank logs both: per_rank)
         for key in ("time/vae_decode_s", "time/memory_probe_s"):
             stats[key] = parts.get(key, 0.0)
     return trajs, per_reward

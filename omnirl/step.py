@@ -168,17 +168,8 @@ def probe(tuning: UpdateTuning, ops: KindOps, optimizer, rows: list, pad_traj, m
     first = split_mini_batches(rows, mini_batches)[0]
     total = D.all_reduce(torch.tensor([float(ops.count(first))], dtype=torch.float64)).item()
     mbs = ops.micro_batches(first, pad_traj) if total else []
-    # Timed whole as the update's `time/train_memory_probe_s`: the loss inside marks no part of its own.
-    tuning.clock.mark("memory_probe")
-    clock, has_clock = getattr(ops, "clock", None), hasattr(ops, "clock")
-    if has_clock:
-        ops.clock = None  # pyright: ignore[reportAttributeAccessIssue]
-    try:
+    with tuning.clock.alone("memory_probe"):  # the update's `time/train_memory_probe_s`
         return tuning.auto.maybe_decide(ops, optimizer, mbs[0] if mbs else None, max(total, 1.0))
-    finally:
-        if has_clock:
-            ops.clock = clock  # pyright: ignore[reportAttributeAccessIssue]
-        tuning.clock.mark("idle")
 
 
 def sync_grads(cfg: Config, model: nn.Module) -> None:
