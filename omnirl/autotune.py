@@ -133,9 +133,8 @@ def probe_checkpointing(ops, optimizer: torch.optim.Optimizer, mb: list, normali
     free = memory.free_bytes(device)
     state = optimizer_state_bytes(ops.policy, optimizer)
     item = f"{len(mb)} rows, {probe_cache.shapes((mb * 2)[:2])}"
-    kept = probe_cache.get("checkpointing", item)
-    everyone = D.all_reduce(torch.tensor([float(kept is not None)]), op=torch.distributed.ReduceOp.MIN)
-    if everyone.item() == 1:
+    kept = probe_cache.get("checkpointing", item, everyone=True)
+    if kept is not None:
         peaks, oom = {int(k): int(v) for k, v in kept["peaks"].items()}, bool(kept["oom"])
     else:
         peaks, oom = measure_peaks(ops, optimizer, mb, normaliser)

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from omnirl import distributed as D
+
 # Config sections that shape no forward of the probes.
 UNKEYED = ("run", "data", "reward", "log", "validation", "export", "checkpoint", "health")
 SUBDIR = "omnirl-memory-probes"
@@ -65,8 +67,14 @@ def use(cache: ProbeCache | None) -> None:
     _active = cache
 
 
-def get(kind: str, item: str) -> Any:
-    return None if _active is None else _active.get(kind, item)
+def get(kind: str, item: str, everyone: bool = False) -> Any:
+    """The kept value, or None; `everyone` (a collective: where the probe is one, every rank must probe or
+    none): None unless every rank has it."""
+    kept = None if _active is None else _active.get(kind, item)
+    if everyone:
+        have = D.all_reduce(torch.tensor([float(kept is not None)]), op=torch.distributed.ReduceOp.MIN)
+        kept = kept if have.item() == 1 else None
+    return kept
 
 
 def put(kind: str, item: str, value: Any) -> None:

@@ -267,10 +267,7 @@ class DiffusionEngine:
         unit gathering only where every rank has it: the probes are collectives there), else measured and
         kept."""
         item = f"{key!r} up to {top} rows"
-        kept = probe_cache.get("rollout", item)
-        if self.per_unit:
-            have = torch.tensor([float(kept is not None)])
-            kept = kept if D.all_reduce(have, op=torch.distributed.ReduceOp.MIN).item() == 1 else None
+        kept = probe_cache.get("rollout", item, everyone=self.per_unit)
         if kept is not None:
             return int(kept[0]), int(kept[1]), int(kept[2])
         with phase_clock.alone("memory_probe"):  # the step's `time/memory_probe_s`
